@@ -1,0 +1,25 @@
+# One command each: `make run` (the default recipe on SmolLM2) and `make test` (the CPU suite).
+# Both create .venv from the pinned lock file on first use (no resolver: exact versions, --no-deps).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+$(STAMP): requirements.lock requirements-data.txt pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade "pip>=24"
+	$(PY) -m pip install -q --no-deps -r requirements.lock
+	$(PY) -m pip install -q --no-deps -r requirements-data.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+.PHONY: venv run test test-nightly bench-gpu
+venv: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/kvtier-run $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
+
+test-nightly: $(STAMP)
+	$(PY) -m pytest -q -m nightly $(ARGS)

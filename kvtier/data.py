@@ -1,0 +1,59 @@
+"""Real English text for evaluation, read from files that pip packages ship (never imported).
+
+Newton's Opticks (~146k SmolLM2 tokens) comes with ``apache-tvm-ffi``; Jane Austen's Lady Susan
+(~31k tokens) with ``music21``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+import torch
+
+from kvtier.errors import ConfigError
+
+TEXTS = {
+    "opticks": ("apache-tvm-ffi", "0.1.15.post2", "tvm_ffi/3rdparty/libbacktrace/Isaac.Newton-Opticks.txt"),
+    "lady_susan": ("music21", "10.5.0", "music21/languageExcerpts/trainingData/en.txt"),
+}
+
+
+def _text_path(name: str) -> Path:
+    dist, version, relpath = TEXTS[name]
+    install = f"pip install --no-deps '{dist}=={version}'"
+    try:
+        path = Path(importlib.metadata.distribution(dist).locate_file(relpath))
+    except importlib.metadata.PackageNotFoundError:
+        raise ConfigError("task.text", f"the {name!r} text needs the {dist} package; run: {install}") from None
+    if not path.is_file():
+        raise ConfigError("task.text", f"{path} is missing from the installed {dist}; run: {install}")
+    return path
+
+
+def opticks_text() -> str:
+    """Isaac Newton, *Opticks* (Project Gutenberg plain text)."""
+    return _text_path("opticks").read_text(encoding="utf-8")
+
+
+def lady_susan_text() -> str:
+    """Jane Austen, *Lady Susan* (music21's English language-detection training text)."""
+    return _text_path("lady_susan").read_text(encoding="utf-8")
+
+
+def token_stream(tokenizer, name: str, length: int) -> torch.LongTensor:
+    """The first ``length`` tokens of text ``name`` ("opticks" or "lady_susan"): LongTensor ``[length]``.
+
+    No special tokens are added. Raises ConfigError("task.text") for an unknown name or a length
+    the text cannot provide.
+    """
+    loaders = {"opticks": opticks_text, "lady_susan": lady_susan_text}
+    if name not in loaders:
+        raise ConfigError("task.text", f"unknown text {name!r}; use one of {sorted(loaders)}")
+    if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
+        raise ConfigError("task.text", f"length must be a positive integer, got {length!r}")
+    ids = tokenizer(loaders[name](), add_special_tokens=False, verbose=False)["input_ids"]
+    if length > len(ids):
+        raise ConfigError("task.text", f"{name!r} has only {len(ids)} tokens with this tokenizer; "
+                                       f"ask for at most {len(ids)}, or use 'opticks' (the longer text)")
+    return torch.tensor(ids[:length], dtype=torch.long)

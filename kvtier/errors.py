@@ -1,0 +1,36 @@
+"""Named errors. Each message says what to change."""
+
+
+class KVTierError(Exception):
+    """Base class of every error kvtier raises on purpose."""
+
+
+class ConfigError(KVTierError, ValueError):
+    """A configuration value is invalid. ``field`` names the offending key."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+class TierFullError(KVTierError):
+    """A tier has no free slot; raise its capacity or demote pages first."""
+
+
+class PageCorruptedError(KVTierError):
+    """A stored page failed its integrity check; its bytes are never returned."""
+
+
+class PageInFlightError(KVTierError):
+    """A page was read while a transfer into or out of it had not completed."""
+
+
+class TierIOError(KVTierError):
+    """A tier's backing store failed (disk full, server gone, truncated file)."""
+
+
+class MissingDependencyError(KVTierError, ImportError):
+    """An optional dependency is missing; the message names the extra to install."""
+
+    def __init__(self, package: str, extra: str, feature: str):
+        super().__init__(f"{feature} needs the '{package}' package: pip install 'kvtier[{extra}]'")

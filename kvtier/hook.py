@@ -1,0 +1,37 @@
+"""The attention hook: ``attn_implementation="kvtier"`` routes a model's attention to its TieredKVCache."""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.cache import ACTIVE_CACHE
+from kvtier.compat import ATTN_NAME, register_attention
+from kvtier.errors import ConfigError
+
+
+def kvtier_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """query ``[B, H, q, D]`` -> ``([B, q, H, D], None)`` over the cache's pages of ``module.layer_idx``.
+
+    ``key``/``value`` are the step's own K/V, already written into pages by ``TieredKVCache.update``.
+    """
+    cache = ACTIVE_CACHE.get()
+    if cache is None:
+        raise ConfigError("past_key_values", "attn_implementation='kvtier' needs past_key_values=TieredKVCache(...)")
+    if dropout:
+        raise ConfigError("dropout", "kvtier attention is for inference; call model.eval()")
+    return cache.attend(module.layer_idx, query, scaling), None
+
+
+def kvtier_mask(*args, attention_mask=None, **kwargs):
+    """Masks are implied by page positions (causal, no padding); reject padding rather than ignore it."""
+    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        raise ConfigError("attention_mask", "padded batches are not supported by kvtier; "
+                                            "batch sequences of equal length")
+    return None
+
+
+def install() -> str:
+    """Register the hook with transformers; returns the ``attn_implementation`` name."""
+    register_attention(kvtier_attention, kvtier_mask)
+    return ATTN_NAME

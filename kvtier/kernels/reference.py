@@ -1,0 +1,64 @@
+"""Torch reference backend: the oracle for every kernel, and the CPU path of the model runs."""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.kernels.base import AttentionBackend, AttentionOutput, PagedBatch
+
+
+def paged_attention_reference(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, sm_scale: float,
+                              return_page_max: bool = False) -> AttentionOutput:
+    """Paged GQA attention in fp32, one sequence at a time.
+
+    q ``[Nq, H, D]``, kv_pool ``[slots, 2, P, N_kv, D]``; see :mod:`kvtier.kernels.base` for the
+    batch convention. Returns out ``[Nq, H, D]`` (q's dtype), lse ``[Nq, H]``, page_max ``[nnz, H]``.
+    """
+    n_q, heads, dim = q.shape
+    page = batch.page_size
+    n_kv = kv_pool.shape[3]
+    group = heads // n_kv
+    out = torch.zeros(n_q, heads, dim, dtype=torch.float32, device=q.device)  # [Nq, H, D]
+    lse = torch.full((n_q, heads), float("-inf"), dtype=torch.float32, device=q.device)  # [Nq, H]
+    nnz = batch.kv_indices.numel()
+    page_max = torch.full((nnz, heads), float("-inf"), dtype=torch.float32, device=q.device) if return_page_max else None
+    qo = batch.qo_indptr.tolist()
+    kvp = batch.kv_indptr.tolist()
+    kv_lens = batch.kv_lens().tolist()
+    for b in range(batch.batch_size):
+        q0, q1, p0, p1 = qo[b], qo[b + 1], kvp[b], kvp[b + 1]
+        if q1 == q0 or p1 == p0:
+            continue
+        s_len = kv_lens[b]
+        pages = kv_pool.index_select(0, batch.kv_indices[p0:p1].long())  # [n, 2, P, N_kv, D]
+        k = pages[:, 0].reshape(-1, n_kv, dim)[:s_len].float()  # [S, N_kv, D]
+        v = pages[:, 1].reshape(-1, n_kv, dim)[:s_len].float()
+        k = k.repeat_interleave(group, dim=1)  # [S, H, D]
+        v = v.repeat_interleave(group, dim=1)
+        qb = q[q0:q1].float()  # [n, H, D]
+        logits = torch.einsum("nhd,shd->hns", qb, k) * sm_scale  # [H, n, S]
+        if batch.causal:
+            n_rows = q1 - q0
+            allowed = torch.arange(s_len, device=q.device)[None, :] <= (
+                s_len - n_rows + torch.arange(n_rows, device=q.device))[:, None]  # [n, S]
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        row_lse = torch.logsumexp(logits, dim=-1)  # [H, n]
+        safe = torch.where(torch.isfinite(row_lse), row_lse, torch.zeros_like(row_lse))
+        probs = torch.exp(logits - safe[..., None])  # [H, n, S]
+        out[q0:q1] = torch.einsum("hns,shd->nhd", probs, v)
+        lse[q0:q1] = row_lse.transpose(0, 1)
+        if return_page_max:
+            n_pages = p1 - p0
+            padded = torch.full((heads, q1 - q0, n_pages * page), float("-inf"), device=q.device)
+            padded[..., :s_len] = logits
+            page_max[p0:p1] = padded.view(heads, q1 - q0, n_pages, page).amax(dim=(1, 3)).transpose(0, 1)
+    return AttentionOutput(out.to(q.dtype), lse, page_max)
+
+
+class TorchBackend(AttentionBackend):
+    """Reference backend (CPU and GPU)."""
+
+    name = "torch"
+
+    def run(self, q, kv_pool, return_page_max=False):
+        return paged_attention_reference(q, kv_pool, self.batch, self.sm_scale, return_page_max)

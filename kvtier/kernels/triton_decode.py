@@ -1,0 +1,279 @@
+"""Triton paged GQA decode attention (flash-decoding) and the ``triton`` backend.
+
+One query row per sequence. ``plan`` cuts every sequence's page list into chunks of
+``pages_per_split`` pages; one program per (chunk, kv head) attends the chunk with all query heads
+of the kv group packed as rows of one ``tl.dot`` tile (padded to 16 rows), and writes a partial
+(out, lse). A merge kernel combines the partials of each sequence by their LSE. When every sequence
+fits one chunk the split kernel writes the final output directly and no merge runs.
+
+Pages are NHD ``[slots, 2, P, N_kv, D]``; see :mod:`kvtier.kernels.base` for the batch convention.
+Softmax runs in base 2 (``exp2``) with fp32 accumulation; LSE and ``page_max`` are returned in
+natural-log units.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvtier.kernels.base import AttentionBackend, AttentionOutput, PagedBatch
+from kvtier.kernels.triton_prefill import (LN2, LOG2E, PrefillConfig, check_page_size, dot_operand_dtype,
+                                           paged_prefill, plan_prefill)
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch shape of the split kernel. ``pages_per_split=None`` lets ``plan`` size the splits."""
+
+    block_n: int = 64  # tokens per loop iteration (a multiple of the page size)
+    num_warps: int = 4
+    num_stages: int = 3
+    ctas_per_sm: int = 4  # target programs per multiprocessor when sizing the splits
+    min_split_tokens: int = 256  # shortest split worth a partial write and a merge
+    pages_per_split: int | None = None
+
+
+@dataclass
+class DecodePlan:
+    """Chunk list of one decode step (int32 on the batch's device)."""
+
+    chunk_seq: torch.Tensor  # [C] sequence of each chunk
+    chunk_page: torch.Tensor  # [C] first listed page of each chunk (index into kv_indices)
+    chunk_split: torch.Tensor  # [C] split index of the chunk within its sequence
+    seq_splits: torch.Tensor  # [B] chunks per sequence (>= 1; an empty sequence has one empty chunk)
+    pages_per_split: int
+    max_splits: int
+    block_n: int
+
+
+def num_multiprocessors(device: torch.device) -> int:
+    """SM count of a CUDA device (4 under the interpreter, where it only sizes the splits)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def plan_decode(batch: PagedBatch, num_kv_heads: int, config: DecodeConfig = DecodeConfig()) -> DecodePlan:
+    """Cut each sequence's pages into splits so that chunks x kv heads fills the GPU (one host sync)."""
+    check_page_size(batch.page_size)
+    page = batch.page_size
+    block_n = max(config.block_n, page)
+    pages_per_block = block_n // page
+    kv_indptr = batch.kv_indptr.cpu().long()  # [B+1]
+    npages = kv_indptr[1:] - kv_indptr[:-1]  # [B]
+    if config.pages_per_split is not None:
+        per_split = config.pages_per_split
+    else:
+        target = num_multiprocessors(batch.kv_indptr.device) * config.ctas_per_sm
+        per_split = max(-(-int(npages.sum()) * num_kv_heads // target), -(-config.min_split_tokens // page), 1)
+        longest = max(int(npages.max()), 1) if npages.numel() else 1
+        per_split = -(-longest // -(-longest // per_split))  # even splits of the longest sequence
+    per_split = -(-per_split // pages_per_block) * pages_per_block  # whole loop iterations
+    splits = torch.clamp(-(-npages // per_split), min=1)  # [B]
+    seq = torch.repeat_interleave(torch.arange(npages.numel()), splits)  # [C]
+    first = torch.cumsum(splits, 0) - splits  # [B] first chunk of each sequence
+    split = torch.arange(seq.numel()) - first[seq]  # [C]
+    page0 = kv_indptr[:-1][seq] + split * per_split  # [C]
+    dev = batch.kv_indptr.device
+
+    def i32(t):
+        return t.to(device=dev, dtype=torch.int32)
+
+    return DecodePlan(i32(seq), i32(page0), i32(split), i32(splits), per_split, int(splits.max()), block_n)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q, kv, kv_indptr, kv_indices, kv_last_page_len,
+    chunk_seq, chunk_page, chunk_split,
+    out, lse, page_max,
+    stride_qn, stride_qh,
+    stride_slot, stride_kv, stride_p, stride_kh,
+    stride_os, stride_on, stride_oh,
+    stride_ls, stride_ln,
+    stride_pm,
+    qk_scale, pages_per_split,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    WITH_PAGE_MAX: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One (chunk, kv head): out/lse rows ``[GROUP]`` of the chunk's sequence over its pages.
+
+    ``out`` is ``[splits, B, H, D]`` (fp32 partials, or the final ``[1, B, H, D]`` output when
+    there is a single split), ``lse`` ``[splits, B, H]`` in log2 units, ``page_max [nnz, H]``.
+    """
+    c = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.load(chunk_seq + c)
+    page0 = tl.load(chunk_page + c)
+    split = tl.load(chunk_split + c)
+    seq_p0 = tl.load(kv_indptr + b)
+    n_pages = tl.load(kv_indptr + b + 1) - seq_p0
+    kv_len = tl.where(n_pages > 0, (n_pages - 1) * PAGE + tl.load(kv_last_page_len + b), 0)
+    t0 = (page0 - seq_p0) * PAGE  # first token of the chunk, local to the sequence
+    t1 = tl.minimum(t0 + pages_per_split * PAGE, kv_len)
+
+    offs_g = tl.arange(0, BLOCK_G)  # [G] query head within the group
+    offs_d = tl.arange(0, BLOCK_D)  # [D]
+    offs_n = tl.arange(0, BLOCK_N)  # [N]
+    g_ok = offs_g < GROUP
+    d_ok = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g  # [G]
+    q_ptrs = q + b * stride_qn + heads[:, None] * stride_qh + offs_d[None, :]  # [G, D]
+    qt = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_F32:
+        qt = qt.to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    k_base = kv + kvh * stride_kh
+    v_base = k_base + stride_kv
+    for start in range(t0, t1, BLOCK_N):
+        tok = start + offs_n  # [N]
+        tok_ok = tok < t1
+        slot = tl.load(kv_indices + seq_p0 + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)  # [N]
+        row_off = slot * stride_slot + (tok % PAGE) * stride_p  # [N]
+        kv_off = row_off[:, None] + offs_d[None, :]  # [N, D]
+        kv_mask = tok_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
+        s = tl.dot(qt, tl.trans(k), input_precision=PRECISION) * qk_scale  # [G, N] log2 units
+        s = tl.where(tok_ok[None, :], s, float("-inf"))
+        if WITH_PAGE_MAX:
+            pm = tl.max(tl.reshape(s, [BLOCK_G, BLOCK_N // PAGE, PAGE]), axis=2)  # [G, NP]
+            pg = start // PAGE + tl.arange(0, BLOCK_N // PAGE)  # [NP] local page
+            pm_ptrs = page_max + (seq_p0 + pg)[None, :] * stride_pm + heads[:, None]  # [G, NP]
+            tl.store(pm_ptrs, pm * 0.6931471805599453, mask=g_ok[:, None] & (pg * PAGE < t1)[None, :])
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [G]
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [G, N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(qt.dtype), v, input_precision=PRECISION)  # [G, D]
+        m_i = m_new
+
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]  # [G, D]
+    row_lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))  # [G]
+    o_ptrs = out + split * stride_os + b * stride_on + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(lse + split * stride_ls + b * stride_ln + heads, row_lse, mask=g_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out, part_lse, seq_splits, out, lse,
+    stride_ps, stride_pn, stride_ph,
+    stride_ls, stride_ln,
+    stride_on, stride_oh, stride_lo,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One (row, head): softmax-weighted sum of the row's partials ``[splits, B, H, D]`` (log2 LSE)."""
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.load(seq_splits + row)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    m = tl.full([], float("-inf"), tl.float32)
+    l = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(n):
+        lse_s = tl.load(part_lse + s * stride_ls + row * stride_ln + h)
+        o_s = tl.load(part_out + s * stride_ps + row * stride_pn + h * stride_ph + offs_d, mask=d_ok, other=0.0)
+        m_new = tl.maximum(m, lse_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        w = tl.exp2(lse_s - m_safe)
+        acc = acc * alpha + w * o_s  # [D]
+        l = l * alpha + w
+        m = m_new
+    has = l > 0
+    o = acc / tl.where(has, l, 1.0)
+    tl.store(out + row * stride_on + h * stride_oh + offs_d, o.to(out.dtype.element_ty), mask=d_ok)
+    tl.store(lse + row * stride_lo + h, tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453,
+                                                 float("-inf")))
+
+
+def paged_decode(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, plan: DecodePlan, sm_scale: float,
+                 return_page_max: bool = False, config: DecodeConfig = DecodeConfig()) -> AttentionOutput:
+    """Decode attention for one query row per sequence.
+
+    q ``[B, H, D]``, kv_pool ``[slots, 2, P, N_kv, D]``. Returns out ``[B, H, D]`` (q's dtype),
+    lse ``[B, H]`` (natural log) and optionally page_max ``[nnz, H]``.
+    """
+    n_q, heads, dim = q.shape
+    n_kv = kv_pool.shape[3]
+    group = heads // n_kv
+    if q.stride(-1) != 1 or kv_pool.stride(-1) != 1:
+        raise ValueError("q and kv_pool need a contiguous head dimension")
+    block_d = triton.next_power_of_2(dim)
+    block_g = max(16, triton.next_power_of_2(group))
+    dot_f32, precision = dot_operand_dtype(q.dtype)
+    nnz = batch.kv_indices.numel()
+    page_max = (torch.full((nnz, heads), float("-inf"), dtype=torch.float32, device=q.device)
+                if return_page_max else None)
+    pm_arg = page_max if return_page_max else q  # never touched without WITH_PAGE_MAX
+    single = plan.max_splits == 1
+    out = torch.empty(n_q, heads, dim, dtype=q.dtype, device=q.device)  # [B, H, D]
+    lse = torch.empty(n_q, heads, dtype=torch.float32, device=q.device)  # [B, H]
+    if single:
+        part_out, part_lse = out.unsqueeze(0), lse.unsqueeze(0)  # [1, B, H, D], [1, B, H]
+    else:
+        part_out = torch.empty(plan.max_splits, n_q, heads, dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(plan.max_splits, n_q, heads, dtype=torch.float32, device=q.device)
+    grid = (plan.chunk_seq.numel(), n_kv)
+    _decode_split_kernel[grid](
+        q, kv_pool, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
+        plan.chunk_seq, plan.chunk_page, plan.chunk_split,
+        part_out, part_lse, pm_arg,
+        q.stride(0), q.stride(1),
+        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        heads,
+        sm_scale * LOG2E, plan.pages_per_split,
+        GROUP=group, BLOCK_G=block_g, PAGE=batch.page_size, BLOCK_N=plan.block_n,
+        HEAD_DIM=dim, BLOCK_D=block_d,
+        WITH_PAGE_MAX=return_page_max, DOT_F32=dot_f32, PRECISION=precision,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if single:
+        lse.mul_(LN2)  # [B, H] log2 -> natural log
+    else:
+        _merge_splits_kernel[(n_q, heads)](
+            part_out, part_lse, plan.seq_splits, out, lse,
+            part_out.stride(0), part_out.stride(1), part_out.stride(2),
+            part_lse.stride(0), part_lse.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0),
+            HEAD_DIM=dim, BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 2,
+        )
+    return AttentionOutput(out, lse, page_max)
+
+
+class TritonBackend(AttentionBackend):
+    """Triton paged attention: split-KV decode for one query row per sequence, else chunked prefill."""
+
+    name = "triton"
+
+    def __init__(self, decode_config: DecodeConfig = DecodeConfig(), prefill_config: PrefillConfig = PrefillConfig()):
+        self.decode_config = decode_config
+        self.prefill_config = prefill_config
+
+    def plan(self, batch: PagedBatch, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+             sm_scale: float | None = None) -> None:
+        super().plan(batch, num_qo_heads, num_kv_heads, head_dim, sm_scale)
+        rows = batch.qo_indptr[1:] - batch.qo_indptr[:-1]  # [B]
+        self.is_decode = bool((rows == 1).all())
+        if self.is_decode:
+            self.step_plan = plan_decode(batch, num_kv_heads, self.decode_config)
+        else:
+            self.step_plan = plan_prefill(batch, num_qo_heads, num_kv_heads, self.prefill_config)
+
+    def run(self, q: torch.Tensor, kv_pool: torch.Tensor, return_page_max: bool = False) -> AttentionOutput:
+        if self.is_decode:
+            return paged_decode(q, kv_pool, self.batch, self.step_plan, self.sm_scale, return_page_max,
+                                self.decode_config)
+        return paged_prefill(q, kv_pool, self.batch, self.step_plan, self.sm_scale, return_page_max,
+                             self.prefill_config)

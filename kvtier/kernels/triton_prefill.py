@@ -1,0 +1,220 @@
+"""Triton chunked-prefill paged attention: a chunk of queries against ALL pages of its sequence.
+
+Varlen batches (``qo_indptr``), GQA packed into the rows of one tile (row ``r`` is query
+``r // G_PAD`` of the tile and head ``r % G_PAD`` of the kv group), bottom-right-aligned causal
+mask, LSE out, and optionally ``page_max`` (max over the sequence's queries, atomically reduced
+across the query tiles of a sequence). One program per (query tile, kv head) walks the key blocks
+that no row of its tile masks fully without a mask, then the diagonal blocks with one.
+
+Also the dtype and page-size helpers shared with :mod:`kvtier.kernels.triton_decode`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvtier.errors import ConfigError
+from kvtier.kernels.base import AttentionOutput, PagedBatch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def dot_operand_dtype(dtype: torch.dtype) -> tuple:
+    """(cast-to-fp32 flag, ``tl.dot`` input precision) for a query dtype.
+
+    The interpreter's bf16 ``tl.dot`` is wrong, so it computes in fp32; fp32 inputs use exact
+    ("ieee") products on the GPU rather than tf32.
+    """
+    return INTERPRET or dtype == torch.float32, "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_page_size(page_size: int) -> None:
+    """The kernels split key blocks into whole pages: the page size must be a power of two."""
+    if page_size < 1 or page_size & (page_size - 1):
+        raise ConfigError("layout.page_size", f"the triton kernels need a power-of-two page size, got {page_size}; "
+                                              "use kernel=torch or kernel=flashinfer")
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Launch shape: ``block_m`` tile rows (queries x padded group), ``block_n`` keys per step."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+@dataclass
+class PrefillPlan:
+    """Query tiles of one step (int32 on the batch's device)."""
+
+    tile_seq: torch.Tensor  # [T] sequence of each tile
+    tile_q0: torch.Tensor  # [T] first query of the tile, local to its sequence
+    block_q: int  # queries per tile
+    group_pad: int  # query heads per kv head, padded to a power of two
+    block_n: int
+
+
+def plan_prefill(batch: PagedBatch, num_qo_heads: int, num_kv_heads: int,
+                 config: PrefillConfig = PrefillConfig()) -> PrefillPlan:
+    """List the query tiles of every sequence (one host sync)."""
+    check_page_size(batch.page_size)
+    group_pad = triton.next_power_of_2(num_qo_heads // num_kv_heads)
+    block_q = max(1, config.block_m // group_pad)
+    qo = batch.qo_indptr.cpu().long()  # [B+1]
+    tiles = -(-(qo[1:] - qo[:-1]) // block_q)  # [B]
+    seq = torch.repeat_interleave(torch.arange(tiles.numel()), tiles)  # [T]
+    q0 = (torch.arange(seq.numel()) - (torch.cumsum(tiles, 0) - tiles)[seq]) * block_q  # [T]
+    dev = batch.qo_indptr.device
+    return PrefillPlan(seq.to(device=dev, dtype=torch.int32), q0.to(device=dev, dtype=torch.int32),
+                       block_q, group_pad, max(config.block_n, batch.page_size))
+
+
+@triton.jit
+def _prefill_block(
+    acc, m_i, l_i, qt, k_base, v_base, kv_indices, page_max, seq_p0, start, kv_len, limit, row_ok, head0,
+    stride_slot, stride_p, stride_pm, qk_scale,
+    MASKED: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    WITH_PAGE_MAX: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Online-softmax step over keys ``[start, start + BLOCK_N)``; ``limit [M]`` is each row's last key."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    tok = start + offs_n  # [N]
+    tok_ok = tok < kv_len
+    slot = tl.load(kv_indices + seq_p0 + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)  # [N]
+    kv_off = (slot * stride_slot + (tok % PAGE) * stride_p)[:, None] + offs_d[None, :]  # [N, D]
+    kv_mask = tok_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
+    s = tl.dot(qt, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N] log2 units
+    if MASKED:
+        s = tl.where(tok_ok[None, :] & (tok[None, :] <= limit[:, None]), s, float("-inf"))
+    if WITH_PAGE_MAX:
+        s_rows = tl.where(row_ok[:, None], s, float("-inf"))  # [M, N]
+        pm = tl.max(tl.reshape(s_rows, [BLOCK_Q, G_PAD, BLOCK_N // PAGE, PAGE]), axis=3)  # [Q, G, NP]
+        pm = tl.max(pm, axis=0)  # [G, NP]
+        g = tl.arange(0, G_PAD)
+        pg = start // PAGE + tl.arange(0, BLOCK_N // PAGE)  # [NP] local page
+        pm_ptrs = page_max + (seq_p0 + pg)[None, :] * stride_pm + (head0 + g)[:, None]
+        tl.atomic_max(pm_ptrs, pm * 0.6931471805599453, mask=(g < GROUP)[:, None] & (pg * PAGE < kv_len)[None, :])
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [M]
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])  # [M, N]
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
+    acc = acc * alpha[:, None] + tl.dot(p.to(qt.dtype), v, input_precision=PRECISION)  # [M, D]
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q, kv, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, tile_seq, tile_q0,
+    out, lse, page_max,
+    stride_qn, stride_qh, stride_slot, stride_kv, stride_p, stride_kh,
+    stride_on, stride_oh, stride_ln, stride_pm,
+    qk_scale,
+    CAUSAL: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    WITH_PAGE_MAX: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One (query tile, kv head): rows ``[BLOCK_Q * G_PAD]`` of out ``[Nq, H, D]`` and lse ``[Nq, H]``."""
+    BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
+    t = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.load(tile_seq + t)
+    i0 = tl.load(tile_q0 + t)
+    q_base = tl.load(qo_indptr + b)
+    n_q = tl.load(qo_indptr + b + 1) - q_base
+    seq_p0 = tl.load(kv_indptr + b)
+    n_pages = tl.load(kv_indptr + b + 1) - seq_p0
+    kv_len = tl.where(n_pages > 0, (n_pages - 1) * PAGE + tl.load(kv_last_page_len + b), 0)
+
+    rows = tl.arange(0, BLOCK_M)
+    qi = i0 + rows // G_PAD  # [M] query index local to the sequence
+    g = rows % G_PAD  # [M] head within the kv group
+    row_ok = (qi < n_q) & (g < GROUP)
+    heads = kvh * GROUP + g  # [M]
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q_ptrs = q + (q_base + qi)[:, None] * stride_qn + heads[:, None] * stride_qh + offs_d[None, :]  # [M, D]
+    qt = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_F32:
+        qt = qt.to(tl.float32)
+
+    if CAUSAL:
+        limit = kv_len - n_q + qi  # [M] last key each row may see (bottom-right aligned)
+        i_last = tl.minimum(i0 + BLOCK_Q, n_q) - 1
+        full_end = tl.maximum(tl.minimum(kv_len, kv_len - n_q + i0 + 1), 0)  # keys every row sees
+        hi = tl.maximum(tl.minimum(kv_len, kv_len - n_q + i_last + 1), 0)
+    else:
+        limit = kv_len + tl.zeros([BLOCK_M], tl.int32)
+        full_end = kv_len
+        hi = kv_len
+    full_end = (full_end // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_base = kv + kvh * stride_kh
+    v_base = k_base + stride_kv
+    for start in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _prefill_block(
+            acc, m_i, l_i, qt, k_base, v_base, kv_indices, page_max, seq_p0, start, kv_len, limit, row_ok, kvh * GROUP,
+            stride_slot, stride_p, stride_pm, qk_scale,
+            False, GROUP, G_PAD, BLOCK_Q, PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, WITH_PAGE_MAX, PRECISION)
+    for start in range(full_end, hi, BLOCK_N):
+        acc, m_i, l_i = _prefill_block(
+            acc, m_i, l_i, qt, k_base, v_base, kv_indices, page_max, seq_p0, start, kv_len, limit, row_ok, kvh * GROUP,
+            stride_slot, stride_p, stride_pm, qk_scale,
+            True, GROUP, G_PAD, BLOCK_Q, PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, WITH_PAGE_MAX, PRECISION)
+
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]  # [M, D]
+    row_lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    o_rows = q_base + qi  # [M]
+    tl.store(out + o_rows[:, None] * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
+             o.to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(lse + o_rows * stride_ln + heads, row_lse, mask=row_ok)
+
+
+def paged_prefill(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, plan: PrefillPlan, sm_scale: float,
+                  return_page_max: bool = False, config: PrefillConfig = PrefillConfig()) -> AttentionOutput:
+    """Chunked-prefill attention of ``q [Nq, H, D]`` over ``kv_pool [slots, 2, P, N_kv, D]``.
+
+    Returns out ``[Nq, H, D]`` (q's dtype), lse ``[Nq, H]`` (natural log; -inf for a row that
+    attends nothing) and optionally page_max ``[nnz, H]``.
+    """
+    n_q, heads, dim = q.shape
+    n_kv = kv_pool.shape[3]
+    if q.stride(-1) != 1 or kv_pool.stride(-1) != 1:
+        raise ValueError("q and kv_pool need a contiguous head dimension")
+    dot_f32, precision = dot_operand_dtype(q.dtype)
+    out = torch.empty(n_q, heads, dim, dtype=q.dtype, device=q.device)  # [Nq, H, D]
+    lse = torch.empty(n_q, heads, dtype=torch.float32, device=q.device)  # [Nq, H]
+    page_max = (torch.full((batch.kv_indices.numel(), heads), float("-inf"), dtype=torch.float32, device=q.device)
+                if return_page_max else None)
+    _prefill_kernel[(plan.tile_seq.numel(), n_kv)](
+        q, kv_pool, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
+        plan.tile_seq, plan.tile_q0,
+        out, lse, page_max if return_page_max else lse,
+        q.stride(0), q.stride(1),
+        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3),
+        out.stride(0), out.stride(1), lse.stride(0), heads,
+        sm_scale * LOG2E,
+        CAUSAL=batch.causal, GROUP=heads // n_kv, G_PAD=plan.group_pad, BLOCK_Q=plan.block_q,
+        PAGE=batch.page_size, BLOCK_N=plan.block_n, HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim),
+        WITH_PAGE_MAX=return_page_max, DOT_F32=dot_f32, PRECISION=precision,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return AttentionOutput(out, lse, page_max)

@@ -1,0 +1,124 @@
+"""KVLayout: the shape of one KV page, and the footprint arithmetic of seed 000."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.errors import ConfigError
+
+SUPPORTED_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype, field: str = "dtype") -> torch.dtype:
+    """Map a dtype name (or a torch dtype) to a supported torch dtype, or raise ConfigError."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in SUPPORTED_DTYPES.values():
+            return dtype
+        dtype = str(dtype).removeprefix("torch.")
+    if dtype not in SUPPORTED_DTYPES:
+        raise ConfigError(field, f"unsupported dtype {dtype!r}; use one of {sorted(SUPPORTED_DTYPES)}")
+    return SUPPORTED_DTYPES[dtype]
+
+
+def _positive(field: str, value: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(field, f"must be a positive integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of the paged KV cache: one page holds K and V for ``page_size`` tokens of one layer.
+
+    A page is ``[2, page_size, num_kv_heads, head_dim]`` (FlashInfer NHD); a tier's pool for one
+    layer is ``[slots, 2, page_size, num_kv_heads, head_dim]``.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int = 16
+    dtype: torch.dtype | str = torch.bfloat16
+
+    def __post_init__(self):
+        _positive("num_layers", self.num_layers)
+        _positive("num_kv_heads", self.num_kv_heads)
+        _positive("head_dim", self.head_dim)
+        _positive("page_size", self.page_size)
+        if self.page_size & (self.page_size - 1):
+            raise ConfigError("page_size", f"must be a power of two, got {self.page_size}")
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
+
+    @property
+    def page_shape(self) -> tuple[int, int, int, int]:
+        """``(2, page_size, num_kv_heads, head_dim)``."""
+        return (2, self.page_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one layer (K and V)."""
+        return 2 * self.page_size * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of K and V for one token over all layers: 2·L·N_kv·D·P_bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    def pages_for(self, tokens: int) -> int:
+        """Pages needed to hold ``tokens`` tokens of one sequence (per layer)."""
+        return -(-tokens // self.page_size)
+
+
+def kv_footprint_bytes(
+    num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_elem: float, seq_len: int, batch: int
+) -> float:
+    """Seed 000's M_KV = 2·L·N_kv·D·P_bytes·S·B, in bytes (P_bytes may be 0.5 for FP4)."""
+    return 2 * num_layers * num_kv_heads * head_dim * bytes_per_elem * seq_len * batch
+
+
+def decode_arithmetic_intensity(
+    num_params: float, num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_elem: float, seq_len: int,
+    batch: int = 1,
+) -> float:
+    """Seed 000's I_decode (FLOPs per byte) for one decode step:
+
+    (2·P + 4·L·N_kv·D·S) / (P·P_bytes + 2·L·N_kv·D·S·P_bytes) at ``batch=1``, which is 2/P_bytes
+    for every S. For B sequences FLOPs and KV bytes scale by B while the weights are read once:
+    batching raises it, a long context pulls it back towards 2/P_bytes.
+    """
+    kv_elems = num_layers * num_kv_heads * head_dim * seq_len * batch
+    flops = 2 * num_params * batch + 4 * kv_elems
+    bytes_moved = num_params * bytes_per_elem + 2 * kv_elems * bytes_per_elem
+    return flops / bytes_moved
+
+
+def footprint_table(
+    num_layers: int = 80, num_kv_heads: int = 8, head_dim: int = 128,
+    rows: tuple[tuple[int, int, float], ...] = ((8192, 1, 2), (32768, 4, 2), (131072, 8, 2), (1048576, 16, 1)),
+) -> list[dict]:
+    """Seed 000's footprint table (defaults: the 70B config, L=80, N_kv=8, D=128).
+
+    Each row gives bytes, GiB and TiB. The seed prints 2.56 / 40.96 / 327.68 GiB and 2.56 TiB:
+    those are these exact binary values (2.5 / 40 / 320 GiB, 2.5 TiB) times 1.024, i.e. MiB (or
+    GiB) divided by 1000; ``seed_printed`` reproduces the printed figure in the row's own unit.
+    """
+    out = []
+    for seq_len, batch, nbytes in rows:
+        total = kv_footprint_bytes(num_layers, num_kv_heads, head_dim, nbytes, seq_len, batch)
+        out.append({
+            "seq_len": seq_len, "batch": batch, "bytes_per_elem": nbytes, "bytes": total,
+            "GiB": total / 2**30, "TiB": total / 2**40,
+            "seed_printed": total / 2**30 * 1.024 if total < 2**40 else total / 2**40 * 1.024,
+        })
+    return out

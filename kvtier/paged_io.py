@@ -1,0 +1,55 @@
+"""Token-level reads and writes of a sequence's pages, wherever each page lives."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvtier.table import BlockTable
+
+
+def write_tokens(table: BlockTable, layer: int, seq: int, kv: torch.Tensor, start: int) -> None:
+    """Store ``kv [2, n, N_kv, D]`` as tokens ``start .. start+n-1`` of ``seq`` (pages already appended).
+
+    Addressable tiers are written in place per token; other tiers by read-modify-write of whole
+    pages (a page whose first token is written starts from zeros).
+    """
+    n = kv.shape[1]
+    P = table.layout.page_size
+    pos = np.arange(start, start + n)  # [n]
+    pids = table.pages(seq)[pos // P]  # [n]
+    tiers, slots = table.locate(layer, pids)
+    offs = torch.from_numpy(pos % P)
+    for t in np.unique(tiers):
+        sel = np.flatnonzero(tiers == t)
+        tier = table.tiers[t]
+        pool = tier.pool(layer)
+        chunk = kv[:, sel]  # [2, m, N_kv, D]
+        if pool is not None:
+            idx = torch.from_numpy(slots[sel]).to(pool.device)
+            pool[idx, :, offs[sel].to(pool.device)] = chunk.transpose(0, 1).to(pool.device, pool.dtype)
+            continue
+        uniq, inv = np.unique(slots[sel], return_inverse=True)
+        u = torch.from_numpy(uniq)
+        fresh = np.zeros(uniq.size, dtype=bool)  # a write from offset 0 starts a page: nothing to keep
+        fresh[inv[(pos[sel] % P) == 0]] = True
+        pages = torch.zeros((uniq.size, *table.layout.page_shape), dtype=table.layout.dtype)  # [u, 2, P, N_kv, D]
+        if not fresh.all():
+            old = np.flatnonzero(~fresh)
+            pages[torch.from_numpy(old)] = tier.read(layer, u[old]).to(pages.device)
+        pages[torch.from_numpy(inv), :, offs[sel]] = chunk.transpose(0, 1).to(pages.device, pages.dtype)
+        tier.write(layer, u, pages)
+
+
+def read_tokens(table: BlockTable, layer: int, seq: int, device=None) -> torch.Tensor:
+    """All tokens of ``seq`` in ``layer``: ``[2, S, N_kv, D]`` (for tests and debugging)."""
+    pids = table.pages(seq)
+    tiers, slots = table.locate(layer, pids)
+    L = table.layout
+    dev = device or table.tiers[0].device
+    pages = torch.empty((pids.size, *L.page_shape), dtype=L.dtype, device=dev)  # [n, 2, P, N_kv, D]
+    for t in np.unique(tiers):
+        sel = np.flatnonzero(tiers == t)
+        pages[torch.from_numpy(sel).to(dev)] = table.tiers[t].read(layer, torch.from_numpy(slots[sel])).to(dev)
+    S = table.seq_len(seq)
+    return pages.transpose(0, 1).reshape(2, -1, L.num_kv_heads, L.head_dim)[:, :S]  # [2, S, N_kv, D]

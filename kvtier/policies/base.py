@@ -1,0 +1,82 @@
+"""Policy: decides which pages deserve the fast tier.
+
+A policy hears lifecycle events (pages appended, pages attended, salience observed) and answers
+one query, :meth:`Policy.priority`: a score per (layer, page), higher stays in the faster tier.
+``+inf`` pins a page; ``-inf`` asks for its demotion even when there is room.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+PINNED = np.inf
+EVICT = -np.inf
+
+
+@dataclass
+class PageInfo:
+    """The candidate pages of one query: one row per (sequence, logical page)."""
+
+    pids: np.ndarray  # [n] page ids
+    logical: np.ndarray  # [n] logical page number within its sequence
+    seq_len: np.ndarray  # [n] tokens of the owning sequence
+    page_size: int
+    step: int
+
+    @property
+    def first_token(self) -> np.ndarray:
+        return self.logical * self.page_size  # [n]
+
+    def in_sinks(self, sinks: int) -> np.ndarray:
+        """Pages holding any of the first ``sinks`` tokens ``[n]``."""
+        return self.first_token < sinks
+
+    def in_window(self, window: int) -> np.ndarray:
+        """Pages holding any of the last ``window`` tokens, and always the page being written ``[n]``."""
+        last_page = (self.seq_len - 1) // self.page_size
+        return ((self.first_token + self.page_size) > (self.seq_len - window)) | (self.logical == last_page)
+
+
+def grown(a: np.ndarray, size: int, fill) -> np.ndarray:
+    """``a`` with its last axis extended to at least ``size`` (doubling), new cells ``fill``."""
+    if a.shape[-1] >= size:
+        return a
+    new = max(size, 2 * a.shape[-1])
+    return np.concatenate([a, np.full(a.shape[:-1] + (new - a.shape[-1],), fill, a.dtype)], -1)
+
+
+class Policy(ABC):
+    """Base class: event hooks are no-ops unless a policy needs them."""
+
+    name: str = "policy"
+
+    def reset(self, num_layers: int) -> None:
+        """Forget all state; called when a cache is built."""
+        self.num_layers = num_layers
+
+    def on_step(self, step: int) -> None:
+        """A new engine step (one prefill chunk or one decode token) begins."""
+
+    def on_append(self, pids: np.ndarray, step: int) -> None:
+        """New pages were created."""
+
+    def on_access(self, layer: int, pids: np.ndarray, step: int) -> None:
+        """Pages of ``layer`` were attended at ``step``."""
+
+    def on_salience(self, layer: int, pids: np.ndarray, scores: np.ndarray, step: int) -> None:
+        """Observed salience ``scores [n, N_kv]`` (max attention probability per kv head) of pages of ``layer``."""
+
+    @abstractmethod
+    def priority(self, info: PageInfo) -> np.ndarray:
+        """Scores ``[L, n]`` (or ``[1, n]``, broadcast over layers)."""
+
+    def admit(self, info: PageInfo) -> np.ndarray:
+        """May a page that is not in the fast tier be promoted ``[L or 1, n]``? Default: yes."""
+        return np.ones((1, info.pids.size), dtype=bool)
+
+    @property
+    def needs_salience(self) -> bool:
+        return False

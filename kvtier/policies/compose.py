@@ -1,0 +1,61 @@
+"""Compose: pins from some policies, ranking (and admission) from another."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtier.policies.base import PINNED, PageInfo, Policy
+
+
+@dataclass
+class Compose(Policy):
+    """A page pinned (+inf) by any of ``pins`` is pinned; every other page takes ``rank``'s priority."""
+
+    rank: Policy = None
+    pins: list[Policy] = field(default_factory=list)
+    name: str = "compose"
+
+    def __post_init__(self):
+        if self.rank is None:
+            from kvtier.errors import ConfigError
+            raise ConfigError("policy.rank", "Compose needs a ranking policy")
+
+    @property
+    def parts(self) -> list[Policy]:
+        return [self.rank, *self.pins]
+
+    @property
+    def needs_salience(self) -> bool:
+        return any(p.needs_salience for p in self.parts)
+
+    def reset(self, num_layers):
+        super().reset(num_layers)
+        for p in self.parts:
+            p.reset(num_layers)
+
+    def on_step(self, step):
+        for p in self.parts:
+            p.on_step(step)
+
+    def on_append(self, pids, step):
+        for p in self.parts:
+            p.on_append(pids, step)
+
+    def on_access(self, layer, pids, step):
+        for p in self.parts:
+            p.on_access(layer, pids, step)
+
+    def on_salience(self, layer, pids, scores, step):
+        for p in self.parts:
+            p.on_salience(layer, pids, scores, step)
+
+    def priority(self, info: PageInfo) -> np.ndarray:
+        prio = self.rank.priority(info)
+        for p in self.pins:
+            prio = np.where(p.priority(info) == PINNED, PINNED, prio)
+        return prio
+
+    def admit(self, info: PageInfo) -> np.ndarray:
+        return self.rank.admit(info)

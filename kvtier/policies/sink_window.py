@@ -1,0 +1,33 @@
+"""SinkWindow (StreamingLLM): attention sinks and the recent window are pinned."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtier.errors import ConfigError
+from kvtier.policies.base import PINNED, PageInfo, Policy
+
+
+@dataclass
+class SinkWindow(Policy):
+    """Pins pages holding the first ``sinks`` tokens and the last ``window`` tokens.
+
+    Other pages rank by position (later is higher), so spare room holds a longer window.
+    """
+
+    sinks: int = 4
+    window: int = 256
+    name: str = "sink_window"
+
+    def __post_init__(self):
+        for field in ("sinks", "window"):
+            v = getattr(self, field)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"policy.{field}", f"must be an integer >= 0, got {v!r}")
+
+    def priority(self, info: PageInfo) -> np.ndarray:
+        prio = info.logical.astype(np.float64)  # [n]
+        pinned = info.in_sinks(self.sinks) | info.in_window(self.window)
+        return np.where(pinned, PINNED, prio)[None, :]  # [1, n]

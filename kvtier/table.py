@@ -1,0 +1,206 @@
+"""BlockTable: the hierarchical page table of seed 000.
+
+Two levels. A sequence is a list of *page ids* (pids), one per logical page; a pid names one
+physical page per layer, and ``(tier, slot)`` of each ``(layer, pid)`` says where its bytes live.
+Forked sequences share pids (``ref`` counts the sequences holding a pid); appending into a
+shared, partly filled last page copies it first (copy-on-write). Migration moves a
+``(layer, pid)`` without touching any sequence's list, so every sharer sees the new place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvtier.errors import ConfigError, KVTierError, TierFullError
+from kvtier.layout import KVLayout
+from kvtier.tiers.base import Tier
+
+
+@dataclass
+class SeqState:
+    pids: list[int]
+    length: int  # tokens
+
+
+class BlockTable:
+    """Maps (sequence, layer, logical page) -> (tier index, slot); tiers[0] is the fastest."""
+
+    def __init__(self, layout: KVLayout, tiers: list[Tier]):
+        if not tiers:
+            raise ConfigError("tiers", "at least one tier (the device tier) is needed")
+        for t in tiers:
+            if t.layout != layout:
+                raise ConfigError(f"tiers.{t.name}", "tier built for another KVLayout")
+        self.layout = layout
+        self.tiers = list(tiers)
+        self.seqs: dict[int, SeqState] = {}
+        cap = 64
+        L = layout.num_layers
+        self.tier_of = np.full((L, cap), -1, dtype=np.int8)  # [L, pids]
+        self.slot_of = np.full((L, cap), -1, dtype=np.int64)  # [L, pids]
+        self.ref = np.zeros(cap, dtype=np.int32)  # [pids]
+        self.pinned = np.zeros(cap, dtype=bool)  # [pids]
+        self._free_pids = list(range(cap - 1, -1, -1))
+
+    # -- sequences ---------------------------------------------------------------------------
+    def add_sequence(self, seq: int) -> None:
+        if seq in self.seqs:
+            raise KVTierError(f"sequence {seq} already exists")
+        self.seqs[seq] = SeqState([], 0)
+
+    def seq_len(self, seq: int) -> int:
+        return self._seq(seq).length
+
+    def pages(self, seq: int) -> np.ndarray:
+        """pids of ``seq`` in logical order ``[n]``."""
+        return np.asarray(self._seq(seq).pids, dtype=np.int64)
+
+    def fork(self, src: int, dst: int) -> None:
+        """``dst`` shares all of ``src``'s pages (copy-on-write)."""
+        s = self._seq(src)
+        self.add_sequence(dst)
+        self.seqs[dst] = SeqState(list(s.pids), s.length)
+        self.ref[s.pids] += 1
+
+    def free(self, seq: int) -> list[int]:
+        """Drop ``seq``; pages no other sequence holds are freed. Returns the freed pids."""
+        s = self.seqs.pop(seq, None)
+        if s is None:
+            raise KVTierError(f"free of unknown sequence {seq}")
+        freed = []
+        for pid in s.pids:
+            self.ref[pid] -= 1
+            if self.ref[pid] == 0:
+                self._release(pid)
+                freed.append(pid)
+        return freed
+
+    def append(self, seq: int, n_tokens: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """Grow ``seq`` by ``n_tokens``: returns (new pids, copy-on-write pairs (old pid, new pid)).
+
+        New pages go to the fastest tier with a free slot in each layer. A shared, partly filled
+        last page is copied (data included) to a private pid before it is written.
+        """
+        s = self._seq(seq)
+        P = self.layout.page_size
+        if n_tokens <= 0:
+            raise KVTierError(f"append of {n_tokens} tokens to sequence {seq}; need at least 1")
+        copy_last = bool(s.length % P) and self.ref[s.pids[-1]] > 1
+        need = self.layout.pages_for(s.length + n_tokens) - len(s.pids) + copy_last
+        for layer in range(self.layout.num_layers):
+            free = sum(t.num_free(layer) for t in self.tiers)
+            if free < need:
+                raise TierFullError(f"layer {layer}: {need} new pages needed, {free} free over all tiers; "
+                                    "raise the lowest tier's capacity or free sequences")
+        cow = []
+        if copy_last:
+            old = s.pids[-1]
+            new = self._new_page()
+            for layer in range(self.layout.num_layers):
+                t = self.tier_of[layer, old]
+                tier = self.tiers[t]
+                data = tier.read(layer, torch.tensor([self.slot_of[layer, old]]))
+                self._place(layer, new, [t] + list(range(len(self.tiers))))
+                self.tiers[self.tier_of[layer, new]].write(layer, torch.tensor([self.slot_of[layer, new]]), data)
+            self.ref[old] -= 1
+            s.pids[-1] = new
+            cow.append((old, new))
+        need = self.layout.pages_for(s.length + n_tokens) - len(s.pids)
+        new_pids = []
+        for _ in range(need):
+            pid = self._new_page()
+            for layer in range(self.layout.num_layers):
+                self._place(layer, pid, range(len(self.tiers)))
+            s.pids.append(pid)
+            new_pids.append(pid)
+        s.length += n_tokens
+        return new_pids, cow
+
+    # -- physical pages ----------------------------------------------------------------------
+    def locate(self, layer: int, pids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(tier index ``[n]``, slot ``[n]``) of ``pids`` in ``layer``."""
+        return self.tier_of[layer, pids], self.slot_of[layer, pids]
+
+    def relocate(self, layer: int, pids: np.ndarray, tier: int, slots: np.ndarray) -> None:
+        """Record that ``pids`` of ``layer`` now live in ``tiers[tier]`` at ``slots`` (data already copied)."""
+        self.tier_of[layer, pids] = tier
+        self.slot_of[layer, pids] = slots
+
+    def live_pids(self) -> np.ndarray:
+        return np.flatnonzero(self.ref > 0)
+
+    def set_pinned(self, pids, pinned: bool = True) -> None:
+        self.pinned[np.asarray(pids, dtype=np.int64)] = pinned
+
+    def view(self, layer: int, seqs: list[int], tier: int | None = 0):
+        """FlashInfer-style view of ``seqs``'s pages of ``layer`` that live in ``tiers[tier]``
+        (all pages when ``tier`` is None), in logical order.
+
+        Returns int32 ``indptr [B+1]``, ``indices [nnz]`` (slots), ``last_page_len [B]``, plus the
+        pids ``[nnz]`` and their logical page numbers ``[nnz]``. ``last_page_len`` counts the
+        tokens of each sequence's last *listed* page (page_size unless it is the sequence's last).
+        """
+        P = self.layout.page_size
+        indptr, indices, last, pids_out, logical = [0], [], [], [], []
+        for seq in seqs:
+            s = self._seq(seq)
+            pids = np.asarray(s.pids, dtype=np.int64)
+            keep = np.arange(len(pids)) if tier is None else np.flatnonzero(self.tier_of[layer, pids] == tier)
+            indices.append(self.slot_of[layer, pids[keep]])
+            pids_out.append(pids[keep])
+            logical.append(keep)
+            indptr.append(indptr[-1] + len(keep))
+            full_last = len(keep) and keep[-1] == len(pids) - 1 and s.length % P
+            last.append(s.length % P if full_last else (P if len(keep) else 0))
+        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
+        return (torch.tensor(indptr, dtype=torch.int32), torch.from_numpy(cat(indices).astype(np.int32)),
+                torch.tensor(last, dtype=torch.int32), cat(pids_out), cat(logical))
+
+    def occupancy(self) -> dict[str, list[int]]:
+        """Pages in use per tier, per layer."""
+        return {t.name: [t.num_used(layer) for layer in range(self.layout.num_layers)] for t in self.tiers}
+
+    # -- internals ---------------------------------------------------------------------------
+    def _seq(self, seq: int) -> SeqState:
+        try:
+            return self.seqs[seq]
+        except KeyError:
+            raise KVTierError(f"unknown sequence {seq}") from None
+
+    def _new_page(self) -> int:
+        if not self._free_pids:
+            self._grow()
+        pid = self._free_pids.pop()
+        self.ref[pid] = 1
+        self.pinned[pid] = False
+        return pid
+
+    def _grow(self) -> None:
+        old = self.ref.size
+        new = old * 2
+        pad = lambda a, fill: np.concatenate([a, np.full(a.shape[:-1] + (new - old,), fill, a.dtype)], -1)  # noqa: E731
+        self.tier_of, self.slot_of = pad(self.tier_of, -1), pad(self.slot_of, -1)
+        self.ref, self.pinned = pad(self.ref, 0), pad(self.pinned, False)
+        self._free_pids.extend(range(new - 1, old - 1, -1))
+
+    def _place(self, layer: int, pid: int, order) -> None:
+        for t in order:
+            if self.tiers[t].num_free(layer) > 0:
+                self.tier_of[layer, pid] = t
+                self.slot_of[layer, pid] = int(self.tiers[t].alloc(layer, 1)[0])
+                return
+        raise TierFullError(f"layer {layer}: every tier is full; add capacity to the lowest tier")
+
+    def _release(self, pid: int) -> None:
+        for layer in range(self.layout.num_layers):
+            t = self.tier_of[layer, pid]
+            if t >= 0:
+                self.tiers[t].free(layer, torch.tensor([self.slot_of[layer, pid]]))
+        self.tier_of[:, pid] = -1
+        self.slot_of[:, pid] = -1
+        self.ref[pid] = 0
+        self.pinned[pid] = False
+        self._free_pids.append(pid)

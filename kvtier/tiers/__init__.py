@@ -1,0 +1,9 @@
+"""Tiers of the hierarchy and the engine that moves pages between them."""
+
+from kvtier.tiers.base import Tier, TierSpec
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.memory import DeviceTier, HostTier
+from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.transfer import TransferEngine
+
+__all__ = ["DeviceTier", "DiskTier", "HostTier", "RemoteTier", "Tier", "TierSpec", "TransferEngine"]

@@ -1,0 +1,65 @@
+"""Tiers whose pages are addressable tensors: the device (HBM) and pinned host DRAM."""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.layout import KVLayout
+from kvtier.tiers.base import Tier, TierSpec
+
+
+class MemoryTier(Tier):
+    """A tier backed by one tensor ``[L, capacity, 2, P, N_kv, D]`` on ``device``."""
+
+    def __init__(self, layout: KVLayout, capacity: int, spec: TierSpec, device: torch.device,
+                 pin_memory: bool = False, name: str | None = None):
+        super().__init__(layout, capacity, spec, name)
+        shape = (layout.num_layers, capacity, *layout.page_shape)
+        self._device = torch.device(device)
+        self._pool = torch.empty(shape, dtype=layout.dtype, device=self._device, pin_memory=pin_memory)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def pool(self, layer: int) -> torch.Tensor:
+        return self._pool[layer]  # [cap, 2, P, N_kv, D]
+
+    def read(self, layer, slots, out=None):
+        idx = slots.to(self._device, non_blocking=True)
+        if out is None:
+            return self._pool[layer].index_select(0, idx)  # [n, 2, P, N_kv, D]
+        torch.index_select(self._pool[layer], 0, idx, out=out)
+        return out
+
+    def write(self, layer, slots, pages):
+        self._check_pages(slots, pages)
+        self._pool[layer].index_copy_(0, slots.to(self._device, non_blocking=True),
+                                      pages.to(self._device, non_blocking=True))
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+class DeviceTier(MemoryTier):
+    """Tier 1: HBM on a GPU; on a CPU-only machine, plain memory with the same page budget."""
+
+    kind = "device"
+
+    def __init__(self, layout: KVLayout, capacity: int, spec: TierSpec | None = None,
+                 device: str | torch.device | None = None, name: str | None = None):
+        super().__init__(layout, capacity, spec or TierSpec(bandwidth_gbps=4163.0, latency_s=1e-6),
+                         torch.device(device) if device is not None else _default_device(), name=name)
+
+
+class HostTier(MemoryTier):
+    """Tier 2: host DRAM (the seed's CXL stand-in), pinned when CUDA is present."""
+
+    kind = "host"
+
+    def __init__(self, layout: KVLayout, capacity: int, spec: TierSpec | None = None,
+                 pin_memory: bool | None = None, name: str | None = None):
+        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        super().__init__(layout, capacity, spec or TierSpec(bandwidth_gbps=55.0, latency_s=10e-6),
+                         torch.device("cpu"), pin_memory=pin, name=name)

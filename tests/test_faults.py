@@ -1,0 +1,331 @@
+"""Real faults under the disk and remote tiers: bit flips, truncation, interrupted and killed
+writers, full disks, dead, frozen and lying servers. Corrupted bytes must never come back as data."""
+
+import errno
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.errors import PageCorruptedError, TierIOError
+from kvtier.layout import KVLayout
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.remote import RemoteTier, start_local_server
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE_SRC = textwrap.dedent('''
+    def page_for(layout, slot, gen):
+        """The page a writer puts in ``slot`` at generation ``gen``: ``[1, 2, P, N_kv, D]``."""
+        g = torch.Generator().manual_seed(1000 * gen + slot)
+        return torch.randn((1, *layout.page_shape), generator=g).to(layout.dtype)
+''')
+exec(PAGE_SRC)
+
+
+def layout_of(dtype=torch.bfloat16, layers=1, page_size=4, heads=2, head_dim=16):
+    return KVLayout(num_layers=layers, num_kv_heads=heads, head_dim=head_dim, page_size=page_size, dtype=dtype)
+
+
+def rand_pages(layout, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((n, *layout.page_shape), generator=g).to(layout.dtype)
+
+
+def raw(t):
+    return t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
+
+
+def same_bits(a, b):
+    return torch.equal(raw(a), raw(b))
+
+
+def python(code, *args, **kw):
+    """Run ``code`` in a fresh interpreter that imports kvtier from this checkout."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+
+def readline(proc, timeout_s=30.0):
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    assert ready, f"child said nothing within {timeout_s} s"
+    return proc.stdout.readline().strip()
+
+
+@pytest.fixture
+def written(tmp_path):
+    """A disk tier with 8 pages written to slots 0..7 of layer 0: ``(tier, pages, data file)``."""
+    layout = layout_of()
+    tier = DiskTier(layout, 8, tmp_path / "kv")
+    pages = rand_pages(layout, 8)
+    tier.write(0, torch.arange(8), pages)
+    yield tier, pages, tmp_path / "kv" / "layer_000.kv"
+    tier.close()
+
+
+# -- disk: corruption at rest --------------------------------------------------------------------
+def test_flipped_byte_is_detected_and_never_returned(written):
+    tier, pages, path = written
+    pb = tier.layout.page_bytes
+    with open(path, "r+b") as f:  # a raw write behind the tier's back
+        f.seek(5 * pb + 17)
+        byte = f.read(1)[0]
+        f.seek(5 * pb + 17)
+        f.write(bytes([byte ^ 0x01]))
+    out = torch.ones_like(pages)
+    with pytest.raises(PageCorruptedError, match=r"disk tier 'disk' layer 0: slots \[5\] failed their crc32"):
+        tier.read(0, torch.arange(8), out=out)
+    assert (raw(out)[5] == 0).all()  # the corrupted page's bytes did not reach the caller
+    good = torch.tensor([7, 0, 1, 2, 3, 4, 6])
+    assert same_bits(tier.read(0, good), pages[good])
+    tier.write(0, torch.tensor([5]), pages[5:6])  # rewriting heals the slot
+    assert same_bits(tier.read(0, torch.arange(8)), pages)
+
+
+def test_truncated_file_is_detected(written):
+    tier, pages, path = written
+    pb = tier.layout.page_bytes
+    os.truncate(path, 5 * pb + pb // 2)
+    with pytest.raises(PageCorruptedError, match=r"slots \[5, 6, 7\] are cut off .* truncated"):
+        tier.read(0, torch.arange(8))
+    with pytest.raises(PageCorruptedError, match=r"slots \[6\]"):
+        tier.read(0, torch.tensor([6]))
+    assert same_bits(tier.read(0, torch.arange(5)), pages[:5])
+
+
+# -- disk: interrupted and killed writers --------------------------------------------------------
+@pytest.mark.parametrize("fault, raised", [(OSError(errno.EIO, "injected I/O error"), TierIOError),
+                                           (KeyboardInterrupt(), KeyboardInterrupt)], ids=["EIO", "interrupt"])
+def test_interrupted_write_leaves_the_slot_invalid(written, fault, raised):
+    tier, pages, path = written
+    pb = tier.layout.page_bytes
+    new = rand_pages(tier.layout, 1, seed=99)
+
+    def interrupt(layer, slots):
+        raise fault
+
+    tier._write_hook = interrupt
+    with pytest.raises(raised):
+        tier.write(0, torch.tensor([2]), new)
+    tier._write_hook = None
+    on_disk = np.fromfile(path, dtype=np.uint8)[2 * pb:3 * pb]
+    assert (on_disk[:pb // 2] == raw(new)[0, :pb // 2].numpy()).all()  # the page really is torn:
+    assert (on_disk[pb // 2:] == raw(pages)[2, pb // 2:].numpy()).all()  # new first half, old second half
+    with pytest.raises(PageCorruptedError, match=r"slots \[2\] hold no complete page"):
+        tier.read(0, torch.tensor([2]))
+    others = torch.tensor([0, 1, 3, 4, 5, 6, 7])
+    assert same_bits(tier.read(0, others), pages[others])
+
+
+_CHILD_PRELUDE = "import sys, time, torch\nfrom kvtier.layout import KVLayout\nfrom kvtier.tiers.disk import DiskTier\n" \
+    + PAGE_SRC
+
+
+def test_writer_killed_mid_page_is_detected_after_reopen(tmp_path):
+    """SIGKILL a writer halfway through a page; the reopened files flag exactly that page."""
+    child = _CHILD_PRELUDE + textwrap.dedent('''
+        layout = KVLayout(1, 2, 16, 4, dtype=torch.bfloat16)
+        tier = DiskTier(layout, 8, sys.argv[1], keep=True)
+        for gen in range(2):
+            for slot in range(8):
+                if (gen, slot) == (1, 3):
+                    tier._write_hook = lambda layer, s: (print("mid", flush=True), time.sleep(60))
+                tier.write(0, torch.tensor([slot]), page_for(layout, slot, gen))
+    ''')
+    proc = python(child, tmp_path)
+    assert readline(proc) == "mid", proc.stderr.read()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    layout = layout_of()
+    tier = DiskTier.open_existing(tmp_path, layout)
+    assert tier.valid_slots(0).tolist() == [0, 1, 2, 4, 5, 6, 7]
+    for slot in range(8):
+        if slot == 3:
+            with pytest.raises(PageCorruptedError, match=r"slots \[3\]"):
+                tier.read(0, torch.tensor([slot]))
+        else:
+            assert same_bits(tier.read(0, torch.tensor([slot])), page_for(layout, slot, int(slot < 3)))
+    pb = layout.page_bytes
+    torn = np.fromfile(tmp_path / "layer_000.kv", dtype=np.uint8)[3 * pb:4 * pb]
+    assert (torn[:pb // 2] == raw(page_for(layout, 3, 1))[0, :pb // 2].numpy()).all()
+    assert (torn[pb // 2:] == raw(page_for(layout, 3, 0))[0, pb // 2:].numpy()).all()
+    tier.close()
+
+
+def test_writer_killed_at_a_random_time_loses_at_most_the_page_in_flight(tmp_path):
+    """Every page the reopened tier calls valid is one the writer wrote whole."""
+    child = _CHILD_PRELUDE + textwrap.dedent('''
+        layout = KVLayout(1, 8, 128, 64, dtype=torch.bfloat16)  # 256 KiB pages: wide windows mid-write
+        tier = DiskTier(layout, 8, sys.argv[1], keep=True)
+        pages = [[page_for(layout, slot, gen) for slot in range(8)] for gen in range(4)]
+        i = 0
+        while True:
+            slot, gen = i % 8, (i // 8) % 4
+            tier.write(0, torch.tensor([slot]), pages[gen][slot])
+            print(slot, i // 8, flush=True)
+            i += 1
+    ''')
+    layout = layout_of(page_size=64, heads=8, head_dim=128)
+    rng = np.random.default_rng(0)
+    for trial in range(2):
+        path = tmp_path / str(trial)
+        proc = python(child, path)
+        done = [readline(proc) for _ in range(int(rng.integers(20, 60)))]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        done += proc.stdout.read().split("\n")  # lines printed before the kill
+        last = {}
+        for line in filter(None, done):
+            slot, gen = map(int, line.split())
+            last[slot] = gen
+        tier = DiskTier.open_existing(path, layout)
+        invalid = sorted(set(range(8)) - set(tier.valid_slots(0).tolist()))
+        assert len(invalid) <= 1  # only the page being written when the kill came
+        for slot in tier.valid_slots(0):
+            got = tier.read(0, torch.tensor([slot]))
+            options = [last.get(slot, -1), last.get(slot, -1) + 1]
+            assert any(g >= 0 and same_bits(got, page_for(layout, int(slot), g % 4)) for g in options)
+        tier.close()
+
+
+# -- disk: full disks ----------------------------------------------------------------------------
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A real 1 MiB tmpfs mounted under tmp_path (needs root)."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if res.returncode:
+        pytest.skip(f"cannot mount a 1 MiB tmpfs to fill up (needs root): {res.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_disk_too_small_fails_at_construction(tiny_fs):
+    layout = layout_of(layers=2)  # 512 B pages
+    path = tiny_fs / "kv"
+    need = 2 * 2048 * (layout.page_bytes + 8)
+    with pytest.raises(TierIOError, match=rf"{path} has \d+ bytes free; it needs {need} bytes.*larger disk"):
+        DiskTier(layout, 2048, path)
+    assert list(tiny_fs.iterdir()) == []  # nothing written, not even the directory
+    DiskTier(layout, 256, path).close()  # what fits, fits
+
+
+def test_disk_full_during_write_is_an_io_error(tiny_fs):
+    layout = layout_of()
+    tier = DiskTier(layout, 64, tiny_fs / "kv")
+    pages = rand_pages(layout, 4)
+    tier.write(0, torch.arange(4), pages)
+    os.truncate(tier._data_path(0), 4 * layout.page_bytes)  # give the reservation back ...
+    with open(tiny_fs / "filler", "wb") as f:  # ... and let someone else take the disk
+        with pytest.raises(OSError, match="No space"):
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+    with pytest.raises(TierIOError, match=rf"slots \[40\] to {tier._data_path(0)} failed .*No space.*free space"):
+        tier.write(0, torch.tensor([40]), pages[:1])
+    with pytest.raises(PageCorruptedError, match=r"slots \[40\]"):
+        tier.read(0, torch.tensor([40]))
+    assert same_bits(tier.read(0, torch.arange(4)), pages)  # nothing corrupted
+    tier.close()
+
+
+def test_file_size_limit_fails_the_reservation(tmp_path):
+    """RLIMIT_FSIZE in a child: posix_fallocate is refused, the error names path and bytes."""
+    child = textwrap.dedent('''
+        import os, resource, signal, sys
+        from kvtier.errors import TierIOError
+        from kvtier.layout import KVLayout
+        from kvtier.tiers.disk import DiskTier
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
+        try:
+            DiskTier(KVLayout(2, 2, 16, 4), 1024, sys.argv[1])  # 512 KiB per layer file
+        except TierIOError as e:
+            print(e)
+            print(os.path.exists(sys.argv[1]))
+            sys.exit(0)
+        sys.exit(3)
+    ''')
+    proc = python(child, tmp_path / "kv")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    msg, left = out.strip().splitlines()
+    assert str(tmp_path / "kv") in msg and "refused the reservation" in msg and f"needs {2 * 1024 * 520}" in msg
+    assert left == "False"  # the partly reserved files, and the directory the tier made, were removed
+
+
+# -- remote ----------------------------------------------------------------------------------------
+def test_server_killed_mid_run_is_an_io_error():
+    proc, address = start_local_server(capacity_bytes=1 << 20)
+    layout = layout_of()
+    tier = RemoteTier(layout, 8, address, timeout_s=2.0)
+    pages = rand_pages(layout, 4)
+    tier.write(0, torch.arange(4), pages)
+    assert same_bits(tier.read(0, torch.arange(4)), pages)
+    proc.kill()
+    proc.wait()
+    with pytest.raises(TierIOError, match=f"store at {address} is unreachable"):
+        tier.read(0, torch.arange(4))
+    with pytest.raises(TierIOError, match=address):
+        tier.write(0, torch.arange(4), pages)
+    with pytest.raises(TierIOError, match=rf"{address} is unreachable \(.*refused"):
+        RemoteTier(layout, 8, address)
+    tier.close()  # closing against a dead store does not raise
+
+
+def test_frozen_server_times_out():
+    proc, address = start_local_server(capacity_bytes=64 << 20)
+    try:
+        layout = layout_of(page_size=64, heads=8, head_dim=128)
+        tier = RemoteTier(layout, 128, address, timeout_s=0.3)
+        proc.send_signal(signal.SIGSTOP)
+        with pytest.raises(TierIOError, match=rf"no answer from {address} within 0.3 s.*timeout_s"):
+            tier.write(0, torch.arange(128), rand_pages(layout, 128))  # 32 MiB: more than socket buffers hold
+        proc.send_signal(signal.SIGCONT)
+        pages = rand_pages(layout, 2)
+        tier.write(0, torch.tensor([1, 2]), pages)  # a fresh connection works again
+        assert same_bits(tier.read(0, torch.tensor([1, 2])), pages)
+        tier.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_silent_peer_times_out_at_construction():
+    with socket.socket() as listener:  # accepts connections (backlog), never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        with pytest.raises(TierIOError, match=f"no answer from {address} within 0.2 s"):
+            RemoteTier(layout_of(), 4, address, timeout_s=0.2)
+
+
+def test_store_corrupting_pages_is_detected():
+    proc, address = start_local_server(capacity_bytes=1 << 20, corrupt_every=3)
+    try:
+        layout = layout_of(torch.float16)
+        tier = RemoteTier(layout, 16, address)
+        slots = torch.tensor([9, 2, 14, 0, 5, 11, 7])
+        pages = rand_pages(layout, 7)
+        tier.write(0, slots, pages)  # the store flips a byte of its 3rd and 6th page
+        out = torch.ones_like(pages)
+        with pytest.raises(PageCorruptedError, match=r"layer 0: slots \[14, 11\] from .* crc32"):
+            tier.read(0, slots, out=out)
+        assert (raw(out)[[2, 5]] == 0).all()
+        good = [0, 1, 3, 4, 6]
+        assert same_bits(tier.read(0, slots[good]), pages[good])
+        tier.write(0, slots[[2]], pages[[2]])  # 8th page stored: intact
+        assert same_bits(tier.read(0, slots[[2]]), pages[[2]])
+        tier.close()
+    finally:
+        proc.terminate()
+        proc.wait()

@@ -1,0 +1,142 @@
+"""Triton decode and prefill kernels through the interpreter against the torch reference.
+
+Fresh random inputs per case (random pages in permuted slots, never zeros); relative error of the
+output, absolute error of LSE and page_max, no NaN. Shapes are tiny: the interpreter costs
+milliseconds per program iteration.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported: jit picks the interpreter
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kvtier.errors import ConfigError, MissingDependencyError  # noqa: E402
+from kvtier.kernels.reference import paged_attention_reference  # noqa: E402
+from kvtier.kernels.registry import make_backend  # noqa: E402
+from kvtier.kernels.triton_decode import DecodeConfig, TritonBackend, paged_decode, plan_decode  # noqa: E402
+from kvtier.kernels.triton_prefill import PrefillConfig  # noqa: E402
+from test_kernels_reference import random_paged_batch, rel_err  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                reason="Triton needs a GPU or TRITON_INTERPRET=1")
+
+
+def device():
+    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+
+
+def check_against_reference(backend, kv_lens, q_lens, group, num_kv_heads, head_dim, dtype, causal, seed,
+                            page_size=16):
+    gen = torch.Generator().manual_seed(seed)
+    q, pool, batch, _, _ = random_paged_batch(kv_lens, q_lens, page_size, num_kv_heads, head_dim,
+                                              group * num_kv_heads, dtype, causal, generator=gen)
+    q, pool, batch = q.to(device()), pool.to(device()), batch.to(device())
+    backend.plan(batch, group * num_kv_heads, num_kv_heads, head_dim)
+    res = backend.run(q, pool, return_page_max=True)
+    ref = paged_attention_reference(q, pool, batch, backend.sm_scale, return_page_max=True)
+    assert res.out.dtype == q.dtype and res.out.shape == q.shape
+    assert rel_err(res.out.cpu(), ref.out.cpu()) < TOL[dtype]
+    fin = torch.isfinite(ref.lse)
+    assert torch.equal(torch.isfinite(res.lse), fin)
+    assert torch.allclose(res.lse[fin], ref.lse[fin], atol=20 * TOL[dtype])
+    pm_fin = torch.isfinite(ref.page_max)
+    assert torch.equal(torch.isfinite(res.page_max), pm_fin)
+    assert torch.allclose(res.page_max[pm_fin], ref.page_max[pm_fin], atol=20 * TOL[dtype])
+    return res
+
+
+@pytest.mark.parametrize("group,num_kv,dtype,kv_lens,per_split", [
+    (4, 1, torch.float32, [37, 1, 50], 2),  # several splits per sequence + merge, partial last pages
+    (3, 1, torch.float16, [40, 17], 1),  # one page per split
+    (1, 2, torch.float32, [33, 0, 20], None),  # an empty sequence, planner-sized splits
+    (4, 1, torch.bfloat16, [70, 20], None),
+])
+def test_decode_matches_reference(group, num_kv, dtype, kv_lens, per_split):
+    backend = TritonBackend(decode_config=DecodeConfig(block_n=16, pages_per_split=per_split))
+    res = check_against_reference(backend, kv_lens, [1] * len(kv_lens), group, num_kv, 32, dtype, False,
+                                  seed=sum(kv_lens) + group)
+    assert backend.is_decode
+    if 0 in kv_lens:
+        empty = kv_lens.index(0)
+        assert torch.isneginf(res.lse[empty]).all() and (res.out[empty] == 0).all()
+
+
+def test_decode_split_merge_is_used_and_single_split_writes_directly():
+    gen = torch.Generator().manual_seed(5)
+    _, _, batch, _, _ = random_paged_batch([100, 20], [1, 1], 16, 2, 32, 4, generator=gen)
+    split = plan_decode(batch, 2, DecodeConfig(block_n=16, pages_per_split=2))
+    assert split.seq_splits.tolist() == [4, 1] and split.max_splits == 4
+    assert split.chunk_page.tolist() == [0, 2, 4, 6, 7]
+    whole = plan_decode(batch, 2, DecodeConfig(block_n=32, pages_per_split=64))
+    assert whole.max_splits == 1 and whole.pages_per_split == 64
+
+
+@pytest.mark.parametrize("group,num_kv,dtype,kv_lens,q_lens,causal", [
+    (4, 1, torch.float32, [50, 33], [7, 33], True),  # a chunk after a prefix of earlier pages; a full prompt
+    (3, 1, torch.float16, [40, 9, 30], [12, 0, 30], True),  # a sequence with no query rows
+    (1, 2, torch.float32, [20, 47], [3, 5], False),
+    (4, 1, torch.float32, [5], [9], True),  # more queries than keys: the first rows attend nothing
+])
+def test_prefill_matches_reference(group, num_kv, dtype, kv_lens, q_lens, causal):
+    backend = TritonBackend(prefill_config=PrefillConfig(block_m=32, block_n=16))
+    res = check_against_reference(backend, kv_lens, q_lens, group, num_kv, 32, dtype, causal,
+                                  seed=sum(kv_lens) + sum(q_lens) + group)
+    assert not backend.is_decode
+    if kv_lens == [5]:
+        assert torch.isneginf(res.lse[:4]).all() and (res.out[:4] == 0).all()
+
+
+def test_prefill_with_default_tiles_and_page_size_8():
+    backend = TritonBackend()
+    check_against_reference(backend, [77, 30], [45, 30], 4, 1, 64, torch.float32, True, seed=21, page_size=8)
+
+
+def test_decode_default_config_fp16_head_dim_64():
+    check_against_reference(make_backend("triton"), [150, 45], [1, 1], 3, 3, 64, torch.float16, False,
+                            seed=9)
+
+
+def test_prefill_page_max_differs_when_a_key_changes():
+    gen = torch.Generator().manual_seed(2)
+    q, pool, batch, _, _ = random_paged_batch([40], [6], 16, 1, 32, 2, causal=True, generator=gen)
+    backend = TritonBackend(prefill_config=PrefillConfig(block_m=32, block_n=16))
+    backend.plan(batch, 2, 1, 32)
+    before = backend.run(q, pool, return_page_max=True).page_max.clone()
+    pool[batch.kv_indices[1], 0, 3] = 100 * q[0, :1]  # page 1, token 3: huge logit with query 0
+    after = backend.run(q, pool, return_page_max=True).page_max
+    assert after[1, 0] > before[1, 0] + 10 and torch.equal(after[0], before[0])
+
+
+def test_non_power_of_two_page_size_is_a_config_error():
+    gen = torch.Generator().manual_seed(1)
+    _, _, batch, _, _ = random_paged_batch([30], [1], 12, 1, 16, 1, generator=gen)
+    with pytest.raises(ConfigError, match="power-of-two"):
+        TritonBackend().plan(batch, 1, 1, 16)
+
+
+def test_registry_names_and_errors():
+    assert make_backend("torch").name == "torch" and make_backend("triton").name == "triton"
+    with pytest.raises(ConfigError, match="torch, triton, flashinfer"):
+        make_backend("cuda")
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        with pytest.raises(MissingDependencyError, match="flashinfer-python"):
+            make_backend("flashinfer")
+
+
+def test_lse_is_natural_log():
+    gen = torch.Generator().manual_seed(4)
+    q, pool, batch, keys, _ = random_paged_batch([24], [1], 16, 1, 16, 1, generator=gen)
+    backend = TritonBackend()
+    backend.plan(batch, 1, 1, 16)
+    lse = backend.run(q, pool).lse
+    expect = torch.logsumexp((keys[0][:, 0].double() @ q[0, 0].double()) * 16 ** -0.5, 0)
+    assert math.isclose(lse[0, 0].item(), expect.item(), abs_tol=1e-4)

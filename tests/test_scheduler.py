@@ -1,0 +1,122 @@
+import numpy as np
+import pytest
+import torch
+
+from kvtier import BlockTable, KVLayout
+from kvtier.errors import ConfigError
+from kvtier.policies import ASPE, LRU, SinkWindow
+from kvtier.scheduler import LookaheadScheduler
+from kvtier.tiers import DeviceTier, HostTier, TransferEngine
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, page_size=4, dtype="float32")
+
+
+def make(device_pages, host_pages=64):
+    table = BlockTable(LAYOUT, [DeviceTier(LAYOUT, device_pages, device="cpu"), HostTier(LAYOUT, host_pages)])
+    return table, TransferEngine(table)
+
+
+def step(table, transfer, sched, policy, s, reserve=1):
+    plan = sched.plan(table, policy, s, reserve=reserve)
+    sched.execute(plan, transfer)
+    return plan
+
+
+def device_pids(table, layer=0):
+    return set(table.live_pids()[table.tier_of[layer, table.live_pids()] == 0].tolist())
+
+
+@pytest.mark.parametrize("policy", [LRU(), SinkWindow(sinks=4, window=8), ASPE(sinks=4, window=8)])
+def test_capacity_never_exceeded_and_pins_stay(policy):
+    rng = np.random.default_rng(1)
+    table, transfer = make(device_pages=6)
+    policy.reset(LAYOUT.num_layers)
+    sched = LookaheadScheduler(lookahead=1)
+    table.add_sequence(0)
+    for s in range(120):
+        policy.on_step(s)
+        new, _ = table.append(0, int(rng.integers(1, 4)))
+        policy.on_append(np.asarray(new, dtype=np.int64), s)
+        pids = table.pages(0)
+        for layer in range(LAYOUT.num_layers):
+            acc = rng.choice(pids, size=min(3, pids.size), replace=False)
+            policy.on_access(layer, acc, s)
+            policy.on_salience(layer, pids, rng.random((pids.size, 2)).astype(np.float32) * 0.05, s)
+        step(table, transfer, sched, policy, s)
+        for layer in range(LAYOUT.num_layers):
+            assert table.tiers[0].num_used(layer) <= 6
+        if isinstance(policy, (SinkWindow, ASPE)):
+            from kvtier.scheduler import page_info
+            info = page_info(table, s)
+            pinned = info.pids[np.isinf(np.broadcast_to(policy.priority(info), (2, info.pids.size))[0])
+                               & (np.broadcast_to(policy.priority(info), (2, info.pids.size))[0] > 0)]
+            assert set(pinned.tolist()) <= device_pids(table)
+
+
+def test_pinned_pages_never_demoted_even_under_pressure():
+    table, transfer = make(device_pages=4)
+    pol = LRU()
+    pol.reset(2)
+    table.add_sequence(0)
+    new, _ = table.append(0, 16)  # 4 pages fill the device
+    table.set_pinned(new[:2])
+    pol.on_append(np.asarray(new), 0)
+    for s in range(1, 10):
+        new2, _ = table.append(0, 4)
+        pol.on_append(np.asarray(new2), s)
+        step(table, transfer, LookaheadScheduler(), pol, s)
+        assert {new[0], new[1]} <= device_pids(table)
+
+
+def test_demoted_page_predicted_salient_is_promoted_back():
+    table, transfer = make(device_pages=5)
+    pol = ASPE(sinks=0, window=4, obs_window=2, theta_evict=1e-3, theta_prefetch=1e-2)
+    pol.reset(2)
+    sched = LookaheadScheduler(lookahead=2)
+    table.add_sequence(0)
+    new, _ = table.append(0, 32)  # 8 pages, only 5 fit on the device
+    pol.on_append(np.asarray(new), 0)
+
+    def observe(s, hot):
+        pol.on_step(s)
+        scores = np.full((8, 2), 0.02, dtype=np.float32)
+        scores[hot] = 0.4
+        for layer in range(2):
+            pol.on_salience(layer, table.pages(0), scores, s)
+
+    observe(0, hot=1)
+    step(table, transfer, sched, pol, 0, reserve=0)
+    assert new[1] in device_pids(table)
+    for s in range(1, 4):  # page 1 goes cold, page 3 hot
+        observe(s, hot=3)
+        pol.on_salience(0, np.array([new[1]]), np.zeros((1, 2), np.float32), s)
+        pol.on_salience(1, np.array([new[1]]), np.zeros((1, 2), np.float32), s)
+        step(table, transfer, sched, pol, s, reserve=0)
+    assert new[1] not in device_pids(table) and new[3] in device_pids(table)
+    for s in range(4, 7):  # page 1 predicted salient again: recalled
+        observe(s, hot=1)
+        step(table, transfer, sched, pol, s, reserve=0)
+    assert new[1] in device_pids(table)
+    assert transfer.pages_moved["host->device"] >= 2
+
+
+def test_demotion_cascades_to_lower_tier_when_full():
+    table = BlockTable(LAYOUT, [DeviceTier(LAYOUT, 3, device="cpu"), HostTier(LAYOUT, 2, name="host"),
+                                HostTier(LAYOUT, 16, name="slow")])
+    transfer = TransferEngine(table)
+    pol = SinkWindow(sinks=0, window=4)
+    pol.reset(2)
+    table.add_sequence(0)
+    table.append(0, 12)
+    for s in range(6):
+        table.append(0, 4)
+        step(table, transfer, LookaheadScheduler(), pol, s)
+        for layer in range(2):
+            assert table.tiers[0].num_used(layer) <= 3 and table.tiers[1].num_used(layer) <= 2
+    assert transfer.pages_moved["host->slow"] > 0
+
+
+def test_bad_scheduler_config():
+    with pytest.raises(ConfigError) as e:
+        LookaheadScheduler(lookahead=0)
+    assert e.value.field == "scheduler.lookahead"

@@ -1,0 +1,113 @@
+"""Randomized alloc / append / fork / migrate / free against a plain-dict model."""
+
+import tempfile
+from collections import Counter
+
+import numpy as np
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+from kvtier import BlockTable, KVLayout
+from kvtier.errors import TierFullError
+from kvtier.paged_io import read_tokens, write_tokens
+from kvtier.tiers import DeviceTier, DiskTier, HostTier, TransferEngine
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, page_size=4, dtype="bfloat16")
+
+
+class TableMachine(RuleBasedStateMachine):
+    seqs = Bundle("seqs")
+
+    def __init__(self):
+        super().__init__()
+        self.tmp = tempfile.TemporaryDirectory()
+        self.tiers = [DeviceTier(LAYOUT, 6, device="cpu"), HostTier(LAYOUT, 8),
+                      DiskTier(LAYOUT, 64, self.tmp.name)]
+        self.table = BlockTable(LAYOUT, self.tiers)
+        self.transfer = TransferEngine(self.table)
+        self.model: dict[int, torch.Tensor] = {}  # seq -> [L, 2, S, N_kv, D]
+        self.next_id = 0
+
+    def teardown(self):
+        for t in self.tiers:
+            t.close()
+        self.tmp.cleanup()
+
+    @rule(target=seqs)
+    def add(self):
+        seq = self.next_id
+        self.next_id += 1
+        self.table.add_sequence(seq)
+        self.model[seq] = torch.empty(LAYOUT.num_layers, 2, 0, 2, 4, dtype=LAYOUT.dtype)
+        return seq
+
+    @rule(seq=seqs, n=st.integers(1, 9))
+    def append(self, seq, n):
+        if seq not in self.model:
+            return
+        start = self.table.seq_len(seq)
+        try:
+            self.table.append(seq, n)
+        except TierFullError:
+            # nothing half-done: the table must be as before
+            assert self.table.seq_len(seq) == start
+            return
+        kv = torch.randn(LAYOUT.num_layers, 2, n, 2, 4).to(LAYOUT.dtype)
+        for layer in range(LAYOUT.num_layers):
+            write_tokens(self.table, layer, seq, kv[layer], start)
+        self.model[seq] = torch.cat([self.model[seq], kv], dim=2)
+
+    @rule(target=seqs, src=seqs)
+    def fork(self, src):
+        if src not in self.model:
+            return -1
+        dst = self.next_id
+        self.next_id += 1
+        self.table.fork(src, dst)
+        self.model[dst] = self.model[src].clone()
+        return dst
+
+    @rule(data=st.data(), layer=st.integers(0, 1), dst=st.integers(0, 2))
+    def migrate(self, data, layer, dst):
+        live = self.table.live_pids()
+        if live.size == 0:
+            return
+        pids = data.draw(st.lists(st.sampled_from(live.tolist()), min_size=1, max_size=5, unique=True))
+        try:
+            self.transfer.migrate(layer, pids, dst)
+        except TierFullError:
+            pass
+
+    @rule(seq=consumes(seqs))
+    def free(self, seq):
+        if seq not in self.model:
+            return
+        self.table.free(seq)
+        del self.model[seq]
+
+    @invariant()
+    def contents_match(self):
+        for seq, kv in self.model.items():
+            for layer in range(LAYOUT.num_layers):
+                got = read_tokens(self.table, layer, seq)
+                assert torch.equal(got.view(torch.int16), kv[layer].view(torch.int16))
+
+    @invariant()
+    def no_leak_no_double_use(self):
+        holders = Counter(p for s in self.table.seqs.values() for p in s.pids)
+        live = self.table.live_pids()
+        assert set(live.tolist()) == set(holders)
+        for pid, n in holders.items():
+            assert self.table.ref[pid] == n
+        for layer in range(LAYOUT.num_layers):
+            for t, tier in enumerate(self.tiers):
+                here = live[self.table.tier_of[layer, live] == t]
+                slots = self.table.slot_of[layer, here]
+                assert len(set(slots.tolist())) == slots.size  # no slot shared by two pages
+                assert sorted(slots.tolist()) == sorted(tier.allocated_slots(layer).tolist())
+
+
+TableMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+TestTable = TableMachine.TestCase
