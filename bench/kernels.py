@@ -8,7 +8,8 @@ read ceiling (``x.sum()`` over 4 GiB), (2) every backend (torch reference, trito
 flashinfer when importable) against the reference on fresh random inputs, (3) ``--tune`` only: a
 sweep of Triton launch configurations on representative shapes, (4) decode batch x context for
 GQA 32/8 (D=128) and 9/3 (D=64), page 16, bf16, and chunked prefill chunk x prefix (32/8, D=128,
-causal), timed with ``triton.testing.do_bench`` medians (L2 flushed between runs). The table comes
+causal), timed with ``triton.testing.do_bench`` medians (L2 flushed between runs); decode shapes
+under 1 GB of KV also as CUDA-graph replays (device time without host launch gaps). The table comes
 last: KV bytes read per second, TFLOP/s (prefill), speedup over FlashInfer (its time / this time)
 and the fraction of the measured read ceiling. JSON goes to ``$OUT/kernels.json`` if ``OUT`` is
 set, else ``bench/kernels.json``.
@@ -69,6 +70,19 @@ def time_ms(fn) -> float:
         fn()
         times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
+
+
+def graph_ms(fn) -> float:
+    """Median milliseconds of one CUDA-graph replay of ``fn()``: device time without host launch gaps."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay)
 
 
 def flashinfer_or_none():
@@ -144,6 +158,9 @@ def check_backends(backends: dict, small: bool) -> list:
         top = 200 if small else 3000
         lens = torch.randint(1, top, (5,), generator=gen_lens).tolist()
         cases.append(("decode", dtype, heads, lens, [1] * 5, False))
+    if not small:  # many short sequences: one split each, the split kernel writes the output directly
+        lens = torch.randint(1, 1200, (160,), generator=gen_lens).tolist()
+        cases.append(("decode", torch.bfloat16, DECODE_HEADS[0], lens, [1] * 160, False))
     for dtype in [torch.bfloat16, torch.float16]:
         q_lens = [40, 17] if small else [300, 77]
         prefix = [70, 0] if small else [1000, 0]
@@ -157,9 +174,15 @@ def check_backends(backends: dict, small: bool) -> list:
         ref = paged_attention_reference(q, pool, batch, scale, return_page_max=True)
         for name, backend in backends.items():
             salience = backend.supports_salience
-            backend.plan(batch, heads[0], heads[1], heads[2])
-            poison_allocator()
-            res = backend.run(q, pool, return_page_max=salience)
+            try:
+                backend.plan(batch, heads[0], heads[1], heads[2])
+                poison_allocator()
+                res = backend.run(q, pool, return_page_max=salience)
+            except Exception as err:  # report, and check the other backends
+                print(f"check {kind} {dtype} {heads} {name}: {type(err).__name__}: {str(err)[:300]}", flush=True)
+                rows.append({"kind": kind, "dtype": str(dtype), "backend": name, "ok": False, "out_rel_err": math.inf,
+                             "error": f"{type(err).__name__}: {err}"})
+                continue
             err = rel_err(res.out, ref.out)
             row = {"kind": kind, "dtype": str(dtype).removeprefix("torch."), "heads": heads, "kv_lens": kv_lens,
                    "q_lens": q_lens, "backend": name, "out_rel_err": err, "lse_max_abs_err": lse_err(res.lse, ref.lse),
@@ -197,8 +220,8 @@ def prefill_shapes(quick: bool, smoke: bool):
     return [(PREFILL_HEADS, c, p) for c in chunks for p in prefixes]
 
 
-def timed_runs(kind, heads, shape_desc, q, pool, batch, backends, flops, nbytes, timings):
-    """Time each backend on one problem; append records to ``timings``."""
+def timed_runs(kind, heads, shape_desc, q, pool, batch, backends, flops, nbytes, timings, graphs=False):
+    """Time each backend on one problem (and its CUDA-graph replay if ``graphs``); append to ``timings``."""
     records = {}
     for name, (backend, page_max) in backends.items():
         try:
@@ -208,17 +231,25 @@ def timed_runs(kind, heads, shape_desc, q, pool, batch, backends, flops, nbytes,
             print(f"{kind} {shape_desc} {name}: {type(err).__name__}: {err}", flush=True)
             continue
         records[name] = {"kind": kind, "shape": shape_desc, "backend": name, "ms": ms,
-                         "kv_gbps": nbytes / ms / 1e6, "tflops": flops / ms / 1e9 if flops else None}
-        print(f"{kind} {shape_desc} {name}: {ms:.4f} ms", flush=True)
+                         "kv_gbps": nbytes / ms / 1e6, "tflops": flops / ms / 1e9 if flops else None, "graph_ms": None}
+        if graphs and DEVICE == "cuda" and name != "torch":
+            try:
+                records[name]["graph_ms"] = graph_ms(lambda: backend.run(q, pool, return_page_max=page_max))
+            except Exception as err:
+                print(f"{kind} {shape_desc} {name} graph: {type(err).__name__}: {str(err)[:200]}", flush=True)
+        print(f"{kind} {shape_desc} {name}: {ms:.4f} ms (graph {records[name]['graph_ms']})", flush=True)
     fi = records.get("flashinfer")
     for rec in records.values():
         rec["speedup_vs_flashinfer"] = fi["ms"] / rec["ms"] if fi else None
         timings.append(rec)
 
 
-def sweep(buffer, fi, quick, smoke) -> list:
-    """Decode and prefill timings of every backend on bf16 problems cut from ``buffer``."""
-    timings = []
+def sweep(buffer, fi, quick, smoke, timings: list, save) -> None:
+    """Decode and prefill timings of every backend on bf16 problems cut from ``buffer`` (saved per shape).
+
+    Shapes under 1 GB of KV are also timed as CUDA-graph replays, which shows the host launch cost.
+    """
+
     for heads, b, s in decode_shapes(quick, smoke):
         q, pool, batch = paged_problem([s] * b, [1] * b, heads, 16, torch.bfloat16, False, buffer)
         backends = {"triton": (TritonBackend(), False), "triton+page_max": (TritonBackend(), True)}
@@ -227,8 +258,9 @@ def sweep(buffer, fi, quick, smoke) -> list:
         if b <= 16:
             backends["torch"] = (TorchBackend(), False)
         desc = f"B={b} S={s} {heads[0]}/{heads[1]} D={heads[2]}"
-        timed_runs("decode", heads, desc, q, pool, batch, backends, 0.0, kv_bytes(b, s, heads, torch.bfloat16),
-                   timings)
+        nbytes = kv_bytes(b, s, heads, torch.bfloat16)
+        timed_runs("decode", heads, desc, q, pool, batch, backends, 0.0, nbytes, timings, graphs=nbytes < 1e9)
+        save()
     for heads, chunk, prefix in prefill_shapes(quick, smoke):
         q, pool, batch = paged_problem([prefix + chunk], [chunk], heads, 16, torch.bfloat16, True, buffer)
         backends = {"triton": (TritonBackend(), False), "triton+page_max": (TritonBackend(), True)}
@@ -237,7 +269,7 @@ def sweep(buffer, fi, quick, smoke) -> list:
         desc = f"chunk={chunk} prefix={prefix} {heads[0]}/{heads[1]} D={heads[2]}"
         timed_runs("prefill", heads, desc, q, pool, batch, backends, prefill_flops(chunk, prefix, heads),
                    kv_bytes(1, prefix + chunk, heads, torch.bfloat16), timings)
-    return timings
+        save()
 
 
 def tune(buffer, smoke) -> list:
@@ -252,12 +284,13 @@ def tune(buffer, smoke) -> list:
         decode_cases = [((32, 8, 128), 64, 8192), ((32, 8, 128), 1, 32768), ((32, 8, 128), 256, 8192),
                         ((9, 3, 64), 64, 32768)]
         decode_grid = [DecodeConfig(block_n=n, num_warps=w, num_stages=st, ctas_per_sm=c)
-                       for n, w, st, c in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (2, 4, 8))
-                       if not (n == 128 and w == 2)]
+                       for n, w, st in [(64, 4, 3), (64, 4, 5), (64, 4, 7), (32, 4, 6), (32, 4, 7), (32, 2, 6),
+                                        (64, 8, 5), (128, 8, 5), (128, 4, 5)]
+                       for c in (2, 4, 8)]
         prefill_cases = [(PREFILL_HEADS, 2048, 32768), (PREFILL_HEADS, 512, 8192)]
         prefill_grid = [PrefillConfig(block_m=m, block_n=n, num_warps=w, num_stages=st)
-                        for m, n, w, st in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
-                        if not (m == 64 and w == 8)]
+                        for m, n, w, st in [(128, 64, 8, 3), (128, 64, 8, 5), (128, 64, 4, 5), (128, 128, 8, 3),
+                                            (128, 128, 8, 4), (128, 32, 8, 5), (64, 64, 4, 5), (64, 128, 4, 4)]]
     for heads, b, s in decode_cases:
         q, pool, batch = paged_problem([s] * b, [1] * b, heads, 16, torch.bfloat16, False, buffer)
         rows = []
@@ -299,15 +332,16 @@ def report_tuning(rows):
 def print_table(timings, ceilings):
     read = ceilings["read_gbps"]
     print(f"\nceilings: copy {ceilings['copy_gbps']:.0f} GB/s (read+write), read {read:.0f} GB/s")
-    head = f"{'kind':8s} {'shape':36s} {'backend':16s} {'ms':>9s} {'KV GB/s':>8s} {'TFLOP/s':>8s} " \
-           f"{'vs FI':>6s} {'of read':>7s}"
+    head = f"{'kind':8s} {'shape':36s} {'backend':16s} {'ms':>9s} {'graph ms':>9s} {'KV GB/s':>8s} " \
+           f"{'TFLOP/s':>8s} {'vs FI':>6s} {'of read':>7s}"
     print(head)
     print("-" * len(head))
     for r in timings:
         tf = f"{r['tflops']:.0f}" if r["tflops"] else "-"
         vs = f"{r['speedup_vs_flashinfer']:.2f}" if r["speedup_vs_flashinfer"] else "-"
-        print(f"{r['kind']:8s} {r['shape']:36s} {r['backend']:16s} {r['ms']:9.4f} {r['kv_gbps']:8.0f} {tf:>8s} "
-              f"{vs:>6s} {r['kv_gbps'] / read:7.2f}")
+        graph = f"{r['graph_ms']:.4f}" if r.get("graph_ms") else "-"
+        print(f"{r['kind']:8s} {r['shape']:36s} {r['backend']:16s} {r['ms']:9.4f} {graph:>9s} {r['kv_gbps']:8.0f} "
+              f"{tf:>8s} {vs:>6s} {r['kv_gbps'] / read:7.2f}")
 
 
 def main():
@@ -329,15 +363,15 @@ def main():
         backends["flashinfer"] = fi
     result["checks"] = check_backends(backends, small=ARGS.smoke)
     save()
-    shapes = [(h, kv_bytes(b, s, h, torch.bfloat16)) for h, b, s in decode_shapes(ARGS.quick, ARGS.smoke)]
-    shapes += [(h, kv_bytes(1, c + p, h, torch.bfloat16)) for h, c, p in prefill_shapes(ARGS.quick, ARGS.smoke)]
-    numel = int(max(nbytes for _, nbytes in shapes)) // 2
+    pooled = [b * -(-s // 16) * 16 * h[1] * h[2] * 2 for h, b, s in decode_shapes(ARGS.quick, ARGS.smoke)]
+    pooled += [-(-(c + p) // 16) * 16 * h[1] * h[2] * 2 for h, c, p in prefill_shapes(ARGS.quick, ARGS.smoke)]
+    numel = max(pooled)  # elements of the largest pool (whole pages of 16 tokens)
     buffer = torch.randn(numel, dtype=torch.bfloat16, device=DEVICE)  # every pool is a view of this
     if ARGS.tune:
         result["tuning"] = tune(buffer, ARGS.smoke)
         save()
-    result["timings"] = sweep(buffer, fi, ARGS.quick, ARGS.smoke)
-    save()
+    result["timings"] = []
+    sweep(buffer, fi, ARGS.quick, ARGS.smoke, result["timings"], save)
     print_table(result["timings"], result["ceilings"])
     failed = [c for c in result["checks"] if not c["ok"]]
     print(f"\ncorrectness: {len(result['checks']) - len(failed)}/{len(result['checks'])} ok"

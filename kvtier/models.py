@@ -60,6 +60,7 @@ def ensure_smollm2() -> Path:
             shutil.rmtree(stale, ignore_errors=True)
         gguf = smollm2_gguf_path()
         tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_NAME}.tmp-", dir=target.parent))
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache from other users
         try:
             _convert_gguf(gguf, tmp)
             shutil.rmtree(target, ignore_errors=True)  # a folder without config.json is not a model
@@ -81,6 +82,11 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         unpack["quantization_config"] = transformers.GgufConfig(dequantize=True)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **unpack, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+    # The GGUF tokenizer import takes EOS/pad from BOS; the model config carries the file's own ids.
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(model.config.eos_token_id)
+    tokenizer.pad_token = tokenizer.convert_ids_to_tokens(model.config.pad_token_id)
+    tokenizer.model_max_length = model.config.max_position_embeddings
+    tokenizer.clean_up_tokenization_spaces = False  # a WordPiece cleanup that corrupts BPE output
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
@@ -96,25 +102,25 @@ def attention_dims(config) -> tuple[int, int, int]:
 def check_attention_shape(config) -> None:
     """Raise ConfigError("model", ...) unless the config's head counts and head size fit together.
 
-    Query heads must be a multiple of KV heads (GQA groups); without an explicit ``head_dim``,
-    ``hidden_size`` must split evenly over the query heads.
+    Query heads must be a multiple of KV heads (GQA groups). ``hidden_size`` must split evenly over
+    the query heads unless ``head_dim`` is set on its own (Gemma, Qwen3); a ``head_dim`` equal to
+    ``hidden_size // num_attention_heads`` with a remainder was derived by truncation and is refused.
     """
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None)
     hidden = getattr(config, "hidden_size", None)
     for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
-                        ("hidden_size", hidden)):
-        if not isinstance(value, int) or value <= 0:
+                        ("hidden_size", hidden), ("head_dim", 1 if head_dim is None else head_dim)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ConfigError("model", f"config.{name} must be a positive integer, got {value!r}")
     if heads % kv_heads:
         raise ConfigError("model", f"num_attention_heads={heads} is not divisible by num_key_value_heads="
                                    f"{kv_heads}; set num_key_value_heads to a divisor of {heads}")
-    if head_dim is None and hidden % heads:
-        raise ConfigError("model", f"hidden_size={hidden} does not split over num_attention_heads={heads}; "
-                                   f"make hidden_size a multiple of num_attention_heads or set head_dim")
-    if head_dim is not None and (not isinstance(head_dim, int) or head_dim <= 0):
-        raise ConfigError("model", f"config.head_dim must be a positive integer, got {head_dim!r}")
+    if hidden % heads and head_dim in (None, hidden // heads):
+        raise ConfigError("model", f"hidden_size={hidden} does not split over num_attention_heads={heads} "
+                                   f"(head_dim={head_dim}); make hidden_size a multiple of "
+                                   f"num_attention_heads, or set head_dim explicitly")
 
 
 def load_model(path: str | None = None, dtype: str = "float32", device: str = "cpu",
@@ -125,6 +131,7 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
     Face causal-LM folder (with config.json). ``dtype``: float32, float16 or bfloat16.
     """
     os.environ["HF_HUB_OFFLINE"] = "1"
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in MODEL_DTYPES:
@@ -135,7 +142,10 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
         raise ConfigError("model.path", f"{str(folder)!r} does not exist or is not a folder; {hint}")
     if not (folder / "config.json").is_file():
         raise ConfigError("model.path", f"{str(folder)!r} has no config.json, so it is not a HF model; {hint}")
-    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (ValueError, StrictDataclassError) as err:  # unknown model_type, or refused by the config class
+        raise ConfigError("model", f"{folder / 'config.json'} is not a usable model config: {err}") from err
     check_attention_shape(config)
     model = AutoModelForCausalLM.from_pretrained(
         folder, config=config, dtype=MODEL_DTYPES[dtype], attn_implementation=attn_implementation,

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from kvtier.errors import ConfigError, MissingDependencyError  # noqa: E402
 from kvtier.kernels.reference import paged_attention_reference  # noqa: E402
 from kvtier.kernels.registry import make_backend  # noqa: E402
-from kvtier.kernels.triton_decode import DecodeConfig, TritonBackend, paged_decode, plan_decode  # noqa: E402
+from kvtier.kernels.triton_decode import DecodeConfig, TritonBackend, default_decode_config, plan_decode  # noqa: E402
 from kvtier.kernels.triton_prefill import PrefillConfig  # noqa: E402
 from test_kernels_reference import random_paged_batch, rel_err  # noqa: E402
 
@@ -71,11 +71,13 @@ def test_decode_matches_reference(group, num_kv, dtype, kv_lens, per_split):
 def test_decode_split_merge_is_used_and_single_split_writes_directly():
     gen = torch.Generator().manual_seed(5)
     _, _, batch, _, _ = random_paged_batch([100, 20], [1, 1], 16, 2, 32, 4, generator=gen)
-    split = plan_decode(batch, 2, DecodeConfig(block_n=16, pages_per_split=2))
+    split = plan_decode(batch, 4, 2, 32, DecodeConfig(block_n=16, pages_per_split=2))
     assert split.seq_splits.tolist() == [4, 1] and split.max_splits == 4
     assert split.chunk_page.tolist() == [0, 2, 4, 6, 7]
-    whole = plan_decode(batch, 2, DecodeConfig(block_n=32, pages_per_split=64))
-    assert whole.max_splits == 1 and whole.pages_per_split == 64
+    assert split.part_out.shape == (4, 2, 4, 32) and split.part_lse.shape == (4, 2, 4)
+    whole = plan_decode(batch, 4, 2, 32, DecodeConfig(block_n=32, pages_per_split=64))
+    assert whole.max_splits == 1 and whole.pages_per_split == 64 and whole.part_out is None
+    assert plan_decode(batch, 4, 2, 64).config == default_decode_config(64) != default_decode_config(128)
 
 
 @pytest.mark.parametrize("group,num_kv,dtype,kv_lens,q_lens,causal", [

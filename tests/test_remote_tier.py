@@ -8,6 +8,7 @@ import torch
 
 from kvtier.errors import ConfigError, PageCorruptedError, TierFullError, TierIOError
 from kvtier.layout import KVLayout
+from kvtier.tiers import remote_server as proto
 from kvtier.tiers.remote import RemoteTier, start_local_server
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
@@ -159,3 +160,19 @@ def test_server_listens_on_loopback_only(server):
             if state == "0A" and int(p, 16) == port:
                 listening.append(addr)
     assert listening == ["0100007F"]  # 127.0.0.1, little-endian hex; no 0.0.0.0 nor IPv6
+
+
+def test_malformed_requests_are_refused_and_the_stream_stays_in_step(server):
+    host, port = server.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        def ask(op, n, payload):
+            sock.sendall(proto.REQUEST.pack(op, 7, 0, n, len(payload)) + bytes(8 * n) + payload)
+            status, nbytes = proto.RESPONSE.unpack(proto.recv_exact(sock, proto.RESPONSE.size))
+            return status, bytes(proto.recv_exact(sock, nbytes))
+
+        assert ask(proto.OP_PUT, 2, bytes(3))[0] == proto.ERR_BAD  # 3 bytes are not 2 equal pages
+        assert ask(proto.OP_PUT, 1, bytes((64 << 20) + 1))[0] == proto.ERR_FULL  # drained, not stored
+        assert ask(99, 1, b"")[0] == proto.ERR_BAD
+        assert ask(proto.OP_GET, 1, b"") == (proto.ERR_MISSING, b"layer 0: slots [0] are not stored here")
+        status, body = ask(proto.OP_STAT, 0, b"")
+        assert status == proto.OK and proto.STAT.unpack(body)[0] == 64 << 20

@@ -23,6 +23,7 @@ from kvtier.kernels.base import AttentionBackend, AttentionOutput, PagedBatch
 from kvtier.kernels.triton_prefill import (LN2, LOG2E, PrefillConfig, check_page_size, dot_operand_dtype,
                                            paged_prefill, plan_prefill)
 
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """Launch shape of the split kernel. ``pages_per_split=None`` lets ``plan`` size the splits."""
@@ -35,9 +36,20 @@ class DecodeConfig:
     pages_per_split: int | None = None
 
 
+def default_decode_config(head_dim: int) -> DecodeConfig:
+    """Best mean over the tuned shapes on an H200 with Triton 3.6 (bench/kernels.py --tune).
+
+    Small heads take 128-token steps (the same bytes per step as 64 tokens of D=128) with 5 stages:
+    the page-index load takes a pipeline stage of its own, and 5 double-buffers K/V.
+    """
+    if head_dim <= 64:
+        return DecodeConfig(block_n=128, num_warps=4, num_stages=5, ctas_per_sm=2)
+    return DecodeConfig()
+
+
 @dataclass
 class DecodePlan:
-    """Chunk list of one decode step (int32 on the batch's device)."""
+    """Chunk list of one decode step (int32 on the batch's device) and the partials' buffers."""
 
     chunk_seq: torch.Tensor  # [C] sequence of each chunk
     chunk_page: torch.Tensor  # [C] first listed page of each chunk (index into kv_indices)
@@ -46,6 +58,9 @@ class DecodePlan:
     pages_per_split: int
     max_splits: int
     block_n: int
+    config: DecodeConfig
+    part_out: torch.Tensor | None  # [splits, B, H, D] fp32, reused by every layer; None for one split
+    part_lse: torch.Tensor | None  # [splits, B, H] fp32 (log2 units)
 
 
 def num_multiprocessors(device: torch.device) -> int:
@@ -55,9 +70,11 @@ def num_multiprocessors(device: torch.device) -> int:
     return 4
 
 
-def plan_decode(batch: PagedBatch, num_kv_heads: int, config: DecodeConfig = DecodeConfig()) -> DecodePlan:
+def plan_decode(batch: PagedBatch, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                config: DecodeConfig | None = None) -> DecodePlan:
     """Cut each sequence's pages into splits so that chunks x kv heads fills the GPU (one host sync)."""
     check_page_size(batch.page_size)
+    config = default_decode_config(head_dim) if config is None else config
     page = batch.page_size
     block_n = max(config.block_n, page)
     pages_per_block = block_n // page
@@ -81,7 +98,14 @@ def plan_decode(batch: PagedBatch, num_kv_heads: int, config: DecodeConfig = Dec
     def i32(t):
         return t.to(device=dev, dtype=torch.int32)
 
-    return DecodePlan(i32(seq), i32(page0), i32(split), i32(splits), per_split, int(splits.max()), block_n)
+    max_splits = int(splits.max()) if splits.numel() else 1
+    n_seq = npages.numel()
+    part_out = part_lse = None
+    if max_splits > 1:
+        part_out = torch.empty(max_splits, n_seq, num_qo_heads, head_dim, dtype=torch.float32, device=dev)
+        part_lse = torch.empty(max_splits, n_seq, num_qo_heads, dtype=torch.float32, device=dev)
+    return DecodePlan(i32(seq), i32(page0), i32(split), i32(splits), per_split, max_splits, block_n, config,
+                      part_out, part_lse)
 
 
 @triton.jit
@@ -94,7 +118,7 @@ def _decode_split_kernel(
     stride_os, stride_on, stride_oh,
     stride_ls, stride_ln,
     stride_pm,
-    qk_scale, pages_per_split,
+    qk_scale, lse_scale, pages_per_split,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     WITH_PAGE_MAX: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
@@ -102,7 +126,8 @@ def _decode_split_kernel(
     """One (chunk, kv head): out/lse rows ``[GROUP]`` of the chunk's sequence over its pages.
 
     ``out`` is ``[splits, B, H, D]`` (fp32 partials, or the final ``[1, B, H, D]`` output when
-    there is a single split), ``lse`` ``[splits, B, H]`` in log2 units, ``page_max [nnz, H]``.
+    there is a single split), ``lse`` ``[splits, B, H]`` (log2 units times ``lse_scale``),
+    ``page_max [nnz, H]``: every page of the chunk is written, -inf where it holds no token.
     """
     c = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -113,7 +138,8 @@ def _decode_split_kernel(
     n_pages = tl.load(kv_indptr + b + 1) - seq_p0
     kv_len = tl.where(n_pages > 0, (n_pages - 1) * PAGE + tl.load(kv_last_page_len + b), 0)
     t0 = (page0 - seq_p0) * PAGE  # first token of the chunk, local to the sequence
-    t1 = tl.minimum(t0 + pages_per_split * PAGE, kv_len)
+    t_end = tl.minimum(t0 + pages_per_split * PAGE, n_pages * PAGE)  # end of the chunk's pages
+    t1 = tl.minimum(t_end, kv_len)  # end of its tokens
 
     offs_g = tl.arange(0, BLOCK_G)  # [G] query head within the group
     offs_d = tl.arange(0, BLOCK_D)  # [D]
@@ -131,7 +157,7 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     k_base = kv + kvh * stride_kh
     v_base = k_base + stride_kv
-    for start in range(t0, t1, BLOCK_N):
+    for start in range(t0, t_end, BLOCK_N):
         tok = start + offs_n  # [N]
         tok_ok = tok < t1
         slot = tl.load(kv_indices + seq_p0 + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)  # [N]
@@ -145,10 +171,11 @@ def _decode_split_kernel(
             pm = tl.max(tl.reshape(s, [BLOCK_G, BLOCK_N // PAGE, PAGE]), axis=2)  # [G, NP]
             pg = start // PAGE + tl.arange(0, BLOCK_N // PAGE)  # [NP] local page
             pm_ptrs = page_max + (seq_p0 + pg)[None, :] * stride_pm + heads[:, None]  # [G, NP]
-            tl.store(pm_ptrs, pm * 0.6931471805599453, mask=g_ok[:, None] & (pg * PAGE < t1)[None, :])
+            tl.store(pm_ptrs, pm * 0.6931471805599453, mask=g_ok[:, None] & (pg * PAGE < t_end)[None, :])
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [G]
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])  # [G, N]
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block of an empty trailing page
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])  # [G, N]
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
         acc = acc * alpha[:, None] + tl.dot(p.to(qt.dtype), v, input_precision=PRECISION)  # [G, D]
@@ -156,7 +183,7 @@ def _decode_split_kernel(
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]  # [G, D]
-    row_lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))  # [G]
+    row_lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * lse_scale, float("-inf"))  # [G]
     o_ptrs = out + split * stride_os + b * stride_on + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
     tl.store(lse + split * stride_ls + b * stride_ln + heads, row_lse, mask=g_ok)
@@ -197,7 +224,7 @@ def _merge_splits_kernel(
 
 
 def paged_decode(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, plan: DecodePlan, sm_scale: float,
-                 return_page_max: bool = False, config: DecodeConfig = DecodeConfig()) -> AttentionOutput:
+                 return_page_max: bool = False) -> AttentionOutput:
     """Decode attention for one query row per sequence.
 
     q ``[B, H, D]``, kv_pool ``[slots, 2, P, N_kv, D]``. Returns out ``[B, H, D]`` (q's dtype),
@@ -212,36 +239,31 @@ def paged_decode(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, plan
     block_g = max(16, triton.next_power_of_2(group))
     dot_f32, precision = dot_operand_dtype(q.dtype)
     nnz = batch.kv_indices.numel()
-    page_max = (torch.full((nnz, heads), float("-inf"), dtype=torch.float32, device=q.device)
-                if return_page_max else None)
-    pm_arg = page_max if return_page_max else q  # never touched without WITH_PAGE_MAX
+    page_max = torch.empty(nnz, heads, dtype=torch.float32, device=q.device) if return_page_max else None
     single = plan.max_splits == 1
     out = torch.empty(n_q, heads, dim, dtype=q.dtype, device=q.device)  # [B, H, D]
     lse = torch.empty(n_q, heads, dtype=torch.float32, device=q.device)  # [B, H]
     if single:
         part_out, part_lse = out.unsqueeze(0), lse.unsqueeze(0)  # [1, B, H, D], [1, B, H]
     else:
-        part_out = torch.empty(plan.max_splits, n_q, heads, dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(plan.max_splits, n_q, heads, dtype=torch.float32, device=q.device)
+        part_out, part_lse = plan.part_out, plan.part_lse
     grid = (plan.chunk_seq.numel(), n_kv)
     _decode_split_kernel[grid](
         q, kv_pool, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
         plan.chunk_seq, plan.chunk_page, plan.chunk_split,
-        part_out, part_lse, pm_arg,
+        part_out, part_lse, page_max if return_page_max else part_lse,
         q.stride(0), q.stride(1),
         kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         heads,
-        sm_scale * LOG2E, plan.pages_per_split,
+        sm_scale * LOG2E, LN2 if single else 1.0, plan.pages_per_split,
         GROUP=group, BLOCK_G=block_g, PAGE=batch.page_size, BLOCK_N=plan.block_n,
         HEAD_DIM=dim, BLOCK_D=block_d,
         WITH_PAGE_MAX=return_page_max, DOT_F32=dot_f32, PRECISION=precision,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=plan.config.num_warps, num_stages=plan.config.num_stages,
     )
-    if single:
-        lse.mul_(LN2)  # [B, H] log2 -> natural log
-    else:
+    if not single:
         _merge_splits_kernel[(n_q, heads)](
             part_out, part_lse, plan.seq_splits, out, lse,
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
@@ -257,8 +279,8 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
 
-    def __init__(self, decode_config: DecodeConfig = DecodeConfig(), prefill_config: PrefillConfig = PrefillConfig()):
-        self.decode_config = decode_config
+    def __init__(self, decode_config: DecodeConfig | None = None, prefill_config: PrefillConfig = PrefillConfig()):
+        self.decode_config = decode_config  # None: default_decode_config(head_dim)
         self.prefill_config = prefill_config
 
     def plan(self, batch: PagedBatch, num_qo_heads: int, num_kv_heads: int, head_dim: int,
@@ -267,13 +289,11 @@ class TritonBackend(AttentionBackend):
         rows = batch.qo_indptr[1:] - batch.qo_indptr[:-1]  # [B]
         self.is_decode = bool((rows == 1).all())
         if self.is_decode:
-            self.step_plan = plan_decode(batch, num_kv_heads, self.decode_config)
+            self.step_plan = plan_decode(batch, num_qo_heads, num_kv_heads, head_dim, self.decode_config)
         else:
             self.step_plan = plan_prefill(batch, num_qo_heads, num_kv_heads, self.prefill_config)
 
     def run(self, q: torch.Tensor, kv_pool: torch.Tensor, return_page_max: bool = False) -> AttentionOutput:
         if self.is_decode:
-            return paged_decode(q, kv_pool, self.batch, self.step_plan, self.sm_scale, return_page_max,
-                                self.decode_config)
-        return paged_prefill(q, kv_pool, self.batch, self.step_plan, self.sm_scale, return_page_max,
-                             self.prefill_config)
+            return paged_decode(q, kv_pool, self.batch, self.step_plan, self.sm_scale, return_page_max)
+        return paged_prefill(q, kv_pool, self.batch, self.step_plan, self.sm_scale, return_page_max)

@@ -50,7 +50,7 @@ class PrefillConfig:
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 8
-    num_stages: int = 3
+    num_stages: int = 5  # the page-index load takes a stage: 5 triple-buffers K/V
 
 
 @dataclass
@@ -62,6 +62,7 @@ class PrefillPlan:
     block_q: int  # queries per tile
     group_pad: int  # query heads per kv head, padded to a power of two
     block_n: int
+    config: PrefillConfig
 
 
 def plan_prefill(batch: PagedBatch, num_qo_heads: int, num_kv_heads: int,
@@ -76,7 +77,7 @@ def plan_prefill(batch: PagedBatch, num_qo_heads: int, num_kv_heads: int,
     q0 = (torch.arange(seq.numel()) - (torch.cumsum(tiles, 0) - tiles)[seq]) * block_q  # [T]
     dev = batch.qo_indptr.device
     return PrefillPlan(seq.to(device=dev, dtype=torch.int32), q0.to(device=dev, dtype=torch.int32),
-                       block_q, group_pad, max(config.block_n, batch.page_size))
+                       block_q, group_pad, max(config.block_n, batch.page_size), config)
 
 
 @triton.jit
@@ -189,7 +190,7 @@ def _prefill_kernel(
 
 
 def paged_prefill(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, plan: PrefillPlan, sm_scale: float,
-                  return_page_max: bool = False, config: PrefillConfig = PrefillConfig()) -> AttentionOutput:
+                  return_page_max: bool = False) -> AttentionOutput:
     """Chunked-prefill attention of ``q [Nq, H, D]`` over ``kv_pool [slots, 2, P, N_kv, D]``.
 
     Returns out ``[Nq, H, D]`` (q's dtype), lse ``[Nq, H]`` (natural log; -inf for a row that
@@ -215,6 +216,6 @@ def paged_prefill(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, pla
         CAUSAL=batch.causal, GROUP=heads // n_kv, G_PAD=plan.group_pad, BLOCK_Q=plan.block_q,
         PAGE=batch.page_size, BLOCK_N=plan.block_n, HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim),
         WITH_PAGE_MAX=return_page_max, DOT_F32=dot_f32, PRECISION=precision,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=plan.config.num_warps, num_stages=plan.config.num_stages,
     )
     return AttentionOutput(out, lse, page_max)

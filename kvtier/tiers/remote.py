@@ -116,7 +116,7 @@ class RemoteTier(Tier):
                 if held.size:
                     self._request(proto.OP_DEL, layer, held)
         except TierIOError:
-            pass  # the store is gone or unreachable: there is nothing left to release
+            pass  # an unreachable store: a dead one holds nothing of ours, a hung one keeps our pages
         self._valid[:] = False
         self._disconnect()
 

@@ -69,11 +69,11 @@ class PageStore:
                                   f"{len(slots)} pages needs {after - self.used} more; start the server with a "
                                   "larger --capacity-bytes or lower the remote tier's capacity").encode()
             for i, k in enumerate(keys):
-                page = bytearray(payload[i * size:(i + 1) * size])
+                page = bytes(payload[i * size:(i + 1) * size])
                 self._stored += 1
                 if self.corrupt_every and self._stored % self.corrupt_every == 0:
-                    page[size // 2] ^= 0xFF
-                self._pages[k] = bytes(page)
+                    page = page[:size // 2] + bytes([page[size // 2] ^ 0xFF]) + page[size // 2 + 1:]
+                self._pages[k] = page
             self.used = after
         return OK, b""
 
@@ -108,17 +108,19 @@ class _Handler(socketserver.BaseRequestHandler):
             while True:
                 op, ns, layer, n, nbytes = REQUEST.unpack(recv_exact(sock, REQUEST.size))
                 slots = list(struct.unpack(f"<{n}q", recv_exact(sock, 8 * n)))
-                if nbytes > store.capacity_bytes or (n and nbytes % n):
+                refusal = (ERR_BAD, b"payload is not n equal pages") if n and nbytes % n else \
+                    (ERR_FULL, b"batch larger than the store's --capacity-bytes") if nbytes > store.capacity_bytes \
+                    else None
+                if refusal:
                     while nbytes:  # keep the stream in step, then refuse
                         nbytes -= len(recv_exact(sock, min(nbytes, _DRAIN)))
-                    status, body = (ERR_FULL, b"batch larger than the store's --capacity-bytes") if n else \
-                        (ERR_BAD, b"payload is not n equal pages")
+                    status, body = refusal
                 else:
                     payload = memoryview(recv_exact(sock, nbytes))
                     status, body = self._dispatch(store, op, ns, layer, slots, payload)
                 sock.sendall(RESPONSE.pack(status, len(body)))
                 sock.sendall(body)
-        except (ConnectionError, OSError):
+        except OSError:  # the client hung up or the connection broke
             return
 
     @staticmethod
@@ -141,6 +143,7 @@ class PageServer(socketserver.ThreadingTCPServer):
 
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 64
 
     def __init__(self, port: int, store: PageStore):
         self.store = store

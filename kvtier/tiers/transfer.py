@@ -18,6 +18,9 @@ import torch
 
 from typing import TYPE_CHECKING
 
+from kvtier.errors import ConfigError
+from kvtier.tiers.copy_kernel import copy_pages
+
 if TYPE_CHECKING:
     from kvtier.table import BlockTable
 
@@ -33,14 +36,27 @@ class _Pending:
 class TransferEngine:
     """Moves pages between the tiers of a :class:`BlockTable` and counts bytes per link."""
 
-    def __init__(self, table: BlockTable, use_side_stream: bool | None = None):
+    METHODS = ("auto", "kernel", "generic")
+
+    def __init__(self, table: BlockTable, use_side_stream: bool | None = None, method: str = "auto",
+                 event_factory=None):
+        """``method``: ``kernel`` copies between addressable pools (HBM, pinned DRAM through UVA) in one
+        Triton launch; ``generic`` uses the tiers' read/write (gather, one bulk copy, scatter);
+        ``auto`` takes ``kernel`` where both pools are addressable and one is on a GPU.
+        ``event_factory`` (tests): builds completion events with ``record()/query()/synchronize()``
+        for an asynchronous engine without CUDA, to check ordering on the CPU."""
+        if method not in self.METHODS:
+            raise ConfigError("transfer.method", f"unknown method {method!r}; use one of {list(self.METHODS)}")
         self.table = table
+        self.method = method
         cuda = any(t.device.type == "cuda" for t in table.tiers)
-        self.asynchronous = cuda if use_side_stream is None else (use_side_stream and cuda)
-        self.stream = torch.cuda.Stream() if self.asynchronous else None
+        self.asynchronous = event_factory is not None or (cuda if use_side_stream is None else use_side_stream and cuda)
+        self.stream = torch.cuda.Stream() if self.asynchronous and cuda else None
+        self._new_event = event_factory or torch.cuda.Event
         self.bytes_moved: Counter[str] = Counter()
         self.pages_moved: Counter[str] = Counter()
         self._pending: list[_Pending] = []
+        self.stalls = 0  # host-side waits for a copy (CPU event path)
 
     def migrate(self, layer: int, pids, dst: int) -> None:
         """Move ``pids`` of ``layer`` into ``tiers[dst]`` (pages already there are skipped)."""
@@ -56,27 +72,36 @@ class TransferEngine:
             self.synchronize()  # slots vacated by earlier moves are released once those land
         dst_slots = dst_tier.alloc(layer, pids.size)  # [n]; raises TierFullError before any copy
         pending = _Pending(None, layer, pids)
-        stream_ctx = torch.cuda.stream(self.stream) if self.asynchronous else contextlib.nullcontext()
-        if self.asynchronous:
+        stream_ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())  # pages written by compute first
         with stream_ctx:
             for t in np.unique(src_tiers):
                 sel = np.flatnonzero(src_tiers == t)
                 src_tier = self.table.tiers[t]
                 slots = torch.from_numpy(src_slots[sel])
-                pages = src_tier.read(layer, slots)  # [n, 2, P, N_kv, D]
-                dst_tier.write(layer, dst_slots[sel], pages)
+                src_pool, dst_pool = src_tier.pool(layer), dst_tier.pool(layer)
+                if self._use_kernel(src_pool, dst_pool):
+                    copy_pages(src_pool, slots, dst_pool, dst_slots[sel])
+                else:
+                    pages = src_tier.read(layer, slots)  # [n, 2, P, N_kv, D]
+                    dst_tier.write(layer, dst_slots[sel], pages)
                 link = f"{src_tier.name}->{dst_tier.name}"
                 self.bytes_moved[link] += sel.size * self.table.layout.page_bytes
                 self.pages_moved[link] += sel.size
                 pending.release.append((int(t), slots))
         self.table.relocate(layer, pids, dst, dst_slots.numpy())
         if self.asynchronous:
-            pending.event = torch.cuda.Event()
+            pending.event = self._new_event()
             pending.event.record(self.stream)
             self._pending.append(pending)
         else:
             self._release(pending)
+
+    def _use_kernel(self, src_pool, dst_pool) -> bool:
+        if self.method == "generic" or src_pool is None or dst_pool is None:
+            return False
+        return self.method == "kernel" or src_pool.is_cuda or dst_pool.is_cuda
 
     def in_flight(self, layer: int, pids) -> np.ndarray:
         """Mask ``[n]``: which of ``pids`` have a copy not yet completed."""
@@ -92,12 +117,19 @@ class TransferEngine:
         self.poll()
         for p in self._pending:
             if (layer is None or p.layer == layer) and (pids is None or np.isin(p.pids, pids).any()):
-                torch.cuda.current_stream().wait_event(p.event)
+                if self.stream is not None:
+                    torch.cuda.current_stream().wait_event(p.event)  # the GPU waits, the host runs on
+                else:
+                    p.event.synchronize()
+                    self.stalls += 1
+        self.poll()
 
     def synchronize(self) -> None:
         """Block the host until every copy has landed, then release source slots."""
         if self.stream is not None:
             self.stream.synchronize()
+        for p in self._pending:
+            p.event.synchronize()
         self.poll()
 
     def poll(self) -> None:

@@ -1,0 +1,170 @@
+"""Passkey retrieval: a five-digit key planted at a given depth of repetitive filler, asked for at
+the end (the Landmark-Attention / LongLoRA test). Exact match of the number the model answers.
+
+The prompt (the same for every policy and scope) is the model's chat template around::
+
+    <intro>\\n\\n<filler ... needle ... filler>\\n\\n<question>
+
+with the assistant turn opened by ``answer_prefix`` ("The pass key is"), so the model's first
+tokens are the key. The filler is whole sentences, as many as fit in ``context_tokens``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar
+
+import numpy as np
+import torch
+
+from kvtier.cache import TieredKVCache
+from kvtier.errors import ConfigError
+from kvtier.eval.perplexity import check_int, progress_task
+
+FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
+_PLACEHOLDER = "\x00HAYSTACK\x00"
+
+
+def check_depths(depths) -> tuple[float, ...]:
+    """Depths as a tuple of floats in [0, 1]; ConfigError("task.depths") otherwise."""
+    try:
+        values = tuple(float(d) for d in depths)
+    except (TypeError, ValueError):
+        raise ConfigError("task.depths", f"must be a list of fractions in [0, 1], got {depths!r}") from None
+    if not values or any(not 0.0 <= d <= 1.0 for d in values) or any(isinstance(d, bool) for d in depths):
+        raise ConfigError("task.depths", f"must be a non-empty list of fractions in [0, 1], got {depths!r}")
+    return values
+
+
+class RetrievalTask:
+    """Shared machinery of passkey and needle: prompt building, fitting to a length, scoring runs.
+
+    Subclasses (dataclasses) have ``context_tokens``, ``depths``, ``samples``, ``seed``,
+    ``max_new_tokens``, ``chat_template`` and implement :meth:`cases` and :meth:`score`.
+    """
+
+    name: ClassVar[str] = "retrieval"
+    intro: ClassVar[str] = ""
+    min_context: ClassVar[int] = 128
+
+    def check_common(self) -> None:
+        check_int("context_tokens", self.context_tokens, self.min_context)
+        self.depths = check_depths(self.depths)
+        check_int("samples", self.samples, 1)
+        check_int("seed", self.seed, 0)
+        check_int("max_new_tokens", self.max_new_tokens, 1, 256)
+        if not isinstance(self.chat_template, bool):
+            raise ConfigError("task.chat_template", f"must be true or false, got {self.chat_template!r}")
+
+    # -- prompts -------------------------------------------------------------------------------
+    def template(self, tokenizer, question: str, answer_prefix: str) -> tuple[str, str]:
+        """The prompt text before and after the haystack."""
+        user = f"{self.intro}\n\n{_PLACEHOLDER}\n\n{question}"
+        if self.chat_template and getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
+                                                 add_generation_prompt=True)
+        else:
+            text = f"{user}\n\n"
+        before, after = text.split(_PLACEHOLDER)
+        return before, after + answer_prefix
+
+    def fit(self, tokenizer, before: str, after: str, haystack: Callable[[int], str], max_units: int):
+        """The longest prompt ``before + haystack(n) + after`` of at most ``context_tokens`` tokens
+        (binary search over the number of haystack units ``n``): ``(ids LongTensor [S], n)``."""
+        def encode(n):
+            return tokenizer(before + haystack(n) + after, add_special_tokens=False, verbose=False)["input_ids"]
+
+        lo, hi = 0, max_units
+        if len(encode(0)) > self.context_tokens:
+            raise ConfigError("task.context_tokens", f"{self.context_tokens} tokens do not even hold the question; "
+                                                     f"use at least {len(encode(0)) + 64}")
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(encode(mid)) <= self.context_tokens:
+                lo = mid
+            else:
+                hi = mid - 1
+        return torch.tensor(encode(lo), dtype=torch.long), lo
+
+    def check_length(self, engine) -> None:
+        limit = getattr(getattr(engine.model, "config", None), "max_position_embeddings", None)
+        if limit is not None and self.context_tokens + self.max_new_tokens > limit:
+            raise ConfigError("task.context_tokens", f"{self.context_tokens} + max_new_tokens {self.max_new_tokens} "
+                                                     f"exceeds the model's {limit} positions; use at most "
+                                                     f"{limit - self.max_new_tokens}")
+
+    # -- running -------------------------------------------------------------------------------
+    def cases(self, tokenizer, rng: np.random.Generator):
+        """Yields ``(depth, ids [S], expected, info dict)`` for every sample."""
+        raise NotImplementedError
+
+    def score(self, output: str, expected: str) -> bool:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def run(self, engine, make_cache: Callable[[], TieredKVCache], tokenizer, progress=None) -> dict:
+        self.check_length(engine)
+        rng = np.random.default_rng(self.seed)
+        advance = progress_task(progress, f"{self.name} ({self.context_tokens} tok)", len(self.depths) * self.samples)
+        records = []
+        for depth, ids, expected, info in self.cases(tokenizer, rng):
+            cache = make_cache()
+            try:
+                out = engine.greedy(cache, ids[None], self.max_new_tokens)[0]
+                hit_rate = cache.stats.tier1_hit_rate
+            finally:
+                cache.close()
+            text = tokenizer.decode(out, skip_special_tokens=True)
+            records.append({"depth": depth, "expected": expected, "output": text,
+                            "correct": self.score(text, expected), "prompt_tokens": int(ids.numel()),
+                            "tier1_hit_rate": hit_rate, **info})
+            advance()
+        per_depth = {}
+        for depth in self.depths:
+            hits = [r["correct"] for r in records if r["depth"] == depth]
+            per_depth[f"{depth:g}"] = sum(hits) / len(hits)
+        return {"task": self.name, "accuracy": sum(r["correct"] for r in records) / len(records),
+                "samples": len(records), "context_tokens": float(np.mean([r["prompt_tokens"] for r in records])),
+                "per_depth": per_depth,
+                "tier1_hit_rate": float(np.mean([r["tier1_hit_rate"] for r in records])), "records": records}
+
+
+@dataclass
+class Passkey(RetrievalTask):
+    """Passkey retrieval over synthetic filler; ``samples`` keys per depth from a seeded RNG."""
+
+    context_tokens: int = 4096
+    depths: tuple = (0.1, 0.5, 0.9)
+    samples: int = 1
+    seed: int = 0
+    max_new_tokens: int = 10
+    chat_template: bool = True
+    name: ClassVar[str] = "passkey"
+    intro: ClassVar[str] = ("There is an important piece of information hidden inside a lot of irrelevant text. "
+                            "Find it and memorize it. I will quiz you about the important information there.")
+    question: ClassVar[str] = "What is the pass key?"
+    answer_prefix: ClassVar[str] = "The pass key is"
+
+    def __post_init__(self):
+        self.check_common()
+
+    def cases(self, tokenizer, rng):
+        before, after = self.template(tokenizer, self.question, self.answer_prefix)
+        max_units = self.context_tokens // 4  # a filler sentence is 5-6 tokens
+        for depth in self.depths:
+            for _ in range(self.samples):
+                key = str(int(rng.integers(10000, 100000)))
+                needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+
+                def haystack(n, depth=depth, needle=needle):
+                    sentences = [FILLER[i % len(FILLER)] for i in range(n)]
+                    sentences.insert(round(depth * n), needle)
+                    return " ".join(sentences)
+
+                ids, n = self.fit(tokenizer, before, after, haystack, max_units)
+                yield depth, ids, key, {"filler_sentences": n}
+
+    def score(self, output: str, expected: str) -> bool:
+        numbers = re.findall(r"\d+", output)
+        return bool(numbers) and numbers[0] == expected

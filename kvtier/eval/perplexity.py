@@ -1,0 +1,88 @@
+"""Streaming perplexity (StreamingLLM-style): prefill a short prefix, then feed the text one token
+per decode step and score the next token's NLL, so every scored token sees the cache exactly as a
+long generation would (resident scope: only the pages the policy kept on the device).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import torch
+
+from kvtier.cache import TieredKVCache
+from kvtier.data import TEXTS, token_stream
+from kvtier.errors import ConfigError
+
+
+def check_int(field: str, value, low: int, high: int | None = None) -> None:
+    """Raise ConfigError("task.<field>") unless ``low <= value (<= high)`` is an integer."""
+    bad = not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high)
+    if bad:
+        allowed = f"an integer in [{low}, {high}]" if high is not None else f"an integer >= {low}"
+        raise ConfigError(f"task.{field}", f"must be {allowed}, got {value!r}")
+
+
+def progress_task(progress, description: str, total: int):
+    """``advance()`` for a rich Progress task (a no-op without a Progress)."""
+    if progress is None:
+        return lambda n=1: None
+    task_id = progress.add_task(description, total=total)
+    return lambda n=1: progress.advance(task_id, n)
+
+
+@dataclass
+class Perplexity:
+    """Perplexity of ``text`` (its first ``length`` tokens) fed token by token after a ``prefix``.
+
+    Scored: the ``length - prefix`` tokens after the prefix (the first from the prefill's last
+    logits, each later one from the decode step of the token before it).
+    """
+
+    text: str = "opticks"
+    length: int = 4096
+    prefix: int = 16
+    block_tokens: int = 256  # granularity of the returned NLL curve
+    name: ClassVar[str] = "perplexity"
+
+    def __post_init__(self):
+        if self.text not in TEXTS:
+            raise ConfigError("task.text", f"unknown text {self.text!r}; use one of {sorted(TEXTS)}")
+        check_int("length", self.length, 2)
+        check_int("prefix", self.prefix, 1, self.length - 1)
+        check_int("block_tokens", self.block_tokens, 1)
+
+    @torch.no_grad()
+    def run(self, engine, make_cache: Callable[[], TieredKVCache], tokenizer, progress=None) -> dict:
+        ids = token_stream(tokenizer, self.text, self.length)  # [length]
+        advance = progress_task(progress, f"perplexity {self.text} ({self.length} tok)", self.length - self.prefix)
+        cache = make_cache()
+        nll = torch.empty(self.length - self.prefix, dtype=torch.float64)
+        steps_before = len(engine.tpot_s)
+        try:
+            logits = engine.run_prefill(cache, ids[None, : self.prefix])[:, -1]  # [1, V]
+            nll[0] = _nll(logits, ids[self.prefix])
+            advance()
+            for i in range(self.prefix, self.length - 1):
+                logits = engine.decode_step(cache, ids[None, i : i + 1])  # [1, V]
+                nll[i + 1 - self.prefix] = _nll(logits, ids[i + 1])
+                advance()
+            cache.finish_step()
+            hit_rate = cache.stats.tier1_hit_rate
+        finally:
+            cache.close()
+        mean = float(nll.mean())
+        blocks = [float(b.mean()) for b in nll.split(self.block_tokens)]
+        tpot = sorted(engine.tpot_s[steps_before:])
+        return {"task": self.name, "perplexity": math.exp(mean), "nll_mean": mean, "samples": 1,
+                "context_tokens": self.length, "scored_tokens": int(nll.numel()), "text": self.text,
+                "prefix": self.prefix, "nll_blocks": blocks, "block_tokens": self.block_tokens,
+                "tier1_hit_rate": hit_rate,
+                "tpot_p50_s": tpot[len(tpot) // 2] if tpot else float("nan")}
+
+
+def _nll(logits: torch.Tensor, target: torch.Tensor) -> float:
+    """NLL of ``target`` (a 0-d token id) under ``logits [1, V]``."""
+    logp = torch.log_softmax(logits[0].double().cpu(), dim=-1)
+    return float(-logp[int(target)])

@@ -1,0 +1,115 @@
+"""The tiered cache on the real model: exact scope vs HF's own attention, generate(), salience."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.cache import TieredKVCache
+from kvtier.data import token_stream
+from kvtier.engine import Engine
+from kvtier.errors import ConfigError
+from kvtier.hook import install
+from kvtier.models import kv_layout_for
+from kvtier.policies import ASPE, LRU, SinkWindow
+from kvtier.scheduler.chunked_prefill import ChunkedPrefill
+from kvtier.tiers import DeviceTier, DiskTier, HostTier
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def hf_reference(smollm2):
+    """HF sdpa logits for a 1k-token Opticks prompt and 32 greedy decode steps."""
+    model, tok = smollm2
+    model.set_attn_implementation("sdpa")
+    ids = token_stream(tok, "opticks", 1024)[None]
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        past, logits, tokens = out.past_key_values, [out.logits[0, -1]], []
+        for _ in range(32):
+            tokens.append(logits[-1].argmax().view(1, 1))
+            out = model(tokens[-1], past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits.append(out.logits[0, -1])
+    return ids, tokens, torch.stack(logits)
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_exact_scope_matches_hf_with_pages_on_host_and_disk(smollm2, hf_reference, tmp_path, merge):
+    model, _ = smollm2
+    ids, tokens, ref = hf_reference
+    model.set_attn_implementation(install())
+    layout = kv_layout_for(model.config, page_size=16, dtype=torch.float32)
+    tiers = [DeviceTier(layout, 12, device="cpu"), HostTier(layout, 24), DiskTier(layout, 64, tmp_path)]
+    cache = TieredKVCache(layout, tiers, LRU(), scope="all", merge=merge)
+    engine = Engine(model, ChunkedPrefill(256))
+    got = [engine.run_prefill(cache, ids)[0, -1]]
+    for t in tokens:
+        got.append(engine.decode_step(cache, t)[0])
+    got = torch.stack(got)
+    occupancy = cache.table.occupancy()
+    assert min(occupancy["disk"]) > 0 and min(occupancy["host"]) > 0  # pages really live on all tiers
+    assert not torch.isnan(got).any()
+    assert (got - ref).abs().max() / ref.abs().max() < 1e-4
+    assert cache.stats.tier1_hit_rate < 0.5
+    model.set_attn_implementation("sdpa")
+    cache.close()
+
+
+def test_generate_matches_hf_greedy(smollm2):
+    model, tok = smollm2
+    prompt = tok("The light of the sun is compounded of rays", return_tensors="pt").input_ids
+    model.set_attn_implementation("sdpa")
+    ref = model.generate(prompt, max_new_tokens=64, do_sample=False)
+    model.set_attn_implementation(install())
+    layout = kv_layout_for(model.config, page_size=16, dtype=torch.float32)
+    cache = TieredKVCache(layout, [DeviceTier(layout, 3, device="cpu"), HostTier(layout, 16)],
+                          SinkWindow(sinks=4, window=16), scope="all")
+    got = model.generate(prompt, past_key_values=cache, max_new_tokens=64, do_sample=False)
+    model.set_attn_implementation("sdpa")
+    assert got.shape == ref.shape and torch.equal(got, ref)
+    assert cache.transfer.pages_moved["device->host"] > 0  # pages did move while generating
+
+
+def test_padding_is_refused(smollm2):
+    model, tok = smollm2
+    model.set_attn_implementation(install())
+    layout = kv_layout_for(model.config, page_size=16, dtype=torch.float32)
+    cache = TieredKVCache(layout, [DeviceTier(layout, 8, device="cpu")], LRU(), batch_size=2)
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    with pytest.raises(ConfigError) as e:
+        model(ids, attention_mask=torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]), past_key_values=cache)
+    assert e.value.field == "attention_mask"
+    model.set_attn_implementation("sdpa")
+
+
+def test_salience_equals_eager_max_probability():
+    """Salience from per-page max logits and the merged LSE vs an eager softmax over all keys."""
+    torch.manual_seed(0)
+    from kvtier import KVLayout
+
+    layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=8, page_size=4, dtype="float32")
+    cache = TieredKVCache(layout, [DeviceTier(layout, 3, device="cpu"), HostTier(layout, 16)], ASPE(sinks=0, window=0),
+                          scope="all")
+    H, S = 6, 23
+    k, v = torch.randn(1, 2, S, 8), torch.randn(1, 2, S, 8)
+    cache.update(k[:, :, :-1], v[:, :, :-1], 0)  # prefill 22 tokens
+    cache.attend(0, torch.randn(1, H, S - 1, 8))
+    cache.finish_step()  # pages now spread over device and host
+    assert cache.table.occupancy()["host"][0] > 0
+    cache.update(k[:, :, -1:], v[:, :, -1:], 0)
+    q = torch.randn(1, H, 1, 8)
+    cache.attend(0, q, scaling=8 ** -0.5)
+    kk = k[0].repeat_interleave(3, dim=0)  # [H, S, D]
+    probs = torch.softmax((q[0, :, 0, None, :] * kk).sum(-1) * 8 ** -0.5, dim=-1)  # [H, S]
+    probs = torch.nn.functional.pad(probs, (0, 1))  # [H, 24]: 6 pages of 4
+    eager = probs.view(2, 3, 6, 4).amax(dim=(1, 3))  # [N_kv, pages]
+    got = torch.zeros(2, 6)
+    logical = {pid: i for i, pid in enumerate(cache.table.pages(0).tolist())}
+    for _, pids, sal in cache._salience:
+        for pid, row in zip(pids.tolist(), sal):
+            got[:, logical[pid]] = row
+    assert len({p for _, pids, _ in cache._salience for p in pids.tolist()}) == 6
+    assert rel_err(got, eager) < 1e-5
