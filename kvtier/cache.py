@@ -37,6 +37,7 @@ from kvtier.scheduler.base import Scheduler
 from kvtier.scheduler.lookahead import LookaheadScheduler
 from kvtier.table import BlockTable
 from kvtier.tiers.base import Tier
+from kvtier.tiers.copy_kernel import copy_pages
 from kvtier.tiers.transfer import TransferEngine
 
 SCOPES = ("all", "resident", "topk")
@@ -274,8 +275,12 @@ class TieredKVCache(PagedCacheBase):
         for t in np.unique(tiers):
             sel = np.flatnonzero(tiers == t)
             tier = self.table.tiers[t]
-            pool[torch.from_numpy(sel).to(self.device)] = tier.read(layer, torch.from_numpy(slots[sel])).to(
-                self.device, non_blocking=True)
+            src_pool = tier.pool(layer)
+            if self.transfer.use_kernel(src_pool, pool):  # one launch through mapped host memory
+                copy_pages(src_pool, torch.from_numpy(slots[sel]), pool, torch.from_numpy(sel))
+            else:
+                pool[torch.from_numpy(sel).to(self.device)] = tier.read(layer, torch.from_numpy(slots[sel])).to(
+                    self.device, non_blocking=True)
             self.stats.add_fetch(f"{tier.name}->{self.table.tiers[0].name}", sel.size * self.layout.page_bytes)
         self.stats.fetch_s += time.perf_counter() - t0
         return pool

@@ -81,7 +81,7 @@ class TransferEngine:
                 src_tier = self.table.tiers[t]
                 slots = torch.from_numpy(src_slots[sel])
                 src_pool, dst_pool = src_tier.pool(layer), dst_tier.pool(layer)
-                if self._use_kernel(src_pool, dst_pool):
+                if self.use_kernel(src_pool, dst_pool):
                     copy_pages(src_pool, slots, dst_pool, dst_slots[sel])
                 else:
                     pages = src_tier.read(layer, slots)  # [n, 2, P, N_kv, D]
@@ -98,7 +98,7 @@ class TransferEngine:
         else:
             self._release(pending)
 
-    def _use_kernel(self, src_pool, dst_pool) -> bool:
+    def use_kernel(self, src_pool, dst_pool) -> bool:
         if self.method == "generic" or src_pool is None or dst_pool is None:
             return False
         return self.method == "kernel" or src_pool.is_cuda or dst_pool.is_cuda
