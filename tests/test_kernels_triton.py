@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported: jit picks the interpreter
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first `import triton`: jit picks the interpreter
 
 import math  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from kvtier.errors import ConfigError, MissingDependencyError  # noqa: E402
 from kvtier.kernels.reference import paged_attention_reference  # noqa: E402
@@ -26,6 +28,13 @@ from test_kernels_reference import random_paged_batch, rel_err  # noqa: E402
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="Triton needs a GPU or TRITON_INTERPRET=1")
+
+
+@pytest.fixture(autouse=True)
+def interpreter_mode_matches():
+    if os.environ["TRITON_INTERPRET"] == "1" and not isinstance(tl.zeros, InterpretedFunction):
+        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set (kvtier imports it): set it at the top "
+                    "of tests/conftest.py, before anything imports kvtier")
 
 
 def device():

@@ -39,8 +39,9 @@ class DecodeConfig:
 def default_decode_config(head_dim: int) -> DecodeConfig:
     """Best mean over the tuned shapes on an H200 with Triton 3.6 (bench/kernels.py --tune).
 
-    Small heads take 128-token steps (the same bytes per step as 64 tokens of D=128) with 5 stages:
-    the page-index load takes a pipeline stage of its own, and 5 double-buffers K/V.
+    D=128: 64-token steps, 3 stages. Small heads: 128-token steps (the bytes of 64 tokens at D=128)
+    with 5 stages, since the page-index load takes a pipeline stage of its own (Triton 3.7's
+    pipeliner double-buffers K/V only from 5 stages on; re-tune when Triton changes).
     """
     if head_dim <= 64:
         return DecodeConfig(block_n=128, num_warps=4, num_stages=5, ctas_per_sm=2)
@@ -59,7 +60,7 @@ class DecodePlan:
     max_splits: int
     block_n: int
     config: DecodeConfig
-    part_out: torch.Tensor | None  # [splits, B, H, D] fp32, reused by every layer; None for one split
+    part_out: torch.Tensor | None  # [splits, B, H, D] fp32, reused by every layer (one stream); None: 1 split
     part_lse: torch.Tensor | None  # [splits, B, H] fp32 (log2 units)
 
 

@@ -1,0 +1,75 @@
+"""Needle in a haystack of real text: one distinctive fact sentence is inserted at a given depth of a
+``context_tokens`` excerpt of a book (Lady Susan by default); the model is asked about it and is
+right when the answer word appears in its greedy answer.
+
+The prompt format is the passkey task's (see :mod:`kvtier.eval.passkey`): the same for every
+policy and scope. Sample ``i`` of a depth takes its excerpt from a seeded-random paragraph start.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kvtier.data import TEXTS, lady_susan_text, opticks_text
+from kvtier.errors import ConfigError
+from kvtier.eval.passkey import RetrievalTask
+
+_SENTENCE_END = re.compile(r"[.!?][\"')\]]*(?=\s)")
+_TEXTS = {"lady_susan": lady_susan_text, "opticks": opticks_text}
+
+
+@dataclass
+class Needle(RetrievalTask):
+    """A fact sentence (``needle``) hidden in ``text``; ``answer`` must appear in the reply to ``question``."""
+
+    context_tokens: int = 4096
+    depths: tuple = (0.1, 0.5, 0.9)
+    samples: int = 1
+    seed: int = 0
+    max_new_tokens: int = 12
+    chat_template: bool = False
+    text: str = "lady_susan"
+    needle: str = "The secret ingredient in Mrs. Vernon's cake was cardamom."
+    question: str = "What was the secret ingredient in Mrs. Vernon's cake?"
+    answer: str = "cardamom"
+    answer_prefix: str = "The secret ingredient in Mrs. Vernon's cake was"
+    name: ClassVar[str] = "needle"
+    intro: ClassVar[str] = ("Below is a long excerpt from a book. One sentence in it states a fact that does not "
+                            "belong to the book. Read the excerpt and remember that fact; I will ask you about it.")
+
+    def __post_init__(self):
+        self.check_common()
+        if self.text not in TEXTS:
+            raise ConfigError("task.text", f"unknown text {self.text!r}; use one of {sorted(TEXTS)}")
+        for name in ("needle", "question", "answer"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise ConfigError(f"task.{name}", f"must be a non-empty string, got {value!r}")
+        if not isinstance(self.answer_prefix, str):
+            raise ConfigError("task.answer_prefix", f"must be a string (may be empty), got {self.answer_prefix!r}")
+        if self.answer.lower() not in self.needle.lower():
+            raise ConfigError("task.answer", f"{self.answer!r} does not occur in the needle {self.needle!r}")
+
+    def cases(self, tokenizer, rng):
+        book = _TEXTS[self.text]()
+        ends = [m.end() for m in _SENTENCE_END.finditer(book)]  # char offsets just after each sentence
+        starts = [m.end() for m in re.finditer(r"\n\s*\n", book)]  # paragraph starts
+        chars_needed = self.context_tokens * 6  # > chars of context_tokens tokens (about 4 per token)
+        usable = [s for s in starts if s + chars_needed < len(book)] or starts[:1]
+        before, after = self.template(tokenizer, self.question, self.answer_prefix)
+        for depth in self.depths:
+            for _ in range(self.samples):
+                start = usable[int(rng.integers(len(usable)))]
+                bounds = [start] + [e for e in ends if start < e <= start + chars_needed]
+
+                def haystack(n, depth=depth, bounds=bounds):
+                    at = bounds[round(depth * n)]
+                    return f"{book[bounds[0]:at]} {self.needle}{book[at:bounds[n]]}".strip()
+
+                ids, n = self.fit(tokenizer, before, after, haystack, len(bounds) - 1)
+                yield depth, ids, self.answer, {"start_char": start, "sentences": n}
+
+    def score(self, output: str, expected: str) -> bool:
+        return expected.lower() in output.lower()
