@@ -245,7 +245,7 @@ class TieredKVCache(PagedCacheBase):
             kv_indptr.append(kv_indptr[-1] + pids.size)
             n_pages = self.table.pages(seq).size
             has_tail = logical[b].size and logical[b][-1] == n_pages - 1
-            causal |= bool(has_tail) and logical[b][-1] >= tail_from
+            causal |= bool(has_tail and logical[b][-1] >= tail_from)
             last_len.append((self.table.seq_len(seq) - 1) % P + 1 if has_tail else P)
         pids = np.concatenate(all_pids)
         tiers, slots = self.table.locate(layer, pids)

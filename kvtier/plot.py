@@ -1,0 +1,121 @@
+"""kvtier-plot DIR: PNG figures from the runs (``metrics.json`` files) under a folder, e.g. a multirun.
+
+- ``quality_vs_budget-<task>.png``: the task's score against the device budget, one line per
+  policy (and scope, when runs differ in scope); x is the budget fraction, or tokens when the runs
+  set ``budget.tokens``.
+- ``occupancy-<run>.png``: pages in use per tier (mean over layers) at every engine step of a run,
+  with each tier's capacity dashed.
+
+Usage: ``kvtier-plot multirun/2026-11-30_10-00-00 [--out DIR] [--x auto|fraction|tokens]``
+(also ``python -m kvtier.plot DIR``). Figures go to ``DIR/plots`` unless ``--out`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+X_AXES = {"fraction": ("budget_fraction", "device budget (fraction of the context)"),
+          "tokens": ("budget_tokens", "device budget (tokens)")}
+
+
+def load_runs(root: Path) -> list[dict]:
+    """Every run's metrics under ``root``, each with ``_dir`` (its folder relative to ``root``)."""
+    runs = []
+    for path in sorted(Path(root).rglob("metrics.json")):
+        try:
+            m = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"skipping {path}: {e}", file=sys.stderr)
+            continue
+        m["_dir"] = str(path.parent.relative_to(root)) if path.parent != Path(root) else path.parent.name
+        runs.append(m)
+    return runs
+
+
+def pick_x(runs: list[dict], x: str) -> str:
+    """``auto`` is tokens when any run set ``budget.tokens``, else fraction."""
+    if x != "auto":
+        return x
+    return "tokens" if any(r["config"]["budget"]["tokens"] is not None for r in runs) else "fraction"
+
+
+def quality_vs_budget(runs: list[dict], out: Path, x: str = "auto") -> list[Path]:
+    """One figure per (task, score): score against budget, a line per policy (and scope)."""
+    key, label = X_AXES[pick_x(runs, x)]
+    by_task = defaultdict(list)
+    for r in runs:
+        by_task[(r["task"], r["score_name"])].append(r)
+    written = []
+    for (task, score), group in sorted(by_task.items()):
+        several_scopes = len({r["scope"] for r in group}) > 1
+        lines = defaultdict(list)
+        for r in group:
+            name = f"{r['policy']} ({r['scope']})" if several_scopes else r["policy"]
+            lines[name].append((r[key], r[score]))
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for name, points in sorted(lines.items()):
+            xs, ys = zip(*sorted(points))
+            ax.plot(xs, ys, marker="o", label=name)
+        better = "lower is better" if score == "perplexity" else "higher is better"
+        ax.set(xlabel=label, ylabel=f"{score} ({better})", title=f"{task}: {score} vs budget")
+        ax.grid(alpha=0.3)
+        ax.legend(title="policy")
+        written.append(_save(fig, out / f"quality_vs_budget-{task}.png"))
+    return written
+
+
+def occupancy(runs: list[dict], out: Path) -> list[Path]:
+    """One figure per run: pages in use per tier over engine steps, capacities dashed."""
+    written = []
+    for r in runs:
+        occ = r["occupancy"]
+        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        for i, (tier, pages) in enumerate(occ["pages"].items()):
+            color = f"C{i}"
+            ax.plot(occ["step"], pages, label=tier, color=color)
+            cap = r["capacity_pages"].get(tier)
+            if cap is not None:
+                ax.axhline(cap, color=color, linestyle="--", linewidth=0.8)
+        ax.set(xlabel="engine step (prefill chunk or decode token)", ylabel="pages in use (mean over layers)",
+               title=f"tier occupancy: {r['_dir']}")
+        ax.grid(alpha=0.3)
+        ax.legend(title="tier")
+        written.append(_save(fig, out / f"occupancy-{r['_dir'].replace('/', '_')}.png"))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console script ``kvtier-plot``."""
+    parser = argparse.ArgumentParser(prog="kvtier-plot", description=__doc__.split("\n\n")[0])
+    parser.add_argument("dir", type=Path, help="a multirun folder (or any folder holding runs' metrics.json)")
+    parser.add_argument("--out", type=Path, help="where the PNGs go (default: DIR/plots)")
+    parser.add_argument("--x", choices=["auto", *X_AXES], default="auto", help="budget axis (default: auto)")
+    args = parser.parse_args(argv)
+    runs = load_runs(args.dir)
+    if not runs:
+        parser.error(f"no metrics.json under {args.dir}; point it at a kvtier-run output or multirun folder")
+    out = args.out or args.dir / "plots"
+    for path in quality_vs_budget(runs, out, args.x) + occupancy(runs, out):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

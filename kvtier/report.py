@@ -1,0 +1,222 @@
+"""What a run reports: per-cache records, the metrics dict, metrics.json, and the loggers
+(``console``: a rich table; ``wandb``: the table plus an offline W&B run inside the run folder;
+``none``: nothing beyond metrics.json).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from kvtier.errors import ConfigError
+from kvtier.metrics import percentile
+
+WANDB_MODES = ("offline", "disabled")
+SCORES = ("perplexity", "accuracy")
+
+
+@dataclass
+class CacheRecord:
+    """What one TieredKVCache did, kept once the cache itself (and its page pools) is gone."""
+
+    attended_pages: int
+    resident_pages: int
+    fetch_s: float
+    fetched_bytes: dict  # link -> bytes copied to the device for attention
+    migrated_bytes: dict  # link -> bytes moved by the scheduler
+    migrated_pages: dict  # link -> pages moved by the scheduler
+    occupancy: list  # [(step, {tier: pages in use, mean over layers})]
+    offloaded_fraction: float  # live pages off the device at the end, mean over layers
+
+    @classmethod
+    def of(cls, cache) -> "CacheRecord":
+        live = cache.table.live_pids()
+        off = float((cache.table.tier_of[:, live] != 0).mean()) if live.size else 0.0
+        return cls(cache.stats.attended_pages, cache.stats.resident_pages, cache.stats.fetch_s,
+                   dict(cache.stats.fetched_bytes), dict(cache.transfer.bytes_moved),
+                   dict(cache.transfer.pages_moved), list(cache.stats.occupancy), off)
+
+
+def collect(cfg, plan, result: dict, records: list[CacheRecord], engine, wall_s: float) -> dict:
+    """The run's metrics: identity, the task's score, systems figures over all caches, the config."""
+    from omegaconf import OmegaConf
+
+    score = next(k for k in SCORES if k in result)
+    attended = sum(r.attended_pages for r in records)
+    migrated, fetched, pages = Counter(), Counter(), Counter()
+    for r in records:
+        migrated.update(r.migrated_bytes)
+        fetched.update(r.fetched_bytes)
+        pages.update(r.migrated_pages)
+    steps, series, offset = [], {}, 0
+    for r in records:
+        for step, occ in r.occupancy:
+            steps.append(offset + step)
+            for tier, n in occ.items():
+                series.setdefault(tier, []).append(n)
+        offset = steps[-1] + 1 if steps else offset
+    return {
+        "task": result["task"], "policy": cfg.policy.name, "scope": cfg.scope, "tiers": cfg.tiers.name,
+        "kernel": cfg.kernel.name, "model": cfg.model.name, "run_name": cfg.run_name,
+        "score_name": score, score: result[score],
+        "budget_tokens": plan.budget_tokens, "budget_fraction": plan.budget_fraction,
+        "capacity_pages": plan.capacities, "context_tokens": result["context_tokens"],
+        "samples": result.get("samples", len(records)),
+        "tier1_hit_rate": sum(r.resident_pages for r in records) / attended if attended else 1.0,
+        "bytes_moved": dict(migrated + fetched), "bytes_moved_total": sum((migrated + fetched).values()),
+        "bytes_migrated_total": sum(migrated.values()), "bytes_fetched_total": sum(fetched.values()),
+        "pages_migrated": dict(pages),
+        "offloaded_fraction": float(np.mean([r.offloaded_fraction for r in records])) if records else 0.0,
+        "ttft_s": float(np.mean(engine.ttft_s)) if engine.ttft_s else float("nan"),
+        "tpot_p50_s": percentile(engine.tpot_s, 50), "tpot_p99_s": percentile(engine.tpot_s, 99),
+        "decode_steps": len(engine.tpot_s), "stall_s": sum(r.fetch_s for r in records), "wall_s": wall_s,
+        "peak_pages": {tier: max(v) for tier, v in series.items()},
+        "occupancy": {"step": steps, "pages": series},
+        "task_result": result,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+
+
+def write_json(metrics: dict, path: Path) -> Path:
+    """Write ``metrics`` to ``path`` atomically; NaN and inf become null (strict JSON)."""
+    path = Path(path)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_finite(metrics), indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _finite(x):
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def metrics_table(m: dict) -> Table:
+    """The headline figures as a two-column rich table."""
+    t = Table(title=f"kvtier · {m['task']} · {m['policy']} · scope {m['scope']} · {m['tiers']} · {m['kernel']}")
+    t.add_column("metric", style="bold")
+    t.add_column("value", justify="right")
+    score = m[m["score_name"]]
+    t.add_row(m["score_name"], f"{score:.4f}" if m["score_name"] == "perplexity" else f"{score:.1%}")
+    t.add_row("budget", f"{m['budget_tokens']} tokens ({m['budget_fraction']:.2f} of {m['context_tokens']:g})")
+    t.add_row("tier-1 hit rate", f"{m['tier1_hit_rate']:.1%}")
+    t.add_row("offloaded fraction", f"{m['offloaded_fraction']:.1%}")
+    for link, n in sorted(m["bytes_moved"].items()):
+        t.add_row(f"bytes moved {link}", _mib(n))
+    t.add_row("bytes moved total", _mib(m["bytes_moved_total"]))
+    t.add_row("stall (fetch wait)", f"{m['stall_s']:.3f} s")
+    t.add_row("TTFT", f"{m['ttft_s'] * 1e3:.1f} ms")
+    t.add_row("TPOT p50 / p99", f"{m['tpot_p50_s'] * 1e3:.1f} / {m['tpot_p99_s'] * 1e3:.1f} ms")
+    t.add_row("peak pages per tier", " · ".join(f"{k} {v:g}" for k, v in m["peak_pages"].items()))
+    t.add_row("wall", f"{m['wall_s']:.1f} s")
+    return t
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+# -- loggers (the ``logger`` config group) ---------------------------------------------------
+
+@dataclass
+class NullLogger:
+    """Logs nothing: metrics.json is the whole output."""
+
+    name: str = "none"
+
+    def log(self, metrics: dict, run_dir: Path) -> None:
+        pass
+
+
+@dataclass
+class ConsoleLogger:
+    """Prints the metrics table and where metrics.json is."""
+
+    name: str = "console"
+
+    def log(self, metrics: dict, run_dir: Path) -> None:
+        console = Console()
+        console.print(metrics_table(metrics))
+        console.print(f"metrics: {Path(run_dir) / 'metrics.json'}")
+
+
+@dataclass
+class WandbLogger(ConsoleLogger):
+    """The console table, then a W&B run of the config, the scalars and the occupancy series.
+
+    Every W&B file (run, cache, config, staging) lives in ``<run_dir>/wandb``; ``mode`` is
+    ``offline`` (no network: upload later with ``wandb sync``) or ``disabled`` (no W&B at all).
+    """
+
+    name: str = "wandb"
+    mode: str = "offline"
+    project: str = "kvtier"
+
+    def __post_init__(self):
+        if self.mode not in WANDB_MODES:
+            raise ConfigError("logger.mode", f"unknown mode {self.mode!r}; use one of {list(WANDB_MODES)}")
+
+    def log(self, metrics: dict, run_dir: Path) -> None:
+        super().log(metrics, run_dir)
+        if self.mode == "disabled":
+            return
+        run_dir = Path(run_dir).absolute()
+        home = run_dir / "wandb"
+        env = {"WANDB_MODE": self.mode, "WANDB_DIR": str(run_dir), "WANDB_SILENT": "true",
+               **{f"WANDB_{k}_DIR": str(home / k.lower()) for k in ("CACHE", "CONFIG", "DATA", "ARTIFACT")}}
+        with _environ(env):
+            import wandb
+
+            run = wandb.init(project=self.project, name=metrics["run_name"], dir=run_dir, mode=self.mode,
+                             config=metrics["config"])
+            occ = metrics["occupancy"]
+            for i, step in enumerate(occ["step"]):
+                run.log({f"occupancy/{tier}": v[i] for tier, v in occ["pages"].items()}, step=step)
+            run.summary.update(_scalars(metrics))
+            sync_dir = run.settings.sync_dir
+            run.finish()
+            wandb.teardown()
+        Console().print(f"W&B {self.mode} run: {sync_dir}  (upload: wandb sync {sync_dir})")
+
+
+def _scalars(metrics: dict) -> dict:
+    """Numbers of the metrics, nested dicts flattened as ``key/sub``."""
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = v
+        elif isinstance(v, dict) and k in ("bytes_moved", "pages_migrated", "peak_pages", "capacity_pages"):
+            out.update({f"{k}/{sub}": n for sub, n in v.items()})
+    return out
+
+
+@contextlib.contextmanager
+def _environ(values: dict):
+    """Set environment variables for the duration of the block, then restore them."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+LOGGERS = {"console": ConsoleLogger, "wandb": WandbLogger, "none": NullLogger}
