@@ -6,7 +6,7 @@ random weights) for realistic KV volume. The context's KV is written straight in
 (random, as the weights are), then ``--steps`` decode steps run through the real cache, hook,
 scheduler and kernels. Hidden fraction = 1 - (TPOT - TPOT at 100% HBM) / (bytes moved per step at
 the measured copy rate), clipped to [0, 1].
-Run on a GPU:  python bench/e2e.py [--quick]   (writes $OUT/e2e.json)
+Run on a GPU:  python -m bench.e2e [--quick]   (writes $OUT/e2e.json)
 """
 
 from __future__ import annotations

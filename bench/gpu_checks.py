@@ -4,7 +4,7 @@ A SmolLM2-shaped model (30 layers, 9/3 heads, D=64, random weights: the 98 MB GG
 the device machine) runs a 1k-token prompt and 16 greedy decode steps with HF sdpa, then through
 kvtier with scope=all, a 25% HBM budget (pages migrate every step) and each kernel backend, in
 bf16 and fp32. Prints the max relative logit error and greedy-token agreement; writes JSON.
-Run on a GPU:  python bench/gpu_checks.py
+Run on a GPU:  python -m bench.gpu_checks
 """
 
 from __future__ import annotations

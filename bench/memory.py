@@ -4,7 +4,7 @@ A model-shaped cache (default 8 layers, 4 kv heads, D=64, fp16: 8 KiB of KV per 
 context in chunks: each chunk's K/V is written, attended under ``resident`` scope with
 SinkWindow, and the scheduler demotes pages down the tiers (device and host budgets small, disk
 holding the rest). RSS should track the configured device + host capacities, not the context.
-Run (CPU):  python bench/memory.py --tokens 1048576   (writes bench/memory.json or $OUT/memory.json)
+Run (CPU):  python -m bench.memory --tokens 1048576   (writes bench/memory.json or $OUT/memory.json)
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Methods: ``per_page`` (one cudaMemcpyAsync per page: the launch-bound baseline), ``staged``
 (gather on the host into a pinned staging buffer, one bulk copy, scatter on the device),
 ``kernel`` (kvtier's one-launch Triton copy through mapped host pointers, no staging).
-Run on a GPU:  python bench/transfers.py   (writes $OUT/transfers.json)
+Run on a GPU:  python -m bench.transfers   (writes $OUT/transfers.json)
 """
 
 from __future__ import annotations

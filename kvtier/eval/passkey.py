@@ -1,12 +1,13 @@
 """Passkey retrieval: a five-digit key planted at a given depth of repetitive filler, asked for at
 the end (the Landmark-Attention / LongLoRA test). Exact match of the number the model answers.
 
-The prompt (the same for every policy and scope) is the model's chat template around::
+The prompt (the same for every policy and scope) is, by default, the original plain format::
 
-    <intro>\\n\\n<filler ... needle ... filler>\\n\\n<question>
+    <intro> <filler ... needle ... filler>\\n<question> The pass key is
 
-with the assistant turn opened by ``answer_prefix`` ("The pass key is"), so the model's first
-tokens are the key. The filler is whole sentences, as many as fit in ``context_tokens``.
+so the model's first tokens are the key (``chat_template=True`` wraps the same parts in the
+tokenizer's chat template instead). The filler is whole sentences, as many as fit in
+``context_tokens``.
 """
 
 from __future__ import annotations
@@ -59,13 +60,19 @@ class RetrievalTask:
 
     # -- prompts -------------------------------------------------------------------------------
     def template(self, tokenizer, question: str, answer_prefix: str) -> tuple[str, str]:
-        """The prompt text before and after the haystack."""
-        user = f"{self.intro}\n\n{_PLACEHOLDER}\n\n{question}"
-        if self.chat_template and getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
-                                                 add_generation_prompt=True)
-        else:
-            text = f"{user}\n\n"
+        """The prompt text before and after the haystack.
+
+        Plain (the default; the Landmark-Attention format): ``<intro> <haystack>\n<question> <answer_prefix>``.
+        Chat: the tokenizer's chat template, user turn ``<intro>\n\n<haystack>\n\n<question>``,
+        assistant turn opened with ``<answer_prefix>``. SmolLM2-135M-Instruct answers the plain form
+        (9/9 passkeys at 4k) but drifts off in the chat form (0/3), so plain is the default.
+        """
+        if not self.chat_template:
+            return f"{self.intro} ", f"\n{question} {answer_prefix}".rstrip()
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError("task.chat_template", "the tokenizer has no chat template; set chat_template: false")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": f"{self.intro}\n\n{_PLACEHOLDER}\n\n{question}"}],
+                                             tokenize=False, add_generation_prompt=True)
         before, after = text.split(_PLACEHOLDER)
         return before, after + answer_prefix
 
@@ -139,7 +146,7 @@ class Passkey(RetrievalTask):
     samples: int = 1
     seed: int = 0
     max_new_tokens: int = 10
-    chat_template: bool = True
+    chat_template: bool = False
     name: ClassVar[str] = "passkey"
     intro: ClassVar[str] = ("There is an important piece of information hidden inside a lot of irrelevant text. "
                             "Find it and memorize it. I will quiz you about the important information there.")
