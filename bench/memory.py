@@ -1,8 +1,8 @@
 """Peak RSS vs context length: a long context streamed through device -> host -> disk tiers.
 
 A model-shaped cache (default 8 layers, 4 kv heads, D=64, fp16: 8 KiB of KV per token) takes the
-context in chunks: each chunk's K/V is written, attended under ``resident`` scope with
-SinkWindow, and the scheduler demotes pages down the tiers (device and host budgets small, disk
+context in chunks: each chunk's K/V is written, the chunk's last token attends under ``resident``
+scope with SinkWindow, and the scheduler demotes pages down the tiers (device and host budgets small, disk
 holding the rest). RSS should track the configured device + host capacities, not the context.
 Run (CPU):  python -m bench.memory --tokens 1048576   (writes bench/memory.json or $OUT/memory.json)
 """
@@ -56,7 +56,7 @@ def main():
         for layer in range(layout.num_layers):
             k = torch.randn(1, 4, n, 64, generator=gen).half()
             cache.update(k, k, layer)
-            cache.attend(layer, torch.randn(1, q_heads, n, 64, generator=gen).half())
+            cache.attend(layer, torch.randn(1, q_heads, 1, 64, generator=gen).half())  # the chunk's last token
         done += n
         if done >= next_report or done == args.tokens:
             occ = cache.table.occupancy()

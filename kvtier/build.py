@@ -129,6 +129,8 @@ def _validate_model(model: DictConfig) -> torch.device:
         raise ConfigError("model.device", f"{model.device!r} is not a torch device ({e}); use auto, cpu or cuda") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("model.device", "cuda was asked for but no GPU is visible; use model.device=cpu")
+    if OmegaConf.is_missing(model, "path"):
+        raise ConfigError("model.path", "set it to a local Hugging Face model folder, e.g. model.path=/models/llama")
     path = model.get("path")
     if path in (None, "smollm2"):
         if not (cache_dir() / "models" / SMOLLM2_NAME / "config.json").is_file():
@@ -195,8 +197,8 @@ def _validate_budget(budget: DictConfig, context: int, page_size: int, chunk: in
     pages = -(-tokens // page_size)
     need = _pinned_pages(policy, page_size) + -(-min(chunk, context) // page_size) + 1
     if pages < need:
-        raise ConfigError(field, f"a budget of {tokens} tokens ({pages} pages of {page_size}) cannot hold the "
-                                 f"pages policy '{policy.name}' pins plus one prefill chunk of {chunk} tokens "
+        raise ConfigError(field, f"a budget of {tokens} tokens ({pages} x {page_size}-token pages) cannot hold "
+                                 f"the pages policy '{policy.name}' pins plus a prefill chunk of {chunk} tokens "
                                  f"({need} pages); raise the budget to {need * page_size} tokens, or lower "
                                  "scheduler.prefill.chunk_size or the policy's sinks/window")
     return tokens

@@ -5,8 +5,9 @@ checkout or an editable install (``pip install -e .``, what ``make`` does). ``KV
 points at another copy (e.g. for a wheel install); Hydra's ``--config-dir DIR`` adds a folder of
 your own group options (``DIR/policy/mine.yaml`` -> ``policy=mine``) on top of the packaged ones.
 
-Every job's config is validated before Hydra writes anything (:class:`ValidateFirst`), so a bad
-recipe leaves no output folder content; each run then writes ``metrics.json`` into its folder.
+Every job's config (each one of a sweep) is validated before Hydra makes a folder, so a bad recipe
+writes nothing; each run then writes ``metrics.json`` into its folder. Validation composes the
+configs with Hydra 1.3's own (internal) composer and basic sweeper, exactly as the run will.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import time
 from pathlib import Path
 
 import hydra
+from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import ValueType
-from hydra.experimental.callback import Callback
+from hydra.errors import MissingConfigException
+from hydra.types import RunMode
 from omegaconf import DictConfig
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -69,58 +71,43 @@ def _progress(enabled: bool):
         yield progress
 
 
-class ValidateFirst(Callback):
-    """Hydra callback: validate every job's config before Hydra makes a folder or writes a file."""
-
-    def on_run_start(self, config: DictConfig, **kwargs) -> None:
-        validate(config)
-
-    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        for job in sweep_configs(config):
-            validate(job)
-
-
-def sweep_configs(config: DictConfig):
-    """The config of every job of a multirun, composed as Hydra's basic sweeper will compose it."""
+def job_configs(args: list[str]):
+    """The config of every job ``kvtier-run args`` will run (one, or each of a multirun sweep),
+    composed as Hydra will compose them; a missing group option is a ConfigError naming the group."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra._internal.utils import get_args_parser
 
-    loader = GlobalHydra.instance().config_loader()
-    params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
-    parsed = OverridesParser.create(config_loader=loader).parse_overrides(params + list(config.hydra.overrides.task))
-    for batch in BasicSweeper.split_arguments(parsed, None):
-        for overrides in batch:
-            yield loader.load_sweep_config(config, list(overrides))
+    opts = get_args_parser().parse_args(args)
+    if opts.help or opts.hydra_help or opts.cfg or opts.info or opts.shell_completion:
+        return  # nothing runs
+    overrides = list(opts.overrides)
+    if opts.config_dir:
+        overrides.append(f"hydra.searchpath=[file://{Path(opts.config_dir).absolute()}]")
+    name = opts.config_name or "config"
+    with initialize_config_dir(str(RECIPES), version_base="1.3"), _group_errors():
+        hydra_ = GlobalHydra.instance().hydra
+        master = hydra_.compose_config(name, overrides, run_mode=RunMode.MULTIRUN, with_log_configuration=False)
+        if not (opts.multirun or master.hydra.mode == RunMode.MULTIRUN):
+            yield hydra_.compose_config(name, overrides, run_mode=RunMode.RUN, with_log_configuration=False)
+            return
+        loader = GlobalHydra.instance().config_loader()
+        params = [f"{k}={v}" for k, v in (master.hydra.sweeper.get("params") or {}).items()]
+        parsed = OverridesParser.create(config_loader=loader).parse_overrides(params + list(master.hydra.overrides.task))
+        for batch in BasicSweeper.split_arguments(parsed, None):
+            for job in batch:
+                yield loader.load_sweep_config(master, list(job))
 
 
-def check_choices(args: list[str]) -> None:
-    """ConfigError naming the group when an override picks an option no recipe folder holds.
-
-    Runs before Hydra, whose own error for this names a file rather than the config key.
-    """
-    dirs = [RECIPES, *map(Path, _flag_values(args, ("--config-dir", "-cd")))]
-    groups = {p.name for p in RECIPES.iterdir() if p.is_dir()}
+@contextlib.contextmanager
+def _group_errors():
+    """Hydra's error for a missing group option (``policy=nope``) as a ConfigError naming the group."""
     try:
-        overrides = OverridesParser.create().parse_overrides([a for a in args if "=" in a and not a.startswith("-")])
-    except Exception:
-        return  # malformed: Hydra explains it
-    for o in overrides:
-        group = o.key_or_group
-        if group not in groups or o.is_delete() or o.value_type == ValueType.GLOB_CHOICE_SWEEP:
-            continue
-        options = sorted({f.stem for d in dirs for f in (d / group).glob("*.yaml")})
-        values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
-        for value in values:
-            if value not in options and value != "null":
-                raise ConfigError(group, f"unknown {group} {value!r}; use one of {options}")
-
-
-def _flag_values(args: list[str], flags: tuple[str, ...]) -> list[str]:
-    out = []
-    for i, a in enumerate(args):
-        if a in flags and i + 1 < len(args):
-            out.append(args[i + 1])
-        out += [a.split("=", 1)[1] for f in flags if a.startswith(f + "=")]
-    return out
+        yield
+    except MissingConfigException as e:
+        group, _, option = (e.missing_cfg_file or "").rpartition("/")
+        if not group or e.options is None:
+            raise
+        raise ConfigError(group, f"unknown {group} {option!r}; use one of {sorted(e.options)}") from None
 
 
 @hydra.main(version_base="1.3", config_path=str(RECIPES), config_name="config")
@@ -129,8 +116,12 @@ def _job(cfg: DictConfig) -> dict:
 
 
 def main() -> None:
-    """Console script ``kvtier-run [-m] [group=option ...] [key=value ...]`` (Hydra's command line)."""
-    check_choices(sys.argv[1:])
+    """Console script ``kvtier-run [-m] [group=option ...] [key=value ...]`` (Hydra's command line).
+
+    Every job's config is validated before Hydra starts, so a bad one writes nothing.
+    """
+    for cfg in job_configs(sys.argv[1:]):
+        validate(cfg)
     _job()
 
 

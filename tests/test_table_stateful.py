@@ -1,9 +1,14 @@
-"""Randomized alloc / append / fork / migrate / free against a plain-dict model."""
+"""Randomized alloc / append / fork / migrate / free / salience / scheduler steps against a plain-dict model.
+
+The default suite runs it short; ``-m nightly`` runs >= 10^5 operations.
+"""
 
 import tempfile
+import time
 from collections import Counter
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -12,6 +17,8 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 from kvtier import BlockTable, KVLayout
 from kvtier.errors import TierFullError
 from kvtier.paged_io import read_tokens, write_tokens
+from kvtier.policies import ASPE
+from kvtier.scheduler import LookaheadScheduler
 from kvtier.tiers import DeviceTier, DiskTier, HostTier, TransferEngine
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, page_size=4, dtype="bfloat16")
@@ -29,6 +36,10 @@ class TableMachine(RuleBasedStateMachine):
         self.transfer = TransferEngine(self.table)
         self.model: dict[int, torch.Tensor] = {}  # seq -> [L, 2, S, N_kv, D]
         self.next_id = 0
+        self.policy = ASPE(sinks=4, window=8, obs_window=3)
+        self.policy.reset(LAYOUT.num_layers)
+        self.scheduler = LookaheadScheduler(lookahead=1)
+        self.step = 0
 
     def teardown(self):
         for t in self.tiers:
@@ -80,6 +91,24 @@ class TableMachine(RuleBasedStateMachine):
         except TierFullError:
             pass
 
+    @rule(data=st.data(), reserve=st.integers(0, 2))
+    def salience_and_schedule(self, data, reserve):
+        live = self.table.live_pids()
+        self.step += 1
+        self.policy.on_step(self.step)
+        if live.size:
+            for layer in range(LAYOUT.num_layers):
+                scores = np.asarray(data.draw(st.lists(st.floats(0, 0.5), min_size=live.size, max_size=live.size)),
+                                    dtype=np.float32)
+                self.policy.on_salience(layer, live, np.stack([scores, scores / 2], 1), self.step)
+        try:
+            plan = self.scheduler.plan(self.table, self.policy, self.step, reserve=reserve)
+            self.scheduler.execute(plan, self.transfer)
+        except TierFullError:
+            return
+        for layer in range(LAYOUT.num_layers):
+            assert self.tiers[0].num_used(layer) <= self.tiers[0].capacity
+
     @rule(seq=consumes(seqs))
     def free(self, seq):
         if seq not in self.model:
@@ -89,6 +118,7 @@ class TableMachine(RuleBasedStateMachine):
 
     @invariant()
     def contents_match(self):
+        TableMachine.ops += 1  # invariants run once after every operation
         for seq, kv in self.model.items():
             for layer in range(LAYOUT.num_layers):
                 got = read_tokens(self.table, layer, seq)
@@ -109,5 +139,22 @@ class TableMachine(RuleBasedStateMachine):
                 assert sorted(slots.tolist()) == sorted(tier.allocated_slots(layer).tolist())
 
 
-TableMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
-TestTable = TableMachine.TestCase
+TableMachine.ops = 0
+
+
+def test_stateful_short():
+    TableMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+    TableMachine.TestCase("runTest").runTest()
+
+
+@pytest.mark.nightly
+def test_stateful_long():
+    """>= 10^5 operations (1,800 machines of up to 60 steps)."""
+    from hypothesis.stateful import run_state_machine_as_test
+
+    start, t0 = TableMachine.ops, time.time()
+    run_state_machine_as_test(TableMachine, settings=settings(max_examples=1800, stateful_step_count=60,
+                                                              deadline=None))
+    ops = TableMachine.ops - start
+    print(f"stateful: {ops} operations in {time.time() - t0:.0f} s")
+    assert ops >= 100_000

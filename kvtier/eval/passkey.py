@@ -13,7 +13,7 @@ tokenizer's chat template instead). The filler is whole sentences, as many as fi
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, ClassVar
 
 import numpy as np
@@ -48,6 +48,7 @@ class RetrievalTask:
     name: ClassVar[str] = "retrieval"
     intro: ClassVar[str] = ""
     min_context: ClassVar[int] = 128
+    question_sep: ClassVar[str] = "\n"  # between the haystack and the question (plain format)
 
     def check_common(self) -> None:
         check_int("context_tokens", self.context_tokens, self.min_context)
@@ -68,7 +69,7 @@ class RetrievalTask:
         (9/9 passkeys at 4k) but drifts off in the chat form (0/3), so plain is the default.
         """
         if not self.chat_template:
-            return f"{self.intro} ", f"\n{question} {answer_prefix}".rstrip()
+            return f"{self.intro} ", f"{self.question_sep}{question} {answer_prefix}".rstrip()
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError("task.chat_template", "the tokenizer has no chat template; set chat_template: false")
         text = tokenizer.apply_chat_template([{"role": "user", "content": f"{self.intro}\n\n{_PLACEHOLDER}\n\n{question}"}],

@@ -33,10 +33,8 @@ def paged_attention_reference(q: torch.Tensor, kv_pool: torch.Tensor, batch: Pag
         pages = kv_pool.index_select(0, batch.kv_indices[p0:p1].long())  # [n, 2, P, N_kv, D]
         k = pages[:, 0].reshape(-1, n_kv, dim)[:s_len].float()  # [S, N_kv, D]
         v = pages[:, 1].reshape(-1, n_kv, dim)[:s_len].float()
-        k = k.repeat_interleave(group, dim=1)  # [S, H, D]
-        v = v.repeat_interleave(group, dim=1)
-        qb = q[q0:q1].float()  # [n, H, D]
-        logits = torch.einsum("nhd,shd->hns", qb, k) * sm_scale  # [H, n, S]
+        qb = q[q0:q1].float().view(q1 - q0, n_kv, group, dim)  # [n, N_kv, G, D]; head h = kv h // G
+        logits = torch.einsum("nkgd,skd->kgns", qb, k).reshape(heads, q1 - q0, s_len) * sm_scale  # [H, n, S]
         if batch.causal:
             n_rows = q1 - q0
             allowed = torch.arange(s_len, device=q.device)[None, :] <= (
@@ -45,7 +43,8 @@ def paged_attention_reference(q: torch.Tensor, kv_pool: torch.Tensor, batch: Pag
         row_lse = torch.logsumexp(logits, dim=-1)  # [H, n]
         safe = torch.where(torch.isfinite(row_lse), row_lse, torch.zeros_like(row_lse))
         probs = torch.exp(logits - safe[..., None])  # [H, n, S]
-        out[q0:q1] = torch.einsum("hns,shd->nhd", probs, v)
+        out[q0:q1] = torch.einsum("kgns,skd->nkgd", probs.view(n_kv, group, q1 - q0, s_len), v).reshape(
+            q1 - q0, heads, dim)
         lse[q0:q1] = row_lse.transpose(0, 1)
         if return_page_max:
             n_pages = p1 - p0

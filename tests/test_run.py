@@ -1,0 +1,185 @@
+"""kvtier-run end to end on the real SmolLM2 (tiny streams), its outputs, and config validation."""
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from kvtier.build import validate
+from kvtier.errors import ConfigError
+from kvtier.models import cache_dir
+from kvtier.report import WandbLogger
+from kvtier.run import RECIPES, execute, main
+
+BIN = Path(sys.executable).parent
+# 128 tokens of Opticks: 96 prefilled in 16-token chunks, 32 scored by decode steps
+TINY = ["task.length=128", "task.prefix=96", "scheduler.prefill.chunk_size=16", "progress=false"]
+REQUIRED = ("task", "policy", "scope", "budget_tokens", "perplexity", "tier1_hit_rate", "bytes_moved",
+            "offloaded_fraction", "ttft_s", "tpot_p50_s", "tpot_p99_s", "stall_s", "occupancy", "config")
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def kvtier(cmd: str, args: list[str], cwd: Path, prefix=()) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HOME": str(cwd / "home"), "KVTIER_CACHE": str(cache_dir()), "WANDB_MODE": "disabled"}
+    proc = subprocess.run([*prefix, str(BIN / cmd), *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def strace_connects(trace: Path):
+    """A prefix tracing every connect() of the run and its children, when strace works here."""
+    cmd = ("strace", "-f", "-qq", "--seccomp-bpf", "-e", "trace=connect", "-o")
+    if shutil.which("strace") is None or subprocess.run([*cmd, os.devnull, "true"]).returncode:
+        return ()
+    return (*cmd, str(trace))
+
+
+def network_connects(trace: Path) -> list[str]:
+    """connect() calls to an IP address other than loopback."""
+    if not trace.exists():
+        return []
+    lines = [l for l in trace.read_text().splitlines() if "AF_INET" in l]
+    loopback = re.compile(r'inet_addr\("127\.|inet_pton\(AF_INET6, "::1"|"::ffff:127\.')
+    return [l for l in lines if not loopback.search(l)]
+
+
+def test_cli_run_writes_metrics_disk_and_offline_wandb_inside_its_folder(tmp_path):
+    trace = tmp_path / "connect.trace"
+    args = [*TINY, "tiers=device_host_disk", "budget.tokens=80", "tiers.stack.host.fraction=0.25", "logger=wandb"]
+    proc = kvtier("kvtier-run", args, tmp_path, prefix=strace_connects(trace))
+    run_dir = tmp_path / "outputs" / "perplexity" / "aspe-resident-device_host_disk-tok80"
+    m = json.loads((run_dir / "metrics.json").read_text())
+    assert all(k in m for k in REQUIRED), [k for k in REQUIRED if k not in m]
+    assert m["task"] == "perplexity" and m["policy"] == "aspe" and m["budget_tokens"] == 80
+    assert m["perplexity"] > 1 and 0 < m["tier1_hit_rate"] <= 1 and 0 < m["offloaded_fraction"] < 1
+    assert any("disk" in link for link in m["bytes_moved"])  # pages spilled past the small host tier
+    assert m["bytes_moved_total"] == sum(m["bytes_moved"].values())
+    assert m["peak_pages"]["device"] <= m["capacity_pages"]["device"] == 5
+    assert len(m["occupancy"]["step"]) == len(m["occupancy"]["pages"]["device"]) > 32
+    assert m["config"]["task"]["length"] == 128
+    assert "tier-1 hit rate" in proc.stdout  # the rich table
+    assert (run_dir / "disk").is_dir() and not any((run_dir / "disk").rglob("*.kv"))  # scratch removed
+    assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert not list(tmp_path.glob("home/**/*wandb*"))
+    assert {p.name for p in tmp_path.iterdir()} - {"home", "connect.trace"} == {"outputs"}
+    assert network_connects(trace) == []
+
+
+def test_multirun_three_policies_two_budgets_then_plot(tmp_path):
+    kvtier("kvtier-run", ["-m", "policy=lru,sink_window,aspe", "budget.fraction=0.75,1.0", "logger=none", *TINY],
+           tmp_path)
+    (sweep,) = (tmp_path / "multirun").iterdir()
+    runs = sorted(sweep.glob("*/metrics.json"))
+    assert len(runs) == 6
+    metrics = [json.loads(p.read_text()) for p in runs]
+    assert {(m["policy"], m["budget_fraction"]) for m in metrics} == \
+        {(p, f) for p in ("lru", "sink_window", "aspe") for f in (0.75, 1.0)}
+    assert all(m["offloaded_fraction"] == 0 for m in metrics if m["budget_fraction"] == 1.0)
+    proc = kvtier("kvtier-plot", [str(sweep)], tmp_path)
+    pngs = sorted((sweep / "plots").glob("*.png"))
+    assert [p.name for p in pngs if p.name.startswith("quality")] == ["quality_vs_budget-perplexity.png"]
+    assert len([p for p in pngs if p.name.startswith("occupancy")]) == 6
+    assert all(p.read_bytes().startswith(PNG) and str(p) in proc.stdout for p in pngs)
+
+
+def test_python_api_run_with_a_local_remote_store(tmp_path):
+    with initialize_config_dir(str(RECIPES), version_base="1.3"):
+        cfg = compose("config", overrides=[*TINY, "tiers=device_host_remote", "policy=sink_window",
+                                           "budget.tokens=80", "tiers.stack.host.fraction=0.25", "logger=none"])
+    m = execute(cfg, tmp_path / "run")
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["perplexity"] == pytest.approx(m["perplexity"])
+    assert m["bytes_moved"].get("host->remote", 0) > 0 and m["capacity_pages"] == {"device": 5, "host": 2, "remote": 8}
+
+
+def test_wandb_offline_opens_no_network_socket_and_keeps_its_files_in_the_run_folder(tmp_path, monkeypatch):
+    refused = []
+    real_connect, real_connect_ex = socket.socket.connect, socket.socket.connect_ex
+
+    def guard(real):
+        def connect(self, address):
+            if self.family in (socket.AF_INET, socket.AF_INET6) and not str(address[0]).startswith(("127.", "::1")):
+                refused.append(address)
+                raise OSError(f"test: network connect to {address} refused")
+            return real(self, address)
+        return connect
+
+    monkeypatch.setattr(socket.socket, "connect", guard(real_connect))
+    monkeypatch.setattr(socket.socket, "connect_ex", guard(real_connect_ex))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    metrics = {"task": "perplexity", "policy": "lru", "scope": "resident", "tiers": "device_host", "kernel": "torch",
+               "run_name": "lru-resident", "score_name": "perplexity", "perplexity": 12.5, "budget_tokens": 64,
+               "budget_fraction": 0.5, "context_tokens": 128, "tier1_hit_rate": 0.9, "offloaded_fraction": 0.5,
+               "bytes_moved": {"device->host": 4096}, "bytes_moved_total": 4096, "stall_s": 0.0, "ttft_s": 0.1,
+               "tpot_p50_s": 0.05, "tpot_p99_s": 0.06, "peak_pages": {"device": 4}, "wall_s": 1.0,
+               "occupancy": {"step": [0, 1], "pages": {"device": [2.0, 4.0]}}, "config": {"policy": {"name": "lru"}}}
+    WandbLogger(mode="offline").log(metrics, run_dir)
+    assert refused == []
+    assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert not (tmp_path / "home").exists() and "WANDB_DIR" not in os.environ
+
+
+BAD = [
+    (["policy=nope"], "policy", "sink_window"),
+    (["policy.name=nope"], "policy", "aspe"),
+    (["budget.tokens=5000"], "budget.tokens", "1024"),
+    (["budget.fraction=0"], "budget.fraction", "(0, 1]"),
+    (["budget.fraction=1.5"], "budget.fraction", "(0, 1]"),
+    (["-m", "budget.fraction=0.5,0"], "budget.fraction", "(0, 1]"),
+    (["kernel=nope"], "kernel", "torch"),
+    (["kernel.name=nope"], "kernel", "flashinfer"),
+    (["task=nope"], "task", "passkey"),
+    (["scope=nope"], "scope", "resident"),
+    (["tiers=nope"], "tiers", "device_host_disk"),
+    (["tiers.stack.host._target_=kvtier.tiers.NoSuchTier"], "tiers.stack.host._target_", "HostTier"),
+    (["policy=sink_window", "policy.window=-1"], "policy.window", ">= 0"),
+    (["budget.fraction=0.05"], "budget.fraction", "chunk_size"),
+    (["page_size=12"], "page_size", "power of two"),
+    (["logger=wandb", "logger.mode=online"], "logger.mode", "offline"),
+]
+
+
+@pytest.mark.parametrize("args,field,hint", BAD, ids=[" ".join(a) for a, _, _ in BAD])
+def test_bad_config_raises_config_error_naming_the_field_and_writes_nothing(tmp_path, monkeypatch, args, field, hint):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    monkeypatch.setattr(sys, "argv", ["kvtier-run", *args])
+    with pytest.raises(ConfigError) as err:
+        main()
+    assert err.value.field == field and hint in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def recipe_options():
+    return [(g.name, f.stem) for g in sorted(RECIPES.iterdir()) if g.is_dir() for f in sorted(g.glob("*.yaml"))]
+
+
+@pytest.mark.parametrize("group,option", recipe_options(), ids=[f"{g}={o}" for g, o in recipe_options()])
+def test_every_recipe_option_validates(group, option):
+    with initialize_config_dir(str(RECIPES), version_base="1.3"):
+        cfg = compose("config", overrides=[f"{group}={option}"])
+    if (group, option) == ("kernel", "flashinfer") and not _cuda() or \
+            (group, option) == ("kernel", "triton") and not _cuda() and os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ConfigError, match="kernel"):
+            validate(cfg)
+    elif (group, option) == ("model", "local"):
+        with pytest.raises(ConfigError, match="model.path"):
+            validate(cfg)
+    else:
+        plan = validate(cfg)
+        assert 0 < plan.budget_tokens <= plan.context_tokens
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
