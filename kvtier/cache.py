@@ -85,8 +85,9 @@ class TieredKVCache(PagedCacheBase):
         self.next_reserve = 1  # device pages to keep free for the next step, per sequence
         self._q_len = 0
         self._salience: list[tuple[int, np.ndarray, torch.Tensor]] = []
-        shape = (layout.num_layers, 64, layout.num_kv_heads, layout.head_dim)
-        self.key_min = torch.full(shape, float("inf"), device=self.device)  # [L, pids, N_kv, D]
+        shape = (layout.num_layers, 64 if scope == "topk" else 0, layout.num_kv_heads, layout.head_dim)
+        # Quest key bounds, kept only for scope=topk: [L, pids, N_kv, D]
+        self.key_min = torch.full(shape, float("inf"), device=self.device)
         self.key_max = torch.full(shape, float("-inf"), device=self.device)
 
     # -- transformers Cache interface ---------------------------------------------------------
@@ -324,12 +325,16 @@ class TieredKVCache(PagedCacheBase):
         self.key_min, self.key_max = pad(self.key_min, float("inf")), pad(self.key_max, float("-inf"))
 
     def _reset_key_bounds(self, pids: np.ndarray) -> None:
+        if self.scope != "topk":
+            return
         self._grow_bounds(int(pids.max()) + 1)
         idx = torch.from_numpy(pids).to(self.device)
         self.key_min[:, idx] = float("inf")
         self.key_max[:, idx] = float("-inf")
 
     def _copy_key_bounds(self, src: int, dst: int) -> None:
+        if self.scope != "topk":
+            return
         self._grow_bounds(max(src, dst) + 1)
         self.key_min[:, dst] = self.key_min[:, src]
         self.key_max[:, dst] = self.key_max[:, src]

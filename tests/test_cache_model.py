@@ -113,3 +113,49 @@ def test_salience_equals_eager_max_probability():
             got[:, logical[pid]] = row
     assert len({p for _, pids, _ in cache._salience for p in pids.tolist()}) == 6
     assert rel_err(got, eager) < 1e-5
+
+
+def _synthetic_cache(scope, **kw):
+    from kvtier import KVLayout
+
+    layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=8, page_size=4, dtype="float32")
+    return TieredKVCache(layout, [DeviceTier(layout, 3, device="cpu"), HostTier(layout, 32)], LRU(), scope=scope, **kw)
+
+
+def _decode_after_prefill(cache, k, v, q):
+    cache.update(k[:, :, :-1], v[:, :, :-1], 0)
+    cache.attend(0, torch.randn(1, 6, k.shape[2] - 1, 8))
+    cache.finish_step()
+    cache.update(k[:, :, -1:], v[:, :, -1:], 0)
+    return cache.attend(0, q)
+
+
+def test_topk_with_every_page_is_exact_and_small_k_picks_the_hot_page():
+    torch.manual_seed(1)
+    k, v, q = torch.randn(1, 2, 37, 8), torch.randn(1, 2, 37, 8), torch.randn(1, 6, 1, 8)
+    exact = _decode_after_prefill(_synthetic_cache("all"), k, v, q)
+    full = _decode_after_prefill(_synthetic_cache("topk", topk_pages=10), k, v, q)
+    assert rel_err(full, exact) < 1e-6
+    k_hot = k.clone()
+    k_hot[:, :, 17] = 6 * q[0, ::3, 0]  # token 17 (page 4) aligned with the query of each kv group
+    cache = _synthetic_cache("topk", topk_pages=4, sinks=4)
+    _decode_after_prefill(cache, k_hot, v, q)
+    pages = cache.table.pages(0)
+    chosen = cache._choose_pages(0, q)[0]
+    assert 4 in chosen.tolist() and 0 in chosen.tolist() and pages.size - 1 in chosen.tolist()
+    assert len(chosen) == 4
+
+
+def test_resident_scope_attends_only_device_pages_and_the_tail():
+    torch.manual_seed(2)
+    k, v, q = torch.randn(1, 2, 37, 8), torch.randn(1, 2, 37, 8), torch.randn(1, 6, 1, 8)
+    cache = _synthetic_cache("resident")
+    _decode_after_prefill(cache, k, v, q)  # the 36-token prefill spilled past 3 device pages: fetched, misses
+    attended, resident = cache.stats.attended_pages, cache.stats.resident_pages
+    out = cache.attend(0, q)  # decode again: only device pages, the newest page among them
+    chosen = cache._choose_pages(0, q)[0]
+    pids = cache.table.pages(0)
+    on_device = set(np.flatnonzero(cache.table.tier_of[0, pids] == 0).tolist())
+    assert pids.size - 1 in on_device and set(chosen.tolist()) == on_device and len(chosen) < pids.size
+    assert cache.stats.attended_pages - attended == cache.stats.resident_pages - resident == len(chosen)
+    assert not torch.isnan(out).any()

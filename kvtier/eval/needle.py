@@ -20,6 +20,12 @@ _SENTENCE_END = re.compile(r"[.!?][\"')\]]*(?=\s)")
 _TEXTS = {"lady_susan": lady_susan_text, "opticks": opticks_text}
 
 
+def unwrap(text: str) -> str:
+    """Undo the hard line wrapping of a Gutenberg text: one line per paragraph, one blank line between."""
+    paragraphs = (" ".join(p.split()) for p in re.split(r"\n\s*\n", text))
+    return "\n\n".join(p for p in paragraphs if p)
+
+
 @dataclass
 class Needle(RetrievalTask):
     """A fact sentence (``needle``) hidden in ``text``; ``answer`` must appear in the reply to ``question``."""
@@ -36,8 +42,9 @@ class Needle(RetrievalTask):
     answer: str = "cardamom"
     answer_prefix: str = "The secret ingredient in Mrs. Vernon's cake was"
     name: ClassVar[str] = "needle"
-    intro: ClassVar[str] = ("Below is a long excerpt from a book. One sentence in it states a fact that does not "
-                            "belong to the book. Read the excerpt and remember that fact; I will ask you about it.")
+    intro: ClassVar[str] = ("There is an important fact hidden inside this excerpt from a book. "
+                            "Find it and memorize it. I will quiz you about the important fact there.")
+    question_sep: ClassVar[str] = "\n\nQuestion: "
 
     def __post_init__(self):
         self.check_common()
@@ -53,7 +60,7 @@ class Needle(RetrievalTask):
             raise ConfigError("task.answer", f"{self.answer!r} does not occur in the needle {self.needle!r}")
 
     def cases(self, tokenizer, rng):
-        book = _TEXTS[self.text]()
+        book = unwrap(_TEXTS[self.text]())
         ends = [m.end() for m in _SENTENCE_END.finditer(book)]  # char offsets just after each sentence
         starts = [m.end() for m in re.finditer(r"\n\s*\n", book)]  # paragraph starts
         chars_needed = self.context_tokens * 6  # > chars of context_tokens tokens (about 4 per token)

@@ -1,0 +1,64 @@
+"""kvtier-plot on synthetic run folders: curves per policy, occupancy per run, valid PNGs."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvtier.plot import load_runs, main, pick_x
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def fake_run(root, name, policy, fraction, score, tokens=None, task="perplexity", scope="resident"):
+    """A run folder holding the metrics.json fields kvtier-plot reads."""
+    steps = list(range(10))
+    m = {"task": task, "policy": policy, "scope": scope, "score_name": "perplexity" if task == "perplexity" else "accuracy",
+         "perplexity" if task == "perplexity" else "accuracy": score,
+         "budget_fraction": fraction, "budget_tokens": int(fraction * 1024), "capacity_pages": {"device": 16, "host": 64},
+         "occupancy": {"step": steps, "pages": {"device": [min(s + 1, 16) for s in steps], "host": [s for s in steps]}},
+         "config": {"budget": {"tokens": tokens, "fraction": None if tokens else fraction}}}
+    (root / name).mkdir(parents=True)
+    (root / name / "metrics.json").write_text(json.dumps(m))
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    for i, (policy, base) in enumerate([("lru", 30.0), ("sink_window", 25.0), ("aspe", 20.0)]):
+        for j, fraction in enumerate([0.1, 0.25, 0.5]):
+            fake_run(tmp_path, f"{3 * i + j}-perplexity-{policy}-frac{fraction}", policy, fraction, base / (1 + fraction))
+    return tmp_path
+
+
+def test_curves_and_occupancy_pngs_from_a_multirun_folder(sweep, capsys):
+    assert main([str(sweep)]) == 0
+    pngs = sorted((sweep / "plots").glob("*.png"))
+    assert len(pngs) == 1 + 9 and (sweep / "plots" / "quality_vs_budget-perplexity.png") in pngs
+    assert all(p.read_bytes().startswith(PNG) and p.stat().st_size > 5000 for p in pngs)
+    assert capsys.readouterr().out.split() == [str(p) for p in [sweep / "plots" / "quality_vs_budget-perplexity.png",
+                                                               *sorted((sweep / "plots").glob("occupancy-*.png"))]]
+
+
+def test_one_curve_figure_per_task_and_the_token_axis_when_runs_set_tokens(tmp_path):
+    fake_run(tmp_path, "a", "lru", 0.25, 0.6, tokens=256, task="passkey")
+    fake_run(tmp_path, "b", "lru", 0.5, 0.9, tokens=512, task="passkey")
+    fake_run(tmp_path, "c", "aspe", 0.25, 12.0)
+    runs = load_runs(tmp_path)
+    assert pick_x(runs, "auto") == "tokens" and pick_x(runs[2:], "auto") == "fraction"
+    assert main([str(tmp_path), "--out", str(tmp_path / "figs")]) == 0
+    assert {p.name for p in (tmp_path / "figs").glob("quality*.png")} == \
+        {"quality_vs_budget-passkey.png", "quality_vs_budget-perplexity.png"}
+
+
+def test_a_folder_without_runs_is_an_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([str(tmp_path)])
+    assert exc.value.code == 2 and "no metrics.json" in capsys.readouterr().err
+
+
+def test_python_dash_m_entry(sweep):
+    proc = subprocess.run([sys.executable, "-m", "kvtier.plot", str(sweep), "--x", "fraction"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (sweep / "plots" / "quality_vs_budget-perplexity.png").read_bytes().startswith(PNG)
