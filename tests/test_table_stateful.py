@@ -149,11 +149,11 @@ def test_stateful_short():
 
 @pytest.mark.nightly
 def test_stateful_long():
-    """>= 10^5 operations (1,800 machines of up to 60 steps)."""
+    """>= 10^5 operations (2,200 machines of up to 60 steps)."""
     from hypothesis.stateful import run_state_machine_as_test
 
     start, t0 = TableMachine.ops, time.time()
-    run_state_machine_as_test(TableMachine, settings=settings(max_examples=1800, stateful_step_count=60,
+    run_state_machine_as_test(TableMachine, settings=settings(max_examples=2200, stateful_step_count=60,
                                                               deadline=None))
     ops = TableMachine.ops - start
     print(f"stateful: {ops} operations in {time.time() - t0:.0f} s")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.errors import ConfigError
-from kvtier.policies.base import EVICT, PINNED, PageInfo, Policy, grown
+from kvtier.policies.base import EVICT, PINNED, PageInfo, Policy, check_counts, grown
 
 
 @dataclass
@@ -27,10 +27,7 @@ class ASPE(Policy):
     name: str = "aspe"
 
     def __post_init__(self):
-        for field in ("sinks", "window"):
-            v = getattr(self, field)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ConfigError(f"policy.{field}", f"must be an integer >= 0, got {v!r}")
+        check_counts(self, "sinks", "window")
         if not isinstance(self.obs_window, int) or self.obs_window <= 0:
             raise ConfigError("policy.obs_window", f"must be a positive number of steps, got {self.obs_window!r}")
         if not 0 <= self.theta_evict <= self.theta_prefetch:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvtier.errors import ConfigError
+
 PINNED = np.inf
 EVICT = -np.inf
 
@@ -38,6 +40,14 @@ class PageInfo:
         """Pages holding any of the last ``window`` tokens, and always the page being written ``[n]``."""
         last_page = (self.seq_len - 1) // self.page_size
         return ((self.first_token + self.page_size) > (self.seq_len - window)) | (self.logical == last_page)
+
+
+def check_counts(policy, *fields: str) -> None:
+    """ConfigError naming ``policy.<field>`` unless each field is an integer >= 0 (sinks, window, ...)."""
+    for name in fields:
+        v = getattr(policy, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ConfigError(f"policy.{name}", f"must be an integer >= 0, got {v!r}")
 
 
 def grown(a: np.ndarray, size: int, fill) -> np.ndarray:

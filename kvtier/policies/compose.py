@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvtier.errors import ConfigError
 from kvtier.policies.base import PINNED, PageInfo, Policy
 
 
@@ -19,7 +20,6 @@ class Compose(Policy):
 
     def __post_init__(self):
         if self.rank is None:
-            from kvtier.errors import ConfigError
             raise ConfigError("policy.rank", "Compose needs a ranking policy")
 
     @property

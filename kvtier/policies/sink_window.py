@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier.errors import ConfigError
-from kvtier.policies.base import PINNED, PageInfo, Policy
+from kvtier.policies.base import PINNED, PageInfo, Policy, check_counts
 
 
 @dataclass
@@ -22,10 +21,7 @@ class SinkWindow(Policy):
     name: str = "sink_window"
 
     def __post_init__(self):
-        for field in ("sinks", "window"):
-            v = getattr(self, field)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ConfigError(f"policy.{field}", f"must be an integer >= 0, got {v!r}")
+        check_counts(self, "sinks", "window")
 
     def priority(self, info: PageInfo) -> np.ndarray:
         prio = info.logical.astype(np.float64)  # [n]
