@@ -6,8 +6,8 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): requirements.lock requirements-data.txt pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade "pip>=24"
-	$(PY) -m pip install -q --no-deps -r requirements.lock
+	$(PY) -m pip install -q --upgrade "pip>=24" "setuptools>=70" wheel
+	$(PY) -m pip install -q --no-deps --no-build-isolation -r requirements.lock
 	$(PY) -m pip install -q --no-deps -r requirements-data.txt
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)

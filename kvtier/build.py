@@ -75,6 +75,9 @@ def validate(cfg: DictConfig) -> Plan:
         raise ConfigError("page_size", f"must be a power of two number of tokens, e.g. 16; got {page_size!r}")
     if not isinstance(cfg.get("progress"), bool):
         raise ConfigError("progress", f"must be true or false, got {cfg.get('progress')!r}")
+    threads = cfg.get("cpu_threads")
+    if threads is not None and (not _is_int(threads) or threads < 1):
+        raise ConfigError("cpu_threads", f"must be a positive number of threads or null, got {threads!r}")
     device = _validate_model(cfg.model)
     policy = _validate_policy(cfg.policy)
     _validate_kernel(cfg.kernel, device, page_size, policy)
@@ -83,7 +86,7 @@ def validate(cfg: DictConfig) -> Plan:
     task = build_task(cfg)
     context, extra = task_context(task)
     budget = _validate_budget(cfg.budget, context, page_size, prefill.chunk_size, policy)
-    _validate_cache(cfg.cache, cfg.scope)
+    _validate_cache(cfg.cache)
     capacities = _validate_tiers(cfg.tiers, -(-budget // page_size), -(-(context + extra) // page_size))
     _validate_logger(cfg.logger)
     return Plan(context, budget, capacities)
@@ -126,7 +129,8 @@ def _validate_model(model: DictConfig) -> torch.device:
     try:
         device = torch.device(model.device)
     except (RuntimeError, TypeError) as e:
-        raise ConfigError("model.device", f"{model.device!r} is not a torch device ({e}); use auto, cpu or cuda") from None
+        raise ConfigError("model.device", f"{model.device!r} is not a torch device ({e}); use auto, cpu or cuda") \
+            from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("model.device", "cuda was asked for but no GPU is visible; use model.device=cpu")
     if OmegaConf.is_missing(model, "path"):
@@ -182,7 +186,8 @@ def _validate_budget(budget: DictConfig, context: int, page_size: int, chunk: in
     """Device-tier tokens per sequence: ``budget.tokens``, else ``budget.fraction`` of the context."""
     tokens, fraction = budget.get("tokens"), budget.get("fraction")
     if tokens is None and fraction is None:
-        raise ConfigError("budget", "set budget.tokens (device tokens per sequence) or budget.fraction (of the context)")
+        raise ConfigError("budget", "set budget.tokens (device tokens per sequence) or budget.fraction "
+                                    "(of the context)")
     if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
                                  or not 0 < fraction <= 1):
         raise ConfigError("budget.fraction", f"must be in (0, 1], got {fraction!r}")
@@ -212,7 +217,7 @@ def _pinned_pages(policy: Policy, page_size: int) -> int:
     return -(-sinks // page_size) + -(-window // page_size) + 1
 
 
-def _validate_cache(node: DictConfig, scope: str) -> None:
+def _validate_cache(node: DictConfig) -> None:
     if _locate(node._target_) is not TieredKVCache:
         raise ConfigError("cache._target_", f"must be kvtier.cache.TieredKVCache, got {node._target_!r}")
     _check_keys(node, "cache")
@@ -273,7 +278,7 @@ def _validate_logger(node: DictConfig) -> None:
 
 
 def _check_keys(node: DictConfig, field: str, drop=(), given=()) -> None:
-    """Every key of a ``_target_`` node (and of nested ones) is a parameter of its target."""
+    """Every key of a ``_target_`` node is a parameter of its target (or one of ``drop``)."""
     if "_target_" not in node:
         raise ConfigError(f"{field}._target_", "missing: name the class or function to build")
     target = _locate(node._target_)
@@ -337,7 +342,7 @@ def build_model(cfg: DictConfig):
         _LOADED[key] = _instantiate(cfg.model, "model", drop=("name",))
     model, tokenizer = _LOADED[key]
     model.set_attn_implementation(install())
-    layout = kv_layout_for(model.config, page_size=cfg.page_size, dtype=next(model.parameters()).dtype)
+    layout = kv_layout_for(model.config, page_size=cfg.page_size, dtype=model.dtype)
     return model, tokenizer, layout
 
 

@@ -121,7 +121,7 @@ def metrics_table(m: dict) -> Table:
     t.add_row("stall (fetch wait)", f"{m['stall_s']:.3f} s")
     t.add_row("TTFT", f"{m['ttft_s'] * 1e3:.1f} ms")
     t.add_row("TPOT p50 / p99", f"{m['tpot_p50_s'] * 1e3:.1f} / {m['tpot_p99_s'] * 1e3:.1f} ms")
-    t.add_row("peak pages per tier", " · ".join(f"{k} {v:g}" for k, v in m["peak_pages"].items()))
+    t.add_row("peak pages per tier", " · ".join(f"{k} {v:.1f}" for k, v in m["peak_pages"].items()))
     t.add_row("wall", f"{m['wall_s']:.1f} s")
     return t
 

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import hydra
+import torch
 from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
@@ -50,7 +51,7 @@ def execute(cfg: DictConfig, run_dir: str | Path) -> dict:
     task = build_task(cfg)
     make_cache = CacheFactory(cfg, plan, layout, run_dir)
     try:
-        with _progress(cfg.progress) as bar:
+        with _progress(cfg.progress) as bar, _cpu_threads(cfg.cpu_threads):
             result = task.run(engine, make_cache, tokenizer, progress=bar)
     finally:
         make_cache.close()
@@ -69,6 +70,18 @@ def _progress(enabled: bool):
                TimeRemainingColumn())
     with Progress(*columns) as progress:
         yield progress
+
+
+@contextlib.contextmanager
+def _cpu_threads(n: int | None):
+    """torch's intra-op CPU threads set to ``n`` (None: unchanged) for the block."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def job_configs(args: list[str]):
@@ -92,7 +105,8 @@ def job_configs(args: list[str]):
             return
         loader = GlobalHydra.instance().config_loader()
         params = [f"{k}={v}" for k, v in (master.hydra.sweeper.get("params") or {}).items()]
-        parsed = OverridesParser.create(config_loader=loader).parse_overrides(params + list(master.hydra.overrides.task))
+        parser = OverridesParser.create(config_loader=loader)
+        parsed = parser.parse_overrides(params + list(master.hydra.overrides.task))
         for batch in BasicSweeper.split_arguments(parsed, None):
             for job in batch:
                 yield loader.load_sweep_config(master, list(job))

@@ -21,6 +21,16 @@ from kvtier.tiers import DeviceTier, HostTier
 PPL_LENGTH, PPL_PREFIX = 160, 16
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: token-by-token decoding is overhead-bound, and on a busy 2-core machine two
+    OpenMP threads contend (a decode step measured 0.5-1.5 s with two threads, 60 ms with one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def smol():
     """``(model, tokenizer, hf_nll)``: the model switched to kvtier attention, and the NLL of a plain HF
@@ -104,6 +114,8 @@ def test_prompts_fit_and_hold_the_needle(smol):
             assert text.count(needle) == 1 and text.rstrip().endswith(task.answer_prefix)
             positions.append(text.index(needle) / len(text))
         assert positions[0] < 0.2 and 0.35 < positions[2] < 0.65 and positions[4] > 0.8, positions
+    (_, ids, _, _), = Passkey(context_tokens=300, depths=[0.5], chat_template=True).cases(tok, rng)
+    assert tok.decode(ids).endswith("<|im_start|>assistant\nThe pass key is") and ids.numel() <= 300
 
 
 @pytest.mark.parametrize("cls, kwargs, field", [

@@ -14,9 +14,10 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def fake_run(root, name, policy, fraction, score, tokens=None, task="perplexity", scope="resident"):
     """A run folder holding the metrics.json fields kvtier-plot reads."""
     steps = list(range(10))
-    m = {"task": task, "policy": policy, "scope": scope, "score_name": "perplexity" if task == "perplexity" else "accuracy",
-         "perplexity" if task == "perplexity" else "accuracy": score,
-         "budget_fraction": fraction, "budget_tokens": int(fraction * 1024), "capacity_pages": {"device": 16, "host": 64},
+    score_name = "perplexity" if task == "perplexity" else "accuracy"
+    m = {"task": task, "policy": policy, "scope": scope, "score_name": score_name, score_name: score,
+         "budget_fraction": fraction, "budget_tokens": int(fraction * 1024),
+         "capacity_pages": {"device": 16, "host": 64},
          "occupancy": {"step": steps, "pages": {"device": [min(s + 1, 16) for s in steps], "host": [s for s in steps]}},
          "config": {"budget": {"tokens": tokens, "fraction": None if tokens else fraction}}}
     (root / name).mkdir(parents=True)
@@ -27,7 +28,8 @@ def fake_run(root, name, policy, fraction, score, tokens=None, task="perplexity"
 def sweep(tmp_path):
     for i, (policy, base) in enumerate([("lru", 30.0), ("sink_window", 25.0), ("aspe", 20.0)]):
         for j, fraction in enumerate([0.1, 0.25, 0.5]):
-            fake_run(tmp_path, f"{3 * i + j}-perplexity-{policy}-frac{fraction}", policy, fraction, base / (1 + fraction))
+            name = f"{3 * i + j}-perplexity-{policy}-frac{fraction}"
+            fake_run(tmp_path, name, policy, fraction, base / (1 + fraction))
     return tmp_path
 
 

@@ -70,7 +70,7 @@ def test_cli_run_writes_metrics_disk_and_offline_wandb_inside_its_folder(tmp_pat
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert not list(tmp_path.glob("home/**/*wandb*"))
     assert {p.name for p in tmp_path.iterdir()} - {"home", "connect.trace"} == {"outputs"}
-    assert network_connects(trace) == []
+    assert network_connects(trace) == [] and (not trace.exists() or "connect(" in trace.read_text())
 
 
 def test_multirun_three_policies_two_budgets_then_plot(tmp_path):
@@ -82,7 +82,8 @@ def test_multirun_three_policies_two_budgets_then_plot(tmp_path):
     metrics = [json.loads(p.read_text()) for p in runs]
     assert {(m["policy"], m["budget_fraction"]) for m in metrics} == \
         {(p, f) for p in ("lru", "sink_window", "aspe") for f in (0.75, 1.0)}
-    assert all(m["offloaded_fraction"] == 0 for m in metrics if m["budget_fraction"] == 1.0)
+    off = {(m["policy"], m["budget_fraction"]): m["offloaded_fraction"] for m in metrics}
+    assert all(off[p, 0.75] > off[p, 1.0] for p in ("lru", "sink_window", "aspe"))  # less room, more offloaded
     proc = kvtier("kvtier-plot", [str(sweep)], tmp_path)
     pngs = sorted((sweep / "plots").glob("*.png"))
     assert [p.name for p in pngs if p.name.startswith("quality")] == ["quality_vs_budget-perplexity.png"]

@@ -76,6 +76,9 @@ class Needle(RetrievalTask):
                     return f"{book[bounds[0]:at]} {self.needle}{book[at:bounds[n]]}".strip()
 
                 ids, n = self.fit(tokenizer, before, after, haystack, len(bounds) - 1)
+                if n == len(bounds) - 1 and ids.numel() < 0.9 * self.context_tokens:
+                    raise ConfigError("task.context_tokens", f"{self.text!r} is too short for {self.context_tokens} "
+                                                             f"tokens of context; use fewer or text 'opticks'")
                 yield depth, ids, self.answer, {"start_char": start, "sentences": n}
 
     def score(self, output: str, expected: str) -> bool:

@@ -63,8 +63,9 @@ class RetrievalTask:
     def template(self, tokenizer, question: str, answer_prefix: str) -> tuple[str, str]:
         """The prompt text before and after the haystack.
 
-        Plain (the default; the Landmark-Attention format): ``<intro> <haystack>\n<question> <answer_prefix>``.
-        Chat: the tokenizer's chat template, user turn ``<intro>\n\n<haystack>\n\n<question>``,
+        Plain (the default; the Landmark-Attention format):
+        ``<intro> <haystack><question_sep><question> <answer_prefix>``.
+        Chat: the tokenizer's chat template, user turn ``<intro>, <haystack>, <question>`` (blank lines between),
         assistant turn opened with ``<answer_prefix>``. SmolLM2-135M-Instruct answers the plain form
         (9/9 passkeys at 4k) but drifts off in the chat form (0/3), so plain is the default.
         """
@@ -72,8 +73,9 @@ class RetrievalTask:
             return f"{self.intro} ", f"{self.question_sep}{question} {answer_prefix}".rstrip()
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError("task.chat_template", "the tokenizer has no chat template; set chat_template: false")
-        text = tokenizer.apply_chat_template([{"role": "user", "content": f"{self.intro}\n\n{_PLACEHOLDER}\n\n{question}"}],
-                                             tokenize=False, add_generation_prompt=True)
+        user = f"{self.intro}\n\n{_PLACEHOLDER}\n\n{question}"
+        text = tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
+                                             add_generation_prompt=True)
         before, after = text.split(_PLACEHOLDER)
         return before, after + answer_prefix
 
