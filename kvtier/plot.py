@@ -66,7 +66,7 @@ def quality_vs_budget(runs: list[dict], out: Path, x: str = "auto") -> list[Path
             xs, ys = zip(*sorted(points))
             ax.plot(xs, ys, marker="o", label=name)
         better = "lower is better" if score == "perplexity" else "higher is better"
-        ax.set(xlabel=label, ylabel=f"{score} ({better})", title=f"{task}: {score} vs budget")
+        ax.set(xlabel=label, ylabel=f"{score} ({better})", title=f"{task} task: {score} vs device budget")
         ax.grid(alpha=0.3)
         ax.legend(title="policy")
         written.append(_save(fig, out / f"quality_vs_budget-{task}.png"))

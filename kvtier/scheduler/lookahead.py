@@ -1,6 +1,7 @@
 """LookaheadScheduler: the device tier holds the highest-priority pages; moves run k steps ahead.
 
-Per layer: pinned pages (priority +inf, or pinned in the BlockTable) always stay; pages with
+Per layer: pinned pages (priority +inf, pinned in the BlockTable, or a sequence's newest page,
+which the next token writes) always stay; pages with
 priority -inf leave the device; the remaining device room (capacity - reserve) goes to the
 highest-priority pages among those resident and those the policy admits. Demotions go to the
 fastest lower tier with room, pushing that tier's lowest-priority pages further down when full
@@ -52,7 +53,8 @@ class LookaheadScheduler(Scheduler):
         L = table.layout.num_layers
         prio = np.broadcast_to(policy.priority(info), (L, info.pids.size)).astype(np.float64)
         admit = np.broadcast_to(policy.admit(info), (L, info.pids.size))
-        pinned = (prio == PINNED) | table.pinned[info.pids][None, :]
+        writing = info.logical == (info.seq_len - 1) // info.page_size  # each sequence's newest page
+        pinned = (prio == PINNED) | (table.pinned[info.pids] | writing)[None, :]
         device = table.tiers[0]
         for layer in range(L):
             tier = table.tier_of[layer, info.pids]  # [n]
