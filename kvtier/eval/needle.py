@@ -3,7 +3,12 @@
 right when the answer word appears in its greedy answer.
 
 The prompt format is the passkey task's (see :mod:`kvtier.eval.passkey`): the same for every
-policy and scope. Sample ``i`` of a depth takes its excerpt from a seeded-random paragraph start.
+policy and scope, with a "Question:" label, which SmolLM2-135M-Instruct needs on real text. The
+book's hard line wrapping is undone first. Each sample takes its excerpt from a seeded-random
+paragraph start.
+
+Measured (SmolLM2-135M-Instruct, fp32, scope ``all``): 3/3 at 2k; 6/9 at 4k, where depth 0.1 fails
+(0/3): this model does not recall a fact ~3.7k tokens back in prose, though it does in the passkey's filler.
 """
 
 from __future__ import annotations
