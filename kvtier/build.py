@@ -221,8 +221,9 @@ def _validate_cache(node: DictConfig) -> None:
     if _locate(node._target_) is not TieredKVCache:
         raise ConfigError("cache._target_", f"must be kvtier.cache.TieredKVCache, got {node._target_!r}")
     _check_keys(node, "cache")
-    if not isinstance(node.merge, bool):
-        raise ConfigError("cache.merge", f"must be true or false, got {node.merge!r}")
+    for flag in ("merge", "fidelity"):
+        if not isinstance(node.get(flag, False), bool):
+            raise ConfigError(f"cache.{flag}", f"must be true or false, got {node.get(flag)!r}")
     topk = node.get("topk_pages")
     if topk is not None and (not _is_int(topk) or topk < 1):
         raise ConfigError("cache.topk_pages", f"must be a positive number of pages or null, got {topk!r}")

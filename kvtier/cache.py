@@ -13,6 +13,10 @@ Scopes: ``all`` (exact; pages off the device are fetched into a temporary device
 ``merge=True`` attended where they live, and merged by LSE), ``resident`` (only device pages),
 ``topk`` (Quest bounds from per-page key min/max pick ``topk_pages`` pages per decode step, plus
 sinks and the pages being written; chosen pages off the device are fetched and count as misses).
+
+With ``fidelity=True`` every decode step of a ``resident`` or ``topk`` cache also attends all pages
+(uncounted) and records the attention-mass recall and output error of the scope
+(:mod:`kvtier.eval.fidelity`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 
 from kvtier.compat import PagedCacheBase
 from kvtier.errors import ConfigError
+from kvtier.eval.fidelity import FidelityStats, attention_fidelity
 from kvtier.kernels.base import AttentionBackend, PagedBatch, page_salience
 from kvtier.kernels.merge import merge_many
 from kvtier.kernels.reference import TorchBackend
@@ -59,7 +64,7 @@ class TieredKVCache(PagedCacheBase):
 
     def __init__(self, layout: KVLayout, tiers: list[Tier], policy: Policy, scheduler: Scheduler | None = None,
                  backend: AttentionBackend | None = None, scope: str = "all", merge: bool = False,
-                 topk_pages: int | None = None, sinks: int = 4, batch_size: int = 1):
+                 topk_pages: int | None = None, sinks: int = 4, batch_size: int = 1, fidelity: bool = False):
         if scope not in SCOPES:
             raise ConfigError("scope", f"unknown scope {scope!r}; use one of {list(SCOPES)}")
         if scope == "topk" and (not isinstance(topk_pages, int) or topk_pages < 1):
@@ -72,6 +77,7 @@ class TieredKVCache(PagedCacheBase):
         self.scheduler = scheduler or LookaheadScheduler()
         self.backend = backend or TorchBackend()
         self.scope, self.merge, self.topk_pages, self.sinks = scope, merge, topk_pages, sinks
+        self.fidelity = FidelityStats() if fidelity and scope != "all" else None  # scope all is exact
         if policy.needs_salience and not self.backend.supports_salience:
             raise ConfigError("kernel", f"policy '{policy.name}' needs salience, which backend "
                                         f"'{self.backend.name}' does not give; use kernel=triton or kernel=torch")
@@ -154,21 +160,31 @@ class TieredKVCache(PagedCacheBase):
         B, H, q_len, D = query.shape
         q = query.transpose(1, 2).reshape(B * q_len, H, D)  # [B*q, H, D]
         scale = D ** -0.5 if scaling is None else scaling
-        chosen = self._choose_pages(layer, query)
-        parts = self._parts(layer, chosen, q_len)
+        parts = self._parts(layer, self._choose_pages(layer, query), q_len)
         want_salience = self.policy.needs_salience
-        results = []
-        for part in parts:
-            backend = self._backend_for(part)
-            backend.plan(part.batch, H, self.layout.num_kv_heads, D, scale)
-            q_part = q.to(part.pool.device)
-            res = backend.run(q_part, part.pool, return_page_max=want_salience and q_len == 1)
-            results.append((res.out.to(q.device), res.lse.to(q.device), res.page_max))
+        results = self._attend_parts(parts, q, scale, page_max=want_salience and q_len == 1)
         out, lse = merge_many([(o, l) for o, l, _ in results])  # [B*q, H, D], [B*q, H]
         if want_salience:
             self._record_salience(layer, parts, results, q, lse, q_len, scale)
         self._count_access(layer, parts)
+        if self.fidelity is not None and q_len == 1:
+            exact = self._attend_parts(self._parts(layer, self._all_pages(), q_len, count=False), q, scale)
+            out_all, lse_all = merge_many([(o, l) for o, l, _ in exact])
+            self.fidelity.add(layer, *attention_fidelity(out, lse, out_all, lse_all))
         return out.view(B, q_len, H, D)
+
+    def _attend_parts(self, parts: list[_Part], q: torch.Tensor, scale: float, page_max: bool = False) -> list:
+        """Attention of ``q [B*q, H, D]`` over each part: ``[(out [B*q, H, D], lse [B*q, H], page_max | None)]``."""
+        results = []
+        for part in parts:
+            backend = self._backend_for(part)
+            backend.plan(part.batch, q.shape[1], self.layout.num_kv_heads, q.shape[2], scale)
+            res = backend.run(q.to(part.pool.device), part.pool, return_page_max=page_max)
+            results.append((res.out.to(q.device), res.lse.to(q.device), res.page_max))
+        return results
+
+    def _all_pages(self) -> list[np.ndarray]:
+        return [np.arange(self.table.pages(seq).size) for seq in self.seqs]
 
     def _choose_pages(self, layer: int, query: torch.Tensor) -> list[np.ndarray]:
         """Per sequence, the logical page numbers to attend (sorted)."""
@@ -206,12 +222,13 @@ class TieredKVCache(PagedCacheBase):
         ub = torch.maximum(qg[None] * kmin[:, :, None], qg[None] * kmax[:, :, None]).sum(-1)  # [m, N_kv, G]
         return ub.amax(dim=(1, 2))
 
-    def _parts(self, layer: int, chosen: list[np.ndarray], q_len: int) -> list[_Part]:
+    def _parts(self, layer: int, chosen: list[np.ndarray], q_len: int, count: bool = True) -> list[_Part]:
         """Split the chosen pages into attention calls: device pages in place, the rest fetched
         into one temporary device pool (or, with merge, one call per tier where the pages live).
 
         A call that holds a sequence's tail (the pages being written) is causal (bottom-right),
         and the tail is whole within it, so every query sees exactly the keys before it.
+        ``count=False`` (a fidelity pass) leaves the fetch and read counters alone.
         """
         P = self.layout.page_size
         tail_from = self._start // P
@@ -233,10 +250,10 @@ class TieredKVCache(PagedCacheBase):
         parts = []
         for key, per_seq in groups.items():
             logical = [np.sort(np.concatenate(x)) if x else np.zeros(0, np.int64) for x in per_seq]
-            parts.append(self._make_part(layer, key, logical, q_len))
+            parts.append(self._make_part(layer, key, logical, q_len, count))
         return parts
 
-    def _make_part(self, layer: int, key, logical: list[np.ndarray], q_len: int) -> _Part:
+    def _make_part(self, layer: int, key, logical: list[np.ndarray], q_len: int, count: bool) -> _Part:
         P = self.layout.page_size
         tail_from = self._start // P
         all_pids, kv_indptr, last_len, causal = [], [0], [], False
@@ -253,13 +270,14 @@ class TieredKVCache(PagedCacheBase):
         if key == 0:
             pool, indices = self.table.tiers[0].pool(layer), torch.from_numpy(slots)
         elif key == "fetch":
-            pool, indices = self._fetch(layer, pids, tiers, slots), torch.arange(pids.size)
+            pool, indices = self._fetch(layer, pids, tiers, slots, count), torch.arange(pids.size)
         else:
             tier = self.table.tiers[key]
             pool = tier.pool(layer)
             if pool is None:
                 pool, indices = tier.read(layer, torch.from_numpy(slots)), torch.arange(pids.size)
-                self.stats.add_read(tier.name, pids.size * self.layout.page_bytes)
+                if count:
+                    self.stats.add_read(tier.name, pids.size * self.layout.page_bytes)
             else:
                 indices = torch.from_numpy(slots)
         dev = pool.device
@@ -269,7 +287,7 @@ class TieredKVCache(PagedCacheBase):
                            page_size=P, causal=causal)
         return _Part(pool, batch, pids, key == 0)
 
-    def _fetch(self, layer: int, pids, tiers, slots) -> torch.Tensor:
+    def _fetch(self, layer: int, pids, tiers, slots, count: bool = True) -> torch.Tensor:
         """Copy pages from their tiers into a temporary device pool ``[n, 2, P, N_kv, D]``."""
         t0 = time.perf_counter()
         pool = torch.empty((pids.size, *self.layout.page_shape), dtype=self.layout.dtype, device=self.device)
@@ -282,8 +300,10 @@ class TieredKVCache(PagedCacheBase):
             else:
                 pool[torch.from_numpy(sel).to(self.device)] = tier.read(layer, torch.from_numpy(slots[sel])).to(
                     self.device, non_blocking=True)
-            self.stats.add_fetch(f"{tier.name}->{self.table.tiers[0].name}", sel.size * self.layout.page_bytes)
-        self.stats.fetch_s += time.perf_counter() - t0
+            if count:
+                self.stats.add_fetch(f"{tier.name}->{self.table.tiers[0].name}", sel.size * self.layout.page_bytes)
+        if count:
+            self.stats.fetch_s += time.perf_counter() - t0
         return pool
 
     def _backend_for(self, part: _Part) -> AttentionBackend:

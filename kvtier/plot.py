@@ -3,6 +3,8 @@
 - ``quality_vs_budget-<task>.png``: the task's score against the device budget, one line per
   policy (and scope, when runs differ in scope); x is the budget fraction, or tokens when the runs
   set ``budget.tokens``.
+- ``recall_vs_budget-<task>.png``: the same axes for the attention-mass recall of runs that measured
+  fidelity (``cache.fidelity``, scopes ``resident`` and ``topk``).
 - ``occupancy-<run>.png``: pages in use per tier (mean over layers) at every engine step of a run,
   with each tier's capacity dashed.
 
@@ -49,28 +51,38 @@ def pick_x(runs: list[dict], x: str) -> str:
 
 
 def quality_vs_budget(runs: list[dict], out: Path, x: str = "auto") -> list[Path]:
-    """One figure per (task, score): score against budget, a line per policy (and scope)."""
-    key, label = X_AXES[pick_x(runs, x)]
-    by_task = defaultdict(list)
-    for r in runs:
-        by_task[(r["task"], r["score_name"])].append(r)
+    """Per task: its score against budget (``quality_vs_budget-<task>.png``), and the attention-mass
+    recall where runs measured it (``recall_vs_budget-<task>.png``); a line per policy (and scope)."""
     written = []
-    for (task, score), group in sorted(by_task.items()):
-        several_scopes = len({r["scope"] for r in group}) > 1
-        lines = defaultdict(list)
-        for r in group:
-            name = f"{r['policy']} ({r['scope']})" if several_scopes else r["policy"]
-            lines[name].append((r[key], r[score]))
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for name, points in sorted(lines.items()):
-            xs, ys = zip(*sorted(points))
-            ax.plot(xs, ys, marker="o", label=name)
-        better = "lower is better" if score == "perplexity" else "higher is better"
-        ax.set(xlabel=label, ylabel=f"{score} ({better})", title=f"{task} task: {score} vs device budget")
-        ax.grid(alpha=0.3)
-        ax.legend(title="policy")
-        written.append(_save(fig, out / f"quality_vs_budget-{task}.png"))
+    for task in sorted({r["task"] for r in runs}):
+        group = [r for r in runs if r["task"] == task]
+        for score in sorted({r["score_name"] for r in group}):
+            written.append(_curves([r for r in group if r["score_name"] == score], score, x,
+                                   out / f"quality_vs_budget-{task}.png", f"{task} task: {score} vs device budget"))
+        measured = [r for r in group if "attention_mass_recall" in r]
+        if measured:
+            written.append(_curves(measured, "attention_mass_recall", x, out / f"recall_vs_budget-{task}.png",
+                                   f"{task} task: attention mass on the attended pages"))
     return written
+
+
+def _curves(group: list[dict], metric: str, x: str, path: Path, title: str) -> Path:
+    """``metric`` against budget, a line per policy (and scope, when the runs differ in scope)."""
+    key, label = X_AXES[pick_x(group, x)]
+    several_scopes = len({r["scope"] for r in group}) > 1
+    lines = defaultdict(list)
+    for r in group:
+        name = f"{r['policy']} ({r['scope']})" if several_scopes else r["policy"]
+        lines[name].append((r[key], r[metric]))
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, points in sorted(lines.items()):
+        xs, ys = zip(*sorted(points))
+        ax.plot(xs, ys, marker="o", label=name)
+    better = "lower is better" if metric == "perplexity" else "higher is better"
+    ax.set(xlabel=label, ylabel=f"{metric} ({better})", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(title="policy")
+    return _save(fig, path)
 
 
 def occupancy(runs: list[dict], out: Path) -> list[Path]:

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier.errors import ConfigError
+from kvtier.eval.fidelity import FidelityStats
 from kvtier.metrics import percentile
 
 WANDB_MODES = ("offline", "disabled")
@@ -36,6 +37,7 @@ class CacheRecord:
     migrated_pages: dict  # link -> pages moved by the scheduler
     occupancy: list  # [(step, {tier: pages in use, mean over layers})]
     offloaded_fraction: float  # live pages off the device at the end, mean over layers
+    fidelity_calls: list  # FidelityStats.calls (empty unless the cache measured fidelity)
 
     @classmethod
     def of(cls, cache) -> "CacheRecord":
@@ -43,7 +45,8 @@ class CacheRecord:
         off = float((cache.table.tier_of[:, live] != 0).mean()) if live.size else 0.0
         return cls(cache.stats.attended_pages, cache.stats.resident_pages, cache.stats.fetch_s,
                    dict(cache.stats.fetched_bytes), dict(cache.transfer.bytes_moved),
-                   dict(cache.transfer.pages_moved), list(cache.stats.occupancy), off)
+                   dict(cache.transfer.pages_moved), list(cache.stats.occupancy), off,
+                   list(cache.fidelity.calls) if cache.fidelity is not None else [])
 
 
 def collect(cfg, plan, result: dict, records: list[CacheRecord], engine, wall_s: float) -> dict:
@@ -80,6 +83,7 @@ def collect(cfg, plan, result: dict, records: list[CacheRecord], engine, wall_s:
         "tpot_p50_s": percentile(engine.tpot_s, 50), "tpot_p99_s": percentile(engine.tpot_s, 99),
         "decode_steps": len(engine.tpot_s), "stall_s": sum(r.fetch_s for r in records), "wall_s": wall_s,
         "peak_pages": {tier: max(v) for tier, v in series.items()},
+        **FidelityStats([c for r in records for c in r.fidelity_calls]).summary(),
         "occupancy": {"step": steps, "pages": series},
         "task_result": result,
         "config": OmegaConf.to_container(cfg, resolve=True),
@@ -118,6 +122,11 @@ def metrics_table(m: dict) -> Table:
     for link, n in sorted(m["bytes_moved"].items()):
         t.add_row(f"bytes moved {link}", _mib(n))
     t.add_row("bytes moved total", _mib(m["bytes_moved_total"]))
+    if "attention_mass_recall" in m:
+        t.add_row("attention-mass recall mean / p10", f"{m['attention_mass_recall']:.1%} / "
+                                                       f"{m['attention_mass_recall_p10']:.1%}")
+        t.add_row("attention output rel. err mean / p90", f"{m['attention_rel_err']:.2e} / "
+                                                           f"{m['attention_rel_err_p90']:.2e}")
     t.add_row("stall (fetch wait)", f"{m['stall_s']:.3f} s")
     t.add_row("TTFT", f"{m['ttft_s'] * 1e3:.1f} ms")
     t.add_row("TPOT p50 / p99", f"{m['tpot_p50_s'] * 1e3:.1f} / {m['tpot_p99_s'] * 1e3:.1f} ms")

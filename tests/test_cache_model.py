@@ -159,3 +159,33 @@ def test_resident_scope_attends_only_device_pages_and_the_tail():
     assert pids.size - 1 in on_device and set(chosen.tolist()) == on_device and len(chosen) < pids.size
     assert cache.stats.attended_pages - attended == cache.stats.resident_pages - resident == len(chosen)
     assert not torch.isnan(out).any()
+
+
+def test_fidelity_equals_eager_attention_mass_and_output_error():
+    """Recall = eager softmax mass on the attended pages; rel. error vs eager full attention; uncounted."""
+    torch.manual_seed(3)
+    k, v, q = torch.randn(1, 2, 37, 8), torch.randn(1, 2, 37, 8), torch.randn(1, 6, 1, 8)
+    plain, measured = _synthetic_cache("resident"), _synthetic_cache("resident", fidelity=True)
+    out_plain = _decode_after_prefill(plain, k, v, q)
+    out = _decode_after_prefill(measured, k, v, q)
+    assert torch.equal(out, out_plain)  # measuring changes nothing the scope computes
+    assert measured.stats.fetched_bytes == plain.stats.fetched_bytes
+    assert measured.stats.attended_pages == plain.stats.attended_pages
+    (layer, recall, recall_min, err), = measured.fidelity.calls  # one decode call (prefill is not measured)
+    chosen = measured._choose_pages(0, q)[0]
+    assert 0 < len(chosen) < measured.table.pages(0).size
+    kk, vv = k[0].repeat_interleave(3, dim=0), v[0].repeat_interleave(3, dim=0)  # [H, S, D]
+    probs = torch.softmax((q[0, :, 0, None, :] * kk).sum(-1) * 8 ** -0.5, dim=-1)  # [H, S]
+    on_chosen = torch.zeros(37, dtype=torch.bool)
+    for page in chosen.tolist():
+        on_chosen[page * 4:(page + 1) * 4] = True
+    mass = probs[:, on_chosen].sum(-1)  # [H]
+    exact = (probs[:, :, None] * vv).sum(1)  # [H, D]
+    assert layer == 0 and recall_min <= recall < 1
+    assert abs(recall - mass.mean().item()) < 1e-5 and abs(recall_min - mass.min().item()) < 1e-5
+    assert abs(err - rel_err(out[0, 0], exact)) < 1e-5
+    full = _synthetic_cache("topk", topk_pages=10, fidelity=True)  # every page chosen: exact
+    _decode_after_prefill(full, k, v, q)
+    (_, recall, _, err), = full.fidelity.calls
+    assert abs(recall - 1) < 1e-6 and err < 1e-6
+    assert _synthetic_cache("all", fidelity=True).fidelity is None  # exact scope: nothing to measure

@@ -11,7 +11,7 @@ from kvtier.plot import load_runs, main, pick_x
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def fake_run(root, name, policy, fraction, score, tokens=None, task="perplexity", scope="resident"):
+def fake_run(root, name, policy, fraction, score, tokens=None, task="perplexity", scope="resident", recall=None):
     """A run folder holding the metrics.json fields kvtier-plot reads."""
     steps = list(range(10))
     score_name = "perplexity" if task == "perplexity" else "accuracy"
@@ -20,6 +20,8 @@ def fake_run(root, name, policy, fraction, score, tokens=None, task="perplexity"
          "capacity_pages": {"device": 16, "host": 64},
          "occupancy": {"step": steps, "pages": {"device": [min(s + 1, 16) for s in steps], "host": [s for s in steps]}},
          "config": {"budget": {"tokens": tokens, "fraction": None if tokens else fraction}}}
+    if recall is not None:
+        m["attention_mass_recall"] = recall
     (root / name).mkdir(parents=True)
     (root / name / "metrics.json").write_text(json.dumps(m))
 
@@ -43,14 +45,15 @@ def test_curves_and_occupancy_pngs_from_a_multirun_folder(sweep, capsys):
 
 
 def test_one_curve_figure_per_task_and_the_token_axis_when_runs_set_tokens(tmp_path):
-    fake_run(tmp_path, "a", "lru", 0.25, 0.6, tokens=256, task="passkey")
-    fake_run(tmp_path, "b", "lru", 0.5, 0.9, tokens=512, task="passkey")
+    fake_run(tmp_path, "a", "lru", 0.25, 0.6, tokens=256, task="passkey", recall=0.7)
+    fake_run(tmp_path, "b", "lru", 0.5, 0.9, tokens=512, task="passkey", recall=0.9)
     fake_run(tmp_path, "c", "aspe", 0.25, 12.0)
     runs = load_runs(tmp_path)
     assert pick_x(runs, "auto") == "tokens" and pick_x(runs[2:], "auto") == "fraction"
     assert main([str(tmp_path), "--out", str(tmp_path / "figs")]) == 0
     assert {p.name for p in (tmp_path / "figs").glob("quality*.png")} == \
         {"quality_vs_budget-passkey.png", "quality_vs_budget-perplexity.png"}
+    assert [p.name for p in (tmp_path / "figs").glob("recall*.png")] == ["recall_vs_budget-passkey.png"]
 
 
 def test_a_folder_without_runs_is_an_error(tmp_path, capsys):

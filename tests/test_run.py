@@ -65,7 +65,9 @@ def test_cli_run_writes_metrics_disk_and_offline_wandb_inside_its_folder(tmp_pat
     assert m["peak_pages"]["device"] <= m["capacity_pages"]["device"] == 5
     assert len(m["occupancy"]["step"]) == len(m["occupancy"]["pages"]["device"]) > 32
     assert m["config"]["task"]["length"] == 128
-    assert "tier-1 hit rate" in proc.stdout  # the rich table
+    assert "tier-1 hit rate" in proc.stdout and "attention-mass recall" in proc.stdout  # the rich table
+    assert 0 < m["attention_mass_recall_min"] <= m["attention_mass_recall"] <= 1 + 1e-6 and m["attention_rel_err"] > 0
+    assert m["fidelity_calls"] == m["decode_steps"] * 30 and len(m["attention_mass_recall_per_layer"]) == 30
     assert (run_dir / "disk").is_dir() and not any((run_dir / "disk").rglob("*.kv"))  # scratch removed
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert not list(tmp_path.glob("home/**/*wandb*"))
@@ -146,6 +148,7 @@ BAD = [
     (["budget.fraction=0.05"], "budget.fraction", "chunk_size"),
     (["page_size=12"], "page_size", "power of two"),
     (["logger=wandb", "logger.mode=online"], "logger.mode", "offline"),
+    (["cache.fidelity=maybe"], "cache.fidelity", "true or false"),
 ]
 
 

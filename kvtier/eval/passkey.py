@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import TYPE_CHECKING, Callable, ClassVar
 
 import numpy as np
 import torch
 
-from kvtier.cache import TieredKVCache
 from kvtier.errors import ConfigError
 from kvtier.eval.perplexity import check_int, progress_task
+
+if TYPE_CHECKING:  # the cache imports kvtier.eval.fidelity
+    from kvtier.cache import TieredKVCache
 
 FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
 _PLACEHOLDER = "\x00HAYSTACK\x00"

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import TYPE_CHECKING, Callable, ClassVar
 
 import torch
 
-from kvtier.cache import TieredKVCache
 from kvtier.data import TEXTS, token_stream
 from kvtier.errors import ConfigError
+
+if TYPE_CHECKING:  # the cache imports kvtier.eval.fidelity
+    from kvtier.cache import TieredKVCache
 
 
 def check_int(field: str, value, low: int, high: int | None = None) -> None:
