@@ -40,7 +40,7 @@ POLICIES = {"lru": lambda: LRU(), "sink_window": lambda: SinkWindow(sinks=4, win
 
 
 def fill(cache: TieredKVCache, context: int) -> None:
-    """Write ``context`` random tokens of K/V into the cache's pages, as a prefill would leave them."""
+    """Write ``context`` random tokens of K/V into the cache's pages, as a prefill would leave them, as step 0."""
     layout = cache.layout
     cache.table.append(0, context)
     for layer in range(layout.num_layers):
@@ -58,6 +58,9 @@ def fill(cache: TieredKVCache, context: int) -> None:
                 idx = torch.from_numpy(pids[sel]).cuda()
                 cache.key_min[layer, idx] = pages.amin(1)
                 cache.key_max[layer, idx] = pages.amax(1)
+    cache._start = context  # the filled context counts as step 0: the policy and scheduler act on it
+    cache._open = True
+    cache.finish_step()
 
 
 def run_one(model, layout, context, budget, scope, policy, kernel, steps, lookahead):
@@ -68,9 +71,6 @@ def run_one(model, layout, context, budget, scope, policy, kernel, steps, lookah
                           backend=make_backend(kernel), scope=scope,
                           topk_pages=max(dev_pages // 2, 8) if scope == "topk" else None)
     fill(cache, context)
-    cache._start = context  # the filled context counts as step 0
-    cache._open = True
-    cache.finish_step()
     engine = Engine(model)
     token = torch.randint(0, model.config.vocab_size, (1, 1), device="cuda")
     moved0 = sum(cache.transfer.bytes_moved.values()) + sum(cache.stats.fetched_bytes.values())

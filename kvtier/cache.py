@@ -31,7 +31,7 @@ import torch
 from kvtier.compat import PagedCacheBase
 from kvtier.errors import ConfigError
 from kvtier.eval.fidelity import FidelityStats, attention_fidelity
-from kvtier.kernels.base import AttentionBackend, PagedBatch, page_salience
+from kvtier.kernels.base import AttentionBackend, PagedBatch, page_salience, to_device
 from kvtier.kernels.merge import merge_many
 from kvtier.kernels.reference import TorchBackend
 from kvtier.layout import KVLayout
@@ -268,23 +268,18 @@ class TieredKVCache(PagedCacheBase):
         pids = np.concatenate(all_pids)
         tiers, slots = self.table.locate(layer, pids)
         if key == 0:
-            pool, indices = self.table.tiers[0].pool(layer), torch.from_numpy(slots)
+            pool, indices = self.table.tiers[0].pool(layer), slots
         elif key == "fetch":
-            pool, indices = self._fetch(layer, pids, tiers, slots, count), torch.arange(pids.size)
+            pool, indices = self._fetch(layer, pids, tiers, slots, count), np.arange(pids.size)
         else:
             tier = self.table.tiers[key]
-            pool = tier.pool(layer)
+            pool, indices = tier.pool(layer), slots
             if pool is None:
-                pool, indices = tier.read(layer, torch.from_numpy(slots)), torch.arange(pids.size)
+                pool, indices = tier.read(layer, torch.from_numpy(slots)), np.arange(pids.size)
                 if count:
                     self.stats.add_read(tier.name, pids.size * self.layout.page_bytes)
-            else:
-                indices = torch.from_numpy(slots)
-        dev = pool.device
-        i32 = lambda x: torch.as_tensor(x, dtype=torch.int32, device=dev)  # noqa: E731
-        batch = PagedBatch(qo_indptr=i32(np.arange(len(self.seqs) + 1) * q_len), kv_indptr=i32(kv_indptr),
-                           kv_indices=indices.to(dev, torch.int32), kv_last_page_len=i32(last_len),
-                           page_size=P, causal=causal)
+        batch = PagedBatch.from_host(np.arange(len(self.seqs) + 1) * q_len, kv_indptr, indices, last_len, P, causal,
+                                     pool.device)
         return _Part(pool, batch, pids, key == 0)
 
     def _fetch(self, layer: int, pids, tiers, slots, count: bool = True) -> torch.Tensor:
@@ -295,11 +290,11 @@ class TieredKVCache(PagedCacheBase):
             sel = np.flatnonzero(tiers == t)
             tier = self.table.tiers[t]
             src_pool = tier.pool(layer)
+            src, dst = to_device([slots[sel], sel], self.device, torch.int64)
             if self.transfer.use_kernel(src_pool, pool):  # one launch through mapped host memory
-                copy_pages(src_pool, torch.from_numpy(slots[sel]), pool, torch.from_numpy(sel))
+                copy_pages(src_pool, src, pool, dst)
             else:
-                pool[torch.from_numpy(sel).to(self.device)] = tier.read(layer, torch.from_numpy(slots[sel])).to(
-                    self.device, non_blocking=True)
+                pool[dst] = tier.read(layer, torch.from_numpy(slots[sel])).to(self.device, non_blocking=True)
             if count:
                 self.stats.add_fetch(f"{tier.name}->{self.table.tiers[0].name}", sel.size * self.layout.page_bytes)
         if count:
@@ -318,8 +313,10 @@ class TieredKVCache(PagedCacheBase):
         for part, (_, _, page_max) in zip(parts, results):
             batch = part.batch
             if page_max is None:  # prefill: one extra pass of the last query row over this part
-                single = PagedBatch(torch.arange(len(self.seqs) + 1, dtype=torch.int32, device=batch.kv_indptr.device),
-                                    batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, batch.page_size, False)
+                rows = np.arange(len(self.seqs) + 1)  # [B+1] one query row per sequence
+                single = PagedBatch(torch.arange(rows.size, dtype=torch.int32, device=batch.kv_indptr.device),
+                                    batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, batch.page_size, False,
+                                    rows, batch.host_kv_indptr)
                 backend = self._backend_for(part)
                 backend.plan(single, q.shape[1], self.layout.num_kv_heads, q.shape[2], scale)
                 page_max = backend.run(q[last_rows].to(part.pool.device), part.pool, return_page_max=True).page_max

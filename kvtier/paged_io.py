@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvtier.kernels.base import to_device
 from kvtier.table import BlockTable
 
 
@@ -24,10 +25,10 @@ def write_tokens(table: BlockTable, layer: int, seq: int, kv: torch.Tensor, star
         sel = np.flatnonzero(tiers == t)
         tier = table.tiers[t]
         pool = tier.pool(layer)
-        chunk = kv[:, sel]  # [2, m, N_kv, D]
+        chunk = kv if sel.size == n else kv[:, to_device([sel], kv.device, torch.int64)[0]]  # [2, m, N_kv, D]
         if pool is not None:
-            idx = torch.from_numpy(slots[sel]).to(pool.device)
-            pool[idx, :, offs[sel].to(pool.device)] = chunk.transpose(0, 1).to(pool.device, pool.dtype)
+            idx, off = to_device([slots[sel], pos[sel] % P], pool.device, torch.int64)  # [m], [m]
+            pool[idx, :, off] = chunk.transpose(0, 1).to(pool.device, pool.dtype)
             continue
         uniq, inv = np.unique(slots[sel], return_inverse=True)
         u = torch.from_numpy(uniq)

@@ -6,6 +6,10 @@ by ``qo_indptr [B+1]``. Sequence b's keys are the listed pages in order; all are
 last, which holds ``kv_last_page_len[b]`` tokens. With ``causal`` the mask is bottom-right
 aligned: query i of n_b attends key j iff ``j <= kv_len_b - n_b + i``.
 
+A batch built by :meth:`PagedBatch.from_host` keeps host copies of ``qo_indptr`` and ``kv_indptr``
+so that ``plan()`` reads them without a device-to-host sync, and its device arrays arrive in one
+non-blocking copy (:func:`to_device`).
+
 Every backend returns the output, its log-sum-exp in natural log, and optionally per
 (listed page, query head) the max scaled logit over the page's unmasked tokens and the
 sequence's queries (``page_max``), from which :func:`page_salience` derives the max attention
@@ -17,6 +21,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvtier.errors import ConfigError
@@ -32,10 +37,32 @@ class PagedBatch:
     kv_last_page_len: torch.Tensor  # [B]
     page_size: int
     causal: bool = False
+    host_qo_indptr: np.ndarray | None = None  # [B+1] int64 copy on the host (from_host), or None
+    host_kv_indptr: np.ndarray | None = None  # [B+1]
+
+    @classmethod
+    def from_host(cls, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size: int, causal: bool,
+                  device) -> "PagedBatch":
+        """A batch on ``device`` from host int arrays, in one copy, keeping the indptrs on the host."""
+        qo, kv = np.asarray(qo_indptr, np.int64), np.asarray(kv_indptr, np.int64)
+        d_qo, d_kv, d_idx, d_last = to_device([qo, kv, kv_indices, kv_last_page_len], device)
+        return cls(d_qo, d_kv, d_idx, d_last, page_size, causal, qo, kv)
 
     @property
     def batch_size(self) -> int:
         return self.kv_last_page_len.numel()
+
+    def qo_indptr_host(self) -> np.ndarray:
+        """``qo_indptr`` on the host ``[B+1]`` (a device-to-host sync unless built by from_host)."""
+        return self.host_qo_indptr if self.host_qo_indptr is not None else self.qo_indptr.cpu().long().numpy()
+
+    def kv_indptr_host(self) -> np.ndarray:
+        """``kv_indptr`` on the host ``[B+1]`` (a device-to-host sync unless built by from_host)."""
+        return self.host_kv_indptr if self.host_kv_indptr is not None else self.kv_indptr.cpu().long().numpy()
+
+    def is_decode(self) -> bool:
+        """One query row per sequence."""
+        return bool((np.diff(self.qo_indptr_host()) == 1).all())
 
     def kv_lens(self) -> torch.Tensor:
         """Tokens per sequence ``[B]`` (0 for a sequence with no pages)."""
@@ -49,7 +76,8 @@ class PagedBatch:
 
     def to(self, device) -> "PagedBatch":
         return PagedBatch(self.qo_indptr.to(device), self.kv_indptr.to(device), self.kv_indices.to(device),
-                          self.kv_last_page_len.to(device), self.page_size, self.causal)
+                          self.kv_last_page_len.to(device), self.page_size, self.causal, self.host_qo_indptr,
+                          self.host_kv_indptr)
 
 
 @dataclass
@@ -85,9 +113,26 @@ def page_salience(page_max: torch.Tensor, lse: torch.Tensor, batch: PagedBatch, 
     ``page_max [nnz, H]`` and the final ``lse [B, H]`` (after any merge): prob = exp(page_max - lse)
     of the query row of the page's sequence, max over the query heads of each kv group.
     """
-    if not torch.equal(batch.qo_indptr[1:] - batch.qo_indptr[:-1], torch.ones_like(batch.qo_indptr[1:])):
+    if not batch.is_decode():
         raise ValueError("page_salience needs exactly one query row per sequence (a decode step)")
     rows = batch.page_seq()  # [nnz]
     prob = torch.exp(page_max - lse.float()[rows])  # [nnz, H]
     nnz, heads = prob.shape
     return prob.view(nnz, num_kv_heads, heads // num_kv_heads).amax(-1)  # [nnz, N_kv]
+
+
+def to_device(arrays: list, device, dtype: torch.dtype = torch.int32) -> list[torch.Tensor]:
+    """Host int arrays (numpy or CPU tensors) as ``dtype`` tensors on ``device``.
+
+    On CUDA: one non-blocking copy from pageable memory. CUDA stages pageable memory before the
+    call returns, so the host buffer may go at once, and the stream is not synchronised (a blocking
+    copy would make the host wait for every queued kernel; pinning a fresh buffer per call costs
+    more host time than it saves). On the CPU: views of one tensor.
+    """
+    device = torch.device(device)
+    flat = [np.asarray(a).reshape(-1) for a in arrays]
+    host = torch.from_numpy(np.concatenate(flat).astype(np.dtype(str(dtype).removeprefix("torch."))))
+    if device.type == "cuda":
+        host = host.to(device, non_blocking=True)
+    return list(torch.split(host, [a.size for a in flat]))
+

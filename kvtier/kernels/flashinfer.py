@@ -45,8 +45,7 @@ class FlashInferBackend(AttentionBackend):
     def plan(self, batch: PagedBatch, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              sm_scale: float | None = None) -> None:
         super().plan(batch, num_qo_heads, num_kv_heads, head_dim, sm_scale)
-        rows = batch.qo_indptr[1:] - batch.qo_indptr[:-1]  # [B]
-        self.is_decode = bool((rows == 1).all())
+        self.is_decode = batch.is_decode()
         self.planned_dtypes = None
 
     def plan_wrapper(self, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:

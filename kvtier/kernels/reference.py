@@ -22,8 +22,8 @@ def paged_attention_reference(q: torch.Tensor, kv_pool: torch.Tensor, batch: Pag
     lse = torch.full((n_q, heads), float("-inf"), dtype=torch.float32, device=q.device)  # [Nq, H]
     nnz = batch.kv_indices.numel()
     page_max = torch.full((nnz, heads), float("-inf"), dtype=torch.float32, device=q.device) if return_page_max else None
-    qo = batch.qo_indptr.tolist()
-    kvp = batch.kv_indptr.tolist()
+    qo = batch.qo_indptr_host().tolist()
+    kvp = batch.kv_indptr_host().tolist()
     kv_lens = batch.kv_lens().tolist()
     for b in range(batch.batch_size):
         q0, q1, p0, p1 = qo[b], qo[b + 1], kvp[b], kvp[b + 1]

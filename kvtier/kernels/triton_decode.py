@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from kvtier.kernels.base import AttentionBackend, AttentionOutput, PagedBatch
+from kvtier.kernels.base import AttentionBackend, AttentionOutput, PagedBatch, to_device
 from kvtier.kernels.triton_prefill import (LN2, LOG2E, PrefillConfig, check_page_size, dot_operand_dtype,
                                            paged_prefill, plan_prefill)
 
@@ -73,39 +74,38 @@ def num_multiprocessors(device: torch.device) -> int:
 
 def plan_decode(batch: PagedBatch, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                 config: DecodeConfig | None = None) -> DecodePlan:
-    """Cut each sequence's pages into splits so that chunks x kv heads fills the GPU (one host sync)."""
+    """Cut each sequence's pages into splits so that chunks x kv heads fills the GPU.
+
+    Host work on the batch's host ``kv_indptr`` (no sync for a batch from ``PagedBatch.from_host``),
+    then one non-blocking copy of the chunk list.
+    """
     check_page_size(batch.page_size)
     config = default_decode_config(head_dim) if config is None else config
     page = batch.page_size
     block_n = max(config.block_n, page)
     pages_per_block = block_n // page
-    kv_indptr = batch.kv_indptr.cpu().long()  # [B+1]
-    npages = kv_indptr[1:] - kv_indptr[:-1]  # [B]
+    kv_indptr = batch.kv_indptr_host()  # [B+1]
+    npages = np.diff(kv_indptr)  # [B]
     if config.pages_per_split is not None:
         per_split = config.pages_per_split
     else:
         target = num_multiprocessors(batch.kv_indptr.device) * config.ctas_per_sm
         per_split = max(-(-int(npages.sum()) * num_kv_heads // target), -(-config.min_split_tokens // page), 1)
-        longest = max(int(npages.max()), 1) if npages.numel() else 1
+        longest = max(int(npages.max()), 1) if npages.size else 1
         per_split = -(-longest // -(-longest // per_split))  # even splits of the longest sequence
     per_split = -(-per_split // pages_per_block) * pages_per_block  # whole loop iterations
-    splits = torch.clamp(-(-npages // per_split), min=1)  # [B]
-    seq = torch.repeat_interleave(torch.arange(npages.numel()), splits)  # [C]
-    first = torch.cumsum(splits, 0) - splits  # [B] first chunk of each sequence
-    split = torch.arange(seq.numel()) - first[seq]  # [C]
+    splits = np.maximum(-(-npages // per_split), 1)  # [B]
+    seq = np.repeat(np.arange(npages.size), splits)  # [C]
+    first = np.cumsum(splits) - splits  # [B] first chunk of each sequence
+    split = np.arange(seq.size) - first[seq]  # [C]
     page0 = kv_indptr[:-1][seq] + split * per_split  # [C]
     dev = batch.kv_indptr.device
-
-    def i32(t):
-        return t.to(device=dev, dtype=torch.int32)
-
-    max_splits = int(splits.max()) if splits.numel() else 1
-    n_seq = npages.numel()
+    max_splits = int(splits.max()) if splits.size else 1
     part_out = part_lse = None
     if max_splits > 1:
-        part_out = torch.empty(max_splits, n_seq, num_qo_heads, head_dim, dtype=torch.float32, device=dev)
-        part_lse = torch.empty(max_splits, n_seq, num_qo_heads, dtype=torch.float32, device=dev)
-    return DecodePlan(i32(seq), i32(page0), i32(split), i32(splits), per_split, max_splits, block_n, config,
+        part_out = torch.empty(max_splits, npages.size, num_qo_heads, head_dim, dtype=torch.float32, device=dev)
+        part_lse = torch.empty(max_splits, npages.size, num_qo_heads, dtype=torch.float32, device=dev)
+    return DecodePlan(*to_device([seq, page0, split, splits], dev), per_split, max_splits, block_n, config,
                       part_out, part_lse)
 
 
@@ -287,8 +287,7 @@ class TritonBackend(AttentionBackend):
     def plan(self, batch: PagedBatch, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              sm_scale: float | None = None) -> None:
         super().plan(batch, num_qo_heads, num_kv_heads, head_dim, sm_scale)
-        rows = batch.qo_indptr[1:] - batch.qo_indptr[:-1]  # [B]
-        self.is_decode = bool((rows == 1).all())
+        self.is_decode = batch.is_decode()
         if self.is_decode:
             self.step_plan = plan_decode(batch, num_qo_heads, num_kv_heads, head_dim, self.decode_config)
         else:

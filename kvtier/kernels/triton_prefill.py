@@ -15,12 +15,13 @@ import math
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from kvtier.errors import ConfigError
-from kvtier.kernels.base import AttentionOutput, PagedBatch
+from kvtier.kernels.base import AttentionOutput, PagedBatch, to_device
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = math.log2(math.e)
@@ -67,17 +68,15 @@ class PrefillPlan:
 
 def plan_prefill(batch: PagedBatch, num_qo_heads: int, num_kv_heads: int,
                  config: PrefillConfig = PrefillConfig()) -> PrefillPlan:
-    """List the query tiles of every sequence (one host sync)."""
+    """List the query tiles of every sequence (host work on the host ``qo_indptr``, one non-blocking copy)."""
     check_page_size(batch.page_size)
     group_pad = triton.next_power_of_2(num_qo_heads // num_kv_heads)
     block_q = max(1, config.block_m // group_pad)
-    qo = batch.qo_indptr.cpu().long()  # [B+1]
-    tiles = -(-(qo[1:] - qo[:-1]) // block_q)  # [B]
-    seq = torch.repeat_interleave(torch.arange(tiles.numel()), tiles)  # [T]
-    q0 = (torch.arange(seq.numel()) - (torch.cumsum(tiles, 0) - tiles)[seq]) * block_q  # [T]
-    dev = batch.qo_indptr.device
-    return PrefillPlan(seq.to(device=dev, dtype=torch.int32), q0.to(device=dev, dtype=torch.int32),
-                       block_q, group_pad, max(config.block_n, batch.page_size), config)
+    tiles = -(-np.diff(batch.qo_indptr_host()) // block_q)  # [B]
+    seq = np.repeat(np.arange(tiles.size), tiles)  # [T]
+    q0 = (np.arange(seq.size) - (np.cumsum(tiles) - tiles)[seq]) * block_q  # [T]
+    return PrefillPlan(*to_device([seq, q0], batch.qo_indptr.device), block_q, group_pad,
+                       max(config.block_n, batch.page_size), config)
 
 
 @triton.jit

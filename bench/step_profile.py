@@ -1,0 +1,149 @@
+"""Where a decode step's time goes: HF's own attention vs kvtier, host syncs, host functions.
+
+Rows (SmolLM2-shaped model, random weights, B=1, bf16, context written into the tiers as in
+:mod:`bench.e2e`): plain HF (sdpa, DynamicCache) on the same context, and kvtier at 100% HBM
+(``all``) and 20% (``resident``, ``topk``). The device machine's host is shared and its step times
+drift between calls, so the runs are timed in interleaved rounds and the minimum is reported. Then
+per step: host<->device copies and stream syncs (torch profiler) and kvtier's hottest host
+functions (cProfile).
+Run on a GPU:  python -m bench.step_profile   (writes $OUT/step_profile.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+from collections import Counter
+
+import numpy as np
+import torch
+
+from bench.common import print_table, write_json
+from bench.e2e import MODELS, fill
+from kvtier.cache import TieredKVCache
+from kvtier.engine import Engine
+from kvtier.hook import install
+from kvtier.kernels.registry import make_backend
+from kvtier.models import kv_layout_for, random_llama
+from kvtier.policies import LRU, SinkWindow
+from kvtier.tiers import DeviceTier, HostTier
+
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaEventSynchronize")
+
+
+def hf_step(model, context: int):
+    """A decode-step closure of plain HF attention (``sdpa``, DynamicCache) after a ``context`` prefill."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    ids = torch.randint(0, model.config.vocab_size, (1, context), device="cuda")
+    with torch.no_grad():
+        state = {"token": model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)}
+
+    def step():
+        with torch.no_grad():
+            state["token"] = model(state["token"], past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    return step
+
+
+def kvtier_step(model, cache):
+    engine = Engine(model)
+    state = {"token": torch.randint(0, model.config.vocab_size, (1, 1), device="cuda")}
+
+    def step():
+        state["token"] = engine.decode_step(cache, state["token"]).argmax(-1, keepdim=True)
+    return step
+
+
+def median_ms(step, n: int) -> float:
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1e3)
+
+
+def make_cache(layout, context, budget, scope, steps):
+    total = layout.pages_for(context + 4 * steps + 16)
+    dev = max(int(total * budget), 40)
+    policy = LRU() if budget == 1.0 else SinkWindow(sinks=4, window=256)
+    cache = TieredKVCache(layout, [DeviceTier(layout, dev), HostTier(layout, total + 64)], policy,
+                          backend=make_backend("triton"), scope=scope,
+                          topk_pages=max(dev // 2, 8) if scope == "topk" else None)
+    fill(cache, context)
+    return cache
+
+
+def profile(step, steps: int, top: int) -> dict:
+    """Copies and syncs per step (torch profiler) and kvtier's hottest host functions (cProfile)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+    calls = Counter(ev.name for ev in prof.events() if ev.name in SYNC_EVENTS or ev.name.startswith("Memcpy"))
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        step()
+    pr.disable()
+    kv = [(f"{fn[0].split('kvtier/')[-1]}:{fn[2]}", tt / steps * 1e3, ct / steps * 1e3)
+          for fn, (_, _, tt, ct, _) in pstats.Stats(pr).stats.items() if "/kvtier/" in fn[0]]
+    return {"per_step": {k: v / steps for k, v in calls.items()},
+            "syncs_per_step": sum(v for k, v in calls.items() if k in SYNC_EVENTS) / steps,
+            "host_top": [{"fn": f, "self_ms_per_step": s, "cum_ms_per_step": c}
+                         for f, s, c in sorted(kv, key=lambda x: -x[1])[:top]]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (the host is shared: min of medians)")
+    ap.add_argument("--top", type=int, default=12)
+    args = ap.parse_args()
+    install()
+    model = random_llama(**MODELS["smollm2-shape"], device="cuda", dtype="bfloat16")
+    layout = kv_layout_for(model.config, page_size=16, dtype=torch.bfloat16)
+    scopes = [(1.0, "all"), (0.2, "resident"), (0.2, "topk")]
+    steps_total = args.steps * (args.rounds + 3)
+    model.set_attn_implementation("sdpa")
+    hf = hf_step(model, args.context)
+    model.set_attn_implementation("kvtier")
+    caches = [make_cache(layout, args.context, b, s, steps_total) for b, s in scopes]
+    runners = {"hf_sdpa": hf, **{f"{s}@{b:g}": kvtier_step(model, c) for (b, s), c in zip(scopes, caches)}}
+    times = {name: [] for name in runners}
+    for r in range(args.rounds + 1):  # round 0 warms up
+        for name, step in runners.items():
+            if name == "hf_sdpa":
+                model.set_attn_implementation("sdpa")
+            ms = median_ms(step, args.steps)
+            model.set_attn_implementation("kvtier")
+            if r:
+                times[name].append(ms)
+    rows = []
+    for name, step in runners.items():
+        if name == "hf_sdpa":
+            model.set_attn_implementation("sdpa")
+        row = {"run": name, "tpot_ms_min": min(times[name]), "tpot_ms_median": float(np.median(times[name])),
+               "rounds_ms": times[name], **profile(step, args.steps, args.top)}
+        model.set_attn_implementation("kvtier")
+        row["vs_hf"] = row["tpot_ms_min"] / min(times["hf_sdpa"])
+        rows.append(row)
+        print(name, f"tpot min {row['tpot_ms_min']:.1f} ms", row["per_step"])
+        for h in row["host_top"]:
+            print(f"   {h['fn']:<48} self {h['self_ms_per_step']:7.2f} ms  cum {h['cum_ms_per_step']:7.2f} ms")
+    for c in caches:
+        c.close()
+    print_table(f"decode step, smollm2-shape, {args.context} tokens, B=1, bf16, triton; min of {args.rounds} "
+                f"interleaved rounds of {args.steps}-step medians", rows,
+                ["run", "tpot_ms_min", "tpot_ms_median", "vs_hf", "syncs_per_step"])
+    write_json("step_profile.json", {"gpu": torch.cuda.get_device_name(), "args": vars(args), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
