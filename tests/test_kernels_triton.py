@@ -20,6 +20,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from kvtier.errors import ConfigError, MissingDependencyError  # noqa: E402
 from kvtier.kernels.reference import paged_attention_reference  # noqa: E402
+from kvtier.kernels.base import PagedBatch  # noqa: E402
 from kvtier.kernels.registry import make_backend  # noqa: E402
 from kvtier.kernels.triton_decode import DecodeConfig, TritonBackend, default_decode_config, plan_decode  # noqa: E402
 from kvtier.kernels.triton_prefill import PrefillConfig  # noqa: E402
@@ -87,6 +88,29 @@ def test_decode_split_merge_is_used_and_single_split_writes_directly():
     whole = plan_decode(batch, 4, 2, 32, DecodeConfig(block_n=32, pages_per_split=64))
     assert whole.max_splits == 1 and whole.pages_per_split == 64 and whole.part_out is None
     assert plan_decode(batch, 4, 2, 64).config == default_decode_config(64) != default_decode_config(128)
+
+
+def test_a_batch_built_from_host_arrays_plans_and_runs_the_same():
+    """PagedBatch.from_host (what the cache builds: host indptrs, no read-back) gives the same plan and output."""
+    gen = torch.Generator().manual_seed(6)
+    q, pool, batch, _, _ = random_paged_batch([100, 0, 37], [1, 1, 1], 16, 2, 32, 4, generator=gen)
+    host = PagedBatch.from_host(batch.qo_indptr.numpy(), batch.kv_indptr.numpy(), batch.kv_indices.numpy(),
+                                batch.kv_last_page_len.numpy(), 16, False, "cpu")
+    assert host.is_decode() and host.kv_indptr_host().tolist() == batch.kv_indptr.tolist()
+    assert all(torch.equal(a, b.int()) for a, b in zip(
+        (host.qo_indptr, host.kv_indptr, host.kv_indices, host.kv_last_page_len),
+        (batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len)))
+    config = DecodeConfig(block_n=16, pages_per_split=2)
+    p_dev, p_host = plan_decode(batch, 4, 2, 32, config), plan_decode(host, 4, 2, 32, config)
+    for name in ("chunk_seq", "chunk_page", "chunk_split", "seq_splits"):
+        assert torch.equal(getattr(p_dev, name), getattr(p_host, name)), name
+    results = []
+    for b in (batch, host):
+        backend = TritonBackend(decode_config=config)
+        backend.plan(b, 4, 2, 32)
+        results.append(backend.run(q, pool, return_page_max=True))
+    assert torch.equal(results[0].out, results[1].out) and torch.equal(results[0].page_max, results[1].page_max)
+    assert not torch.isnan(results[1].out).any()
 
 
 @pytest.mark.parametrize("group,num_kv,dtype,kv_lens,q_lens,causal", [
