@@ -2,7 +2,8 @@
 
 After every step the cache hands salience to the policy and the scheduler issues migrations
 (see :mod:`kvtier.cache`). The engine times each step: TTFT is the whole prefill (up to the first
-token's logits), TPOT one decode step; on a GPU both are synchronised wall times.
+token's logits), TPOT one decode step; on a GPU both are synchronised wall times. Time the cache
+spends in its fidelity pass (``cache.fidelity``, a measurement) is left out of both.
 """
 
 from __future__ import annotations
@@ -13,13 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.cache import TieredKVCache
-from kvtier.metrics import percentile
+from kvtier.metrics import percentile, synchronize
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @dataclass
@@ -42,23 +38,23 @@ class Engine:
 
     def run_prefill(self, cache: TieredKVCache, ids: torch.Tensor) -> torch.Tensor:
         """Prefill ``ids [B, S]`` chunk by chunk; returns the logits ``[B, S, V]`` of every position."""
-        _sync(self.device)
-        t0 = time.perf_counter()
+        synchronize(self.device)
+        t0, measuring = time.perf_counter(), cache.stats.fidelity_s
         logits = []
         chunks = self.prefill.chunks(ids.shape[1])
         for a, b in chunks:
             logits.append(self.forward(cache, ids[:, a:b]))
-        _sync(self.device)
-        self.ttft_s.append(time.perf_counter() - t0)
+        synchronize(self.device)
+        self.ttft_s.append(time.perf_counter() - t0 - (cache.stats.fidelity_s - measuring))
         return torch.cat(logits, dim=1)
 
     def decode_step(self, cache: TieredKVCache, token: torch.Tensor) -> torch.Tensor:
         """One decode step for ``token [B, 1]``: logits ``[B, V]``."""
-        _sync(self.device)
-        t0 = time.perf_counter()
+        synchronize(self.device)
+        t0, measuring = time.perf_counter(), cache.stats.fidelity_s
         logits = self.forward(cache, token)[:, -1]
-        _sync(self.device)
-        self.tpot_s.append(time.perf_counter() - t0)
+        synchronize(self.device)
+        self.tpot_s.append(time.perf_counter() - t0 - (cache.stats.fidelity_s - measuring))
         return logits
 
     def greedy(self, cache: TieredKVCache, ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:

@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 
 @dataclass
@@ -16,6 +17,7 @@ class CacheStats:
     resident_pages: int = 0
     planned_pages: int = 0
     fetch_s: float = 0.0
+    fidelity_s: float = 0.0  # time in the uncounted exact pass of cache.fidelity (left out of TTFT/TPOT)
     fetched_bytes: Counter = field(default_factory=Counter)  # link -> bytes copied for attention
     read_bytes: Counter = field(default_factory=Counter)  # tier -> bytes read where they live (merge)
     occupancy: list = field(default_factory=list)  # [(step, {tier: pages in use, mean over layers})]
@@ -32,6 +34,12 @@ class CacheStats:
 
     def observe_occupancy(self, step: int, table) -> None:
         self.occupancy.append((step, {name: float(np.mean(per_layer)) for name, per_layer in table.occupancy().items()}))
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA), so that host wall times cover it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def percentile(values, q: float) -> float:

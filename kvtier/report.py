@@ -32,6 +32,7 @@ class CacheRecord:
     attended_pages: int
     resident_pages: int
     fetch_s: float
+    fidelity_s: float  # time of the fidelity pass, left out of TTFT/TPOT
     fetched_bytes: dict  # link -> bytes copied to the device for attention
     migrated_bytes: dict  # link -> bytes moved by the scheduler
     migrated_pages: dict  # link -> pages moved by the scheduler
@@ -43,7 +44,7 @@ class CacheRecord:
     def of(cls, cache) -> "CacheRecord":
         live = cache.table.live_pids()
         off = float((cache.table.tier_of[:, live] != 0).mean()) if live.size else 0.0
-        return cls(cache.stats.attended_pages, cache.stats.resident_pages, cache.stats.fetch_s,
+        return cls(cache.stats.attended_pages, cache.stats.resident_pages, cache.stats.fetch_s, cache.stats.fidelity_s,
                    dict(cache.stats.fetched_bytes), dict(cache.transfer.bytes_moved),
                    dict(cache.transfer.pages_moved), list(cache.stats.occupancy), off,
                    list(cache.fidelity.calls) if cache.fidelity is not None else [])
@@ -82,6 +83,7 @@ def collect(cfg, plan, result: dict, records: list[CacheRecord], engine, wall_s:
         "ttft_s": float(np.mean(engine.ttft_s)) if engine.ttft_s else float("nan"),
         "tpot_p50_s": percentile(engine.tpot_s, 50), "tpot_p99_s": percentile(engine.tpot_s, 99),
         "decode_steps": len(engine.tpot_s), "stall_s": sum(r.fetch_s for r in records), "wall_s": wall_s,
+        "fidelity_s": sum(r.fidelity_s for r in records),
         "peak_pages": {tier: max(v) for tier, v in series.items()},
         **FidelityStats([c for r in records for c in r.fidelity_calls]).summary(),
         "occupancy": {"step": steps, "pages": series},

@@ -1,5 +1,7 @@
 """The tiered cache on the real model: exact scope vs HF's own attention, generate(), salience."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -189,3 +191,29 @@ def test_fidelity_equals_eager_attention_mass_and_output_error():
     (_, recall, _, err), = full.fidelity.calls
     assert abs(recall - 1) < 1e-6 and err < 1e-6
     assert _synthetic_cache("all", fidelity=True).fidelity is None  # exact scope: nothing to measure
+
+
+def test_engine_leaves_the_fidelity_pass_out_of_tpot(monkeypatch):
+    """TTFT/TPOT exclude the measurement pass: a pass made to take 0.25 s per layer does not show."""
+    from kvtier.models import random_llama
+
+    model = random_llama(num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=16,
+                         vocab_size=32, dtype="float32", device="cpu")
+    model.set_attn_implementation(install())
+    layout = kv_layout_for(model.config, page_size=4, dtype=torch.float32)
+    real = TieredKVCache._measure_fidelity
+
+    def slow(self, *args):
+        real(self, *args)
+        time.sleep(0.25)
+        self.stats.fidelity_s += 0.25
+
+    monkeypatch.setattr(TieredKVCache, "_measure_fidelity", slow)
+    cache = TieredKVCache(layout, [DeviceTier(layout, 3, device="cpu"), HostTier(layout, 8)], LRU(),
+                          scope="resident", fidelity=True)
+    engine = Engine(model, ChunkedPrefill(8))
+    token = engine.run_prefill(cache, torch.randint(0, 32, (1, 16)))[:, -1:].argmax(-1)
+    for _ in range(3):
+        token = engine.decode_step(cache, token).argmax(-1, keepdim=True)
+    assert len(cache.fidelity.calls) == 3 * 2 and cache.stats.fidelity_s > 3 * 2 * 0.25
+    assert max(engine.tpot_s) < 0.25 and min(engine.tpot_s) > 0
