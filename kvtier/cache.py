@@ -194,6 +194,7 @@ class TieredKVCache(PagedCacheBase):
         return results
 
     def _all_pages(self) -> list[np.ndarray]:
+        """Every logical page number of each sequence."""
         return [np.arange(self.table.pages(seq).size) for seq in self.seqs]
 
     def _choose_pages(self, layer: int, query: torch.Tensor) -> list[np.ndarray]:
