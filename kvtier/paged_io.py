@@ -20,25 +20,25 @@ def write_tokens(table: BlockTable, layer: int, seq: int, kv: torch.Tensor, star
     pos = np.arange(start, start + n)  # [n]
     pids = table.pages(seq)[pos // P]  # [n]
     tiers, slots = table.locate(layer, pids)
-    offs = torch.from_numpy(pos % P)
+    offs = pos % P  # [n] offset in the page
     for t in np.unique(tiers):
         sel = np.flatnonzero(tiers == t)
         tier = table.tiers[t]
         pool = tier.pool(layer)
         chunk = kv if sel.size == n else kv[:, to_device([sel], kv.device, torch.int64)[0]]  # [2, m, N_kv, D]
         if pool is not None:
-            idx, off = to_device([slots[sel], pos[sel] % P], pool.device, torch.int64)  # [m], [m]
+            idx, off = to_device([slots[sel], offs[sel]], pool.device, torch.int64)  # [m], [m]
             pool[idx, :, off] = chunk.transpose(0, 1).to(pool.device, pool.dtype)
             continue
         uniq, inv = np.unique(slots[sel], return_inverse=True)
         u = torch.from_numpy(uniq)
         fresh = np.zeros(uniq.size, dtype=bool)  # a write from offset 0 starts a page: nothing to keep
-        fresh[inv[(pos[sel] % P) == 0]] = True
+        fresh[inv[offs[sel] == 0]] = True
         pages = torch.zeros((uniq.size, *table.layout.page_shape), dtype=table.layout.dtype)  # [u, 2, P, N_kv, D]
         if not fresh.all():
             old = np.flatnonzero(~fresh)
             pages[torch.from_numpy(old)] = tier.read(layer, u[old]).to(pages.device)
-        pages[torch.from_numpy(inv), :, offs[sel]] = chunk.transpose(0, 1).to(pages.device, pages.dtype)
+        pages[torch.from_numpy(inv), :, torch.from_numpy(offs[sel])] = chunk.transpose(0, 1).to(pages.device, pages.dtype)
         tier.write(layer, u, pages)
 
 

@@ -38,8 +38,9 @@ class FidelityStats:
     calls: list = field(default_factory=list)
 
     def add(self, layer: int, recall: torch.Tensor, rel_err: torch.Tensor) -> None:
-        r = recall.detach().float().cpu()
-        self.calls.append((layer, float(r.mean()), float(r.min()), float(rel_err.detach().float().mean())))
+        r, e = recall.detach().float(), rel_err.detach().float()
+        mean, low, err = torch.stack([r.mean(), r.min(), e.mean()]).tolist()  # one device-to-host copy
+        self.calls.append((layer, mean, low, err))
 
     def summary(self) -> dict:
         """Run-level figures (empty when nothing was measured)."""

@@ -35,12 +35,7 @@ def unwrap(text: str) -> str:
 class Needle(RetrievalTask):
     """A fact sentence (``needle``) hidden in ``text``; ``answer`` must appear in the reply to ``question``."""
 
-    context_tokens: int = 4096
-    depths: tuple = (0.1, 0.5, 0.9)
-    samples: int = 1
-    seed: int = 0
     max_new_tokens: int = 12
-    chat_template: bool = False
     text: str = "lady_susan"
     needle: str = "The secret ingredient in Mrs. Vernon's cake was cardamom."
     question: str = "What was the secret ingredient in Mrs. Vernon's cake?"
@@ -52,7 +47,7 @@ class Needle(RetrievalTask):
     question_sep: ClassVar[str] = "\n\nQuestion: "
 
     def __post_init__(self):
-        self.check_common()
+        super().__post_init__()
         if self.text not in TEXTS:
             raise ConfigError("task.text", f"unknown text {self.text!r}; use one of {sorted(TEXTS)}")
         for name in ("needle", "question", "answer"):

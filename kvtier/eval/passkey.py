@@ -40,19 +40,24 @@ def check_depths(depths) -> tuple[float, ...]:
     return values
 
 
+@dataclass
 class RetrievalTask:
-    """Shared machinery of passkey and needle: prompt building, fitting to a length, scoring runs.
-
-    Subclasses (dataclasses) have ``context_tokens``, ``depths``, ``samples``, ``seed``,
-    ``max_new_tokens``, ``chat_template`` and implement :meth:`cases` and :meth:`score`.
+    """Shared fields and machinery of passkey and needle: prompt building, fitting to a length,
+    scoring runs. Subclasses (dataclasses) implement :meth:`cases` and :meth:`score`.
     """
 
+    context_tokens: int = 4096
+    depths: tuple = (0.1, 0.5, 0.9)
+    samples: int = 1  # cases per depth
+    seed: int = 0
+    max_new_tokens: int = 10
+    chat_template: bool = False
     name: ClassVar[str] = "retrieval"
     intro: ClassVar[str] = ""
     min_context: ClassVar[int] = 128
     question_sep: ClassVar[str] = "\n"  # between the haystack and the question (plain format)
 
-    def check_common(self) -> None:
+    def __post_init__(self):
         check_int("context_tokens", self.context_tokens, self.min_context)
         self.depths = check_depths(self.depths)
         check_int("samples", self.samples, 1)
@@ -146,20 +151,11 @@ class RetrievalTask:
 class Passkey(RetrievalTask):
     """Passkey retrieval over synthetic filler; ``samples`` keys per depth from a seeded RNG."""
 
-    context_tokens: int = 4096
-    depths: tuple = (0.1, 0.5, 0.9)
-    samples: int = 1
-    seed: int = 0
-    max_new_tokens: int = 10
-    chat_template: bool = False
     name: ClassVar[str] = "passkey"
     intro: ClassVar[str] = ("There is an important piece of information hidden inside a lot of irrelevant text. "
                             "Find it and memorize it. I will quiz you about the important information there.")
     question: ClassVar[str] = "What is the pass key?"
     answer_prefix: ClassVar[str] = "The pass key is"
-
-    def __post_init__(self):
-        self.check_common()
 
     def cases(self, tokenizer, rng):
         before, after = self.template(tokenizer, self.question, self.answer_prefix)

@@ -135,4 +135,3 @@ def to_device(arrays: list, device, dtype: torch.dtype = torch.int32) -> list[to
     if device.type == "cuda":
         host = host.to(device, non_blocking=True)
     return list(torch.split(host, [a.size for a in flat]))
-
