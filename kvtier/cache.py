@@ -31,7 +31,7 @@ import torch
 from kvtier.compat import PagedCacheBase
 from kvtier.errors import ConfigError
 from kvtier.eval.fidelity import FidelityStats, attention_fidelity
-from kvtier.kernels.base import AttentionBackend, PagedBatch, page_salience, to_device
+from kvtier.kernels.base import AttentionBackend, PagedBatch, page_salience
 from kvtier.kernels.merge import merge_many
 from kvtier.kernels.reference import TorchBackend
 from kvtier.layout import KVLayout
@@ -42,7 +42,6 @@ from kvtier.scheduler.base import Scheduler
 from kvtier.scheduler.lookahead import LookaheadScheduler
 from kvtier.table import BlockTable
 from kvtier.tiers.base import Tier
-from kvtier.tiers.copy_kernel import copy_pages
 from kvtier.tiers.transfer import TransferEngine
 
 SCOPES = ("all", "resident", "topk")
@@ -281,7 +280,7 @@ class TieredKVCache(PagedCacheBase):
         if key == 0:
             pool, indices = self.table.tiers[0].pool(layer), slots
         elif key == "fetch":
-            pool, indices = self._fetch(layer, pids, tiers, slots, count), np.arange(pids.size)
+            pool, indices = self._fetch(layer, pids, count), np.arange(pids.size)
         else:
             tier = self.table.tiers[key]
             pool, indices = tier.pool(layer), slots
@@ -293,22 +292,13 @@ class TieredKVCache(PagedCacheBase):
                                      pool.device)
         return _Part(pool, batch, pids, key == 0)
 
-    def _fetch(self, layer: int, pids, tiers, slots, count: bool = True) -> torch.Tensor:
+    def _fetch(self, layer: int, pids, count: bool = True) -> torch.Tensor:
         """Copy pages from their tiers into a temporary device pool ``[n, 2, P, N_kv, D]``."""
         t0 = time.perf_counter()
-        pool = torch.empty((pids.size, *self.layout.page_shape), dtype=self.layout.dtype, device=self.device)
-        for t in np.unique(tiers):
-            sel = np.flatnonzero(tiers == t)
-            tier = self.table.tiers[t]
-            src_pool = tier.pool(layer)
-            src, dst = to_device([slots[sel], sel], self.device, torch.int64)
-            if self.transfer.use_kernel(src_pool, pool):  # one launch through mapped host memory
-                copy_pages(src_pool, src, pool, dst)
-            else:
-                pool[dst] = tier.read(layer, torch.from_numpy(slots[sel])).to(self.device, non_blocking=True)
-            if count:
-                self.stats.add_fetch(f"{tier.name}->{self.table.tiers[0].name}", sel.size * self.layout.page_bytes)
+        pool, links = self.transfer.gather(layer, pids, self.device)
         if count:
+            for link, nbytes in links.items():
+                self.stats.add_fetch(link, nbytes)
             self.stats.fetch_s += time.perf_counter() - t0
         return pool
 

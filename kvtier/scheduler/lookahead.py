@@ -62,13 +62,13 @@ class LookaheadScheduler(Scheduler):
             room = device.capacity - reserve
             keep = pinned[layer] & resident
             cand = np.flatnonzero((resident | admit[layer] | pinned[layer]) & (prio[layer] > -np.inf))
-            order = cand[np.argsort(-prio[layer, cand], kind="stable")]  # best first
+            order = cand[np.lexsort((-prio[layer, cand], ~pinned[layer, cand]))]  # pinned, then best first
             want = np.zeros(info.pids.size, dtype=bool)
             want[order[:max(room, int(keep.sum()))]] = True
             want |= keep
             demote = np.flatnonzero(resident & ~want & ~pinned[layer])
             promote = np.flatnonzero(~resident & want)
-            promote = promote[np.argsort(-prio[layer, promote], kind="stable")]
+            promote = promote[np.lexsort((-prio[layer, promote], ~pinned[layer, promote]))]  # pinned first
             free_after = device.num_free(layer) + demote.size - reserve
             promote = promote[:max(free_after, 0)]
             if self.max_moves_per_step is not None:

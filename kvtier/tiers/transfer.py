@@ -5,6 +5,12 @@ one scatter into the destination pool (not one copy per page). The BlockTable is
 submit time; a reader must :meth:`wait` on the pages first (on the GPU the compute stream
 waits on the copy's event, the host does not block). Source slots are released only once the
 copy has completed, so they cannot be reused while still being read.
+
+The fast decode path (:mod:`kvtier.fast.engine`) reads a page at its old place until its copy has
+landed: it moves only settled pages (no queued kernel writes them), so a copy need not wait for
+queued compute (``after_compute=False``), and with ``fenced=True`` a source slot is released only
+once a *fence* event, given when the engine takes the landed move (:meth:`take_landed`), has
+completed: that event follows every step that may still read the old place.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 from typing import TYPE_CHECKING
 
 from kvtier.errors import ConfigError
+from kvtier.kernels.base import to_device
 from kvtier.tiers.copy_kernel import copy_pages
 
 if TYPE_CHECKING:
@@ -31,6 +38,22 @@ class _Pending:
     layer: int
     pids: np.ndarray
     release: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (tier, slots) to free when done
+    fenced: bool = False  # release waits for ``fence`` too
+    fence: "torch.cuda.Event | None" = None
+    reported: bool = False  # handed out by take_landed
+
+
+class _Passed:
+    """A fence that has already passed (no reader can still use the old place)."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+_PASSED = _Passed()
 
 
 class TransferEngine:
@@ -56,10 +79,15 @@ class TransferEngine:
         self.bytes_moved: Counter[str] = Counter()
         self.pages_moved: Counter[str] = Counter()
         self._pending: list[_Pending] = []
+        self._landed: list[_Pending] = []  # landed fenced moves not yet taken by the reader
         self.stalls = 0  # host-side waits for a copy (CPU event path)
 
-    def migrate(self, layer: int, pids, dst: int) -> None:
-        """Move ``pids`` of ``layer`` into ``tiers[dst]`` (pages already there are skipped)."""
+    def migrate(self, layer: int, pids, dst: int, after_compute: bool = True, fenced: bool = False) -> None:
+        """Move ``pids`` of ``layer`` into ``tiers[dst]`` (pages already there are skipped).
+
+        ``after_compute``: the copy waits for all queued compute (pages written by it first);
+        ``fenced``: see the module docstring.
+        """
         pids = np.asarray(pids, dtype=np.int64)
         src_tiers, src_slots = self.table.locate(layer, pids)
         move = src_tiers != dst
@@ -71,9 +99,9 @@ class TransferEngine:
         if dst_tier.num_free(layer) < pids.size:
             self.synchronize()  # slots vacated by earlier moves are released once those land
         dst_slots = dst_tier.alloc(layer, pids.size)  # [n]; raises TierFullError before any copy
-        pending = _Pending(None, layer, pids)
+        pending = _Pending(None, layer, pids, fenced=fenced)
         stream_ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-        if self.stream is not None:
+        if self.stream is not None and after_compute:
             self.stream.wait_stream(torch.cuda.current_stream())  # pages written by compute first
         with stream_ctx:
             for t in np.unique(src_tiers):
@@ -95,8 +123,32 @@ class TransferEngine:
             pending.event = self._new_event()
             pending.event.record(self.stream)
             self._pending.append(pending)
+        elif fenced:
+            self._landed.append(pending)  # a synchronous copy has landed; no reader runs ahead of the host
+            pending.reported = True
+            self._release(pending)
         else:
             self._release(pending)
+
+    def gather(self, layer: int, pids: np.ndarray, device) -> tuple[torch.Tensor, Counter]:
+        """Copies of ``pids``'s pages of ``layer`` in one temporary pool ``[n, 2, P, N_kv, D]`` on ``device``
+        (one launch per source tier between addressable pools), and the bytes read per link."""
+        layout = self.table.layout
+        tiers, slots = self.table.locate(layer, pids)
+        pool = torch.empty((pids.size, *layout.page_shape), dtype=layout.dtype, device=device)
+        links: Counter[str] = Counter()
+        for t in np.unique(tiers):
+            sel = np.flatnonzero(tiers == t)
+            tier = self.table.tiers[t]
+            src_pool = tier.pool(layer)
+            if self.use_kernel(src_pool, pool):  # one launch through mapped host memory
+                src, dst = to_device([slots[sel], sel], device, torch.int64)
+                copy_pages(src_pool, src, pool, dst)
+            else:
+                dst = torch.from_numpy(sel).to(device)
+                pool[dst] = tier.read(layer, torch.from_numpy(slots[sel])).to(device, non_blocking=True)
+            links[f"{tier.name}->{self.table.tiers[0].name}"] += sel.size * layout.page_bytes
+        return pool, links
 
     def use_kernel(self, src_pool, dst_pool) -> bool:
         if self.method == "generic" or src_pool is None or dst_pool is None:
@@ -125,22 +177,41 @@ class TransferEngine:
         self.poll()
 
     def synchronize(self) -> None:
-        """Block the host until every copy has landed, then release source slots."""
+        """Block the host until every copy has landed (and every given fence has passed), then release
+        source slots. A fenced move whose fence was not yet given keeps its source slots."""
         if self.stream is not None:
             self.stream.synchronize()
         for p in self._pending:
             p.event.synchronize()
+            if p.fence is not None:
+                p.fence.synchronize()
         self.poll()
 
     def poll(self) -> None:
-        """Release source slots of completed copies."""
+        """Release source slots of completed copies (of fenced ones, once their fence has passed)."""
         still = []
         for p in self._pending:
-            if p.event.query():
-                self._release(p)
-            else:
+            if not p.event.query():
                 still.append(p)
+                continue
+            if p.fenced and not p.reported:
+                p.reported = True
+                self._landed.append(p)
+            if p.fenced and (p.fence is None or not p.fence.query()):
+                still.append(p)
+            else:
+                self._release(p)
         self._pending = still
+
+    def take_landed(self, fence=None) -> list[tuple[int, np.ndarray]]:
+        """``[(layer, pids)]`` of fenced moves landed since the last call; their source slots are released
+        once ``fence`` (an event after every queued reader of the old place) has completed."""
+        self.poll()
+        out = [(p.layer, p.pids) for p in self._landed]
+        for p in self._landed:
+            p.fence = fence if fence is not None else _PASSED
+        self._landed = []
+        return out
 
     def _wait_pids(self, layer: int, pids: np.ndarray) -> None:
         for p in self._pending:

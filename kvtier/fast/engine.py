@@ -1,0 +1,578 @@
+"""FastEngine: batched tiered decode, one captured CUDA graph per batch-size bucket, replayed every token.
+
+A decode step's GPU work (the model, the K/V writes, the scope's page choice and the static-shape
+paged attention) reads only static device tensors: the block table ``[L, rows, max_pages]``
+(per layer, row and logical page: ``x >= 0`` a device slot, ``x < 0`` host slot ``-x - 1``, read
+in place through its mapped address), the sequence lengths and the input tokens. The host does the
+bookkeeping once per step, around the replay, and never waits for the GPU except to bound how far
+it runs ahead:
+
+1. take what step ``t - k`` produced (``k = lookahead``): the pages each layer's scope attended and,
+   for salience policies, their salience; the policy hears them (``on_access``, ``on_salience``);
+2. grow every sequence by one token (a new page, in the device tier, every ``page_size`` steps);
+3. the scheduler plans (only when some page lives off the device or the device is short of room)
+   and its moves run on the side stream without waiting for compute; a moved page is read at its
+   old place until its copy has landed, then the device table points at the new place (fenced
+   moves, :mod:`kvtier.tiers.transfer`);
+4. copy the changed table rows, lengths and tokens to the device, replay the bucket's graph.
+
+So the pages that step ``t`` picked are promoted during step ``t + 1`` and resident from step
+``t + k`` on (``lookahead=0``: nothing is fed back; misses are read in place from host memory).
+
+Prefill runs eagerly, one sequence and chunk at a time, over all of the sequence's pages gathered
+from their tiers (exact). Sequences join (:meth:`add`) and finish (:meth:`finish`) between steps;
+a bucket's graph is captured once and serves every batch that fits it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvtier.cache import ACTIVE_CACHE
+from kvtier.compat import PagedCacheBase
+from kvtier.errors import ConfigError, KVTierError
+from kvtier.fast.runner import LlamaRunner
+from kvtier.fast.scopes import QuestBounds, resident_pages
+from kvtier.kernels.base import AttentionBackend, PagedBatch
+from kvtier.kernels.reference import TorchBackend
+from kvtier.layout import KVLayout
+from kvtier.paged_io import write_tokens
+from kvtier.policies.base import Policy
+from kvtier.scheduler.base import Scheduler
+from kvtier.scheduler.chunked_prefill import ChunkedPrefill
+from kvtier.scheduler.lookahead import LookaheadScheduler
+from kvtier.table import BlockTable
+from kvtier.tiers.base import Tier
+from kvtier.tiers.transfer import TransferEngine
+
+SCOPES = ("all", "resident", "topk")
+
+
+@dataclass
+class _Produced:
+    """What one decode step leaves for the host: picks and salience, copied to pinned memory."""
+
+    step: int
+    event: object  # torch.cuda.Event, or None on the CPU
+    row_seq: list  # row -> sequence id at that step (None: idle)
+    page_list: torch.Tensor | None  # [L, rows, K] logical pages attended, -1 = none (topk, resident)
+    salience: torch.Tensor | None  # [L, rows, K, N_kv]
+
+
+@dataclass
+class FastStats:
+    steps: int = 0
+    host_wait_s: float = 0.0  # host blocked on the GPU (run-ahead bound, room for new pages)
+    tail_promotions: int = 0  # pages being written that had to be promoted before a step
+    counts: torch.Tensor | None = None  # [2] device int64: attended pages, of which on the device
+    per_step: list = field(default_factory=list)
+
+    def hit_rate(self) -> float:
+        """Attended pages read from the device tier / attended pages (one host sync)."""
+        attended, resident = self.counts.tolist()
+        return resident / attended if attended else 1.0
+
+
+class _PassCache(PagedCacheBase):
+    """The ``past_key_values`` the decoder layers see: routes ``update`` to the engine."""
+
+    def __init__(self, engine: "FastEngine"):
+        super().__init__(engine.layout.num_layers)
+        self.engine = engine
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.engine.store(layer_idx, key_states, value_states)
+        return key_states, value_states
+
+    def attend(self, layer: int, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
+        return self.engine.attend(layer, query, scaling)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+class FastEngine:
+    """Batched decode of up to ``max_batch`` sequences over a device tier and an optional host tier."""
+
+    def __init__(self, model, layout: KVLayout, tiers: list[Tier], policy: Policy,
+                 scheduler: Scheduler | None = None, scope: str = "all", topk_pages: int | None = None,
+                 sinks: int = 4, max_batch: int = 1, max_context: int = 4096, lookahead: int = 2,
+                 backend: AttentionBackend | None = None, decode_kernel: str | None = None,
+                 prefill: ChunkedPrefill | None = None, graphs: bool | None = None,
+                 buckets: tuple[int, ...] | None = None):
+        if scope not in SCOPES:
+            raise ConfigError("scope", f"unknown scope {scope!r}; use one of {list(SCOPES)}")
+        if scope == "topk" and (not isinstance(topk_pages, int) or topk_pages < 1):
+            raise ConfigError("topk_pages", f"scope 'topk' needs topk_pages >= 1, got {topk_pages!r}")
+        if not isinstance(lookahead, int) or lookahead < 0:
+            raise ConfigError("scheduler.lookahead", f"must be an integer >= 0, got {lookahead!r}")
+        kinds = [t.kind for t in tiers]
+        if kinds not in (["device"], ["device", "host"]):
+            raise ConfigError("tiers", f"the fast path reads pages in place from HBM and pinned host DRAM; got "
+                                       f"{kinds}: use [device] or [device, host], or kvtier.engine.Engine for "
+                                       "disk and remote tiers")
+        self.runner = LlamaRunner(model)
+        self.layout, self.policy, self.scope = layout, policy, scope
+        self.scheduler = scheduler or LookaheadScheduler()
+        self.table = BlockTable(layout, tiers)
+        self.transfer = TransferEngine(self.table)
+        self.device = tiers[0].device
+        self.host = tiers[1] if len(tiers) > 1 else None
+        if self.device.type == "cuda" and self.host is not None and not self.host.pool(0).is_pinned():
+            raise ConfigError("tiers.host", "the fast path reads host pages through their mapped address: "
+                                            "the host tier must be pinned (pin_memory=True)")
+        self.prefill = prefill or ChunkedPrefill()
+        self.backend = backend or TorchBackend()
+        self.decode_kernel = decode_kernel or ("triton" if self.device.type == "cuda" else "torch")
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.lookahead, self.topk_pages, self.sinks = lookahead, topk_pages, sinks
+        self.max_batch = max_batch
+        self.max_pages = layout.pages_for(max_context)
+        self.buckets = tuple(sorted(buckets or [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch]
+                                    + [max_batch]))
+        policy.reset(layout.num_layers)
+        L, R, M = layout.num_layers, max_batch, self.max_pages
+        # one device slot per layer that idle rows write into and nothing reads
+        self.scratch = np.array([int(tiers[0].alloc(layer, 1)[0]) for layer in range(L)], dtype=np.int32)
+        self.mirror = np.repeat(self.scratch[:, None, None], R, 1).repeat(M, 2)  # [L, R, M] host copy
+        dev = self.device
+        self.block_table = torch.from_numpy(self.mirror).to(dev)  # [L, R, M] int32
+        self.seq_lens = torch.zeros(R, dtype=torch.int32, device=dev)  # [R] tokens incl. the one being fed
+        self.positions = torch.zeros(R, dtype=torch.int64, device=dev)  # [R] position of the token fed
+        self.tokens = torch.zeros(R, dtype=torch.int64, device=dev)  # [R] input, then the greedy next token
+        self.logits = torch.zeros(R, model.config.vocab_size, dtype=torch.float32, device=dev)  # [R, V]
+        self.stats = FastStats(counts=torch.zeros(2, dtype=torch.int64, device=dev))
+        self.row_seq: list[int | None] = [None] * R
+        self.lens = np.zeros(R, dtype=np.int64)  # host copy of seq_lens
+        self.bounds = QuestBounds(L, R, M, layout.num_kv_heads, layout.head_dim, layout.page_size, dev) \
+            if scope == "topk" else None
+        listed = topk_pages if scope == "topk" else M
+        self.want_salience = policy.needs_salience
+        self.page_list = torch.full((L, R, listed), -1, dtype=torch.int32, device=dev) if scope != "all" else None
+        self.salience = torch.zeros(L, R, listed, layout.num_kv_heads, device=dev) if self.want_salience else None
+        self.kv = _PassCache(self)
+        self.step_idx = -1
+        self._next_seq = 0
+        self._produced: list[_Produced] = []
+        self._to_free: list[tuple[int, object]] = []  # (sequence, event of the last step that used it)
+        self._plans: dict[int, object] = {}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._last_event = None
+        self._mode = "decode"
+        self._B = max_batch
+        self._dirty = False
+
+    # -- sequences -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def add(self, prompt: torch.Tensor, all_logits: bool = False) -> tuple[int, torch.Tensor]:
+        """Prefill ``prompt [S]`` as a new sequence: ``(sequence id, logits [S or 1, V])``.
+
+        The greedy next token becomes the sequence's input of the next :meth:`step`.
+        """
+        S = int(prompt.numel())
+        if S < 1 or S + 1 > self.max_pages * self.layout.page_size:
+            raise ConfigError("prompt", f"{S} tokens do not fit max_context={self.max_pages * self.layout.page_size}")
+        row = next((r for r, s in enumerate(self.row_seq) if s is None), None)
+        if row is None:
+            raise KVTierError(f"all {self.max_batch} rows are busy; finish a sequence or raise max_batch")
+        self._free_finished(block=True)
+        seq = self._next_seq
+        self._next_seq += 1
+        self.table.add_sequence(seq)
+        self.row_seq[row] = seq
+        if self.bounds is not None:
+            self.bounds.reset_row(row)
+        ids = prompt.view(1, S).to(self.device)
+        out = []
+        self._mode, token = "prefill", ACTIVE_CACHE.set(self.kv)
+        try:
+            for a, b in self.prefill.chunks(S):
+                self._grow(seq, row, b - a)
+                self._prefill = (seq, row, a, b - a)
+                pos = torch.arange(a, b, device=self.device)[None]  # [1, q]
+                out.append(self.runner.forward(ids[:, a:b], pos, self.kv, last_only=not all_logits)[0])
+                self._schedule(reserve=self._room_needed(), after_compute=True)
+        finally:
+            self._mode = "decode"
+            ACTIVE_CACHE.reset(token)
+        self.lens[row] = S
+        self.tokens[row] = out[-1][-1].argmax()
+        self._dirty = True
+        return seq, torch.cat(out) if all_logits else out[-1]
+
+    def finish(self, seq: int) -> None:
+        """Drop ``seq``: its row goes idle now, its pages are freed once no queued step can use them."""
+        row = self.row_seq.index(seq)
+        self.row_seq[row] = None
+        self.lens[row] = 0
+        self.mirror[:, row] = self.scratch[:, None]
+        self._dirty = True
+        self._to_free.append((seq, self._last_event))
+
+    # -- decode --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, tokens: dict[int, int] | None = None) -> torch.Tensor:
+        """One decode token for every active sequence: logits ``[rows of the bucket, V]`` (device).
+
+        Each sequence's input is its greedy token from the last step (or prefill), unless
+        ``tokens`` (sequence -> token id) forces it. Row r of the result is ``self.row_seq[r]``.
+        """
+        active = [r for r, s in enumerate(self.row_seq) if s is not None]
+        if not active:
+            raise KVTierError("no active sequence: add() one first")
+        B = next(b for b in self.buckets if b > max(active))
+        self._take_produced(upto=self.step_idx + 1 - self.lookahead if self.lookahead else None)
+        self._free_finished(block=False)
+        self.step_idx += 1
+        self.policy.on_step(self.step_idx)
+        for r in active:
+            self._grow(self.row_seq[r], r, 1)
+        if self.scope == "all" or (self.scope == "resident" and not self.lookahead):
+            self._note_access(active)
+        self._schedule(reserve=self._room_needed(), after_compute=False)
+        self._switch_landed()
+        self._ensure_tails(active)
+        if tokens:
+            for seq, tok in tokens.items():
+                self.tokens[self.row_seq.index(seq)] = tok
+        self._upload()
+        self._B = B
+        if self.graphs:
+            self._replay(B)
+        else:
+            self._decode(B)
+        self._record(B)
+        self.stats.steps += 1
+        return self.logits[:B]
+
+    def _decode(self, B: int) -> None:
+        """The captured work: ``tokens[:B]`` -> ``logits[:B]``, greedy next tokens into ``tokens[:B]``."""
+        token = ACTIVE_CACHE.set(self.kv)
+        try:
+            logits = self.runner.forward(self.tokens[:B, None], self.positions[:B, None], self.kv, last_only=True)
+        finally:
+            ACTIVE_CACHE.reset(token)
+        self.logits[:B] = logits[:, 0]
+        self.tokens[:B] = logits[:, 0].argmax(-1)
+
+    def _replay(self, B: int) -> None:
+        graph = self._graphs.get(B)
+        if graph is None:
+            saved = (self.tokens.clone(), self.stats.counts.clone())
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._decode(B)  # warm-up: Triton compiles, cuBLAS picks kernels
+            torch.cuda.current_stream().wait_stream(side)
+            self.tokens.copy_(saved[0])
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._decode(B)
+            self._graphs[B] = graph
+            self.tokens.copy_(saved[0])
+            self.stats.counts.copy_(saved[1])
+        graph.replay()
+
+    # -- what the decoder layers call ----------------------------------------------------------
+    def store(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Write the step's K/V ``[B, N_kv, q, D]`` of ``layer`` into its pages."""
+        if self._mode == "prefill":
+            seq, row, start, _ = self._prefill
+            kv = torch.stack([key[0], value[0]]).transpose(1, 2)  # [2, q, N_kv, D]
+            write_tokens(self.table, layer, seq, kv, start)
+            if self.bounds is not None:
+                self.bounds.add_tokens(layer, row, kv[0], start)
+            return
+        B, P = self._B, self.layout.page_size
+        pos = self.positions[:B]  # [B]
+        slot = self.block_table[layer, :B].gather(1, (pos // P)[:, None])[:, 0].long()  # [B] device slots
+        pool = self.table.tiers[0].pool(layer)  # [slots, 2, P, N_kv, D]
+        pool[slot, 0, pos % P] = key[:, :, 0].to(pool.dtype)  # [B, N_kv, D]
+        pool[slot, 1, pos % P] = value[:, :, 0].to(pool.dtype)
+        if self.bounds is not None:
+            self.bounds.add_decode(layer, key[:, :, 0], pos)
+
+    def attend(self, layer: int, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
+        """Attention of ``query [B, H, q, D]`` of ``layer``: ``[B, q, H, D]``."""
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        if self._mode == "prefill":
+            return self._attend_prefill(layer, query, scale)
+        return self._attend_decode(layer, query, scale)
+
+    def _attend_prefill(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+        seq, _, _, q_len = self._prefill
+        pids = self.table.pages(seq)
+        self.transfer.wait(layer, pids)
+        pool, _ = self.transfer.gather(layer, pids, self.device)  # [n, 2, P, N_kv, D]
+        last = (self.table.seq_len(seq) - 1) % self.layout.page_size + 1
+        batch = PagedBatch.from_host([0, q_len], [0, pids.size], np.arange(pids.size), [last],
+                                     self.layout.page_size, True, self.device)
+        _, H, _, D = query.shape
+        self.backend.plan(batch, H, self.layout.num_kv_heads, D, scale)
+        q = query[0].transpose(0, 1).contiguous()  # [q, H, D]
+        return self.backend.run(q, pool).out[None]  # [1, q, H, D]
+
+    def _attend_decode(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+        from kvtier.kernels.triton_static_decode import static_decode, static_decode_reference
+
+        B, H, _, D = query.shape
+        q = query[:, :, 0].contiguous()  # [B, H, D]
+        table, lens = self.block_table[layer, :B], self.seq_lens[:B]  # [B, M], [B]
+        page_list = self._choose(layer, q, table, lens)  # [B, K] or None
+        host_pool = self.host.pool(layer) if self.host is not None else None
+        page_max = None
+        if self.want_salience:
+            page_max = torch.empty(B, page_list.shape[1] if page_list is not None else self.max_pages, H,
+                                   device=self.device)
+        kernel = static_decode if self.decode_kernel == "triton" else static_decode_reference
+        out, lse = kernel(q, self.table.tiers[0].pool(layer), host_pool, table, lens, self._plan(B, H, D), scale,
+                          page_list=page_list, page_max=page_max)
+        self._count(table, lens, page_list)
+        if page_max is not None:
+            sal = torch.exp(page_max - lse[:, None, :])  # [B, K, H]
+            self.salience[layer, :B] = sal.view(B, sal.shape[1], self.layout.num_kv_heads, -1).amax(-1)
+        return out[:, None]  # [B, 1, H, D]
+
+    def _choose(self, layer, q, table, lens) -> torch.Tensor | None:
+        """The scope's page list ``[B, K]`` of this layer (None: every page), kept for the host."""
+        B = q.shape[0]
+        if self.scope == "all":
+            return None
+        if self.scope == "resident":
+            picks = resident_pages(table, (lens.long() - 1).clamp(min=0) // self.layout.page_size)
+        else:
+            picks = self.bounds.pick(layer, q, lens, self.topk_pages, -(-self.sinks // self.layout.page_size))
+        self.page_list[layer, :B] = picks
+        return picks
+
+    def _count(self, table, lens, page_list) -> None:
+        """Attended pages and those read from the device tier, accumulated on the device."""
+        n_pages = (lens.long() + self.layout.page_size - 1) // self.layout.page_size  # [B]
+        if page_list is None:
+            listed = torch.arange(table.shape[1], device=table.device)[None, :] < n_pages[:, None]  # [B, M]
+            on_dev = listed & (table >= 0)
+        else:
+            listed = (page_list >= 0) & (page_list < n_pages[:, None])  # [B, K]
+            loc = table.gather(1, page_list.clamp(min=0).long())
+            on_dev = listed & (loc >= 0)
+        self.stats.counts += torch.stack([listed.sum(), on_dev.sum()])
+
+    def _plan(self, B: int, H: int, D: int):
+        from kvtier.kernels.triton_static_decode import plan_static_decode
+
+        if B not in self._plans:
+            self._plans[B] = plan_static_decode(B, self.max_pages, H, self.layout.num_kv_heads, D,
+                                                self.layout.page_size, self.device)
+        return self._plans[B]
+
+    # -- host bookkeeping ----------------------------------------------------------------------
+    def _grow(self, seq: int, row: int, n: int) -> None:
+        """Append ``n`` tokens to ``seq`` (room made on the device first) and point the table at new pages."""
+        P = self.layout.page_size
+        need = self.layout.pages_for(self.table.seq_len(seq) + n) - self.table.pages(seq).size
+        if need and self.host is not None and self._device_free() < need:
+            self._schedule(reserve=need, after_compute=True)
+            if self._device_free() < need:
+                self._wait_room()
+        first = self.table.pages(seq).size
+        new, _ = self.table.append(seq, n)
+        if new:
+            pids = np.asarray(new, dtype=np.int64)
+            self.policy.on_append(pids, max(self.step_idx, 0))
+            for layer in range(self.layout.num_layers):
+                self.mirror[layer, row, first:first + pids.size] = self._encode(layer, pids)
+            self._dirty = True
+        length = self.table.seq_len(seq)
+        if self._mode == "decode":
+            self.lens[row] = length
+        if length > self.max_pages * P:
+            raise KVTierError(f"sequence {seq} outgrew max_context={self.max_pages * P}")
+
+    def _encode(self, layer: int, pids: np.ndarray) -> np.ndarray:
+        tiers, slots = self.table.locate(layer, pids)
+        if (tiers > 1).any():
+            raise KVTierError("a page outside the device and host tiers cannot be read by the fast path")
+        return np.where(tiers == 0, slots, -slots - 1).astype(np.int32)
+
+    def _device_free(self) -> int:
+        return min(self.table.tiers[0].num_free(layer) for layer in range(self.layout.num_layers))
+
+    def _room_needed(self) -> int:
+        """Device pages the next ``lookahead + 2`` steps will append (kept free ahead of time)."""
+        P, ahead = self.layout.page_size, self.lookahead + 2
+        active = self.lens[[s is not None for s in self.row_seq]]
+        return int(((active + ahead) // P - active // P).sum())
+
+    def _schedule(self, reserve: int, after_compute: bool) -> None:
+        """Plan and issue moves, when some page lives off the device or the device is short of room."""
+        if self.host is None:
+            return
+        off_device = any(self.table.tiers[1].num_used(layer) for layer in range(self.layout.num_layers))
+        if not off_device and self._device_free() >= reserve:
+            return
+        self._pin_unsettled(True)
+        # the scratch slot is in the device tier's capacity but never free: plan as if reserved
+        plan = self.scheduler.plan(self.table, self.policy, max(self.step_idx, 0), reserve=reserve + 1)
+        self._pin_unsettled(False)
+        for move in plan.demote:
+            self.transfer.migrate(move.layer, move.pids, move.dst, after_compute=after_compute, fenced=True)
+        for move in plan.promote:  # into room that is free now; the rest waits for a later step
+            room = self.table.tiers[0].num_free(move.layer) - reserve
+            if room > 0:
+                self.transfer.migrate(move.layer, move.pids[:room], 0, after_compute=after_compute, fenced=True)
+
+    def _pin_unsettled(self, pinned: bool) -> None:
+        """Each sequence's page before the newest may still be written by a queued step: not movable."""
+        prev = [self.table.pages(s)[-2] for s in self.row_seq if s is not None and self.table.pages(s).size > 1]
+        if prev:
+            self.table.set_pinned(prev, pinned)
+
+    def _switch_landed(self) -> None:
+        """Point the device table at the new place of every move that has landed (and not moved on)."""
+        for layer, pids in self.transfer.take_landed(fence=self._last_event):
+            pids = pids[~self.transfer.in_flight(layer, pids)]  # a later move switches those
+            keep, rows, logical = self._where(pids)
+            self.mirror[layer, rows, logical] = self._encode(layer, pids[keep])
+            self._dirty = True
+
+    def _where(self, pids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Mask ``[n]`` of pids held by an active row, and their (row, logical page)."""
+        rows = np.full(pids.size, -1)
+        logical = np.zeros(pids.size, dtype=np.int64)
+        for r, seq in enumerate(self.row_seq):
+            if seq is None:
+                continue
+            mine = self.table.pages(seq)
+            hit = np.isin(pids, mine)
+            if hit.any():
+                order = np.argsort(mine)
+                logical[hit] = order[np.searchsorted(mine, pids[hit], sorter=order)]
+                rows[hit] = r
+        keep = rows >= 0
+        return keep, rows[keep], logical[keep]
+
+    def _ensure_tails(self, active: list[int]) -> None:
+        """The page each row writes this step must be in the device pool, its copy landed: else the
+        scheduler (which pins those pages) makes room and promotes them, and the host waits."""
+        P = self.layout.page_size
+        tails = [(r, (self.lens[r] - 1) // P) for r in active]
+        missing = [(r, page) for r, page in tails if (self.mirror[:, r, page] < 0).any()]
+        if not missing:
+            return
+        self._schedule(reserve=0, after_compute=True)
+        self._wait_room()
+        for r, page in missing:
+            pid = self.table.pages(self.row_seq[r])[page]
+            for layer in np.flatnonzero(self.mirror[:, r, page] < 0):
+                if self.table.tier_of[layer, pid] != 0:
+                    raise KVTierError(f"layer {layer}: no device room for the page being written; the policy "
+                                      "pins more pages than the device tier holds")
+                self.mirror[layer, r, page] = self._encode(int(layer), np.array([pid]))[0]
+            self.stats.tail_promotions += 1
+        self._dirty = True
+
+    def _wait_room(self) -> None:
+        """Block until fenced demotions release their device slots."""
+        t0 = time.perf_counter()
+        self._switch_landed()
+        if self._last_event is not None:
+            self._last_event.synchronize()
+        self.transfer.synchronize()
+        self.stats.host_wait_s += time.perf_counter() - t0
+
+    def _note_access(self, active: list[int]) -> None:
+        """Scopes known on the host (``all``; ``resident`` without lookahead): every listed page was read."""
+        for layer in range(self.layout.num_layers):
+            pids = np.concatenate([self.table.pages(self.row_seq[r]) for r in active])
+            if self.scope == "resident":
+                pids = pids[self.table.tier_of[layer, pids] == 0]
+            self.policy.on_access(layer, pids, self.step_idx)
+
+    def _upload(self) -> None:
+        """Lengths and positions every step; the block table when it changed (one copy each)."""
+        lens = torch.from_numpy(self.lens)
+        self.seq_lens.copy_(lens, non_blocking=True)
+        self.positions.copy_((lens - 1).clamp(min=0), non_blocking=True)
+        if self._dirty:
+            self.block_table.copy_(torch.from_numpy(self.mirror), non_blocking=True)
+            self._dirty = False
+
+    def _record(self, B: int) -> None:
+        """After a step: copy its picks and salience towards the host, and mark the step's end."""
+        picks = sal = None
+        if self.lookahead and self.page_list is not None:
+            picks = self._to_host(self.page_list[:, :B])
+        if self.lookahead and self.salience is not None:
+            sal = self._to_host(self.salience[:, :B])
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self._last_event = event
+        self._produced.append(_Produced(self.step_idx, event, list(self.row_seq[:B]), picks, sal))
+
+    def _to_host(self, x: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return x.clone()
+        out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        out.copy_(x, non_blocking=True)
+        return out
+
+    def _take_produced(self, upto: int | None) -> None:
+        """Feed the policy what steps ``<= upto`` attended (waiting for them); keep at most ``lookahead``
+        steps in flight (``upto=None``: nothing is fed back)."""
+        keep = []
+        bound = self.step_idx - max(self.lookahead, 1) + 1  # steps older than this are waited for
+        for p in self._produced:
+            if (upto is None or p.step > upto) and p.step >= bound:
+                keep.append(p)
+                continue
+            if p.event is not None and not p.event.query():
+                t0 = time.perf_counter()
+                p.event.synchronize()
+                self.stats.host_wait_s += time.perf_counter() - t0
+            if upto is not None and (p.page_list is not None or p.salience is not None):
+                self._feed(p)
+        self._produced = keep
+
+    def _feed(self, p: _Produced) -> None:
+        """The policy hears step ``p``'s attended pages (scope ``all``: every page) and their salience."""
+        L, M = self.layout.num_layers, self.max_pages
+        every = np.broadcast_to(np.arange(M, dtype=np.int32), (L, len(p.row_seq), M))
+        picks = p.page_list.numpy() if p.page_list is not None else every  # [L, B, K]
+        sal = p.salience.numpy() if p.salience is not None else None  # [L, B, K, N_kv]
+        for r, seq in enumerate(p.row_seq):
+            if seq is None or seq not in self.table.seqs:
+                continue
+            pages = self.table.pages(seq)
+            for layer in range(L):
+                sel = picks[layer, r]
+                ok = (sel >= 0) & (sel < pages.size)
+                pids = pages[sel[ok]]
+                if p.page_list is not None:
+                    self.policy.on_access(layer, pids, p.step)
+                if sal is not None:
+                    self.policy.on_salience(layer, pids, sal[layer, r][ok], p.step)
+
+    def _free_finished(self, block: bool) -> None:
+        still = []
+        for seq, event in self._to_free:
+            if event is None or block or event.query():
+                if event is not None:
+                    event.synchronize()
+                self.table.free(seq)
+            else:
+                still.append((seq, event))
+        self._to_free = still
+
+    def close(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.transfer.take_landed()
+        self.transfer.synchronize()
+        for t in self.table.tiers:
+            t.close()
