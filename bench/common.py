@@ -8,6 +8,14 @@ from pathlib import Path
 
 import torch
 
+# Random-weight model shapes of the GPU benches (kwargs of kvtier.models.random_llama).
+MODELS = {
+    "smollm2-shape": dict(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536,
+                          vocab_size=49152),
+    "llama8b-shape": dict(num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
+                          vocab_size=32000),
+}
+
 
 def out_path(name: str) -> Path:
     """``$OUT/name`` on the device machine, else ``bench/name``."""

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from bench.common import pinned_bulk_ceiling, print_table, write_json
+from bench.common import MODELS, pinned_bulk_ceiling, print_table, write_json
 from kvtier.cache import TieredKVCache
 from kvtier.engine import Engine
 from kvtier.hook import install
@@ -29,12 +29,6 @@ from kvtier.policies import ASPE, LRU, SinkWindow
 from kvtier.scheduler import LookaheadScheduler
 from kvtier.tiers import DeviceTier, HostTier
 
-MODELS = {
-    "smollm2-shape": dict(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536,
-                          vocab_size=49152),
-    "llama8b-shape": dict(num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
-                          vocab_size=32000),
-}
 POLICIES = {"lru": lambda: LRU(), "sink_window": lambda: SinkWindow(sinks=4, window=256),
             "aspe": lambda: ASPE(sinks=4, window=256)}
 

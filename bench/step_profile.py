@@ -20,8 +20,8 @@ from collections import Counter
 import numpy as np
 import torch
 
-from bench.common import print_table, write_json
-from bench.e2e import MODELS, fill
+from bench.common import MODELS, print_table, write_json
+from bench.e2e import fill
 from kvtier.cache import TieredKVCache
 from kvtier.engine import Engine
 from kvtier.hook import install
