@@ -1,131 +1,140 @@
-"""End-to-end tiered decode on a GPU: TPOT, tier-1 hit rate, bytes moved, stall, hidden transfer time.
+"""End-to-end decode on a GPU: kvtier's fast path (graph-captured, batched) beside its anchors, one table.
 
-Models: a SmolLM2-shaped model (30 layers, 9/3 heads, D=64; random weights: the 98 MB GGUF does not
-fit the device machine's 64 MiB carry) and a Llama-8B-shaped one (32 layers, 32/8 heads, D=128,
-random weights) for realistic KV volume. The context's KV is written straight into the tiers
-(random, as the weights are), then ``--steps`` decode steps run through the real cache, hook,
-scheduler and kernels. Hidden fraction = 1 - (TPOT - TPOT at 100% HBM) / (bytes moved per step at
-the measured copy rate), clipped to [0, 1].
-Run on a GPU:  python -m bench.e2e [--quick]   (writes $OUT/e2e.json)
+Per model shape and (batch B, context S), rows side by side:
+- ``limit``: every weight once plus all KV at the HBM read rate measured in this run;
+- ``hf-eager`` (DynamicCache, sdpa) and ``hf-compiled`` (StaticCache + ``torch.compile`` reduce-overhead);
+- ``kvtier all-HBM``: :class:`kvtier.fast.engine.FastEngine`, scope ``all``, every page in HBM;
+- ``kvtier tiered``: 50% and 20% of the pages in HBM, the rest in pinned host DRAM, scopes ``topk``
+  (LRU over the pages top-k attended, lookahead ``--lookahead``) and ``resident`` (sink+window).
+
+Weights are random (Llama-8B and SmolLM2 shapes); the context's K/V is written straight into the
+pages (random, as the weights), then ``--steps`` greedy decode steps run. TPOT is the time between
+the ends of consecutive steps on the GPU's timeline (CUDA events; the host runs ahead, so host work
+shows only where it is slower than the GPU); p50/p99 after ``WARMUP`` steps. Hidden fraction =
+1 - (TPOT - TPOT all-HBM) / (bytes moved per step at the measured pinned copy rate), clipped to [0, 1].
+Run on a GPU:  python -m bench.e2e [--models ...] [--shapes BxS,...] [--no-hf]   (writes $OUT/e2e.json)
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import time
 
 import numpy as np
 import torch
 
+from bench.baselines import free_device_memory, hf_decode_tpot, measure_hbm_read_GBps, physical_limit_ms
 from bench.common import MODELS, pinned_bulk_ceiling, print_table, write_json
-from kvtier.cache import TieredKVCache
-from kvtier.engine import Engine
-from kvtier.hook import install
-from kvtier.kernels.registry import make_backend
+from kvtier.fast.engine import FastEngine
 from kvtier.models import kv_layout_for, random_llama
-from kvtier.paged_io import write_tokens
-from kvtier.policies import ASPE, LRU, SinkWindow
-from kvtier.scheduler import LookaheadScheduler
+from kvtier.policies import LRU, SinkWindow
+from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 from kvtier.tiers import DeviceTier, HostTier
 
-POLICIES = {"lru": lambda: LRU(), "sink_window": lambda: SinkWindow(sinks=4, window=256),
-            "aspe": lambda: ASPE(sinks=4, window=256)}
+WARMUP = 3
+TIERED = [(0.5, "topk"), (0.5, "resident"), (0.2, "topk"), (0.2, "resident")]
 
 
-def fill(cache: TieredKVCache, context: int) -> None:
-    """Write ``context`` random tokens of K/V into the cache's pages, as a prefill would leave them, as step 0."""
-    layout = cache.layout
-    cache.table.append(0, context)
-    for layer in range(layout.num_layers):
-        kv = torch.randn(2, context, layout.num_kv_heads, layout.head_dim, device="cuda", dtype=layout.dtype)
-        write_tokens(cache.table, layer, 0, kv, 0)
-    pids = cache.table.pages(0)
-    cache.policy.on_append(pids, 0)
-    if cache.scope == "topk":
-        cache._reset_key_bounds(pids)
-        for layer in range(layout.num_layers):  # Quest bounds from the written keys
-            tiers, slots = cache.table.locate(layer, pids)
-            for t in np.unique(tiers):
-                sel = np.flatnonzero(tiers == t)
-                pages = cache.table.tiers[t].read(layer, torch.from_numpy(slots[sel])).cuda()[:, 0].float()
-                idx = torch.from_numpy(pids[sel]).cuda()
-                cache.key_min[layer, idx] = pages.amin(1)
-                cache.key_max[layer, idx] = pages.amax(1)
-    cache._start = context  # the filled context counts as step 0: the policy and scheduler act on it
-    cache._open = True
-    cache.finish_step()
-
-
-def run_one(model, layout, context, budget, scope, policy, kernel, steps, lookahead):
-    total_pages = layout.pages_for(context + steps + 16)
-    dev_pages = max(int(total_pages * budget), 40)
-    tiers = [DeviceTier(layout, dev_pages), HostTier(layout, total_pages + 64)]
-    cache = TieredKVCache(layout, tiers, POLICIES[policy](), LookaheadScheduler(lookahead=lookahead),
-                          backend=make_backend(kernel), scope=scope,
-                          topk_pages=max(dev_pages // 2, 8) if scope == "topk" else None)
-    fill(cache, context)
-    engine = Engine(model)
-    token = torch.randint(0, model.config.vocab_size, (1, 1), device="cuda")
-    moved0 = sum(cache.transfer.bytes_moved.values()) + sum(cache.stats.fetched_bytes.values())
-    for _ in range(steps):
-        token = engine.decode_step(cache, token).argmax(-1, keepdim=True)
-    cache.finish_step()
+def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope: str, lookahead: int) -> dict:
+    """Decode ``steps`` tokens of ``batch`` sequences of ``context`` random tokens through FastEngine."""
+    layout = kv_layout_for(model.config, page_size=16, dtype=torch.bfloat16)
+    per_seq = layout.pages_for(context + steps + WARMUP + 1)
+    total = per_seq * batch
+    dev_pages = total + 1 if budget >= 1 else max(int(total * budget), batch * 24)
+    tiers = [DeviceTier(layout, dev_pages)]
+    if budget < 1:
+        tiers.append(HostTier(layout, total + 64))
+    policy = SinkWindow(sinks=4, window=256) if scope == "resident" else LRU()
+    topk = max(int(per_seq * budget) // 2, 16) if scope == "topk" else None
+    engine = FastEngine(model, layout, tiers, policy, scope=scope, topk_pages=topk, max_batch=batch,
+                        max_context=context + steps + WARMUP + 1, lookahead=lookahead,
+                        prefill=ChunkedPrefill(4096), buckets=(batch,))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shape = (layout.num_kv_heads, layout.head_dim)
+    for _ in range(batch):
+        engine.add_written(context, lambda layer, a, b: torch.randn(2, b - a, *shape, generator=gen, device="cuda",
+                                                                     dtype=torch.bfloat16))
     torch.cuda.synchronize()
-    moved = sum(cache.transfer.bytes_moved.values()) + sum(cache.stats.fetched_bytes.values()) - moved0
-    tp = np.asarray(engine.tpot_s[2:])  # the first steps warm the kernels
-    row = {"context": context, "budget": budget, "scope": scope, "policy": policy, "kernel": kernel,
-           "tpot_p50_ms": float(np.percentile(tp, 50) * 1e3), "tpot_p99_ms": float(np.percentile(tp, 99) * 1e3),
-           "hit_rate": cache.stats.tier1_hit_rate, "MB_moved_per_step": moved / steps / 1e6,
-           "stall_ms_per_step": cache.stats.fetch_s / steps * 1e3,
-           "offloaded": 1 - min(cache.table.occupancy()["device"]) / total_pages}
-    cache.close()
-    del cache, tiers
-    torch.cuda.empty_cache()
+    moved0 = sum(engine.transfer.bytes_moved.values())
+    events, t0 = [], 0.0
+    for i in range(WARMUP + steps):
+        if i == WARMUP:
+            torch.cuda.synchronize()
+            t0, moved0, wait0 = time.perf_counter(), sum(engine.transfer.bytes_moved.values()), engine.stats.host_wait_s
+            engine.stats.counts.zero_()
+        engine.step()
+        events.append(engine._last_event)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    tpot = np.array([events[i - 1].elapsed_time(events[i]) for i in range(WARMUP + 1, len(events))])  # ms
+    row = {"budget": budget, "scope": scope, "lookahead": lookahead, "tpot_p50_ms": float(np.percentile(tpot, 50)),
+           "tpot_p99_ms": float(np.percentile(tpot, 99)), "wall_ms": wall / steps * 1e3,
+           "hit_rate": engine.stats.hit_rate(),
+           "MB_moved_per_step": (sum(engine.transfer.bytes_moved.values()) - moved0) / steps / 1e6,
+           "host_wait_ms": (engine.stats.host_wait_s - wait0) / steps * 1e3,
+           "offloaded": 1 - min(engine.table.occupancy()["device"]) / total}
+    engine.close()
+    del engine, tiers
+    free_device_memory()
     return row
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--kernel", default="triton")
+    ap.add_argument("--models", default="llama8b-shape")
+    ap.add_argument("--shapes", default="1x32768,16x8192,16x32768")
+    ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--lookahead", type=int, default=2)
-    ap.add_argument("--models", default="smollm2-shape,llama8b-shape")
-    ap.add_argument("--contexts", default="8192,32768")
+    ap.add_argument("--lookaheads", default="", help="extra topk-20%% rows at these lookaheads, e.g. 0,1")
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF rows (compiling takes minutes)")
+    ap.add_argument("--tiered-max-tokens", type=int, default=131072, help="tiered rows only up to B*S tokens")
     args = ap.parse_args()
-    install()
-    ceiling = pinned_bulk_ceiling()
+    hbm = measure_hbm_read_GBps("cuda")
+    link = pinned_bulk_ceiling()
     rows = []
     for name in args.models.split(","):
-        cfg = MODELS[name]
-        model = random_llama(**cfg, device="cuda", dtype="bfloat16")
-        model.set_attn_implementation("kvtier")
-        layout = kv_layout_for(model.config, page_size=16, dtype=torch.bfloat16)
-        contexts = [int(c) for c in args.contexts.split(",")]
-        grid = [(c, 1.0, "all", "lru") for c in contexts]
-        grid += [(c, b, s, p) for c, b, s, p in itertools.product(
-            contexts, [0.5, 0.2], ["all", "topk"], ["sink_window", "aspe"] if args.quick else list(POLICIES))]
-        base = {}
-        for context, budget, scope, policy in grid:
-            t0 = time.time()
-            row = run_one(model, layout, context, budget, scope, policy, args.kernel, args.steps, args.lookahead)
-            row["model"] = name
-            if budget == 1.0:
-                base[context] = row["tpot_p50_ms"]
-            xfer_ms = row["MB_moved_per_step"] * 1e6 / (ceiling["h2d_GBps"] * 1e9) * 1e3
-            slow = row["tpot_p50_ms"] - base.get(context, row["tpot_p50_ms"])
-            row["tpot_vs_allhbm"] = row["tpot_p50_ms"] / base.get(context, row["tpot_p50_ms"])
-            row["hidden"] = float(np.clip(1 - slow / xfer_ms, 0, 1)) if xfer_ms > 0 else 1.0
-            print(f"{name} {row} ({time.time() - t0:.0f}s)", flush=True)
-            rows.append(row)
+        model = random_llama(**MODELS[name], device="cuda", dtype="bfloat16")
+        for shape in args.shapes.split(","):
+            batch, context = (int(x) for x in shape.split("x"))
+            base = {"model": name, "B": batch, "S": context}
+            limit = physical_limit_ms(model, batch, context, hbm)
+            rows.append({**base, "system": "limit", "tpot_p50_ms": limit})
+            if not args.no_hf:
+                for mode in ("eager", "compiled"):
+                    t0 = time.time()
+                    r = hf_decode_tpot(model, batch, context, args.steps, mode)
+                    rows.append({**base, "system": f"hf-{mode}", **{k: r[k] for k in ("tpot_p50_ms", "tpot_p99_ms")},
+                                 "compile_s": r.get("compile_s")})
+                    print(rows[-1], f"({time.time() - t0:.0f}s)", flush=True)
+                    free_device_memory()
+            grid = [(1.0, "all", args.lookahead)]
+            if batch * context <= args.tiered_max_tokens:
+                grid += [(b, s, args.lookahead) for b, s in TIERED]
+                grid += [(0.2, "topk", int(k)) for k in args.lookaheads.split(",") if k]
+            for budget, scope, k in grid:
+                t0 = time.time()
+                r = kvtier_row(model, batch, context, args.steps, budget, scope, k)
+                rows.append({**base, "system": "kvtier", **r})
+                print(rows[-1], f"({time.time() - t0:.0f}s)", flush=True)
+            all_hbm = next(r["tpot_p50_ms"] for r in rows if r.get("system") == "kvtier" and r["budget"] == 1.0
+                           and r["B"] == batch and r["S"] == context and r["model"] == name)
+            for r in rows:
+                if r["model"] == name and r["B"] == batch and r["S"] == context:
+                    r["x_limit"] = r["tpot_p50_ms"] / limit
+                    r["tok_s"] = batch / r["tpot_p50_ms"] * 1e3
+                    if r.get("system") == "kvtier":
+                        r["x_allhbm"] = r["tpot_p50_ms"] / all_hbm
+                        xfer_ms = r["MB_moved_per_step"] * 1e6 / (link["h2d_GBps"] * 1e9) * 1e3
+                        slow = r["tpot_p50_ms"] - all_hbm
+                        r["hidden"] = float(np.clip(1 - slow / xfer_ms, 0, 1)) if xfer_ms > 0 else None
         del model
-        torch.cuda.empty_cache()
-    print_table(f"tiered decode, B=1, bf16, kernel={args.kernel}, lookahead={args.lookahead}; "
-                f"pinned h2d ceiling {ceiling['h2d_GBps']:.1f} GB/s", rows,
-                ["model", "context", "budget", "scope", "policy", "tpot_p50_ms", "tpot_p99_ms", "tpot_vs_allhbm",
-                 "hit_rate", "MB_moved_per_step", "stall_ms_per_step", "hidden", "offloaded"])
-    write_json("e2e.json", {"gpu": torch.cuda.get_device_name(), "ceiling": ceiling, "args": vars(args), "rows": rows})
+        free_device_memory()
+    print_table(f"decode TPOT, bf16, page 16, steps={args.steps}; HBM read {hbm:.0f} GB/s, pinned h2d "
+                f"{link['h2d_GBps']:.1f} GB/s", rows,
+                ["model", "B", "S", "system", "budget", "scope", "lookahead", "tpot_p50_ms", "tpot_p99_ms", "x_limit",
+                 "x_allhbm", "tok_s", "hit_rate", "MB_moved_per_step", "host_wait_ms", "hidden", "offloaded"])
+    write_json("e2e.json", {"gpu": torch.cuda.get_device_name(), "hbm_read_GBps": hbm, "link": link,
+                            "args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -174,18 +174,7 @@ class FastEngine:
         The greedy next token becomes the sequence's input of the next :meth:`step`.
         """
         S = int(prompt.numel())
-        if S < 1 or S + 1 > self.max_pages * self.layout.page_size:
-            raise ConfigError("prompt", f"{S} tokens do not fit max_context={self.max_pages * self.layout.page_size}")
-        row = next((r for r, s in enumerate(self.row_seq) if s is None), None)
-        if row is None:
-            raise KVTierError(f"all {self.max_batch} rows are busy; finish a sequence or raise max_batch")
-        self._free_finished(block=True)
-        seq = self._next_seq
-        self._next_seq += 1
-        self.table.add_sequence(seq)
-        self.row_seq[row] = seq
-        if self.bounds is not None:
-            self.bounds.reset_row(row)
+        seq, row = self._open_row(S)
         ids = prompt.view(1, S).to(self.device)
         out = []
         self._mode, token = "prefill", ACTIVE_CACHE.set(self.kv)
@@ -199,10 +188,48 @@ class FastEngine:
         finally:
             self._mode = "decode"
             ACTIVE_CACHE.reset(token)
-        self.lens[row] = S
-        self.tokens[row] = out[-1][-1].argmax()
-        self._dirty = True
+        self._close_prefill(row, S, out[-1][-1].argmax())
         return seq, torch.cat(out) if all_logits else out[-1]
+
+    @torch.no_grad()
+    def add_written(self, n_tokens: int, kv_of, next_token: int = 0) -> int:
+        """A new sequence whose first ``n_tokens`` K/V are given, not computed: ``kv_of(layer, start, end)``
+        returns ``[2, end - start, N_kv, D]`` (stored KV, or synthetic context for benchmarks)."""
+        seq, row = self._open_row(n_tokens)
+        self._mode = "prefill"
+        try:
+            for a, b in self.prefill.chunks(n_tokens):
+                self._grow(seq, row, b - a)
+                self._prefill = (seq, row, a, b - a)
+                for layer in range(self.layout.num_layers):
+                    kv = kv_of(layer, a, b).transpose(1, 2)[:, None]  # [2, 1, N_kv, q, D]
+                    self.store(layer, kv[0], kv[1])
+                self._schedule(reserve=self._room_needed(), after_compute=True)
+        finally:
+            self._mode = "decode"
+        self._close_prefill(row, n_tokens, next_token)
+        return seq
+
+    def _open_row(self, n_tokens: int) -> tuple[int, int]:
+        if n_tokens < 1 or n_tokens + 1 > self.max_pages * self.layout.page_size:
+            raise ConfigError("prompt", f"{n_tokens} tokens do not fit max_context="
+                                        f"{self.max_pages * self.layout.page_size}")
+        row = next((r for r, s in enumerate(self.row_seq) if s is None), None)
+        if row is None:
+            raise KVTierError(f"all {self.max_batch} rows are busy; finish a sequence or raise max_batch")
+        self._free_finished(block=True)
+        seq = self._next_seq
+        self._next_seq += 1
+        self.table.add_sequence(seq)
+        self.row_seq[row] = seq
+        if self.bounds is not None:
+            self.bounds.reset_row(row)
+        return seq, row
+
+    def _close_prefill(self, row: int, n_tokens: int, next_token) -> None:
+        self.lens[row] = n_tokens
+        self.tokens[row] = next_token
+        self._dirty = True
 
     def finish(self, seq: int) -> None:
         """Drop ``seq``: its row goes idle now, its pages are freed once no queued step can use them."""
