@@ -4,16 +4,21 @@ A SmolLM2-shaped model (30 layers, 9/3 heads, D=64, random weights: the 98 MB GG
 the device machine) runs a 1k-token prompt and 16 greedy decode steps with HF sdpa, then through
 kvtier with scope=all, a 25% HBM budget (pages migrate every step) and each kernel backend, in
 bf16 and fp32. Prints the max relative logit error and greedy-token agreement; writes JSON.
-Run on a GPU:  python -m bench.gpu_checks
+The fast path (:class:`kvtier.fast.engine.FastEngine`: CUDA graph, static Triton kernel, host pages
+read in place) runs the same prompt and tokens with the same budget.
+Run on a GPU:  python -m bench.gpu_checks [--fast-only]
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 
 from bench.common import print_table, write_json
 from kvtier.cache import TieredKVCache
 from kvtier.engine import Engine
+from kvtier.fast.engine import FastEngine
 from kvtier.hook import install
 from kvtier.kernels.registry import make_backend
 from kvtier.models import kv_layout_for, random_llama
@@ -50,15 +55,35 @@ def kvtier_logits(model, ids, tokens, kernel, merge, budget_pages):
     return torch.stack(got), moved, hit
 
 
+def fast_logits(model, ids, tokens, budget_pages):
+    layout = kv_layout_for(model.config, page_size=16, dtype=next(model.parameters()).dtype)
+    engine = FastEngine(model, layout, [DeviceTier(layout, budget_pages), HostTier(layout, 256)], LRU(),
+                        max_context=ids.shape[1] + len(tokens) + 16, prefill=ChunkedPrefill(256))
+    seq, logits = engine.add(ids[0])
+    got = [logits[-1]]
+    for t in tokens:
+        got.append(engine.step({seq: int(t)})[0].clone())
+    moved, hit = dict(engine.transfer.bytes_moved), engine.stats.hit_rate()
+    engine.close()
+    return torch.stack(got), moved, hit
+
+
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fast-only", action="store_true")
+    args = ap.parse_args()
     rows = []
     for dtype in ("bfloat16", "float32"):
         model = random_llama(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536,
                              vocab_size=49152, device="cuda", dtype=dtype)
         ids = torch.randint(0, 49152, (1, 1024), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
         ref, tokens = hf_logits(model, ids, 16)
-        for kernel, merge in [("torch", False), ("triton", False), ("triton", True)]:
-            got, moved, hit = kvtier_logits(model, ids, tokens, kernel, merge, budget_pages=17)
+        runs = [] if args.fast_only else [("torch", False), ("triton", False), ("triton", True)]
+        for kernel, merge in runs + [("fast", False)]:
+            if kernel == "fast":
+                got, moved, hit = fast_logits(model, ids, tokens, budget_pages=18)  # one slot is the scratch page
+            else:
+                got, moved, hit = kvtier_logits(model, ids, tokens, kernel, merge, budget_pages=17)
             err = ((got - ref).abs().max() / ref.abs().max()).item()
             norm_err = ((got - ref).norm() / ref.norm()).item()
             agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()

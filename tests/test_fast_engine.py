@@ -73,15 +73,16 @@ def test_batched_decode_matches_hf_while_sequences_join_finish_and_pages_move(ti
 def test_fast_path_matches_hf_on_smollm2(smollm2):
     model, tok = smollm2
     layout = kv_layout_for(model.config, page_size=16, dtype=torch.float32)
-    prompt = tok("The light of the sun is compounded of rays differently refrangible, and those rays "
-                 "which are more refrangible than others", return_tensors="pt").input_ids[0]
+    prompt = tok("The light of the sun is compounded of rays differently refrangible, and those rays which are "
+                 "more refrangible than others are also more reflexible, as appears by experiments with prisms "
+                 "and the colours of bodies seen through them", return_tensors="pt").input_ids[0]
     ref = hf_greedy(model, prompt, 6)
     tiers = [DeviceTier(layout, 3, device="cpu"), HostTier(layout, 16)]
-    engine = FastEngine(model, layout, tiers, SinkWindow(sinks=4, window=16), max_context=64)
+    engine = FastEngine(model, layout, tiers, LRU(), max_context=128, prefill=ChunkedPrefill(32))
     got = [engine.add(prompt)[1][-1]] + [engine.step()[0].clone() for _ in range(6)]
     model.set_attn_implementation("sdpa")
     assert rel_err(torch.stack(got), ref) < 1e-4
-    assert engine.table.occupancy()["host"][0] > 0
+    assert engine.table.occupancy()["host"][0] > 0 and engine.stats.hit_rate() < 1
 
 
 def test_topk_scope_picks_the_pages_the_hook_path_picks(tiny):
@@ -128,15 +129,19 @@ def test_lookahead_prefetches_picks_k_steps_ahead(tiny, lookahead):
     assert early > 0  # some were promoted just in time: the check above is not vacuous
 
 
-def test_lookahead_zero_prefetches_nothing(tiny):
+def test_lookahead_zero_feeds_nothing_back(tiny):
+    """Without lookahead the picks never reach the policy: fewer attended pages are on the device."""
     model, layout = tiny
-    tiers = [DeviceTier(layout, 14, device="cpu"), HostTier(layout, 64)]
-    engine = FastEngine(model, layout, tiers, LRU(), scope="topk", topk_pages=4, max_context=256, lookahead=0,
-                        prefill=ChunkedPrefill(64))
-    engine.add(torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(5)))
-    for _ in range(12):
-        engine.step()
-    assert engine.transfer.pages_moved["host->device"] == 0 and engine.stats.hit_rate() < 0.9
+    rates = {}
+    for k in (0, 2):
+        tiers = [DeviceTier(layout, 14, device="cpu"), HostTier(layout, 64)]
+        engine = FastEngine(model, layout, tiers, LRU(), scope="topk", topk_pages=4, max_context=256, lookahead=k,
+                            prefill=ChunkedPrefill(64))
+        engine.add(torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(5)))
+        for _ in range(16):
+            engine.step()
+        rates[k] = engine.stats.hit_rate()
+    assert rates[0] < rates[2]
 
 
 def test_bad_setups_are_named(tiny, tmp_path):

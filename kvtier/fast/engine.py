@@ -409,7 +409,7 @@ class FastEngine:
         new, _ = self.table.append(seq, n)
         if new:
             pids = np.asarray(new, dtype=np.int64)
-            self.policy.on_append(pids, max(self.step_idx, 0))
+            self.policy.on_append(pids, self.step_idx)
             for layer in range(self.layout.num_layers):
                 self.mirror[layer, row, first:first + pids.size] = self._encode(layer, pids)
             self._dirty = True
@@ -442,8 +442,7 @@ class FastEngine:
         if not off_device and self._device_free() >= reserve:
             return
         self._pin_unsettled(True)
-        # the scratch slot is in the device tier's capacity but never free: plan as if reserved
-        plan = self.scheduler.plan(self.table, self.policy, max(self.step_idx, 0), reserve=reserve + 1)
+        plan = self.scheduler.plan(self.table, self.policy, max(self.step_idx, 0), reserve=reserve)
         self._pin_unsettled(False)
         for move in plan.demote:
             self.transfer.migrate(move.layer, move.pids, move.dst, after_compute=after_compute, fenced=True)

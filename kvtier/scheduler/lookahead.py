@@ -59,7 +59,7 @@ class LookaheadScheduler(Scheduler):
         for layer in range(L):
             tier = table.tier_of[layer, info.pids]  # [n]
             resident = tier == 0
-            room = device.capacity - reserve
+            room = device.num_free(layer) + int(resident.sum()) - reserve  # slots held elsewhere do not count
             keep = pinned[layer] & resident
             cand = np.flatnonzero((resident | admit[layer] | pinned[layer]) & (prio[layer] > -np.inf))
             order = cand[np.lexsort((-prio[layer, cand], ~pinned[layer, cand]))]  # pinned, then best first
