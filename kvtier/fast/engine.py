@@ -536,7 +536,7 @@ class FastEngine:
             sal = self._to_host(self.salience[:, :B])
         event = None
         if self.device.type == "cuda":
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=True)
             event.record()
         self._last_event = event
         self._produced.append(_Produced(self.step_idx, event, list(self.row_seq[:B]), picks, sal))
