@@ -438,6 +438,7 @@ class FastEngine:
         """Plan and issue moves, when some page lives off the device or the device is short of room."""
         if self.host is None:
             return
+        self._switch_landed()  # landed moves give their source slots back once their fence passes
         off_device = any(self.table.tiers[1].num_used(layer) for layer in range(self.layout.num_layers))
         if not off_device and self._device_free() >= reserve:
             return
