@@ -100,6 +100,7 @@ def main():
             limit = physical_limit_ms(model, batch, context, hbm)
             rows.append({**base, "system": "limit", "tpot_p50_ms": limit})
             if not args.no_hf:
+                model.set_attn_implementation("sdpa")  # FastEngine switched it to the kvtier hook
                 for mode in ("eager", "compiled"):
                     t0 = time.time()
                     r = hf_decode_tpot(model, batch, context, args.steps, mode)
