@@ -1,11 +1,12 @@
 """Triton paged GQA decode attention (flash-decoding) and the ``triton`` backend.
 
 One query row per sequence, which sees the last ``window_left + 1`` keys with a window (blocks
-wholly left of it are skipped, the block it starts in is masked). ``plan`` cuts every sequence's page list into chunks of
-``pages_per_split`` pages; one program per (chunk, kv head) attends the chunk with all query heads
-of the kv group packed as rows of one ``tl.dot`` tile (padded to 16 rows), and writes a partial
-(out, lse). A merge kernel combines the partials of each sequence by their LSE. When every sequence
-fits one chunk the split kernel writes the final output directly and no merge runs.
+wholly left of it are skipped, the block it starts in is masked). ``plan`` cuts every sequence's
+page list into chunks of ``pages_per_split`` pages; one program per (chunk, kv head) attends the
+chunk with all query heads of the kv group packed as rows of one ``tl.dot`` tile (padded to 16
+rows), and writes a partial (out, lse). A merge kernel combines the partials of each sequence by
+their LSE. When every sequence fits one chunk the split kernel writes the final output directly
+and no merge runs.
 
 Pages are NHD ``[slots, 2, P, N_kv, D]``; see :mod:`kvtier.kernels.base` for the batch convention.
 Softmax runs in base 2 (``exp2``) with fp32 accumulation; LSE and ``page_max`` are returned in
