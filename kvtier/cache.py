@@ -14,6 +14,11 @@ Scopes: ``all`` (exact; pages off the device are fetched into a temporary device
 ``topk`` (Quest bounds from per-page key min/max pick ``topk_pages`` pages per decode step, plus
 sinks and the pages being written; chosen pages off the device are fetched and count as misses).
 
+Sliding-window layers (``layout.sliding_windows``) are exact under every scope: no page left of
+a query's window is attended, the pages from the first one the window cuts to the newest are
+attended together in one causal call (:mod:`kvtier.window`), and pages left of every holder's
+window are dropped from their tier when a step finishes (``stats.dropped_pages``).
+
 With ``fidelity=True`` every decode step of a ``resident`` or ``topk`` cache also attends all pages
 (uncounted) and records the attention-mass recall and output error of the scope
 (:mod:`kvtier.eval.fidelity`).
@@ -43,6 +48,7 @@ from kvtier.scheduler.lookahead import LookaheadScheduler
 from kvtier.table import BlockTable
 from kvtier.tiers.base import Tier
 from kvtier.tiers.transfer import TransferEngine
+from kvtier.window import attended_range, out_of_window
 
 SCOPES = ("all", "resident", "topk")
 ACTIVE_CACHE: contextvars.ContextVar["TieredKVCache | None"] = contextvars.ContextVar("kvtier_cache", default=None)
@@ -68,7 +74,7 @@ class TieredKVCache(PagedCacheBase):
             raise ConfigError("scope", f"unknown scope {scope!r}; use one of {list(SCOPES)}")
         if scope == "topk" and (not isinstance(topk_pages, int) or topk_pages < 1):
             raise ConfigError("topk_pages", f"scope 'topk' needs topk_pages >= 1, got {topk_pages!r}")
-        super().__init__(layout.num_layers)
+        super().__init__([layout.window(layer) > 0 for layer in range(layout.num_layers)])
         self.layout = layout
         self.table = BlockTable(layout, tiers)
         self.transfer = TransferEngine(self.table)
@@ -146,7 +152,20 @@ class TieredKVCache(PagedCacheBase):
                 self.policy.on_salience(layer, pids, scores[at:at + pids.size], self.step)
                 at += pids.size
             self._salience.clear()
+        self._drop_out_of_window()
         self._plan_and_move(reserve=self.next_reserve * len(self.seqs))
+
+    def _drop_out_of_window(self) -> None:
+        """On each sliding layer, free the pages no sequence's next query can see (never read again)."""
+        P = self.layout.page_size
+        for window in set(self.layout.sliding_windows) - {0}:
+            pids = out_of_window(self.table.seqs, P, window)
+            for layer in range(self.layout.num_layers):
+                if pids.size and self.layout.window(layer) == window:
+                    self.transfer.wait(layer, pids)
+                    n = self.table.drop(layer, pids).size
+                    self.stats.dropped_pages += n
+                    self.stats.dropped_bytes += n * self.layout.page_bytes
 
     def _plan_and_move(self, reserve: int) -> None:
         plan = self.scheduler.plan(self.table, self.policy, self.step, reserve=reserve)
@@ -176,7 +195,7 @@ class TieredKVCache(PagedCacheBase):
         ``stats.fidelity_s`` (synchronised on a GPU) so that the engine leaves it out of TPOT."""
         synchronize(self.device)
         t0 = time.perf_counter()
-        exact = self._attend_parts(self._parts(layer, self._all_pages(), 1, count=False), q, scale)
+        exact = self._attend_parts(self._parts(layer, self._all_pages(layer), 1, count=False), q, scale)
         out_all, lse_all = merge_many([(o, l) for o, l, _ in exact])  # [B, H, D], [B, H]
         self.fidelity.add(layer, *attention_fidelity(out, lse, out_all, lse_all))
         synchronize(self.device)
@@ -192,29 +211,35 @@ class TieredKVCache(PagedCacheBase):
             results.append((res.out.to(q.device), res.lse.to(q.device), res.page_max))
         return results
 
-    def _all_pages(self) -> list[np.ndarray]:
-        """Every logical page number of each sequence."""
-        return [np.arange(self.table.pages(seq).size) for seq in self.seqs]
+    def _attended_range(self, layer: int) -> tuple[int, int]:
+        """``(first, tail_from)`` logical pages of this step in ``layer`` (:func:`kvtier.window.attended_range`)."""
+        return attended_range(self._start, self._q_len, self.layout.page_size, self.layout.window(layer))
+
+    def _all_pages(self, layer: int) -> list[np.ndarray]:
+        """Every logical page number of each sequence that a query of this step can see in ``layer``."""
+        first = self._attended_range(layer)[0]
+        return [np.arange(first, self.table.pages(seq).size) for seq in self.seqs]
 
     def _choose_pages(self, layer: int, query: torch.Tensor) -> list[np.ndarray]:
-        """Per sequence, the logical page numbers to attend (sorted)."""
+        """Per sequence, the logical page numbers to attend (sorted), never left of a sliding window."""
         P = self.layout.page_size
+        first, tail_from = self._attended_range(layer)
         chosen = []
         for b, seq in enumerate(self.seqs):
             pids = self.table.pages(seq)
             n = pids.size
-            tail_from = self._start // P
             if self.scope == "all" or (self.scope == "topk" and self._q_len > 1):
-                chosen.append(np.arange(n))
+                chosen.append(np.arange(first, n))
             elif self.scope == "resident":
                 on_dev = self.table.tier_of[layer, pids] == 0
                 on_dev[tail_from:] = True  # the tokens being written are always attended
-                chosen.append(np.flatnonzero(on_dev))
+                chosen.append(np.flatnonzero(on_dev[first:]) + first)
             else:
                 forced = np.zeros(n, dtype=bool)
                 forced[tail_from:] = True
                 forced[: -(-self.sinks // P)] = True
-                free = np.flatnonzero(~forced)
+                forced[:first] = False
+                free = np.flatnonzero(~forced[first:]) + first
                 k = min(self.topk_pages - int(forced.sum()), free.size)
                 if k > 0:
                     scores = self._quest_scores(layer, query[b], pids[free])  # [m]
@@ -236,19 +261,22 @@ class TieredKVCache(PagedCacheBase):
         """Split the chosen pages into attention calls: device pages in place, the rest fetched
         into one temporary device pool (or, with merge, one call per tier where the pages live).
 
-        A call that holds a sequence's tail (the pages being written) is causal (bottom-right),
-        and the tail is whole within it, so every query sees exactly the keys before it.
-        ``count=False`` (a fidelity pass) leaves the fetch and read counters alone.
+        The tail (pages from ``tail_from``: those being written, and on a sliding layer every page
+        from the first one the window cuts) is whole within one call, in place when every
+        sequence's tail is on the device, else fetched. That call is causal (bottom-right) with
+        the layer's window, so every query sees exactly its keys; the other calls hold only pages
+        every query sees whole. ``count=False`` (a fidelity pass) leaves the fetch and read
+        counters alone.
         """
-        P = self.layout.page_size
-        tail_from = self._start // P
+        tail_from = self._attended_range(layer)[1]
+        tail_on_dev = all(bool((self.table.tier_of[layer, self.table.pages(seq)[tail_from:]] == 0).all())
+                          for seq in self.seqs)  # one causal call holds every sequence's tail
         groups: dict[object, list] = {}  # key -> per-seq (logical page numbers)
         for b, seq in enumerate(self.seqs):
             pids = self.table.pages(seq)
             sel = chosen[b]
             self.transfer.wait(layer, pids[sel])
             tiers = self.table.tier_of[layer, pids[sel]]
-            tail_on_dev = bool((self.table.tier_of[layer, pids[tail_from:]] == 0).all())
             for t in np.unique(tiers):
                 pages = sel[tiers == t]
                 if not tail_on_dev:
@@ -265,7 +293,6 @@ class TieredKVCache(PagedCacheBase):
 
     def _make_part(self, layer: int, key, logical: list[np.ndarray], q_len: int, count: bool) -> _Part:
         P = self.layout.page_size
-        tail_from = self._start // P
         all_pids, kv_indptr, last_len, causal = [], [0], [], False
         for b, seq in enumerate(self.seqs):
             pids = self.table.pages(seq)[logical[b]]
@@ -273,7 +300,7 @@ class TieredKVCache(PagedCacheBase):
             kv_indptr.append(kv_indptr[-1] + pids.size)
             n_pages = self.table.pages(seq).size
             has_tail = logical[b].size and logical[b][-1] == n_pages - 1
-            causal |= bool(has_tail and logical[b][-1] >= tail_from)
+            causal |= bool(has_tail)
             last_len.append((self.table.seq_len(seq) - 1) % P + 1 if has_tail else P)
         pids = np.concatenate(all_pids)
         tiers, slots = self.table.locate(layer, pids)
@@ -288,8 +315,9 @@ class TieredKVCache(PagedCacheBase):
                 pool, indices = tier.read(layer, torch.from_numpy(slots)), np.arange(pids.size)
                 if count:
                     self.stats.add_read(tier.name, pids.size * self.layout.page_bytes)
+        window_left = self.layout.window(layer) - 1 if causal else -1  # -1: no window (also for a global layer)
         batch = PagedBatch.from_host(np.arange(len(self.seqs) + 1) * q_len, kv_indptr, indices, last_len, P, causal,
-                                     pool.device)
+                                     pool.device, window_left)
         return _Part(pool, batch, pids, key == 0)
 
     def _fetch(self, layer: int, pids, count: bool = True) -> torch.Tensor:
@@ -317,7 +345,7 @@ class TieredKVCache(PagedCacheBase):
                 rows = np.arange(len(self.seqs) + 1)  # [B+1] one query row per sequence
                 single = PagedBatch(torch.arange(rows.size, dtype=torch.int32, device=batch.kv_indptr.device),
                                     batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, batch.page_size, False,
-                                    rows, batch.host_kv_indptr)
+                                    rows, batch.host_kv_indptr, batch.window_left)
                 backend = self._backend_for(part)
                 backend.plan(single, q.shape[1], self.layout.num_kv_heads, q.shape[2], scale)
                 page_max = backend.run(q[last_rows].to(part.pool.device), part.pool, return_page_max=True).page_max

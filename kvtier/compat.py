@@ -28,12 +28,11 @@ def query_length(query_or_position) -> int:
 class PagedLayer(CacheLayerMixin):
     """Placeholder layer: storage lives in kvtier's tiers, so HF's per-layer tensors stay empty."""
 
-    is_sliding = False
     is_compileable = False
 
-    def __init__(self, cache, layer_idx: int):
+    def __init__(self, cache, layer_idx: int, is_sliding: bool = False):
         super().__init__()
-        self.cache, self.layer_idx = cache, layer_idx
+        self.cache, self.layer_idx, self.is_sliding = cache, layer_idx, is_sliding
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states):
@@ -59,10 +58,13 @@ class PagedLayer(CacheLayerMixin):
 
 
 class PagedCacheBase(Cache):
-    """A transformers Cache whose layers are kvtier pages; subclasses implement ``update``."""
+    """A transformers Cache whose layers are kvtier pages; subclasses implement ``update``.
 
-    def __init__(self, num_layers: int):
-        super().__init__(layers=[PagedLayer(self, i) for i in range(num_layers)])
+    ``sliding[i]``: layer i has a sliding window (HF reads ``is_sliding`` per layer).
+    """
+
+    def __init__(self, sliding: list[bool]):
+        super().__init__(layers=[PagedLayer(self, i, s) for i, s in enumerate(sliding)])
 
     def get_mask_sizes(self, query, layer_idx: int = 0) -> tuple[int, int]:
         return self.get_seq_length() + query_length(query), 0

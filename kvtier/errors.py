@@ -34,3 +34,12 @@ class MissingDependencyError(KVTierError, ImportError):
 
     def __init__(self, package: str, extra: str, feature: str):
         super().__init__(f"{feature} needs the '{package}' package: pip install 'kvtier[{extra}]'")
+
+
+class UnsupportedAttentionError(ConfigError):
+    """The model asks for an attention feature kvtier does not compute (soft-capping, sinks, ALiBi, a
+    non-causal mask, ...): refused rather than silently attended differently. ``feature`` names it."""
+
+    def __init__(self, feature: str, model: str, message: str):
+        self.feature = feature
+        super().__init__("model", f"{model} uses {feature}, which kvtier does not honour: {message}")

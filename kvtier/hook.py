@@ -7,6 +7,7 @@ import torch
 from kvtier.cache import ACTIVE_CACHE
 from kvtier.compat import ATTN_NAME, register_attention
 from kvtier.errors import ConfigError
+from kvtier.support import check_attention_call
 
 
 def kvtier_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -14,17 +15,21 @@ def kvtier_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     """query ``[B, H, q, D]`` -> ``([B, q, H, D], None)`` over the cache's pages of ``module.layer_idx``.
 
     ``key``/``value`` are the step's own K/V, already written into pages by ``TieredKVCache.update``.
+    Anything in the call that kvtier cannot honour (soft-capping, sinks, a bias, a mask, a
+    ``sliding_window`` other than the layout's, an unknown keyword) raises UnsupportedAttentionError.
     """
     cache = ACTIVE_CACHE.get()
     if cache is None:
         raise ConfigError("past_key_values", "attn_implementation='kvtier' needs past_key_values=TieredKVCache(...)")
     if dropout:
         raise ConfigError("dropout", "kvtier attention is for inference; call model.eval()")
+    check_attention_call(module, cache.layout.window(module.layer_idx), attention_mask, kwargs)
     return cache.attend(module.layer_idx, query, scaling), None
 
 
 def kvtier_mask(*args, attention_mask=None, **kwargs):
-    """Masks are implied by page positions (causal, no padding); reject padding rather than ignore it."""
+    """Masks are implied by page positions (causal, sliding windows per layer, no padding); reject
+    padding rather than ignore it."""
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
         raise ConfigError("attention_mask", "padded batches are not supported by kvtier; "
                                             "batch sequences of equal length")

@@ -1,7 +1,8 @@
-"""KVLayout: the shape of one KV page, and the footprint arithmetic of seed 000."""
+"""KVLayout: the shape of one KV page, per-layer sliding windows, and the footprint arithmetic of seed 000."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,9 @@ class KVLayout:
 
     A page is ``[2, page_size, num_kv_heads, head_dim]`` (FlashInfer NHD); a tier's pool for one
     layer is ``[slots, 2, page_size, num_kv_heads, head_dim]``.
+
+    ``sliding_windows``: empty (every layer global) or one entry per layer, the number of keys a
+    query of that layer sees (itself included, HF's ``sliding_window``), 0 for a global layer.
     """
 
     num_layers: int
@@ -46,6 +50,7 @@ class KVLayout:
     head_dim: int
     page_size: int = 16
     dtype: torch.dtype | str = torch.bfloat16
+    sliding_windows: tuple[int, ...] = ()
 
     def __post_init__(self):
         _positive("num_layers", self.num_layers)
@@ -55,6 +60,17 @@ class KVLayout:
         if self.page_size & (self.page_size - 1):
             raise ConfigError("page_size", f"must be a power of two, got {self.page_size}")
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
+        windows = tuple(self.sliding_windows or ())
+        if windows and len(windows) != self.num_layers:
+            raise ConfigError("sliding_windows", f"needs one entry per layer ({self.num_layers}), got {len(windows)}")
+        for w in windows:
+            if not isinstance(w, int) or isinstance(w, bool) or w < 0:
+                raise ConfigError("sliding_windows", f"entries must be integers >= 0 (0: global layer), got {w!r}")
+        object.__setattr__(self, "sliding_windows", windows if any(windows) else ())
+
+    def window(self, layer: int) -> int:
+        """Keys a query of ``layer`` sees (itself included), or 0 for a global layer."""
+        return self.sliding_windows[layer] if self.sliding_windows else 0
 
     @property
     def page_shape(self) -> tuple[int, int, int, int]:
@@ -80,24 +96,38 @@ class KVLayout:
         return -(-tokens // self.page_size)
 
 
+def kv_tokens(num_layers: int, seq_len: int, windows: Sequence[int] | None = None) -> int:
+    """Tokens of K/V one sequence keeps, summed over layers: ``L·S``, a sliding layer capped at its window."""
+    windows = windows or [0] * num_layers
+    if len(windows) != num_layers:
+        raise ConfigError("sliding_windows", f"needs one entry per layer ({num_layers}), got {len(windows)}")
+    return sum(min(seq_len, w) if w else seq_len for w in windows)
+
+
 def kv_footprint_bytes(
-    num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_elem: float, seq_len: int, batch: int
+    num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_elem: float, seq_len: int, batch: int,
+    windows: Sequence[int] | None = None,
 ) -> float:
-    """Seed 000's M_KV = 2·L·N_kv·D·P_bytes·S·B, in bytes (P_bytes may be 0.5 for FP4)."""
-    return 2 * num_layers * num_kv_heads * head_dim * bytes_per_elem * seq_len * batch
+    """Seed 000's M_KV = 2·L·N_kv·D·P_bytes·S·B, in bytes (P_bytes may be 0.5 for FP4).
+
+    With per-layer ``windows`` (0: global) a sliding layer holds at most its window: ``L·S`` becomes
+    :func:`kv_tokens`.
+    """
+    return 2 * num_kv_heads * head_dim * bytes_per_elem * kv_tokens(num_layers, seq_len, windows) * batch
 
 
 def decode_arithmetic_intensity(
     num_params: float, num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_elem: float, seq_len: int,
-    batch: int = 1,
+    batch: int = 1, windows: Sequence[int] | None = None,
 ) -> float:
     """Seed 000's I_decode (FLOPs per byte) for one decode step:
 
     (2·P + 4·L·N_kv·D·S) / (P·P_bytes + 2·L·N_kv·D·S·P_bytes) at ``batch=1``, which is 2/P_bytes
     for every S. For B sequences FLOPs and KV bytes scale by B while the weights are read once:
-    batching raises it, a long context pulls it back towards 2/P_bytes.
+    batching raises it, a long context pulls it back towards 2/P_bytes. Sliding layers (``windows``)
+    read at most their window.
     """
-    kv_elems = num_layers * num_kv_heads * head_dim * seq_len * batch
+    kv_elems = num_kv_heads * head_dim * kv_tokens(num_layers, seq_len, windows) * batch
     flops = 2 * num_params * batch + 4 * kv_elems
     bytes_moved = num_params * bytes_per_elem + 2 * kv_elems * bytes_per_elem
     return flops / bytes_moved

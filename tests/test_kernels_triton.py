@@ -43,10 +43,11 @@ def device():
 
 
 def check_against_reference(backend, kv_lens, q_lens, group, num_kv_heads, head_dim, dtype, causal, seed,
-                            page_size=16):
+                            page_size=16, window_left=-1):
     gen = torch.Generator().manual_seed(seed)
     q, pool, batch, _, _ = random_paged_batch(kv_lens, q_lens, page_size, num_kv_heads, head_dim,
-                                              group * num_kv_heads, dtype, causal, generator=gen)
+                                              group * num_kv_heads, dtype, causal, generator=gen,
+                                              window_left=window_left)
     q, pool, batch = q.to(device()), pool.to(device()), batch.to(device())
     backend.plan(batch, group * num_kv_heads, num_kv_heads, head_dim)
     res = backend.run(q, pool, return_page_max=True)
@@ -76,6 +77,18 @@ def test_decode_matches_reference(group, num_kv, dtype, kv_lens, per_split):
     if 0 in kv_lens:
         empty = kv_lens.index(0)
         assert torch.isneginf(res.lse[empty]).all() and (res.out[empty] == 0).all()
+
+
+@pytest.mark.parametrize("group,num_kv,kv_lens,per_split,window_left", [
+    (4, 1, [70, 1, 37], 1, 20),  # blocks and whole splits left of the window, a window inside a page
+    (3, 2, [48, 9, 64], None, 31),  # GQA, one split, window on a page boundary, a sequence inside it
+    (2, 1, [33], 2, 0),  # a window of one key
+])
+def test_decode_sliding_window_matches_reference(group, num_kv, kv_lens, per_split, window_left):
+    backend = TritonBackend(decode_config=DecodeConfig(block_n=16, pages_per_split=per_split))
+    res = check_against_reference(backend, kv_lens, [1] * len(kv_lens), group, num_kv, 32, torch.float32, False,
+                                  seed=sum(kv_lens) + window_left, window_left=window_left)
+    assert torch.isneginf(res.page_max[0]).all()  # the first page is left of the window
 
 
 def test_decode_split_merge_is_used_and_single_split_writes_directly():
@@ -126,6 +139,18 @@ def test_prefill_matches_reference(group, num_kv, dtype, kv_lens, q_lens, causal
     assert not backend.is_decode
     if kv_lens == [5]:
         assert torch.isneginf(res.lse[:4]).all() and (res.out[:4] == 0).all()
+
+
+@pytest.mark.parametrize("group,num_kv,kv_lens,q_lens,causal,window_left", [
+    (4, 1, [83, 40], [37, 40], True, 23),  # a chunk after a prefix, a whole prompt: skipped, banded, diagonal
+    (3, 2, [50, 9], [7, 9], True, 15),  # GQA, a window on a page boundary, a sequence shorter than it
+    (1, 2, [47], [5], False, 30),  # no causal flag: the window alone bounds the keys
+    (2, 1, [19], [19], True, 0),  # a window of one key
+])
+def test_prefill_sliding_window_matches_reference(group, num_kv, kv_lens, q_lens, causal, window_left):
+    backend = TritonBackend(prefill_config=PrefillConfig(block_m=32, block_n=16))
+    check_against_reference(backend, kv_lens, q_lens, group, num_kv, 32, torch.float32, causal,
+                            seed=sum(kv_lens) + window_left, window_left=window_left)
 
 
 def test_prefill_with_default_tiles_and_page_size_8():

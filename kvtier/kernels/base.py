@@ -4,7 +4,10 @@ Pages are FlashInfer NHD: a pool ``[slots, 2, page_size, N_kv, D]``. A batch of 
 described by ``kv_indptr [B+1] / kv_indices [nnz] / kv_last_page_len [B]`` (int32) and query rows
 by ``qo_indptr [B+1]``. Sequence b's keys are the listed pages in order; all are full except the
 last, which holds ``kv_last_page_len[b]`` tokens. With ``causal`` the mask is bottom-right
-aligned: query i of n_b attends key j iff ``j <= kv_len_b - n_b + i``.
+aligned: query i of n_b attends key j iff ``j <= kv_len_b - n_b + i``. With ``window_left >= 0``
+(FlashInfer's ``window_left``; HF's ``sliding_window`` W is ``window_left = W - 1``) it also needs
+``j >= kv_len_b - n_b + i - window_left``, causal or not: positions are the keys' order in the
+batch, so the cache lists a windowed layer's pages contiguously up to the newest.
 
 A batch built by :meth:`PagedBatch.from_host` keeps host copies of ``qo_indptr`` and ``kv_indptr``
 so that ``plan()`` reads them without a device-to-host sync, and its device arrays arrive in one
@@ -39,14 +42,15 @@ class PagedBatch:
     causal: bool = False
     host_qo_indptr: np.ndarray | None = None  # [B+1] int64 copy on the host (from_host), or None
     host_kv_indptr: np.ndarray | None = None  # [B+1]
+    window_left: int = -1  # keys left of each query's position it may see; -1: no window
 
     @classmethod
     def from_host(cls, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size: int, causal: bool,
-                  device) -> "PagedBatch":
+                  device, window_left: int = -1) -> "PagedBatch":
         """A batch on ``device`` from host int arrays, in one copy, keeping the indptrs on the host."""
         qo, kv = np.asarray(qo_indptr, np.int64), np.asarray(kv_indptr, np.int64)
         d_qo, d_kv, d_idx, d_last = to_device([qo, kv, kv_indices, kv_last_page_len], device)
-        return cls(d_qo, d_kv, d_idx, d_last, page_size, causal, qo, kv)
+        return cls(d_qo, d_kv, d_idx, d_last, page_size, causal, qo, kv, window_left)
 
     @property
     def batch_size(self) -> int:
@@ -77,7 +81,7 @@ class PagedBatch:
     def to(self, device) -> "PagedBatch":
         return PagedBatch(self.qo_indptr.to(device), self.kv_indptr.to(device), self.kv_indices.to(device),
                           self.kv_last_page_len.to(device), self.page_size, self.causal, self.host_qo_indptr,
-                          self.host_kv_indptr)
+                          self.host_kv_indptr, self.window_left)
 
 
 @dataclass

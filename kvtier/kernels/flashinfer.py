@@ -51,7 +51,7 @@ class FlashInferBackend(AttentionBackend):
     def plan_wrapper(self, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
         """The wrapper's plan for this step's page lists and these dtypes (host work, once per step)."""
         b = self.batch
-        common = dict(q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=self.sm_scale)
+        common = dict(q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=self.sm_scale, window_left=b.window_left)
         if self.is_decode:
             self.decode_wrapper.plan(b.kv_indptr, b.kv_indices, b.kv_last_page_len, self.num_qo_heads,
                                      self.num_kv_heads, self.head_dim, b.page_size, **common)

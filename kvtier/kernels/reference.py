@@ -35,10 +35,12 @@ def paged_attention_reference(q: torch.Tensor, kv_pool: torch.Tensor, batch: Pag
         v = pages[:, 1].reshape(-1, n_kv, dim)[:s_len].float()
         qb = q[q0:q1].float().view(q1 - q0, n_kv, group, dim)  # [n, N_kv, G, D]; head h = kv h // G
         logits = torch.einsum("nkgd,skd->kgns", qb, k).reshape(heads, q1 - q0, s_len) * sm_scale  # [H, n, S]
-        if batch.causal:
-            n_rows = q1 - q0
-            allowed = torch.arange(s_len, device=q.device)[None, :] <= (
-                s_len - n_rows + torch.arange(n_rows, device=q.device))[:, None]  # [n, S]
+        if batch.causal or batch.window_left >= 0:
+            key = torch.arange(s_len, device=q.device)[None, :]  # [1, S]
+            pos = (s_len - (q1 - q0) + torch.arange(q1 - q0, device=q.device))[:, None]  # [n, 1] bottom-right
+            allowed = key <= pos if batch.causal else torch.ones_like(key, dtype=torch.bool)  # [n or 1, S]
+            if batch.window_left >= 0:
+                allowed = allowed & (key >= pos - batch.window_left)  # [n, S]
             logits = logits.masked_fill(~allowed, float("-inf"))
         row_lse = torch.logsumexp(logits, dim=-1)  # [H, n]
         safe = torch.where(torch.isfinite(row_lse), row_lse, torch.zeros_like(row_lse))

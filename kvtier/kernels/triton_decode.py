@@ -1,10 +1,12 @@
 """Triton paged GQA decode attention (flash-decoding) and the ``triton`` backend.
 
-One query row per sequence. ``plan`` cuts every sequence's page list into chunks of
-``pages_per_split`` pages; one program per (chunk, kv head) attends the chunk with all query heads
-of the kv group packed as rows of one ``tl.dot`` tile (padded to 16 rows), and writes a partial
-(out, lse). A merge kernel combines the partials of each sequence by their LSE. When every sequence
-fits one chunk the split kernel writes the final output directly and no merge runs.
+One query row per sequence, which sees the last ``window_left + 1`` keys with a window (blocks
+wholly left of it are skipped, the block it starts in is masked). ``plan`` cuts every sequence's
+page list into chunks of ``pages_per_split`` pages; one program per (chunk, kv head) attends the
+chunk with all query heads of the kv group packed as rows of one ``tl.dot`` tile (padded to 16
+rows), and writes a partial (out, lse). A merge kernel combines the partials of each sequence by
+their LSE. When every sequence fits one chunk the split kernel writes the final output directly
+and no merge runs.
 
 Pages are NHD ``[slots, 2, P, N_kv, D]``; see :mod:`kvtier.kernels.base` for the batch convention.
 Softmax runs in base 2 (``exp2``) with fp32 accumulation; LSE and ``page_max`` are returned in
@@ -22,7 +24,7 @@ import triton.language as tl
 
 from kvtier.kernels.base import AttentionBackend, AttentionOutput, PagedBatch, to_device
 from kvtier.kernels.triton_prefill import (LN2, LOG2E, PrefillConfig, check_page_size, dot_operand_dtype,
-                                           paged_prefill, plan_prefill)
+                                           kernel_window, paged_prefill, plan_prefill)
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,7 @@ def _decode_split_kernel(
     stride_os, stride_on, stride_oh,
     stride_ls, stride_ln,
     stride_pm,
-    qk_scale, lse_scale, pages_per_split,
+    qk_scale, lse_scale, pages_per_split, window_left,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     WITH_PAGE_MAX: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
@@ -128,7 +130,8 @@ def _decode_split_kernel(
 
     ``out`` is ``[splits, B, H, D]`` (fp32 partials, or the final ``[1, B, H, D]`` output when
     there is a single split), ``lse`` ``[splits, B, H]`` (log2 units times ``lse_scale``),
-    ``page_max [nnz, H]``: every page of the chunk is written, -inf where it holds no token.
+    ``page_max [nnz, H]``: every page of a visited block is written, -inf where it holds no token
+    the query sees; blocks wholly left of the window (``window_left``) are skipped.
     """
     c = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -141,6 +144,8 @@ def _decode_split_kernel(
     t0 = (page0 - seq_p0) * PAGE  # first token of the chunk, local to the sequence
     t_end = tl.minimum(t0 + pages_per_split * PAGE, n_pages * PAGE)  # end of the chunk's pages
     t1 = tl.minimum(t_end, kv_len)  # end of its tokens
+    lo = kv_len - 1 - window_left  # first key in the query's window
+    first = t0 + tl.maximum(lo - t0, 0) // BLOCK_N * BLOCK_N  # first block holding a key of the window
 
     offs_g = tl.arange(0, BLOCK_G)  # [G] query head within the group
     offs_d = tl.arange(0, BLOCK_D)  # [D]
@@ -158,9 +163,9 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     k_base = kv + kvh * stride_kh
     v_base = k_base + stride_kv
-    for start in range(t0, t_end, BLOCK_N):
+    for start in range(first, t_end, BLOCK_N):
         tok = start + offs_n  # [N]
-        tok_ok = tok < t1
+        tok_ok = (tok < t1) & (tok >= lo)
         slot = tl.load(kv_indices + seq_p0 + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)  # [N]
         row_off = slot * stride_slot + (tok % PAGE) * stride_p  # [N]
         kv_off = row_off[:, None] + offs_d[None, :]  # [N, D]
@@ -229,7 +234,7 @@ def paged_decode(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, plan
     """Decode attention for one query row per sequence.
 
     q ``[B, H, D]``, kv_pool ``[slots, 2, P, N_kv, D]``. Returns out ``[B, H, D]`` (q's dtype),
-    lse ``[B, H]`` (natural log) and optionally page_max ``[nnz, H]``.
+    lse ``[B, H]`` (natural log) and optionally page_max ``[nnz, H]`` (-inf outside the window).
     """
     n_q, heads, dim = q.shape
     n_kv = kv_pool.shape[3]
@@ -240,7 +245,7 @@ def paged_decode(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, plan
     block_g = max(16, triton.next_power_of_2(group))
     dot_f32, precision = dot_operand_dtype(q.dtype)
     nnz = batch.kv_indices.numel()
-    page_max = torch.empty(nnz, heads, dtype=torch.float32, device=q.device) if return_page_max else None
+    page_max = torch.full((nnz, heads), float("-inf"), device=q.device) if return_page_max else None  # [nnz, H]
     single = plan.max_splits == 1
     out = torch.empty(n_q, heads, dim, dtype=q.dtype, device=q.device)  # [B, H, D]
     lse = torch.empty(n_q, heads, dtype=torch.float32, device=q.device)  # [B, H]
@@ -258,7 +263,7 @@ def paged_decode(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, plan
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         heads,
-        sm_scale * LOG2E, LN2 if single else 1.0, plan.pages_per_split,
+        sm_scale * LOG2E, LN2 if single else 1.0, plan.pages_per_split, kernel_window(batch),
         GROUP=group, BLOCK_G=block_g, PAGE=batch.page_size, BLOCK_N=plan.block_n,
         HEAD_DIM=dim, BLOCK_D=block_d,
         WITH_PAGE_MAX=return_page_max, DOT_F32=dot_f32, PRECISION=precision,

@@ -2,9 +2,11 @@
 
 Varlen batches (``qo_indptr``), GQA packed into the rows of one tile (row ``r`` is query
 ``r // G_PAD`` of the tile and head ``r % G_PAD`` of the kv group), bottom-right-aligned causal
-mask, LSE out, and optionally ``page_max`` (max over the sequence's queries, atomically reduced
-across the query tiles of a sequence). One program per (query tile, kv head) walks the key blocks
-that no row of its tile masks fully without a mask, then the diagonal blocks with one.
+mask, a sliding window (``window_left``: blocks left of every row's window are skipped), LSE out,
+and optionally ``page_max`` (max over the sequence's queries, atomically reduced across the query
+tiles of a sequence). One program per (query tile, kv head) walks the blocks where the window
+starts with a mask, the blocks every row of its tile sees whole without one, then the diagonal
+blocks with one.
 
 Also the dtype and page-size helpers shared with :mod:`kvtier.kernels.triton_decode`.
 """
@@ -26,6 +28,7 @@ from kvtier.kernels.base import AttentionOutput, PagedBatch, to_device
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+NO_WINDOW = 1 << 30  # the kernels' window_left without a window: longer than any sequence
 
 
 def dot_operand_dtype(dtype: torch.dtype) -> tuple:
@@ -42,6 +45,11 @@ def check_page_size(page_size: int) -> None:
     if page_size < 1 or page_size & (page_size - 1):
         raise ConfigError("layout.page_size", f"the triton kernels need a power-of-two page size, got {page_size}; "
                                               "use kernel=torch or kernel=flashinfer")
+
+
+def kernel_window(batch: PagedBatch) -> int:
+    """The kernels' ``window_left``: the batch's, or :data:`NO_WINDOW`."""
+    return batch.window_left if batch.window_left >= 0 else NO_WINDOW
 
 
 @dataclass(frozen=True)
@@ -81,13 +89,14 @@ def plan_prefill(batch: PagedBatch, num_qo_heads: int, num_kv_heads: int,
 
 @triton.jit
 def _prefill_block(
-    acc, m_i, l_i, qt, k_base, v_base, kv_indices, page_max, seq_p0, start, kv_len, limit, row_ok, head0,
+    acc, m_i, l_i, qt, k_base, v_base, kv_indices, page_max, seq_p0, start, kv_len, lo, limit, row_ok, head0,
     stride_slot, stride_p, stride_pm, qk_scale,
     MASKED: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     WITH_PAGE_MAX: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Online-softmax step over keys ``[start, start + BLOCK_N)``; ``limit [M]`` is each row's last key."""
+    """Online-softmax step over keys ``[start, start + BLOCK_N)``; ``lo [M]`` / ``limit [M]`` are each
+    row's first and last key (applied with ``MASKED``)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     tok = start + offs_n  # [N]
@@ -98,7 +107,8 @@ def _prefill_block(
     k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
     s = tl.dot(qt, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N] log2 units
     if MASKED:
-        s = tl.where(tok_ok[None, :] & (tok[None, :] <= limit[:, None]), s, float("-inf"))
+        s = tl.where(tok_ok[None, :] & (tok[None, :] <= limit[:, None]) & (tok[None, :] >= lo[:, None]), s,
+                     float("-inf"))
     if WITH_PAGE_MAX:
         s_rows = tl.where(row_ok[:, None], s, float("-inf"))  # [M, N]
         pm = tl.max(tl.reshape(s_rows, [BLOCK_Q, G_PAD, BLOCK_N // PAGE, PAGE]), axis=3)  # [Q, G, NP]
@@ -123,7 +133,7 @@ def _prefill_kernel(
     out, lse, page_max,
     stride_qn, stride_qh, stride_slot, stride_kv, stride_p, stride_kh,
     stride_on, stride_oh, stride_ln, stride_pm,
-    qk_scale,
+    qk_scale, window_left,
     CAUSAL: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     WITH_PAGE_MAX: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
@@ -152,9 +162,9 @@ def _prefill_kernel(
     if DOT_F32:
         qt = qt.to(tl.float32)
 
+    i_last = tl.minimum(i0 + BLOCK_Q, n_q) - 1
     if CAUSAL:
         limit = kv_len - n_q + qi  # [M] last key each row may see (bottom-right aligned)
-        i_last = tl.minimum(i0 + BLOCK_Q, n_q) - 1
         full_end = tl.maximum(tl.minimum(kv_len, kv_len - n_q + i0 + 1), 0)  # keys every row sees
         hi = tl.maximum(tl.minimum(kv_len, kv_len - n_q + i_last + 1), 0)
     else:
@@ -162,21 +172,30 @@ def _prefill_kernel(
         full_end = kv_len
         hi = kv_len
     full_end = (full_end // BLOCK_N) * BLOCK_N
+    lo = kv_len - n_q + qi - window_left  # [M] first key each row may see (window)
+    first = tl.maximum(kv_len - n_q + i0 - window_left, 0) // BLOCK_N * BLOCK_N  # blocks before: no row sees
+    lo_last = tl.maximum(kv_len - n_q + i_last - window_left, 0)
+    win_end = tl.minimum(tl.maximum((lo_last + BLOCK_N - 1) // BLOCK_N * BLOCK_N, first), hi)  # every row from here
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     k_base = kv + kvh * stride_kh
     v_base = k_base + stride_kv
-    for start in range(0, full_end, BLOCK_N):
+    for start in range(first, win_end, BLOCK_N):  # where the window starts: masked
         acc, m_i, l_i = _prefill_block(
-            acc, m_i, l_i, qt, k_base, v_base, kv_indices, page_max, seq_p0, start, kv_len, limit, row_ok, kvh * GROUP,
-            stride_slot, stride_p, stride_pm, qk_scale,
+            acc, m_i, l_i, qt, k_base, v_base, kv_indices, page_max, seq_p0, start, kv_len, lo, limit, row_ok,
+            kvh * GROUP, stride_slot, stride_p, stride_pm, qk_scale,
+            True, GROUP, G_PAD, BLOCK_Q, PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, WITH_PAGE_MAX, PRECISION)
+    for start in range(win_end, full_end, BLOCK_N):  # every row sees the whole block
+        acc, m_i, l_i = _prefill_block(
+            acc, m_i, l_i, qt, k_base, v_base, kv_indices, page_max, seq_p0, start, kv_len, lo, limit, row_ok,
+            kvh * GROUP, stride_slot, stride_p, stride_pm, qk_scale,
             False, GROUP, G_PAD, BLOCK_Q, PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, WITH_PAGE_MAX, PRECISION)
-    for start in range(full_end, hi, BLOCK_N):
+    for start in range(tl.maximum(full_end, win_end), hi, BLOCK_N):  # the causal diagonal: masked
         acc, m_i, l_i = _prefill_block(
-            acc, m_i, l_i, qt, k_base, v_base, kv_indices, page_max, seq_p0, start, kv_len, limit, row_ok, kvh * GROUP,
-            stride_slot, stride_p, stride_pm, qk_scale,
+            acc, m_i, l_i, qt, k_base, v_base, kv_indices, page_max, seq_p0, start, kv_len, lo, limit, row_ok,
+            kvh * GROUP, stride_slot, stride_p, stride_pm, qk_scale,
             True, GROUP, G_PAD, BLOCK_Q, PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, WITH_PAGE_MAX, PRECISION)
 
     has = l_i > 0
@@ -193,7 +212,7 @@ def paged_prefill(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, pla
     """Chunked-prefill attention of ``q [Nq, H, D]`` over ``kv_pool [slots, 2, P, N_kv, D]``.
 
     Returns out ``[Nq, H, D]`` (q's dtype), lse ``[Nq, H]`` (natural log; -inf for a row that
-    attends nothing) and optionally page_max ``[nnz, H]``.
+    attends nothing) and optionally page_max ``[nnz, H]`` (-inf for a page no row sees).
     """
     n_q, heads, dim = q.shape
     n_kv = kv_pool.shape[3]
@@ -211,7 +230,7 @@ def paged_prefill(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, pla
         q.stride(0), q.stride(1),
         kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3),
         out.stride(0), out.stride(1), lse.stride(0), heads,
-        sm_scale * LOG2E,
+        sm_scale * LOG2E, kernel_window(batch),
         CAUSAL=batch.causal, GROUP=heads // n_kv, G_PAD=plan.group_pad, BLOCK_Q=plan.block_q,
         PAGE=batch.page_size, BLOCK_N=plan.block_n, HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim),
         WITH_PAGE_MAX=return_page_max, DOT_F32=dot_f32, PRECISION=precision,

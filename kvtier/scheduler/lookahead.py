@@ -6,7 +6,8 @@ priority -inf leave the device; the remaining device room (capacity - reserve) g
 highest-priority pages among those resident and those the policy admits. Demotions go to the
 fastest lower tier with room, pushing that tier's lowest-priority pages further down when full
 (a cascade); promotions are only planned into room the plan has made. A plan made at step t is
-issued at once and must have landed by step t + k (``lookahead``).
+issued at once and must have landed by step t + k (``lookahead``). Dropped pages (left of a
+sliding window, :data:`~kvtier.table.DROPPED`) are never planned.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ class LookaheadScheduler(Scheduler):
             resident = tier == 0
             room = device.num_free(layer) + int(resident.sum()) - reserve  # slots held elsewhere do not count
             keep = pinned[layer] & resident
-            cand = np.flatnonzero((resident | admit[layer] | pinned[layer]) & (prio[layer] > -np.inf))
+            live = tier >= 0  # not dropped
+            cand = np.flatnonzero((resident | admit[layer] | pinned[layer]) & (prio[layer] > -np.inf) & live)
             order = cand[np.lexsort((-prio[layer, cand], ~pinned[layer, cand]))]  # pinned, then best first
             want = np.zeros(info.pids.size, dtype=bool)
             want[order[:max(room, int(keep.sum()))]] = True
