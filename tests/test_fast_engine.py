@@ -160,3 +160,19 @@ def test_bad_setups_are_named(tiny, tmp_path):
     finally:
         model.config.model_type = "llama"
     assert np.all(engine.mirror == engine.scratch[:, None, None])  # nothing was written by the refusals
+
+
+def test_fast_path_honours_sliding_windows():
+    """Mistral, every layer sliding (window 24), prompt and decode several windows long, pages moving."""
+    from tests.test_sliding_window import build
+
+    model = build("mistral")
+    layout = kv_layout_for(model.config, page_size=8, dtype=torch.float32)
+    assert layout.window(0) == 24
+    prompt = torch.randint(0, model.config.vocab_size, (70,), generator=torch.Generator().manual_seed(2))
+    ref = hf_greedy(model, prompt, 8)
+    tiers = [DeviceTier(layout, 8, device="cpu"), HostTier(layout, 32)]
+    engine = FastEngine(model, layout, tiers, LRU(), max_context=96, prefill=ChunkedPrefill(16))
+    got = [engine.add(prompt)[1][-1]] + [engine.step()[0].clone() for _ in range(8)]
+    assert rel_err(torch.stack(got), ref) < 1e-4
+    assert engine.table.occupancy()["host"][0] > 0

@@ -81,8 +81,8 @@ class _PassCache(PagedCacheBase):
     """The ``past_key_values`` the decoder layers see: routes ``update`` to the engine."""
 
     def __init__(self, engine: "FastEngine"):
-        super().__init__(engine.layout.num_layers)
-        self.engine = engine
+        super().__init__([engine.layout.window(layer) > 0 for layer in range(engine.layout.num_layers)])
+        self.engine, self.layout = engine, engine.layout
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self.engine.store(layer_idx, key_states, value_states)
@@ -337,7 +337,7 @@ class FastEngine:
         pool, _ = self.transfer.gather(layer, pids, self.device)  # [n, 2, P, N_kv, D]
         last = (self.table.seq_len(seq) - 1) % self.layout.page_size + 1
         batch = PagedBatch.from_host([0, q_len], [0, pids.size], np.arange(pids.size), [last],
-                                     self.layout.page_size, True, self.device)
+                                     self.layout.page_size, True, self.device, window_left=self._window_left(layer))
         _, H, _, D = query.shape
         self.backend.plan(batch, H, self.layout.num_kv_heads, D, scale)
         q = query[0].transpose(0, 1).contiguous()  # [q, H, D]
@@ -357,12 +357,16 @@ class FastEngine:
                                    device=self.device)
         kernel = static_decode if self.decode_kernel == "triton" else static_decode_reference
         out, lse = kernel(q, self.table.tiers[0].pool(layer), host_pool, table, lens, self._plan(B, H, D), scale,
-                          page_list=page_list, page_max=page_max)
+                          page_list=page_list, window_left=self._window_left(layer), page_max=page_max)
         self._count(table, lens, page_list)
         if page_max is not None:
             sal = torch.exp(page_max - lse[:, None, :])  # [B, K, H]
             self.salience[layer, :B] = sal.view(B, sal.shape[1], self.layout.num_kv_heads, -1).amax(-1)
         return out[:, None]  # [B, 1, H, D]
+
+    def _window_left(self, layer: int) -> int:
+        """FlashInfer's ``window_left`` of ``layer`` (HF's sliding window W is W - 1; -1: global)."""
+        return self.layout.window(layer) - 1 if self.layout.window(layer) else -1
 
     def _choose(self, layer, q, table, lens) -> torch.Tensor | None:
         """The scope's page list ``[B, K]`` of this layer (None: every page), kept for the host."""
