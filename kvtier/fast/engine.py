@@ -95,6 +95,19 @@ class _PassCache(PagedCacheBase):
         return 0
 
 
+def _tally(table: torch.Tensor, lens: torch.Tensor, page_list: torch.Tensor | None, page_size: int) -> torch.Tensor:
+    """``[2]``: pages a step attends for ``table [B, M]`` / ``lens [B]`` / ``page_list [B, K]`` (None: all),
+    and how many of them are in the device pool."""
+    n_pages = (lens.long() + page_size - 1) // page_size  # [B]
+    if page_list is None:
+        listed = torch.arange(table.shape[1], device=table.device)[None, :] < n_pages[:, None]  # [B, M]
+        on_dev = listed & (table >= 0)
+    else:
+        listed = (page_list >= 0) & (page_list < n_pages[:, None])  # [B, K]
+        on_dev = listed & (table.gather(1, page_list.clamp(min=0).long()) >= 0)
+    return torch.stack([listed.sum(), on_dev.sum()])
+
+
 class FastEngine:
     """Batched decode of up to ``max_batch`` sequences over a device tier and an optional host tier."""
 
@@ -102,7 +115,7 @@ class FastEngine:
                  scheduler: Scheduler | None = None, scope: str = "all", topk_pages: int | None = None,
                  sinks: int = 4, max_batch: int = 1, max_context: int = 4096, lookahead: int = 2,
                  backend: AttentionBackend | None = None, decode_kernel: str | None = None,
-                 prefill: ChunkedPrefill | None = None, graphs: bool | None = None,
+                 prefill: ChunkedPrefill | None = None, graphs: bool | None = None, compile: bool | None = None,
                  buckets: tuple[int, ...] | None = None):
         if scope not in SCOPES:
             raise ConfigError("scope", f"unknown scope {scope!r}; use one of {list(SCOPES)}")
@@ -129,6 +142,13 @@ class FastEngine:
         self.backend = backend or TorchBackend()
         self.decode_kernel = decode_kernel or ("triton" if self.device.type == "cuda" else "torch")
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        # torch.compile fuses the model's small ops between the attention calls (which stay eager);
+        # the compiled code is then captured in the step's graph like any other launch
+        compiled = self.device.type == "cuda" if compile is None else compile
+        if compiled:  # each engine and bucket is one more specialisation; dynamo's default of 8 runs out
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self._forward = torch.compile(self.runner.forward, dynamic=False) if compiled else self.runner.forward
+        self._tally = torch.compile(_tally, dynamic=False) if compiled else _tally
         self.lookahead, self.topk_pages, self.sinks = lookahead, topk_pages, sinks
         self.max_batch = max_batch
         self.max_pages = layout.pages_for(max_context)
@@ -280,7 +300,7 @@ class FastEngine:
         """The captured work: ``tokens[:B]`` -> ``logits[:B]``, greedy next tokens into ``tokens[:B]``."""
         token = ACTIVE_CACHE.set(self.kv)
         try:
-            logits = self.runner.forward(self.tokens[:B, None], self.positions[:B, None], self.kv, last_only=True)
+            logits = self._forward(self.tokens[:B, None], self.positions[:B, None], self.kv, last_only=True)
         finally:
             ACTIVE_CACHE.reset(token)
         self.logits[:B] = logits[:, 0]
@@ -304,7 +324,8 @@ class FastEngine:
             self.stats.counts.copy_(saved[1])
         graph.replay()
 
-    # -- what the decoder layers call ----------------------------------------------------------
+    # -- what the decoder layers call (left out of torch.compile: host logic and Triton launches) --
+    @torch.compiler.disable
     def store(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Write the step's K/V ``[B, N_kv, q, D]`` of ``layer`` into its pages."""
         if self._mode == "prefill":
@@ -318,11 +339,11 @@ class FastEngine:
         pos = self.positions[:B]  # [B]
         slot = self.block_table[layer, :B].gather(1, (pos // P)[:, None])[:, 0].long()  # [B] device slots
         pool = self.table.tiers[0].pool(layer)  # [slots, 2, P, N_kv, D]
-        pool[slot, 0, pos % P] = key[:, :, 0].to(pool.dtype)  # [B, N_kv, D]
-        pool[slot, 1, pos % P] = value[:, :, 0].to(pool.dtype)
+        pool[slot, :, pos % P] = torch.stack([key[:, :, 0], value[:, :, 0]], 1).to(pool.dtype)  # [B, 2, N_kv, D]
         if self.bounds is not None:
             self.bounds.add_decode(layer, key[:, :, 0], pos)
 
+    @torch.compiler.disable
     def attend(self, layer: int, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
         """Attention of ``query [B, H, q, D]`` of ``layer``: ``[B, q, H, D]``."""
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -382,15 +403,7 @@ class FastEngine:
 
     def _count(self, table, lens, page_list) -> None:
         """Attended pages and those read from the device tier, accumulated on the device."""
-        n_pages = (lens.long() + self.layout.page_size - 1) // self.layout.page_size  # [B]
-        if page_list is None:
-            listed = torch.arange(table.shape[1], device=table.device)[None, :] < n_pages[:, None]  # [B, M]
-            on_dev = listed & (table >= 0)
-        else:
-            listed = (page_list >= 0) & (page_list < n_pages[:, None])  # [B, K]
-            loc = table.gather(1, page_list.clamp(min=0).long())
-            on_dev = listed & (loc >= 0)
-        self.stats.counts += torch.stack([listed.sum(), on_dev.sum()])
+        self.stats.counts += self._tally(table, lens, page_list, self.layout.page_size)
 
     def _plan(self, B: int, H: int, D: int):
         from kvtier.kernels.triton_static_decode import plan_static_decode
