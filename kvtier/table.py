@@ -59,6 +59,9 @@ class BlockTable:
     def seq_len(self, seq: int) -> int:
         return self._seq(seq).length
 
+    def num_pages(self, seq: int) -> int:
+        return len(self._seq(seq).pids)
+
     def pages(self, seq: int) -> np.ndarray:
         """pids of ``seq`` in logical order ``[n]``."""
         return np.asarray(self._seq(seq).pids, dtype=np.int64)

@@ -184,7 +184,7 @@ class FastEngine:
         self._last_event = None
         self._mode = "decode"
         self._B = max_batch
-        self._dirty = False
+        self._dirty: set[int] = set()  # rows whose block-table entries changed since the last upload
 
     # -- sequences -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -249,7 +249,7 @@ class FastEngine:
     def _close_prefill(self, row: int, n_tokens: int, next_token) -> None:
         self.lens[row] = n_tokens
         self.tokens[row] = next_token
-        self._dirty = True
+        self._dirty.add(row)
 
     def finish(self, seq: int) -> None:
         """Drop ``seq``: its row goes idle now, its pages are freed once no queued step can use them."""
@@ -257,7 +257,7 @@ class FastEngine:
         self.row_seq[row] = None
         self.lens[row] = 0
         self.mirror[:, row] = self.scratch[:, None]
-        self._dirty = True
+        self._dirty.add(row)
         self._to_free.append((seq, self._last_event))
 
     # -- decode --------------------------------------------------------------------------------
@@ -417,19 +417,19 @@ class FastEngine:
     def _grow(self, seq: int, row: int, n: int) -> None:
         """Append ``n`` tokens to ``seq`` (room made on the device first) and point the table at new pages."""
         P = self.layout.page_size
-        need = self.layout.pages_for(self.table.seq_len(seq) + n) - self.table.pages(seq).size
+        need = self.layout.pages_for(self.table.seq_len(seq) + n) - self.table.num_pages(seq)
         if need and self.host is not None and self._device_free() < need:
             self._schedule(reserve=need, after_compute=True)
             if self._device_free() < need:
                 self._wait_room()
-        first = self.table.pages(seq).size
+        first = self.table.num_pages(seq)
         new, _ = self.table.append(seq, n)
         if new:
             pids = np.asarray(new, dtype=np.int64)
             self.policy.on_append(pids, self.step_idx)
             for layer in range(self.layout.num_layers):
                 self.mirror[layer, row, first:first + pids.size] = self._encode(layer, pids)
-            self._dirty = True
+            self._dirty.add(row)
         length = self.table.seq_len(seq)
         if self._mode == "decode":
             self.lens[row] = length
@@ -471,7 +471,7 @@ class FastEngine:
 
     def _pin_unsettled(self, pinned: bool) -> None:
         """Each sequence's page before the newest may still be written by a queued step: not movable."""
-        prev = [self.table.pages(s)[-2] for s in self.row_seq if s is not None and self.table.pages(s).size > 1]
+        prev = [self.table.seqs[s].pids[-2] for s in self.row_seq if s is not None and self.table.num_pages(s) > 1]
         if prev:
             self.table.set_pinned(prev, pinned)
 
@@ -481,7 +481,7 @@ class FastEngine:
             pids = pids[~self.transfer.in_flight(layer, pids)]  # a later move switches those
             keep, rows, logical = self._where(pids)
             self.mirror[layer, rows, logical] = self._encode(layer, pids[keep])
-            self._dirty = True
+            self._dirty.update(rows.tolist())
 
     def _where(self, pids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Mask ``[n]`` of pids held by an active row, and their (row, logical page)."""
@@ -517,7 +517,7 @@ class FastEngine:
                                       "pins more pages than the device tier holds")
                 self.mirror[layer, r, page] = self._encode(int(layer), np.array([pid]))[0]
             self.stats.tail_promotions += 1
-        self._dirty = True
+            self._dirty.add(r)
 
     def _wait_room(self) -> None:
         """Block until fenced demotions release their device slots."""
@@ -529,21 +529,27 @@ class FastEngine:
         self.stats.host_wait_s += time.perf_counter() - t0
 
     def _note_access(self, active: list[int]) -> None:
-        """Scopes known on the host (``all``; ``resident`` without lookahead): every listed page was read."""
+        """Scopes known on the host (``all``; ``resident`` without lookahead): every listed page was read.
+        Without a host tier nothing is ever planned, so the policy need not hear it."""
+        if self.host is None:
+            return
+        pids = np.concatenate([self.table.pages(self.row_seq[r]) for r in active])
         for layer in range(self.layout.num_layers):
-            pids = np.concatenate([self.table.pages(self.row_seq[r]) for r in active])
-            if self.scope == "resident":
-                pids = pids[self.table.tier_of[layer, pids] == 0]
-            self.policy.on_access(layer, pids, self.step_idx)
+            mine = pids[self.table.tier_of[layer, pids] == 0] if self.scope == "resident" else pids
+            self.policy.on_access(layer, mine, self.step_idx)
 
     def _upload(self) -> None:
-        """Lengths and positions every step; the block table when it changed (one copy each)."""
+        """Lengths and positions every step; the block-table rows that changed (a copy each, or one
+        copy of the whole table when most rows changed)."""
         lens = torch.from_numpy(self.lens)
         self.seq_lens.copy_(lens, non_blocking=True)
         self.positions.copy_((lens - 1).clamp(min=0), non_blocking=True)
-        if self._dirty:
+        if 2 * len(self._dirty) > self.max_batch:
             self.block_table.copy_(torch.from_numpy(self.mirror), non_blocking=True)
-            self._dirty = False
+        else:
+            for r in self._dirty:
+                self.block_table[:, r].copy_(torch.from_numpy(self.mirror[:, r]), non_blocking=True)
+        self._dirty.clear()
 
     def _record(self, B: int) -> None:
         """After a step: copy its picks and salience towards the host, and mark the step's end."""
