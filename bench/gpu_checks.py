@@ -21,7 +21,8 @@ from kvtier.engine import Engine
 from kvtier.fast.engine import FastEngine
 from kvtier.hook import install
 from kvtier.kernels.registry import make_backend
-from kvtier.models import kv_layout_for, random_llama
+from kvtier.data import token_stream
+from kvtier.models import kv_layout_for, load_model, random_llama
 from kvtier.policies import LRU
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 from kvtier.tiers import DeviceTier, HostTier
@@ -71,14 +72,21 @@ def fast_logits(model, ids, tokens, budget_pages):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--fast-only", action="store_true")
+    ap.add_argument("--smollm2", default="", help="also the real SmolLM2 (converted folder) through the fast path")
     args = ap.parse_args()
     rows = []
-    for dtype in ("bfloat16", "float32"):
-        model = random_llama(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536,
-                             vocab_size=49152, device="cuda", dtype=dtype)
-        ids = torch.randint(0, 49152, (1, 1024), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    models = [("smollm2-shape", dtype) for dtype in ("bfloat16", "float32")]
+    models += [("smollm2", dtype) for dtype in ("bfloat16", "float32")] if args.smollm2 else []
+    for name, dtype in models:
+        if name == "smollm2":
+            model, tok = load_model(args.smollm2, dtype=dtype, device="cuda")
+            ids = token_stream(tok, "opticks", 1024)[None].cuda()
+        else:
+            model = random_llama(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536,
+                                 vocab_size=49152, device="cuda", dtype=dtype)
+            ids = torch.randint(0, 49152, (1, 1024), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
         ref, tokens = hf_logits(model, ids, 16)
-        runs = [] if args.fast_only else [("torch", False), ("triton", False), ("triton", True)]
+        runs = [] if args.fast_only or name == "smollm2" else [("torch", False), ("triton", False), ("triton", True)]
         for kernel, merge in runs + [("fast", False)]:
             if kernel == "fast":
                 got, moved, hit = fast_logits(model, ids, tokens, budget_pages=18)  # one slot is the scratch page
@@ -87,13 +95,13 @@ def main():
             err = ((got - ref).abs().max() / ref.abs().max()).item()
             norm_err = ((got - ref).norm() / ref.norm()).item()
             agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-            rows.append({"dtype": dtype, "kernel": kernel, "merge": merge, "max_rel_err": err, "rel_err": norm_err,
+            rows.append({"model": name, "dtype": dtype, "kernel": kernel, "merge": merge, "max_rel_err": err, "rel_err": norm_err,
                          "nan": bool(torch.isnan(got).any()), "greedy_agree": agree, "hit_rate": hit,
                          "MB_moved": sum(moved.values()) / 1e6})
             print(rows[-1], flush=True)
         del model
     print_table("exact scope vs HF sdpa on the GPU (1k prompt + 16 decode steps, 25% HBM, LRU migrating)", rows,
-                ["dtype", "kernel", "merge", "max_rel_err", "rel_err", "nan", "greedy_agree", "hit_rate", "MB_moved"])
+                ["model", "dtype", "kernel", "merge", "max_rel_err", "rel_err", "nan", "greedy_agree", "hit_rate", "MB_moved"])
     write_json("gpu_checks.json", {"gpu": torch.cuda.get_device_name(), "rows": rows})
 
 

@@ -63,7 +63,7 @@ def ensure_smollm2() -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_NAME}.tmp-", dir=target.parent))
         tmp.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache from other users
         try:
-            _convert_gguf(gguf, tmp)
+            convert_gguf(gguf, tmp)
             shutil.rmtree(target, ignore_errors=True)  # a folder without config.json is not a model
             os.replace(tmp, target)
         finally:
@@ -71,7 +71,7 @@ def ensure_smollm2() -> Path:
     return target
 
 
-def _convert_gguf(gguf: Path, out: Path) -> None:
+def convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize a GGUF causal LM to fp32 and save model + tokenizer as a Hugging Face folder."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     import transformers

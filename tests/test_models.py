@@ -186,20 +186,20 @@ def _fake_convert(calls, fail=False):
 def test_killed_conversion_leaves_nothing_loadable(monkeypatch, tmp_path):
     monkeypatch.setenv("KVTIER_CACHE", str(tmp_path))
     calls = []
-    monkeypatch.setattr(models, "_convert_gguf", _fake_convert(calls, fail=True))
+    monkeypatch.setattr(models, "convert_gguf", _fake_convert(calls, fail=True))
     with pytest.raises(KeyboardInterrupt):
         models.ensure_smollm2()
     parent = tmp_path / "models"
     assert not (parent / "SmolLM2-135M-Instruct").exists()
     assert not list(parent.glob(".SmolLM2-135M-Instruct.tmp-*"))
-    monkeypatch.setattr(models, "_convert_gguf", _fake_convert(calls))
+    monkeypatch.setattr(models, "convert_gguf", _fake_convert(calls))
     assert (models.ensure_smollm2() / "config.json").is_file() and len(calls) == 2
 
 
 def test_concurrent_callers_convert_once(monkeypatch, tmp_path):
     monkeypatch.setenv("KVTIER_CACHE", str(tmp_path))
     calls = []
-    monkeypatch.setattr(models, "_convert_gguf", _fake_convert(calls))
+    monkeypatch.setattr(models, "convert_gguf", _fake_convert(calls))
     results = []
     threads = [threading.Thread(target=lambda: results.append(models.ensure_smollm2())) for _ in range(6)]
     for t in threads:
