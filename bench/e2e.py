@@ -108,7 +108,8 @@ def main():
     ap.add_argument("--shapes", default="1x32768,16x8192,16x32768")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--lookahead", type=int, default=2)
-    ap.add_argument("--lookaheads", default="", help="extra topk-20%% rows at these lookaheads, e.g. 0,1")
+    ap.add_argument("--lookaheads", default="", help="extra topk-20%% rows (B=1 shapes) at these lookaheads, e.g. 0,1")
+    ap.add_argument("--json", default="e2e.json")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF rows (compiling takes minutes)")
     ap.add_argument("--tiered-max-tokens", type=int, default=131072, help="tiered rows only up to B*S tokens")
     ap.add_argument("--smollm2", default="", help="the real SmolLM2: its GGUF file or converted HF folder")
@@ -146,7 +147,8 @@ def main():
             grid = [(1.0, "all", args.lookahead)]
             if batch * context <= args.tiered_max_tokens:
                 grid += [(b, s, args.lookahead) for b, s in TIERED]
-                grid += [(0.2, "topk", int(k)) for k in args.lookaheads.split(",") if k]
+                if batch == 1:
+                    grid += [(0.2, "topk", int(k)) for k in args.lookaheads.split(",") if k]
             for budget, scope, k in grid:
                 t0 = time.time()
                 r = kvtier_row(model, batch, context, args.steps, budget, scope, k, prompts)
@@ -169,7 +171,7 @@ def main():
                 f"{link['h2d_GBps']:.1f} GB/s", rows,
                 ["model", "B", "S", "system", "budget", "scope", "lookahead", "tpot_p50_ms", "tpot_p99_ms", "x_limit",
                  "x_allhbm", "tok_s", "hit_rate", "MB_moved_per_step", "host_wait_ms", "hidden", "offloaded"])
-    write_json("e2e.json", {"gpu": torch.cuda.get_device_name(), "hbm_read_GBps": hbm, "link": link,
+    write_json(args.json, {"gpu": torch.cuda.get_device_name(), "hbm_read_GBps": hbm, "link": link,
                             "args": vars(args), "rows": rows})
 
 

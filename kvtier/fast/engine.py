@@ -39,6 +39,7 @@ from kvtier.fast.runner import LlamaRunner
 from kvtier.fast.scopes import QuestBounds, resident_pages
 from kvtier.kernels.base import AttentionBackend, PagedBatch
 from kvtier.kernels.reference import TorchBackend
+from kvtier.kernels.registry import make_backend
 from kvtier.layout import KVLayout
 from kvtier.paged_io import write_tokens
 from kvtier.policies.base import Policy
@@ -139,7 +140,7 @@ class FastEngine:
             raise ConfigError("tiers.host", "the fast path reads host pages through their mapped address: "
                                             "the host tier must be pinned (pin_memory=True)")
         self.prefill = prefill or ChunkedPrefill()
-        self.backend = backend or TorchBackend()
+        self.backend = backend or (make_backend("triton") if self.device.type == "cuda" else TorchBackend())
         self.decode_kernel = decode_kernel or ("triton" if self.device.type == "cuda" else "torch")
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         # torch.compile fuses the model's small ops between the attention calls (which stay eager);
