@@ -463,12 +463,11 @@ class FastEngine:
         self._pin_unsettled(True)
         plan = self.scheduler.plan(self.table, self.policy, max(self.step_idx, 0), reserve=reserve)
         self._pin_unsettled(False)
-        for move in plan.demote:
-            self.transfer.migrate(move.layer, move.pids, move.dst, after_compute=after_compute, fenced=True)
-        for move in plan.promote:  # into room that is free now; the rest waits for a later step
-            room = self.table.tiers[0].num_free(move.layer) - reserve
-            if room > 0:
-                self.transfer.migrate(move.layer, move.pids[:room], 0, after_compute=after_compute, fenced=True)
+        demote = [(m.layer, m.pids, m.dst) for m in plan.demote]
+        self.transfer.migrate_many(demote, after_compute=after_compute, fenced=True)
+        free = {m.layer: self.table.tiers[0].num_free(m.layer) - reserve for m in plan.promote}
+        promote = [(m.layer, m.pids[:free[m.layer]], 0) for m in plan.promote if free[m.layer] > 0]
+        self.transfer.migrate_many(promote, after_compute=after_compute, fenced=True)  # the rest waits a step
 
     def _pin_unsettled(self, pinned: bool) -> None:
         """Each sequence's page before the newest may still be written by a queued step: not movable."""
@@ -478,27 +477,25 @@ class FastEngine:
 
     def _switch_landed(self) -> None:
         """Point the device table at the new place of every move that has landed (and not moved on)."""
-        for layer, pids in self.transfer.take_landed(fence=self._last_event):
+        landed = self.transfer.take_landed(fence=self._last_event)
+        if not landed:
+            return
+        row_of, logical_of = self._page_rows()
+        for layer, pids in landed:
             pids = pids[~self.transfer.in_flight(layer, pids)]  # a later move switches those
-            keep, rows, logical = self._where(pids)
-            self.mirror[layer, rows, logical] = self._encode(layer, pids[keep])
-            self._dirty.update(rows.tolist())
+            pids = pids[row_of[pids] >= 0]  # pages of active rows
+            self.mirror[layer, row_of[pids], logical_of[pids]] = self._encode(layer, pids)
+            self._dirty.update(row_of[pids].tolist())
 
-    def _where(self, pids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Mask ``[n]`` of pids held by an active row, and their (row, logical page)."""
-        rows = np.full(pids.size, -1)
-        logical = np.zeros(pids.size, dtype=np.int64)
+    def _page_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per pid ``[pids]``: the active row holding it (-1: none) and its logical page there."""
+        row_of = np.full(self.table.ref.size, -1)
+        logical_of = np.zeros(self.table.ref.size, dtype=np.int64)
         for r, seq in enumerate(self.row_seq):
-            if seq is None:
-                continue
-            mine = self.table.pages(seq)
-            hit = np.isin(pids, mine)
-            if hit.any():
-                order = np.argsort(mine)
-                logical[hit] = order[np.searchsorted(mine, pids[hit], sorter=order)]
-                rows[hit] = r
-        keep = rows >= 0
-        return keep, rows[keep], logical[keep]
+            if seq is not None:
+                pids = self.table.pages(seq)
+                row_of[pids], logical_of[pids] = r, np.arange(pids.size)
+        return row_of, logical_of
 
     def _ensure_tails(self, active: list[int]) -> None:
         """The page each row writes this step must be in the device pool, its copy landed: else the
@@ -593,21 +590,24 @@ class FastEngine:
     def _feed(self, p: _Produced) -> None:
         """The policy hears step ``p``'s attended pages (scope ``all``: every page) and their salience."""
         L, M = self.layout.num_layers, self.max_pages
-        every = np.broadcast_to(np.arange(M, dtype=np.int32), (L, len(p.row_seq), M))
-        picks = p.page_list.numpy() if p.page_list is not None else every  # [L, B, K]
+        picks = p.page_list.numpy() if p.page_list is not None else None  # [L, B, K]
         sal = p.salience.numpy() if p.salience is not None else None  # [L, B, K, N_kv]
-        for r, seq in enumerate(p.row_seq):
-            if seq is None or seq not in self.table.seqs:
-                continue
-            pages = self.table.pages(seq)
-            for layer in range(L):
-                sel = picks[layer, r]
+        rows = [(r, self.table.pages(seq)) for r, seq in enumerate(p.row_seq) if seq is not None and seq in self.table.seqs]
+        if not rows:
+            return
+        for layer in range(L):
+            pids, scores = [], []
+            for r, pages in rows:
+                sel = picks[layer, r] if picks is not None else np.arange(M)
                 ok = (sel >= 0) & (sel < pages.size)
-                pids = pages[sel[ok]]
-                if p.page_list is not None:
-                    self.policy.on_access(layer, pids, p.step)
+                pids.append(pages[sel[ok]])
                 if sal is not None:
-                    self.policy.on_salience(layer, pids, sal[layer, r][ok], p.step)
+                    scores.append(sal[layer, r][ok])
+            pids = np.concatenate(pids)
+            if picks is not None:
+                self.policy.on_access(layer, pids, p.step)
+            if sal is not None:
+                self.policy.on_salience(layer, pids, np.concatenate(scores), p.step)
 
     def _free_finished(self, block: bool) -> None:
         still = []

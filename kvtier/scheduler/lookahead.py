@@ -23,16 +23,15 @@ from kvtier.scheduler.base import MigrationPlan, Move, Scheduler
 
 def page_info(table, step: int) -> PageInfo:
     """All live pages as policy candidates (a shared page appears once, under its first holder)."""
-    pids, logical, seq_len, seen = [], [], [], set()
-    for s in table.seqs.values():
-        for i, pid in enumerate(s.pids):
-            if pid not in seen:
-                seen.add(pid)
-                pids.append(pid)
-                logical.append(i)
-                seq_len.append(s.length)
-    return PageInfo(np.asarray(pids, dtype=np.int64), np.asarray(logical, dtype=np.int64),
-                    np.asarray(seq_len, dtype=np.int64), table.layout.page_size, step)
+    seqs = list(table.seqs.values())
+    if not seqs:
+        empty = np.zeros(0, dtype=np.int64)
+        return PageInfo(empty, empty, empty, table.layout.page_size, step)
+    pids = np.concatenate([np.asarray(s.pids, dtype=np.int64) for s in seqs])  # [n] with repeats
+    logical = np.concatenate([np.arange(len(s.pids)) for s in seqs])
+    seq_len = np.concatenate([np.full(len(s.pids), s.length, dtype=np.int64) for s in seqs])
+    first = np.sort(np.unique(pids, return_index=True)[1])  # first holder of each pid, in order
+    return PageInfo(pids[first], logical[first], seq_len[first], table.layout.page_size, step)
 
 
 @dataclass

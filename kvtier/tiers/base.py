@@ -122,6 +122,11 @@ class Tier(ABC):
         """The layer's whole pool ``[capacity, 2, P, N_kv, D]`` when it is addressable memory, else None."""
         return None
 
+    def pools(self) -> torch.Tensor | None:
+        """Every layer's pool as one ``[L * capacity, 2, P, N_kv, D]`` tensor (page ``(layer, slot)`` at
+        ``layer * capacity + slot``) when the tier is addressable memory, else None."""
+        return None
+
     def close(self) -> None:
         """Release backing resources (files, connections)."""
 

@@ -25,6 +25,9 @@ class MemoryTier(Tier):
     def pool(self, layer: int) -> torch.Tensor:
         return self._pool[layer]  # [cap, 2, P, N_kv, D]
 
+    def pools(self) -> torch.Tensor:
+        return self._pool.view(-1, *self.layout.page_shape)  # [L * cap, 2, P, N_kv, D]
+
     def read(self, layer, slots, out=None):
         idx = slots.to(self._device, non_blocking=True)
         if out is None:

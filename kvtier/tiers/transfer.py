@@ -88,47 +88,72 @@ class TransferEngine:
         ``after_compute``: the copy waits for all queued compute (pages written by it first);
         ``fenced``: see the module docstring.
         """
-        pids = np.asarray(pids, dtype=np.int64)
-        src_tiers, src_slots = self.table.locate(layer, pids)
-        move = src_tiers != dst
-        pids, src_tiers, src_slots = pids[move], src_tiers[move], src_slots[move]
-        if pids.size == 0:
+        self.migrate_many([(layer, pids, dst)], after_compute, fenced)
+
+    def migrate_many(self, moves, after_compute: bool = True, fenced: bool = False) -> None:
+        """Moves ``[(layer, pids, dst tier)]`` issued together: between addressable pools one copy launch per
+        (source tier, destination tier) covers every layer (page ``(layer, slot)`` at ``layer * capacity +
+        slot`` of :meth:`Tier.pools`), and one completion event covers them all."""
+        batch = []  # (layer, pids, source tiers, source slots, dst, dst slots)
+        for layer, pids, dst in moves:
+            pids = np.asarray(pids, dtype=np.int64)
+            src_tiers, src_slots = self.table.locate(layer, pids)
+            move = src_tiers != dst
+            if not move.any():
+                continue
+            pids, src_tiers, src_slots = pids[move], src_tiers[move], src_slots[move]
+            self._wait_pids(layer, pids)  # a page moves once its previous move has landed
+            dst_tier = self.table.tiers[dst]
+            if dst_tier.num_free(layer) < pids.size:
+                self.synchronize()  # slots vacated by earlier moves are released once those land
+            dst_slots = dst_tier.alloc(layer, pids.size).numpy()  # [n]; raises TierFullError before any copy
+            batch.append((layer, pids, src_tiers, src_slots, dst, dst_slots))
+        if not batch:
             return
-        self._wait_pids(layer, pids)  # a page moves once its previous move has landed
-        dst_tier = self.table.tiers[dst]
-        if dst_tier.num_free(layer) < pids.size:
-            self.synchronize()  # slots vacated by earlier moves are released once those land
-        dst_slots = dst_tier.alloc(layer, pids.size)  # [n]; raises TierFullError before any copy
-        pending = _Pending(None, layer, pids, fenced=fenced)
+        pendings = [_Pending(None, layer, pids, fenced=fenced) for layer, pids, *_ in batch]
+        groups: dict[tuple[int, int], list] = {}  # (source tier, dst tier) -> [(layer, src slots, dst slots)]
+        for pending, (layer, _, src_tiers, src_slots, dst, dst_slots) in zip(pendings, batch):
+            for t in np.unique(src_tiers):
+                sel = np.flatnonzero(src_tiers == t)
+                groups.setdefault((int(t), dst), []).append((layer, src_slots[sel], dst_slots[sel]))
+                pending.release.append((int(t), torch.from_numpy(src_slots[sel])))
         stream_ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         if self.stream is not None and after_compute:
             self.stream.wait_stream(torch.cuda.current_stream())  # pages written by compute first
         with stream_ctx:
-            for t in np.unique(src_tiers):
-                sel = np.flatnonzero(src_tiers == t)
-                src_tier = self.table.tiers[t]
-                slots = torch.from_numpy(src_slots[sel])
-                src_pool, dst_pool = src_tier.pool(layer), dst_tier.pool(layer)
-                if self.use_kernel(src_pool, dst_pool):
-                    copy_pages(src_pool, slots, dst_pool, dst_slots[sel])
-                else:
-                    pages = src_tier.read(layer, slots)  # [n, 2, P, N_kv, D]
-                    dst_tier.write(layer, dst_slots[sel], pages)
-                link = f"{src_tier.name}->{dst_tier.name}"
-                self.bytes_moved[link] += sel.size * self.table.layout.page_bytes
-                self.pages_moved[link] += sel.size
-                pending.release.append((int(t), slots))
-        self.table.relocate(layer, pids, dst, dst_slots.numpy())
+            for (src, dst), parts in groups.items():
+                self._copy(src, dst, parts)
+        for layer, pids, _, _, dst, dst_slots in batch:
+            self.table.relocate(layer, pids, dst, dst_slots)
+        event = None
         if self.asynchronous:
-            pending.event = self._new_event()
-            pending.event.record(self.stream)
-            self._pending.append(pending)
-        elif fenced:
-            self._landed.append(pending)  # a synchronous copy has landed; no reader runs ahead of the host
-            pending.reported = True
+            event = self._new_event()
+            event.record(self.stream)
+        for pending in pendings:
+            pending.event = event
+            if self.asynchronous:
+                self._pending.append(pending)
+                continue
+            if fenced:  # a synchronous copy has landed; no reader runs ahead of the host
+                self._landed.append(pending)
+                pending.reported = True
             self._release(pending)
+
+    def _copy(self, src: int, dst: int, parts: list) -> None:
+        """Copy ``[(layer, src slots, dst slots)]`` from ``tiers[src]`` to ``tiers[dst]``, counting bytes."""
+        src_tier, dst_tier = self.table.tiers[src], self.table.tiers[dst]
+        src_all, dst_all = src_tier.pools(), dst_tier.pools()
+        n = sum(s.size for _, s, _ in parts)
+        if self.use_kernel(src_all, dst_all):  # one launch for every layer
+            flat_src = np.concatenate([layer * src_tier.capacity + s for layer, s, _ in parts])
+            flat_dst = np.concatenate([layer * dst_tier.capacity + d for layer, _, d in parts])
+            copy_pages(src_all, torch.from_numpy(flat_src), dst_all, torch.from_numpy(flat_dst))
         else:
-            self._release(pending)
+            for layer, s, d in parts:
+                dst_tier.write(layer, torch.from_numpy(d), src_tier.read(layer, torch.from_numpy(s)))
+        link = f"{src_tier.name}->{dst_tier.name}"
+        self.bytes_moved[link] += n * self.table.layout.page_bytes
+        self.pages_moved[link] += n
 
     def gather(self, layer: int, pids: np.ndarray, device) -> tuple[torch.Tensor, Counter]:
         """Copies of ``pids``'s pages of ``layer`` in one temporary pool ``[n, 2, P, N_kv, D]`` on ``device``
@@ -214,10 +239,13 @@ class TransferEngine:
         return out
 
     def _wait_pids(self, layer: int, pids: np.ndarray) -> None:
+        waited = False
         for p in self._pending:
-            if p.layer == layer and np.isin(p.pids, pids).any():
+            if p.layer == layer and not p.event.query() and np.isin(p.pids, pids).any():
                 p.event.synchronize()
-        self.poll()
+                waited = True
+        if waited:
+            self.poll()
 
     def _release(self, p: _Pending) -> None:
         for t, slots in p.release:
