@@ -34,7 +34,7 @@ import torch
 
 from kvtier.cache import ACTIVE_CACHE
 from kvtier.compat import PagedCacheBase
-from kvtier.errors import ConfigError, KVTierError
+from kvtier.errors import ConfigError, KVTierError, TierFullError
 from kvtier.fast.runner import LlamaRunner
 from kvtier.fast.scopes import QuestBounds, resident_pages
 from kvtier.kernels.base import AttentionBackend, PagedBatch
@@ -461,8 +461,13 @@ class FastEngine:
         if not off_device and self._device_free() >= reserve:
             return
         self._pin_unsettled(True)
-        plan = self.scheduler.plan(self.table, self.policy, max(self.step_idx, 0), reserve=reserve)
-        self._pin_unsettled(False)
+        try:
+            plan = self.scheduler.plan(self.table, self.policy, max(self.step_idx, 0), reserve=reserve)
+        except TierFullError:  # host slots of promotions still in flight: wait for their fences, once
+            self._wait_room()
+            plan = self.scheduler.plan(self.table, self.policy, max(self.step_idx, 0), reserve=reserve)
+        finally:
+            self._pin_unsettled(False)
         demote = [(m.layer, m.pids, m.dst) for m in plan.demote]
         self.transfer.migrate_many(demote, after_compute=after_compute, fenced=True)
         free = {m.layer: self.table.tiers[0].num_free(m.layer) - reserve for m in plan.promote}
