@@ -143,7 +143,7 @@ def test_topk_with_every_page_is_exact_and_small_k_picks_the_hot_page():
     cache = _synthetic_cache("topk", topk_pages=4, sinks=4)
     _decode_after_prefill(cache, k_hot, v, q)
     pages = cache.table.pages(0)
-    chosen = cache._choose_pages(0, q)[0]
+    chosen = cache.choose(0, q)[0]
     assert 4 in chosen.tolist() and 0 in chosen.tolist() and pages.size - 1 in chosen.tolist()
     assert len(chosen) == 4
 
@@ -155,7 +155,7 @@ def test_resident_scope_attends_only_device_pages_and_the_tail():
     _decode_after_prefill(cache, k, v, q)  # the 36-token prefill spilled past 3 device pages: fetched, misses
     attended, resident = cache.stats.attended_pages, cache.stats.resident_pages
     out = cache.attend(0, q)  # decode again: only device pages, the newest page among them
-    chosen = cache._choose_pages(0, q)[0]
+    chosen = cache.choose(0, q)[0]
     pids = cache.table.pages(0)
     on_device = set(np.flatnonzero(cache.table.tier_of[0, pids] == 0).tolist())
     assert pids.size - 1 in on_device and set(chosen.tolist()) == on_device and len(chosen) < pids.size
@@ -174,7 +174,7 @@ def test_fidelity_equals_eager_attention_mass_and_output_error():
     assert measured.stats.fetched_bytes == plain.stats.fetched_bytes
     assert measured.stats.attended_pages == plain.stats.attended_pages
     (layer, recall, recall_min, err), = measured.fidelity.calls  # one decode call (prefill is not measured)
-    chosen = measured._choose_pages(0, q)[0]
+    chosen = measured.choose(0, q)[0]
     assert 0 < len(chosen) < measured.table.pages(0).size
     kk, vv = k[0].repeat_interleave(3, dim=0), v[0].repeat_interleave(3, dim=0)  # [H, S, D]
     probs = torch.softmax((q[0, :, 0, None, :] * kk).sum(-1) * 8 ** -0.5, dim=-1)  # [H, S]

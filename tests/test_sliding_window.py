@@ -162,14 +162,14 @@ def test_approximate_scopes_never_attend_outside_the_window(scope, monkeypatch):
     tokens, ref = hf_logits(model, ids, DECODE)
     layout = kv_layout_for(model.config, page_size=PAGE, dtype=torch.float32)
     seen = []
-    choose = TieredKVCache._choose_pages
+    choose = TieredKVCache.choose
 
     def recorded(self, layer, query):
         chosen = choose(self, layer, query)
         seen.append((self._attended_range(layer)[0], chosen[0]))
         return chosen
 
-    monkeypatch.setattr(TieredKVCache, "_choose_pages", recorded)
+    monkeypatch.setattr(TieredKVCache, "choose", recorded)
     got, cache = kvtier_logits(model, ids, tokens, layout, scope=scope, device_pages=4)
     assert len(seen) == 2 * (PROMPT // 16 + 1 + DECODE)
     assert all(chosen.min() >= first for first, chosen in seen)
