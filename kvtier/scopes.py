@@ -131,7 +131,9 @@ class TopKScope(Scope):
         if size <= cap:
             return
         extra = max(size, 2 * cap) - cap
-        pad = lambda t, v: torch.cat([t, torch.full((t.shape[0], extra, *t.shape[2:]), v, device=t.device)], 1)  # noqa: E731
+        def pad(t, v):
+            return torch.cat([t, torch.full((t.shape[0], extra, *t.shape[2:]), v, device=t.device)], 1)
+
         self.key_min, self.key_max = pad(self.key_min, float("inf")), pad(self.key_max, float("-inf"))
 
 

@@ -176,3 +176,25 @@ def test_fast_path_honours_sliding_windows():
     got = [engine.add(prompt)[1][-1]] + [engine.step()[0].clone() for _ in range(8)]
     assert rel_err(torch.stack(got), ref) < 1e-4
     assert engine.table.occupancy()["host"][0] > 0
+
+
+def test_margin_prefetches_the_next_best_pages(tiny):
+    """With a margin the policy hears the top (k + margin) pages: they are resident k steps later."""
+    model, layout = tiny
+    tiers = [DeviceTier(layout, 20, device="cpu"), HostTier(layout, 64)]
+    engine = FastEngine(model, layout, tiers, LRU(), scope="topk", topk_pages=3, margin=3, max_context=256,
+                        lookahead=1, prefill=ChunkedPrefill(64))
+    engine.add(torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(5)))
+    extra = 0
+    for _ in range(12):
+        engine.step()
+        predicted, attended = engine.predicted[:, 0].clone().numpy(), engine.page_list[:, 0].clone().numpy()
+        engine.step()
+        for layer in range(layout.num_layers):
+            assert set(attended[layer]) <= set(predicted[layer])
+            pages = predicted[layer][predicted[layer] >= 0]
+            assert (engine.mirror[layer, 0, pages] >= 0).all()  # the predictions are resident a step later
+            extra += len(set(pages) - set(attended[layer]))
+    assert extra > 0
+    with pytest.raises(ConfigError, match="margin"):
+        FastEngine(model, layout, [DeviceTier(layout, 8, device="cpu")], LRU(), scope="all", margin=2)

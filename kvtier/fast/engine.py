@@ -60,7 +60,8 @@ class _Produced:
     step: int
     event: object  # torch.cuda.Event, or None on the CPU
     row_seq: list  # row -> sequence id at that step (None: idle)
-    page_list: torch.Tensor | None  # [L, rows, K] logical pages attended, -1 = none (topk, resident)
+    accessed: torch.Tensor | None  # [L, rows, K'] logical pages the policy hears as used, -1 = none
+    page_list: torch.Tensor | None  # [L, rows, K] logical pages attended (None: all), for the salience
     salience: torch.Tensor | None  # [L, rows, K, N_kv]
 
 
@@ -114,7 +115,7 @@ class FastEngine:
 
     def __init__(self, model, layout: KVLayout, tiers: list[Tier], policy: Policy,
                  scheduler: Scheduler | None = None, scope: str = "all", topk_pages: int | None = None,
-                 sinks: int = 4, max_batch: int = 1, max_context: int = 4096, lookahead: int = 2,
+                 sinks: int = 4, max_batch: int = 1, max_context: int = 4096, lookahead: int = 2, margin: int = 0,
                  backend: AttentionBackend | None = None, decode_kernel: str | None = None,
                  prefill: ChunkedPrefill | None = None, graphs: bool | None = None, compile: bool | None = None,
                  buckets: tuple[int, ...] | None = None):
@@ -124,6 +125,9 @@ class FastEngine:
             raise ConfigError("topk_pages", f"scope 'topk' needs topk_pages >= 1, got {topk_pages!r}")
         if not isinstance(lookahead, int) or lookahead < 0:
             raise ConfigError("scheduler.lookahead", f"must be an integer >= 0, got {lookahead!r}")
+        if not isinstance(margin, int) or margin < 0 or (margin and scope != "topk"):
+            raise ConfigError("margin", f"extra pages prefetched beyond the top-k: an integer >= 0, and only with "
+                                        f"scope 'topk'; got {margin!r} with scope {scope!r}")
         kinds = [t.kind for t in tiers]
         if kinds not in (["device"], ["device", "host"]):
             raise ConfigError("tiers", f"the fast path reads pages in place from HBM and pinned host DRAM; got "
@@ -150,7 +154,7 @@ class FastEngine:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self._forward = torch.compile(self.runner.forward, dynamic=False) if compiled else self.runner.forward
         self._tally = torch.compile(_tally, dynamic=False) if compiled else _tally
-        self.lookahead, self.topk_pages, self.sinks = lookahead, topk_pages, sinks
+        self.lookahead, self.topk_pages, self.sinks, self.margin = lookahead, topk_pages, sinks, margin
         self.max_batch = max_batch
         self.max_pages = layout.pages_for(max_context)
         self.buckets = tuple(sorted(buckets or [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch]
@@ -174,6 +178,8 @@ class FastEngine:
         listed = topk_pages if scope == "topk" else M
         self.want_salience = policy.needs_salience
         self.page_list = torch.full((L, R, listed), -1, dtype=torch.int32, device=dev) if scope != "all" else None
+        # topk with a margin: the top (k + margin) pages by Quest score are what the policy hears as used
+        self.predicted = torch.full((L, R, listed + margin), -1, dtype=torch.int32, device=dev) if margin else None
         self.salience = torch.zeros(L, R, listed, layout.num_kv_heads, device=dev) if self.want_salience else None
         self.kv = _PassCache(self)
         self.step_idx = -1
@@ -398,7 +404,10 @@ class FastEngine:
         if self.scope == "resident":
             picks = resident_pages(table, (lens.long() - 1).clamp(min=0) // self.layout.page_size)
         else:
-            picks = self.bounds.pick(layer, q, lens, self.topk_pages, -(-self.sinks // self.layout.page_size))
+            picks, predicted = self.bounds.pick(layer, q, lens, self.topk_pages,
+                                                -(-self.sinks // self.layout.page_size), self.margin)
+            if self.predicted is not None:
+                self.predicted[layer, :B] = predicted
         self.page_list[layer, :B] = picks
         return picks
 
@@ -556,9 +565,10 @@ class FastEngine:
 
     def _record(self, B: int) -> None:
         """After a step: copy its picks and salience towards the host, and mark the step's end."""
-        picks = sal = None
+        accessed = attended = sal = None
         if self.lookahead and self.page_list is not None:
-            picks = self._to_host(self.page_list[:, :B])
+            attended = self._to_host(self.page_list[:, :B])
+            accessed = self._to_host(self.predicted[:, :B]) if self.predicted is not None else attended
         if self.lookahead and self.salience is not None:
             sal = self._to_host(self.salience[:, :B])
         event = None
@@ -566,7 +576,7 @@ class FastEngine:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
         self._last_event = event
-        self._produced.append(_Produced(self.step_idx, event, list(self.row_seq[:B]), picks, sal))
+        self._produced.append(_Produced(self.step_idx, event, list(self.row_seq[:B]), accessed, attended, sal))
 
     def _to_host(self, x: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":
@@ -588,31 +598,38 @@ class FastEngine:
                 t0 = time.perf_counter()
                 p.event.synchronize()
                 self.stats.host_wait_s += time.perf_counter() - t0
-            if upto is not None and (p.page_list is not None or p.salience is not None):
+            if upto is not None and (p.accessed is not None or p.salience is not None):
                 self._feed(p)
         self._produced = keep
 
     def _feed(self, p: _Produced) -> None:
-        """The policy hears step ``p``'s attended pages (scope ``all``: every page) and their salience."""
-        L, M = self.layout.num_layers, self.max_pages
-        picks = p.page_list.numpy() if p.page_list is not None else None  # [L, B, K]
-        sal = p.salience.numpy() if p.salience is not None else None  # [L, B, K, N_kv]
-        rows = [(r, self.table.pages(seq)) for r, seq in enumerate(p.row_seq) if seq is not None and seq in self.table.seqs]
+        """The policy hears the pages step ``p`` used (attended, and the margin's predictions) and the
+        salience of those it attended (scope ``all``: every page)."""
+        rows = [(r, self.table.pages(seq)) for r, seq in enumerate(p.row_seq)
+                if seq is not None and seq in self.table.seqs]
         if not rows:
             return
-        for layer in range(L):
-            pids, scores = [], []
-            for r, pages in rows:
-                sel = picks[layer, r] if picks is not None else np.arange(M)
-                ok = (sel >= 0) & (sel < pages.size)
-                pids.append(pages[sel[ok]])
-                if sal is not None:
-                    scores.append(sal[layer, r][ok])
-            pids = np.concatenate(pids)
-            if picks is not None:
+        every = np.arange(self.max_pages)
+        for layer in range(self.layout.num_layers):
+            if p.accessed is not None:
+                pids, _ = self._listed(rows, lambda r: p.accessed[layer, r].numpy())
                 self.policy.on_access(layer, pids, p.step)
-            if sal is not None:
-                self.policy.on_salience(layer, pids, np.concatenate(scores), p.step)
+            if p.salience is not None:
+                attended = (lambda r: p.page_list[layer, r].numpy()) if p.page_list is not None else (lambda r: every)
+                pids, ok = self._listed(rows, attended)
+                scores = np.concatenate([p.salience[layer, r].numpy()[m] for (r, _), m in zip(rows, ok)])
+                self.policy.on_salience(layer, pids, scores, p.step)
+
+    @staticmethod
+    def _listed(rows, lists) -> tuple[np.ndarray, list[np.ndarray]]:
+        """pids of each row's listed logical pages (``lists(row)``, -1 = none), and each row's valid mask."""
+        pids, masks = [], []
+        for r, pages in rows:
+            sel = lists(r)
+            ok = (sel >= 0) & (sel < pages.size)
+            pids.append(pages[sel[ok]])
+            masks.append(ok)
+        return np.concatenate(pids), masks
 
     def _free_finished(self, block: bool) -> None:
         still = []

@@ -54,8 +54,10 @@ class QuestBounds:
         self.kmin[layer, rows, page] = torch.where(fresh, k, torch.minimum(lo, k))
         self.kmax[layer, rows, page] = torch.where(fresh, k, torch.maximum(hi, k))
 
-    def pick(self, layer: int, q: torch.Tensor, seq_lens: torch.Tensor, k: int, sink_pages: int) -> torch.Tensor:
-        """Page list ``[B, k]`` (ascending logical pages, -1 = none) for queries ``q [B, H, D]``.
+    def pick(self, layer: int, q: torch.Tensor, seq_lens: torch.Tensor, k: int, sink_pages: int,
+             extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Page lists (ascending logical pages, -1 = none) for queries ``q [B, H, D]``: the ``k`` to attend
+        ``[B, k]``, and the ``k + extra`` best (a prediction of the next steps' picks) ``[B, k + extra]``.
 
         ``seq_lens [B]`` counts the token being written; rows of length 0 list nothing.
         """
@@ -71,7 +73,12 @@ class QuestBounds:
         forced = (logical < sink_pages) | (logical == n_pages[:, None] - 1)
         score = torch.where(forced, float("inf"), score)
         score = torch.where(logical < n_pages[:, None], score, float("-inf"))  # [B, M]
-        best, idx = torch.topk(score, min(k, M), dim=1)  # [B, k]
+        best, idx = torch.topk(score, min(k + extra, M), dim=1)  # [B, k + extra], best first
         idx = torch.where(best > float("-inf"), idx, M)  # empty picks sort last
-        idx = torch.sort(idx, dim=1).values
-        return torch.where(idx < M, idx, -1).to(torch.int32)
+        return _ascending(idx[:, :k], M), _ascending(idx, M)
+
+
+def _ascending(idx: torch.Tensor, M: int) -> torch.Tensor:
+    """Logical pages ``idx [B, n]`` (``M`` = none) sorted ascending, none as -1, int32."""
+    idx = torch.sort(idx, dim=1).values
+    return torch.where(idx < M, idx, -1).to(torch.int32)
