@@ -46,11 +46,10 @@ from kvtier.policies.base import Policy
 from kvtier.scheduler.base import Scheduler
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 from kvtier.scheduler.lookahead import LookaheadScheduler
+from kvtier.scopes import SCOPES
 from kvtier.table import BlockTable
 from kvtier.tiers.base import Tier
 from kvtier.tiers.transfer import TransferEngine
-
-SCOPES = ("all", "resident", "topk")
 
 
 @dataclass
