@@ -21,12 +21,12 @@ import numpy as np
 import torch
 
 from bench.common import MODELS, print_table, write_json
-from bench.e2e import fill
 from kvtier.cache import TieredKVCache
 from kvtier.engine import Engine
 from kvtier.hook import install
 from kvtier.kernels.registry import make_backend
 from kvtier.models import kv_layout_for, random_llama
+from kvtier.paged_io import write_tokens
 from kvtier.policies import LRU, SinkWindow
 from kvtier.tiers import DeviceTier, HostTier
 
@@ -66,6 +66,21 @@ def median_ms(step, n: int) -> float:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return float(np.median(times) * 1e3)
+
+
+def fill(cache: TieredKVCache, context: int) -> None:
+    """Write ``context`` random tokens of K/V into the cache's pages, as a prefill would leave them, as step 0."""
+    layout = cache.layout
+    pids = np.asarray(cache.table.append(0, context)[0], dtype=np.int64)
+    cache.chooser.on_append(pids)
+    for layer in range(layout.num_layers):
+        kv = torch.randn(2, context, layout.num_kv_heads, layout.head_dim, device="cuda", dtype=layout.dtype)
+        write_tokens(cache.table, layer, 0, kv, 0)
+        cache.chooser.on_write(cache.table, cache.seqs, layer, kv[0].transpose(0, 1)[None], 0)  # Quest bounds
+    cache.policy.on_append(pids, 0)
+    cache._start = context  # the filled context counts as step 0: the policy and scheduler act on it
+    cache._open = True
+    cache.finish_step()
 
 
 def make_cache(layout, context, budget, scope, steps):
