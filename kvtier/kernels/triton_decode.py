@@ -24,7 +24,8 @@ import triton.language as tl
 
 from kvtier.kernels.base import AttentionBackend, AttentionOutput, PagedBatch, to_device
 from kvtier.kernels.triton_prefill import (LN2, LOG2E, PrefillConfig, check_page_size, dot_operand_dtype,
-                                           kernel_window, paged_prefill, plan_prefill)
+                                           finish_rows, kernel_window, online_softmax_step, paged_prefill,
+                                           plan_prefill)
 
 
 @dataclass(frozen=True)
@@ -178,18 +179,12 @@ def _decode_split_kernel(
             pg = start // PAGE + tl.arange(0, BLOCK_N // PAGE)  # [NP] local page
             pm_ptrs = page_max + (seq_p0 + pg)[None, :] * stride_pm + heads[:, None]  # [G, NP]
             tl.store(pm_ptrs, pm * 0.6931471805599453, mask=g_ok[:, None] & (pg * PAGE < t_end)[None, :])
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [G]
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block of an empty trailing page
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])  # [G, N]
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)  # p [G, N]
         v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
         acc = acc * alpha[:, None] + tl.dot(p.to(qt.dtype), v, input_precision=PRECISION)  # [G, D]
         m_i = m_new
 
-    has = l_i > 0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]  # [G, D]
-    row_lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * lse_scale, float("-inf"))  # [G]
+    o, row_lse = finish_rows(acc, m_i, l_i, lse_scale)  # [G, D], [G]
     o_ptrs = out + split * stride_os + b * stride_on + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
     tl.store(lse + split * stride_ls + b * stride_ln + heads, row_lse, mask=g_ok)

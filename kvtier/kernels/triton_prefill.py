@@ -52,6 +52,26 @@ def kernel_window(batch: PagedBatch) -> int:
     return batch.window_left if batch.window_left >= 0 else NO_WINDOW
 
 
+@triton.jit
+def online_softmax_step(s, m_i, l_i):
+    """Fold a block of logits ``s [R, N]`` (log2 units) into the running row max ``m_i [R]`` and sum
+    ``l_i [R]``: ``(p [R, N], alpha [R] to rescale the accumulator by, new max, new sum)``."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [R]
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with no counted key yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])  # [R, N]
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def finish_rows(acc, m_i, l_i, lse_scale):
+    """Output ``acc / l_i`` ``[R, D]`` and the rows' log2 LSE times ``lse_scale`` ``[R]`` (-inf, output 0
+    for a row that counted no key)."""
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]  # [R, D]
+    return o, tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * lse_scale, float("-inf"))
+
+
 @dataclass(frozen=True)
 class PrefillConfig:
     """Launch shape: ``block_m`` tile rows (queries x padded group), ``block_n`` keys per step."""
@@ -117,11 +137,7 @@ def _prefill_block(
         pg = start // PAGE + tl.arange(0, BLOCK_N // PAGE)  # [NP] local page
         pm_ptrs = page_max + (seq_p0 + pg)[None, :] * stride_pm + (head0 + g)[:, None]
         tl.atomic_max(pm_ptrs, pm * 0.6931471805599453, mask=(g < GROUP)[:, None] & (pg * PAGE < kv_len)[None, :])
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [M]
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])  # [M, N]
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)  # p [M, N]
     v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
     acc = acc * alpha[:, None] + tl.dot(p.to(qt.dtype), v, input_precision=PRECISION)  # [M, D]
     return acc, m_new, l_i
@@ -198,9 +214,7 @@ def _prefill_kernel(
             kvh * GROUP, stride_slot, stride_p, stride_pm, qk_scale,
             True, GROUP, G_PAD, BLOCK_Q, PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, WITH_PAGE_MAX, PRECISION)
 
-    has = l_i > 0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]  # [M, D]
-    row_lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    o, row_lse = finish_rows(acc, m_i, l_i, 0.6931471805599453)  # [M, D], [M] natural log
     o_rows = q_base + qi  # [M]
     tl.store(out + o_rows[:, None] * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
              o.to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from kvtier.kernels.triton_decode import DecodeConfig, default_decode_config, num_multiprocessors
-from kvtier.kernels.triton_prefill import LN2, LOG2E, check_page_size, dot_operand_dtype
+from kvtier.kernels.triton_prefill import (LN2, LOG2E, check_page_size, dot_operand_dtype, finish_rows,
+                                           online_softmax_step)
 
 
 MAX_SPLITS = 128  # most splits per sequence that plan_static_decode chooses
@@ -192,18 +193,12 @@ def _static_split_kernel(
             pidx = i + tl.arange(0, PPB)  # [PPB] listed index
             tl.store(pm_row + pidx[None, :] * stride_pk + heads[:, None] * stride_ph, pm * 0.6931471805599453,
                      mask=g_ok[:, None] & (pidx < i1)[None, :])
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [G]
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with no counted key yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])  # [G, N]
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)  # p [G, N]
         v = tl.load(k_ptrs + stride_kv, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
         acc = acc * alpha[:, None] + tl.dot(p.to(qt.dtype), v, input_precision=PRECISION)  # [G, D]
         m_i = m_new
 
-    has = l_i > 0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]  # [G, D]
-    row_lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * lse_scale, float("-inf"))  # [G]
+    o, row_lse = finish_rows(acc, m_i, l_i, lse_scale)  # [G, D], [G]
     o_ptrs = out + c * stride_os + b * stride_on + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
     tl.store(lse + c * stride_ls + b * stride_ln + heads, row_lse, mask=g_ok)
