@@ -3,8 +3,10 @@
 A hit rate does not depend on the device, so this runs on the CPU (fp32, torch reference kernel):
 an Opticks prompt is prefilled through :class:`kvtier.fast.engine.FastEngine`, then greedy decode
 steps run with a ``--budget`` share of the pages in the device tier and LRU fed by the picks.
-Run:  python -m bench.topk_hits [--context 2048] [--steps 32] [--grid 16:2:0,16:2:8,8:2:0]
-(writes topk_hits.json; each grid entry is topk_pages:lookahead:margin)
+With recall slots (``FastEngine(recall_slots=C)``, lookahead 0: the picks go to the device-managed
+recall cache, not to the host) ``C`` of the budget's device pages are the recall cache.
+Run:  python -m bench.topk_hits [--context 2048] [--steps 32] [--grid 16:2:0:0,16:0:0:13]
+(writes topk_hits.json; each grid entry is topk_pages:lookahead:margin:recall_slots)
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def main():
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--budget", type=float, default=0.2)
-    ap.add_argument("--grid", default="16:2:0,16:2:8,16:2:16,16:1:0,16:1:16,8:2:0,8:2:8")
+    ap.add_argument("--grid", default="16:2:0:0,16:2:8:0,16:2:16:0,16:1:0:0,16:1:16:0,8:2:0:0,8:2:8:0,16:0:0:13,8:0:0:13")
     args = ap.parse_args()
     model, tok = load_model()
     layout = kv_layout_for(model.config, page_size=16, dtype=torch.float32)
@@ -36,21 +38,23 @@ def main():
     pages = layout.pages_for(args.context + args.steps + 8)
     rows = []
     for entry in args.grid.split(","):
-        k, lookahead, margin = (int(x) for x in entry.split(":"))
+        k, lookahead, margin, recall = (int(x) for x in entry.split(":"))
         t0 = time.time()
         tiers = [DeviceTier(layout, int(pages * args.budget), device="cpu"), HostTier(layout, pages + 64)]
         engine = FastEngine(model, layout, tiers, LRU(), scope="topk", topk_pages=k, margin=margin,
-                            lookahead=lookahead, max_context=args.context + args.steps + 8,
+                            lookahead=lookahead, recall_slots=recall, max_context=args.context + args.steps + 8,
                             prefill=ChunkedPrefill(512))
         engine.add(prompt)
         for _ in range(args.steps):
             engine.step()
-        rows.append({"topk_pages": k, "lookahead": lookahead, "margin": margin, "hit_rate": engine.stats.hit_rate(),
-                     "pages_moved": sum(engine.transfer.pages_moved.values()), "seconds": time.time() - t0})
+        rows.append({"topk_pages": k, "lookahead": lookahead, "margin": margin, "recall_slots": recall,
+                     "hit_rate": engine.stats.hit_rate(),
+                     "pages_moved": sum(engine.transfer.pages_moved.values()) + (int(engine.recall.copied) if recall else 0),
+                     "seconds": time.time() - t0})
         print(rows[-1], flush=True)
     print_table(f"topk hit rate, real SmolLM2 (CPU), {args.context}-token Opticks prompt, {args.steps} steps, "
                 f"{args.budget:.0%} of {pages} pages on the device", rows,
-                ["topk_pages", "lookahead", "margin", "hit_rate", "pages_moved"])
+                ["topk_pages", "lookahead", "margin", "recall_slots", "hit_rate", "pages_moved"])
     write_json("topk_hits.json", {"args": vars(args), "rows": rows})
 
 

@@ -198,3 +198,25 @@ def test_margin_prefetches_the_next_best_pages(tiny):
     assert extra > 0
     with pytest.raises(ConfigError, match="margin"):
         FastEngine(model, layout, [DeviceTier(layout, 8, device="cpu")], LRU(), scope="all", margin=2)
+
+
+def test_recall_cache_changes_where_pages_are_read_not_what_is_attended(tiny):
+    """topk with device-managed recall slots: the same logits as without them (same picks, read from
+    HBM instead of host memory), more hits, and the host never promotes a pick."""
+    model, layout = tiny
+    prompt = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(6))
+    runs = {}
+    for slots in (0, 6):
+        tiers = [DeviceTier(layout, 12 + slots, device="cpu"), HostTier(layout, 64)]
+        engine = FastEngine(model, layout, tiers, SinkWindow(sinks=4, window=16), scope="topk", topk_pages=4,
+                            max_context=256, lookahead=0, recall_slots=slots, prefill=ChunkedPrefill(64))
+        engine.add(prompt)
+        logits = [engine.step()[0].clone() for _ in range(16)]
+        runs[slots] = (torch.stack(logits), engine.stats.hit_rate(), engine)
+    assert rel_err(runs[6][0], runs[0][0]) < 1e-6
+    assert runs[6][1] > runs[0][1]
+    recall = runs[6][2].recall
+    assert int(recall.copied) > 0
+    with pytest.raises(ConfigError, match="recall_slots"):
+        FastEngine(model, layout, [DeviceTier(layout, 8, device="cpu")], LRU(), scope="topk", topk_pages=2,
+                   recall_slots=4)

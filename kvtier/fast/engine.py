@@ -35,6 +35,7 @@ import torch
 from kvtier.cache import ACTIVE_CACHE
 from kvtier.compat import PagedCacheBase
 from kvtier.errors import ConfigError, KVTierError, TierFullError
+from kvtier.fast.recall import RecallCache
 from kvtier.fast.runner import LlamaRunner
 from kvtier.fast.scopes import QuestBounds, resident_pages
 from kvtier.kernels.base import AttentionBackend, PagedBatch
@@ -115,6 +116,7 @@ class FastEngine:
     def __init__(self, model, layout: KVLayout, tiers: list[Tier], policy: Policy,
                  scheduler: Scheduler | None = None, scope: str = "all", topk_pages: int | None = None,
                  sinks: int = 4, max_batch: int = 1, max_context: int = 4096, lookahead: int = 2, margin: int = 0,
+                 recall_slots: int = 0,
                  backend: AttentionBackend | None = None, decode_kernel: str | None = None,
                  prefill: ChunkedPrefill | None = None, graphs: bool | None = None, compile: bool | None = None,
                  buckets: tuple[int, ...] | None = None):
@@ -127,6 +129,10 @@ class FastEngine:
         if not isinstance(margin, int) or margin < 0 or (margin and scope != "topk"):
             raise ConfigError("margin", f"extra pages prefetched beyond the top-k: an integer >= 0, and only with "
                                         f"scope 'topk'; got {margin!r} with scope {scope!r}")
+        if not isinstance(recall_slots, int) or recall_slots < 0 or \
+                (recall_slots and (scope != "topk" or len(tiers) < 2)):
+            raise ConfigError("recall_slots", f"device slots per layer for the recall cache: an integer >= 0, and only "
+                                              f"with scope 'topk' and a host tier; got {recall_slots!r}")
         kinds = [t.kind for t in tiers]
         if kinds not in (["device"], ["device", "host"]):
             raise ConfigError("tiers", f"the fast path reads pages in place from HBM and pinned host DRAM; got "
@@ -164,7 +170,12 @@ class FastEngine:
         self.scratch = np.array([int(tiers[0].alloc(layer, 1)[0]) for layer in range(L)], dtype=np.int32)
         self.mirror = np.repeat(self.scratch[:, None, None], R, 1).repeat(M, 2)  # [L, R, M] host copy
         dev = self.device
-        self.block_table = torch.from_numpy(self.mirror).to(dev)  # [L, R, M] int32
+        self.block_table = torch.from_numpy(self.mirror).to(dev)  # [L, R, M] int32, what attention reads
+        self.recall = None
+        if recall_slots:  # the host's table is then ``home``; the step overlays the recall slots on it
+            slots = np.stack([tiers[0].alloc(layer, recall_slots).numpy() for layer in range(L)])  # [L, C]
+            self.recall = RecallCache(slots, M, self.scratch, dev)
+        self.home = self.block_table.clone() if self.recall is not None else self.block_table
         self.seq_lens = torch.zeros(R, dtype=torch.int32, device=dev)  # [R] tokens incl. the one being fed
         self.positions = torch.zeros(R, dtype=torch.int64, device=dev)  # [R] position of the token fed
         self.tokens = torch.zeros(R, dtype=torch.int64, device=dev)  # [R] input, then the greedy next token
@@ -248,6 +259,8 @@ class FastEngine:
         self._next_seq += 1
         self.table.add_sequence(seq)
         self.row_seq[row] = seq
+        if self.recall is not None:
+            self.recall.forget_row(row)
         if self.bounds is not None:
             self.bounds.reset_row(row)
         return seq, row
@@ -311,24 +324,32 @@ class FastEngine:
             ACTIVE_CACHE.reset(token)
         self.logits[:B] = logits[:, 0]
         self.tokens[:B] = logits[:, 0].argmax(-1)
+        if self.recall is not None:
+            self.recall.next_step()
 
     def _replay(self, B: int) -> None:
         graph = self._graphs.get(B)
         if graph is None:
-            saved = (self.tokens.clone(), self.stats.counts.clone())
+            saved = [t.clone() for t in self._step_state()]
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 self._decode(B)  # warm-up: Triton compiles, cuBLAS picks kernels
             torch.cuda.current_stream().wait_stream(side)
-            self.tokens.copy_(saved[0])
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 self._decode(B)
             self._graphs[B] = graph
-            self.tokens.copy_(saved[0])
-            self.stats.counts.copy_(saved[1])
+            for t, before in zip(self._step_state(), saved):  # the warm-up step did not happen
+                t.copy_(before)
         graph.replay()
+
+    def _step_state(self) -> list[torch.Tensor]:
+        """Device state a step advances besides the pages: input tokens, counters, the recall cache."""
+        state = [self.tokens, self.stats.counts]
+        if self.recall is not None:
+            state += [self.recall.page, self.recall.stamp, self.recall.step, self.recall.copied]
+        return state
 
     # -- what the decoder layers call (left out of torch.compile: host logic and Triton launches) --
     @torch.compiler.disable
@@ -342,6 +363,8 @@ class FastEngine:
                 self.bounds.add_tokens(layer, row, kv[0], start)
             return
         B, P = self._B, self.layout.page_size
+        if self.recall is not None:
+            self.recall.overlay(layer, self.home[layer, :B], self.block_table[layer, :B])
         pos = self.positions[:B]  # [B]
         slot = self.block_table[layer, :B].gather(1, (pos // P)[:, None])[:, 0].long()  # [B] device slots
         pool = self.table.tiers[0].pool(layer)  # [slots, 2, P, N_kv, D]
@@ -386,6 +409,8 @@ class FastEngine:
         out, lse = kernel(q, self.table.tiers[0].pool(layer), host_pool, table, lens, self._plan(B, H, D), scale,
                           page_list=page_list, window_left=self._window_left(layer), page_max=page_max)
         self._count(table, lens, page_list)
+        if self.recall is not None:
+            self.recall.admit(layer, page_list, table, self.table.tiers[0].pool(layer), host_pool)
         if page_max is not None:
             sal = torch.exp(page_max - lse[:, None, :])  # [B, K, H]
             self.salience[layer, :B] = sal.view(B, sal.shape[1], self.layout.num_kv_heads, -1).amax(-1)
@@ -556,10 +581,10 @@ class FastEngine:
         self.seq_lens.copy_(lens, non_blocking=True)
         self.positions.copy_((lens - 1).clamp(min=0), non_blocking=True)
         if 2 * len(self._dirty) > self.max_batch:
-            self.block_table.copy_(torch.from_numpy(self.mirror), non_blocking=True)
+            self.home.copy_(torch.from_numpy(self.mirror), non_blocking=True)
         else:
             for r in self._dirty:
-                self.block_table[:, r].copy_(torch.from_numpy(self.mirror[:, r]), non_blocking=True)
+                self.home[:, r].copy_(torch.from_numpy(self.mirror[:, r]), non_blocking=True)
         self._dirty.clear()
 
     def _record(self, B: int) -> None:
@@ -568,6 +593,7 @@ class FastEngine:
         if self.lookahead and self.page_list is not None:
             attended = self._to_host(self.page_list[:, :B])
             accessed = self._to_host(self.predicted[:, :B]) if self.predicted is not None else attended
+            accessed = None if self.recall is not None else accessed  # the recall cache acts on the picks
         if self.lookahead and self.salience is not None:
             sal = self._to_host(self.salience[:, :B])
         event = None

@@ -46,3 +46,13 @@ def copy_pages(src_pool: torch.Tensor, src_slots: torch.Tensor, dst_pool: torch.
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         _copy_pages_kernel[grid](src_w, src_slots.to(dev, torch.int32), dst_w, dst_slots.to(dev, torch.int32),
                                  PAGE_ELEMS=page_words, BLOCK=block)
+
+
+def copy_pool_pages(src_pool: torch.Tensor, src_slots: torch.Tensor, dst_pool: torch.Tensor,
+                    dst_slots: torch.Tensor) -> None:
+    """``dst_pool[dst_slots] = src_pool[src_slots]``: the one-launch kernel when a pool is on a GPU
+    (host memory read through its mapped address), else a plain indexed copy. Graph-capturable."""
+    if src_pool.is_cuda or dst_pool.is_cuda:
+        copy_pages(src_pool, src_slots, dst_pool, dst_slots)
+    else:
+        dst_pool[dst_slots.long()] = src_pool[src_slots.long()]

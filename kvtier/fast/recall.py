@@ -1,0 +1,82 @@
+"""A device-managed recall cache for the fast path's ``topk`` scope: no host work per pick.
+
+The host places pages at *home* (its block table, uploaded as ``home [L, R, M]``: device slot or
+host slot). Each layer also owns ``C`` device slots that the captured step manages by itself:
+after attention (which reads a missed page in place from host memory), the pages picked this step
+that are still at home on the host are copied into the least recently picked recall slots, and the
+next steps read them from HBM. A slot's page is dropped when the host moves the page home to the
+device or frees it. Everything is static-shape device work, captured with the rest of the step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvtier.tiers.copy_kernel import copy_pool_pages
+
+
+class RecallCache:
+    """``C`` recall slots per layer: device slot ``slots [L, C]``, cached page ``page [L, C]``
+    (``row * M + logical``, -1 empty), last step picked ``stamp [L, C]``."""
+
+    def __init__(self, slots: np.ndarray, max_pages: int, scratch: np.ndarray, device):
+        L, C = slots.shape
+        self.slots = torch.from_numpy(slots.astype(np.int64)).to(device)  # [L, C]
+        self.page = torch.full((L, C), -1, dtype=torch.int64, device=device)  # [L, C]
+        self.stamp = torch.full((L, C), -1, dtype=torch.int64, device=device)  # [L, C]
+        self.scratch = torch.from_numpy(scratch.astype(np.int64)).to(device)  # [L] a slot nothing reads
+        self.step = torch.zeros((), dtype=torch.int64, device=device)
+        self.max_pages = max_pages
+        self.copied = torch.zeros((), dtype=torch.int64, device=device)  # pages copied into recall slots
+
+    def overlay(self, layer: int, home: torch.Tensor, table: torch.Tensor) -> None:
+        """``table [B, M] = home [B, M]``, with the cached pages pointing at their recall slots; a slot
+        whose page went home to the device, was freed (home at the scratch slot) or whose row is
+        outside the bucket (idle) is emptied."""
+        B, M = home.shape
+        table.copy_(home)
+        page = self.page[layer]  # [C]
+        valid = (page >= 0) & (page < B * M)
+        at_home = home.reshape(-1).gather(0, torch.where(valid, page, 0))  # [C]
+        keep = valid & (at_home < 0)
+        self.page[layer] = torch.where(keep, page, -1)
+        flat = torch.cat([table.reshape(-1), table.new_zeros(1)])  # [B*M + 1]: the last entry takes the dropped
+        flat.scatter_(0, torch.where(keep, page, B * M), self.slots[layer].to(table.dtype))
+        table.copy_(flat[:-1].view(B, M))
+
+    def forget_row(self, row: int) -> None:
+        """A new sequence takes ``row``: its old cached pages are stale."""
+        self.page.masked_fill_(self.page // self.max_pages == row, -1)
+
+    def admit(self, layer: int, picks: torch.Tensor, table: torch.Tensor, dev_pool: torch.Tensor,
+              host_pool: torch.Tensor) -> None:
+        """Copy the picked pages ``picks [B, K]`` (logical, -1 none) read from the host this step into the
+        least recently picked slots (pages picked again keep theirs), for the next steps."""
+        B, M = table.shape
+        C = self.page.shape[1]
+        loc = table.gather(1, picks.clamp(min=0).long())  # [B, K]
+        rows = torch.arange(B, device=picks.device)[:, None]  # [B, 1]
+        key = (rows * M + picks.long()).reshape(-1)  # [B*K] cached-page key of each pick
+        picked = (picks >= 0).reshape(-1)
+        hit = (self.page[layer][None, :] == key[:, None]) & picked[:, None]  # [B*K, C]
+        self.stamp[layer] = torch.where(hit.any(0), self.step, self.stamp[layer])  # picked again: fresh
+        miss = picked & (loc.reshape(-1) < 0)  # [B*K] at home on the host, not in a recall slot
+        n = min(miss.numel(), C)
+        victims = torch.topk(-self.stamp[layer], n).indices  # [n] oldest first
+        order = torch.cumsum(miss.long(), 0) - 1  # [B*K] rank of each miss
+        victim = victims[order.clamp(0, n - 1)]  # [B*K] slot for each miss
+        take = miss & (order < n) & (self.stamp[layer][victim] < self.step)  # never evict this step's picks
+        src = torch.where(take, -loc.reshape(-1) - 1, 0)  # host slot
+        dst = torch.where(take, self.slots[layer][victim], self.scratch[layer])  # a skipped miss writes the scratch
+        copy_pool_pages(host_pool, src, dev_pool, dst)
+        index = torch.where(take, victim, C)  # [B*K]; C: dropped
+        page = torch.full((C + 1,), -1, dtype=torch.int64, device=picks.device)
+        page = page.scatter(0, index, torch.where(take, key, -1))  # [C + 1]
+        filled = page[:C] >= 0
+        self.page[layer] = torch.where(filled, page[:C], self.page[layer])
+        self.stamp[layer] = torch.where(filled, self.step, self.stamp[layer])
+        self.copied += take.sum()
+
+    def next_step(self) -> None:
+        self.step += 1
