@@ -30,7 +30,8 @@ def main():
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--budget", type=float, default=0.2)
-    ap.add_argument("--grid", default="16:2:0:0,16:2:8:0,16:2:16:0,16:1:0:0,16:1:16:0,8:2:0:0,8:2:8:0,16:0:0:13,8:0:0:13")
+    ap.add_argument("--grid", default="16:2:0:0,16:2:8:0,16:2:16:0,16:1:0:0,16:1:16:0,8:2:0:0,8:2:8:0,"
+                                      "16:0:0:13,8:0:0:13")
     args = ap.parse_args()
     model, tok = load_model()
     layout = kv_layout_for(model.config, page_size=16, dtype=torch.float32)
@@ -49,7 +50,8 @@ def main():
             engine.step()
         rows.append({"topk_pages": k, "lookahead": lookahead, "margin": margin, "recall_slots": recall,
                      "hit_rate": engine.stats.hit_rate(),
-                     "pages_moved": sum(engine.transfer.pages_moved.values()) + (int(engine.recall.copied) if recall else 0),
+                     "pages_moved": sum(engine.transfer.pages_moved.values())
+                     + (int(engine.recall.copied) if recall else 0),
                      "seconds": time.time() - t0})
         print(rows[-1], flush=True)
     print_table(f"topk hit rate, real SmolLM2 (CPU), {args.context}-token Opticks prompt, {args.steps} steps, "
