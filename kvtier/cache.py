@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvtier.checks import check_device_room
 from kvtier.compat import PagedCacheBase
 from kvtier.errors import ConfigError
 from kvtier.eval.fidelity import FidelityStats, attention_fidelity
@@ -74,6 +75,7 @@ class TieredKVCache(PagedCacheBase):
             raise ConfigError("scope", f"unknown scope {scope!r}; use one of {list(SCOPES)}")
         if scope == "topk" and (not isinstance(topk_pages, int) or topk_pages < 1):
             raise ConfigError("topk_pages", f"scope 'topk' needs topk_pages >= 1, got {topk_pages!r}")
+        check_device_room(tiers[0].capacity, policy, layout.page_size, 1, f"tiers.{tiers[0].name}.capacity", batch_size)
         super().__init__([layout.window(layer) > 0 for layer in range(layout.num_layers)])
         self.layout = layout
         self.table = BlockTable(layout, tiers)
