@@ -75,7 +75,6 @@ class TieredKVCache(PagedCacheBase):
             raise ConfigError("scope", f"unknown scope {scope!r}; use one of {list(SCOPES)}")
         if scope == "topk" and (not isinstance(topk_pages, int) or topk_pages < 1):
             raise ConfigError("topk_pages", f"scope 'topk' needs topk_pages >= 1, got {topk_pages!r}")
-        check_device_room(tiers[0].capacity, policy, layout.page_size, 1, f"tiers.{tiers[0].name}.capacity", batch_size)
         super().__init__([layout.window(layer) > 0 for layer in range(layout.num_layers)])
         self.layout = layout
         self.table = BlockTable(layout, tiers)
@@ -88,6 +87,7 @@ class TieredKVCache(PagedCacheBase):
         if policy.needs_salience and not self.backend.supports_salience:
             raise ConfigError("kernel", f"policy '{policy.name}' needs salience, which backend "
                                         f"'{self.backend.name}' does not give; use kernel=triton or kernel=torch")
+        check_device_room(tiers[0].capacity, policy, layout.page_size, 0, f"tiers.{tiers[0].name}.capacity", batch_size)
         self.seqs = list(range(batch_size))
         for s in self.seqs:
             self.table.add_sequence(s)

@@ -12,8 +12,8 @@ from kvtier.sizes import parse_bytes
 
 
 def device_pages_needed(policy, page_size: int, chunk_tokens: int, batch_size: int = 1) -> int:
-    """Device pages a step needs: the policy's pins, the page being written and one chunk's new pages."""
-    return batch_size * (policy.pinned_pages(page_size) + -(-chunk_tokens // page_size) + 2)
+    """Device pages a step needs per sequence: the policy's pins, the page being written, a chunk's new pages."""
+    return batch_size * (policy.pinned_pages(page_size) + 1 + -(-chunk_tokens // page_size))
 
 
 def check_device_room(capacity: int, policy, page_size: int, chunk_tokens: int, field: str,
@@ -21,7 +21,8 @@ def check_device_room(capacity: int, policy, page_size: int, chunk_tokens: int, 
     need = device_pages_needed(policy, page_size, chunk_tokens, batch_size)
     if capacity < need:
         raise ConfigError(field, f"{capacity} device pages of {page_size} tokens cannot hold what policy "
-                                 f"'{policy.name}' pins plus a step of {chunk_tokens} tokens ({need} pages); "
+                                 f"'{policy.name}' pins, the page being written and {chunk_tokens} more tokens "
+                                 f"({need} pages); "
                                  f"give the device at least {need} pages ({need * page_size} tokens), or pin less, or "
                                  "prefill in smaller steps (scheduler.prefill.chunk_size)")
 
