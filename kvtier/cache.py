@@ -32,6 +32,7 @@ import time
 import numpy as np
 import torch
 
+from kvtier.checks import check_device_room
 from kvtier.compat import PagedCacheBase
 from kvtier.errors import ConfigError
 from kvtier.eval.fidelity import FidelityStats, attention_fidelity
@@ -75,6 +76,7 @@ class TieredKVCache(PagedCacheBase):
         if policy.needs_salience and not self.backend.supports_salience:
             raise ConfigError("kernel", f"policy '{policy.name}' needs salience, which backend "
                                         f"'{self.backend.name}' does not give; use kernel=triton or kernel=torch")
+        check_device_room(tiers[0].capacity, policy, layout.page_size, 0, f"tiers.{tiers[0].name}.capacity", batch_size)
         self.seqs = list(range(batch_size))
         for s in self.seqs:
             self.table.add_sequence(s)

@@ -43,3 +43,11 @@ class UnsupportedAttentionError(ConfigError):
     def __init__(self, feature: str, model: str, message: str):
         self.feature = feature
         super().__init__("model", f"{model} uses {feature}, which kvtier does not honour: {message}")
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a task; ``result`` is the task's result over what finished, marked ``partial``."""
+
+    def __init__(self, result: dict):
+        super().__init__("interrupted")
+        self.result = {**result, "partial": True}

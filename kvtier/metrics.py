@@ -38,6 +38,11 @@ class CacheStats:
         self.occupancy.append((step, {name: float(np.mean(per_layer)) for name, per_layer in table.occupancy().items()}))
 
 
+def bytes_moved(cache) -> Counter:
+    """Every byte a cache moved, per link: fetches for attention plus the scheduler's migrations."""
+    return cache.stats.fetched_bytes + Counter(cache.transfer.bytes_moved)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (CUDA), so that host wall times cover it."""
     if device.type == "cuda":

@@ -124,23 +124,12 @@ def check_attention_shape(config) -> None:
                                    f"num_attention_heads, or set head_dim explicitly")
 
 
-def load_model(path: str | None = None, dtype: str = "float32", device: str = "cpu",
-               attn_implementation: str = "sdpa"):
-    """Load ``(model, tokenizer)`` in eval mode from a local folder, never from the network.
-
-    ``path`` None or "smollm2" gives the converted SmolLM2-135M-Instruct; otherwise a local Hugging
-    Face causal-LM folder (with config.json). ``dtype``: float32, float16 or bfloat16. With
-    ``attn_implementation="kvtier"`` a model whose attention kvtier cannot honour is refused
-    (UnsupportedAttentionError); :func:`kv_layout_for` refuses it too.
-    """
+def load_config(path: str | None = None):
+    """``(folder, HF config)`` of the model :func:`load_model` would load, without its weights."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     from huggingface_hub.errors import StrictDataclassError
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig
 
-    from kvtier.compat import ATTN_NAME
-
-    if dtype not in MODEL_DTYPES:
-        raise ConfigError("model.dtype", f"unsupported dtype {dtype!r}; use one of {sorted(MODEL_DTYPES)}")
     folder = ensure_smollm2() if path in (None, "smollm2") else Path(path).expanduser()
     hint = "pass a local Hugging Face model folder (one holding config.json) or 'smollm2'"
     if not folder.is_dir():
@@ -152,13 +141,36 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
     except (ValueError, StrictDataclassError) as err:  # unknown model_type, or refused by the config class
         raise ConfigError("model", f"{folder / 'config.json'} is not a usable model config: {err}") from err
     check_attention_shape(config)
+    return folder, config
+
+
+def load_model(path: str | None = None, dtype: str = "float32", device: str = "cpu",
+               attn_implementation: str = "sdpa"):
+    """Load ``(model, tokenizer)`` in eval mode from a local folder, never from the network.
+
+    ``path`` None or "smollm2" gives the converted SmolLM2-135M-Instruct; otherwise a local Hugging
+    Face causal-LM folder (with config.json). ``dtype``: float32, float16 or bfloat16. With
+    ``attn_implementation="kvtier"`` a model whose attention kvtier cannot honour is refused
+    (UnsupportedAttentionError); :func:`kv_layout_for` refuses it too.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvtier.compat import ATTN_NAME
+
+    if dtype not in MODEL_DTYPES:
+        raise ConfigError("model.dtype", f"unsupported dtype {dtype!r}; use one of {sorted(MODEL_DTYPES)}")
+    folder, config = load_config(path)
     if attn_implementation == ATTN_NAME:
         check_model_support(config)
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, config=config, dtype=MODEL_DTYPES[dtype], attn_implementation=attn_implementation,
-        local_files_only=True,
-    )
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, config=config, dtype=MODEL_DTYPES[dtype], attn_implementation=attn_implementation,
+            local_files_only=True,
+        )
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception as err:  # a damaged or missing weights/tokenizer file: name the folder, not a stack
+        raise ConfigError("model.path", f"{folder} does not load ({type(err).__name__}: {err}); "
+                                        "point it at a complete Hugging Face model folder") from err
     return model.to(device).eval(), tokenizer
 
 

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -17,7 +18,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, MissingDependencyError
 from kvtier.eval.fidelity import FidelityStats
 from kvtier.metrics import percentile
 
@@ -49,14 +50,15 @@ class CacheRecord:
         off = float((held != 0).mean()) if held.size else 0.0
         stats = cache.stats
         return cls(stats.attended_pages, stats.resident_pages, stats.fetch_s, stats.fidelity_s,
-                   dict(stats.fetched_bytes), dict(cache.transfer.bytes_moved),
+                   dict(stats.fetched_bytes), dict(cache.transfer.bytes_moved),  # apart: fetches, migrations
                    dict(cache.transfer.pages_moved), list(stats.occupancy), off,
                    list(cache.fidelity.calls) if cache.fidelity is not None else [], stats.dropped_pages,
                    stats.dropped_bytes)
 
 
-def collect(cfg, plan, result: dict, records: list[CacheRecord], engine, wall_s: float) -> dict:
-    """The run's metrics: identity, the task's score, systems figures over all caches, the config."""
+def collect(plan, result: dict, records: list[CacheRecord], engine, wall_s: float, cfg, run_dir) -> dict:
+    """The run's metrics: identity, the task's score, systems figures over all caches, the config;
+    ``partial`` is true when the run was interrupted and the figures cover what finished."""
     from omegaconf import OmegaConf
 
     score = next(k for k in SCORES if k in result)
@@ -74,8 +76,7 @@ def collect(cfg, plan, result: dict, records: list[CacheRecord], engine, wall_s:
                 series.setdefault(tier, []).append(n)
         offset = steps[-1] + 1 if steps else offset
     return {
-        "task": result["task"], "policy": cfg.policy.name, "scope": cfg.scope, "tiers": cfg.tiers.name,
-        "kernel": cfg.kernel.name, "model": cfg.model.name, "run_name": cfg.run_name,
+        **plan.labels, "task": result["task"], "run_name": Path(run_dir).name, "partial": result.get("partial", False),
         "score_name": score, score: result[score],
         "budget_tokens": plan.budget_tokens, "budget_fraction": plan.budget_fraction,
         "capacity_pages": plan.capacities, "context_tokens": result["context_tokens"],
@@ -94,7 +95,7 @@ def collect(cfg, plan, result: dict, records: list[CacheRecord], engine, wall_s:
         **FidelityStats([c for r in records for c in r.fidelity_calls]).summary(),
         "occupancy": {"step": steps, "pages": series},
         "task_result": result,
-        "config": OmegaConf.to_container(cfg, resolve=True),
+        "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
     }
 
 
@@ -186,6 +187,8 @@ class WandbLogger(ConsoleLogger):
     project: str = "kvtier"
 
     def __post_init__(self):
+        if importlib.util.find_spec("wandb") is None:
+            raise MissingDependencyError("wandb", "wandb", "logger=wandb")
         if self.mode not in WANDB_MODES:
             raise ConfigError("logger.mode", f"unknown mode {self.mode!r}; use one of {list(WANDB_MODES)}")
 
@@ -237,5 +240,3 @@ def _environ(values: dict):
             else:
                 os.environ[k] = v
 
-
-LOGGERS = {"console": ConsoleLogger, "wandb": WandbLogger, "none": NullLogger}

@@ -1,63 +1,102 @@
 """kvtier-run: run a recipe (or a Hydra multirun sweep of recipes) and report its metrics.
 
-Recipes are read from ``recipes/`` at the repository root, found next to this package in a
-checkout or an editable install (``pip install -e .``, what ``make`` does). ``KVTIER_RECIPES=DIR``
-points at another copy (e.g. for a wheel install); Hydra's ``--config-dir DIR`` adds a folder of
-your own group options (``DIR/policy/mine.yaml`` -> ``policy=mine``) on top of the packaged ones.
+Recipes ship inside the package (``kvtier/recipes``); ``--config-dir DIR`` adds a folder of your own
+group options on top (``DIR/policy/mine.yaml`` -> ``policy=mine``, any ``_target_`` class).
 
-Every job's config (each one of a sweep) is validated before Hydra makes a folder, so a bad recipe
-writes nothing; each run then writes ``metrics.json`` into its folder. Validation composes the
-configs with Hydra 1.3's own (internal) composer and basic sweeper, exactly as the run will.
+Every job's config (each one of a sweep) is composed with Hydra's public compose API and checked
+(:func:`kvtier.build.plan`) before Hydra makes a folder. A run's folder is named after its config
+plus a hash of the whole resolved config, and is never reused. A run that fails leaves no folder;
+Ctrl-C writes ``metrics.json`` over what finished, marked ``"partial": true``.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import hashlib
+import itertools
+import json
 import logging
-import os
+import shutil
 import sys
 import time
 from pathlib import Path
 
 import hydra
 import torch
-from hydra import initialize_config_dir
+from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import MissingConfigException
-from hydra.types import RunMode
-from omegaconf import DictConfig
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from kvtier.build import CacheFactory, build_logger, build_model, build_prefill, build_task, validate
+from kvtier.build import CacheFactory, build, build_model, label, plan
 from kvtier.engine import Engine
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, Interrupted, KVTierError, MissingDependencyError
 from kvtier.report import collect, write_json
 
-RECIPES = Path(os.environ.get("KVTIER_RECIPES") or Path(__file__).resolve().parents[1] / "recipes")
+RECIPES = Path(__file__).resolve().parent / "recipes"
 log = logging.getLogger(__name__)
 
 
+def run_name(root: DictConfig) -> str:
+    """``<policy>-<scope>-<tiers>-<budget>-<hash>``: readable, and unique per resolved config."""
+    cfg = OmegaConf.masked_copy(root, [k for k in root if k != "hydra"])
+    digest = hashlib.sha1(json.dumps(OmegaConf.to_container(cfg, resolve=True), sort_keys=True, default=str)
+                          .encode()).hexdigest()[:8]
+    b = cfg.budget
+    budget = f"tok{b.tokens}" if b.tokens is not None else f"size{b.size}" if b.size is not None else f"frac{b.fraction}"
+    return f"{label(cfg.policy)}-{cfg.scope.value}-{'_'.join(cfg.tiers.stack)}-{budget}-{digest}"
+
+
+def run_dir(root: DictConfig) -> str:
+    """``outputs/<task>/<run_name>``, or with ``-2``, ``-3``... when a run of the same config is there."""
+    path = f"outputs/{label(root.task)}/{run_name(root)}"
+    candidates = itertools.chain([path], (f"{path}-{i}" for i in itertools.count(2)))
+    return next(p for p in candidates if not Path(p).exists())
+
+
+OmegaConf.register_new_resolver("kvtier.run_name", lambda *, _root_: run_name(_root_), replace=True)
+OmegaConf.register_new_resolver("kvtier.run_dir", lambda *, _root_: run_dir(_root_), replace=True)
+OmegaConf.register_new_resolver("kvtier.device", lambda d: ("cuda" if torch.cuda.is_available() else "cpu")
+                                if d == "auto" else d, replace=True)
+
+
 def execute(cfg: DictConfig, run_dir: str | Path) -> dict:
-    """Validate ``cfg``, build everything, run the task, write ``run_dir/metrics.json``, log; the metrics."""
+    """Check ``cfg``, build everything, run the task, write ``run_dir/metrics.json``, log; the metrics.
+
+    Nothing is written when a check fails; a run that fails later removes the ``run_dir`` it made.
+    On Ctrl-C the finished part is written, marked partial, and KeyboardInterrupt is raised again.
+    """
     t0 = time.perf_counter()
-    plan = validate(cfg)
+    plan_ = plan(cfg)
     run_dir = Path(run_dir)
+    made = not run_dir.exists() or not any(p.name != ".hydra" and p.suffix != ".log" for p in run_dir.iterdir())
     run_dir.mkdir(parents=True, exist_ok=True)
     log.info("run folder: %s", run_dir)
-    model, tokenizer, layout = build_model(cfg)
-    engine = Engine(model, build_prefill(cfg))
-    task = build_task(cfg)
-    make_cache = CacheFactory(cfg, plan, layout, run_dir)
     try:
-        with _progress(cfg.progress) as bar, _cpu_threads(cfg.cpu_threads):
-            result = task.run(engine, make_cache, tokenizer, progress=bar)
-    finally:
-        make_cache.close()
-    metrics = collect(cfg, plan, result, make_cache.records, engine, time.perf_counter() - t0)
+        model, tokenizer, layout = build_model(cfg, plan_)
+        engine = Engine(model, build(cfg.scheduler.prefill, "scheduler.prefill"))
+        make_cache = CacheFactory(cfg, plan_, layout, run_dir)
+        try:
+            with _progress(cfg.progress) as bar, _cpu_threads(cfg.cpu_threads):
+                result = build(cfg.task, "task").run(engine, make_cache, tokenizer, progress=bar)
+        finally:
+            make_cache.close()
+    except Interrupted as stop:
+        write_json(collect(plan_, stop.result, make_cache.records, engine, time.perf_counter() - t0, cfg, run_dir),
+                   run_dir / "metrics.json")
+        raise KeyboardInterrupt(f"partial results in {run_dir / 'metrics.json'}") from None
+    except BaseException:
+        if made:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    metrics = collect(plan_, result, make_cache.records, engine, time.perf_counter() - t0, cfg, run_dir)
     write_json(metrics, run_dir / "metrics.json")
-    build_logger(cfg).log(metrics, run_dir)
+    build(cfg.logger, "logger").log(metrics, run_dir)
     return metrics
 
 
@@ -84,59 +123,100 @@ def _cpu_threads(n: int | None):
         torch.set_num_threads(before)
 
 
-def job_configs(args: list[str]):
-    """The config of every job ``kvtier-run args`` will run (one, or each of a multirun sweep),
-    composed as Hydra will compose them; a missing group option is a ConfigError naming the group."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra._internal.utils import get_args_parser
+def _args(argv: list[str]) -> argparse.Namespace:
+    """The part of Hydra's command line that decides which jobs run."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("-m", "--multirun", action="store_true")
+    p.add_argument("-cd", "--config-dir")
+    p.add_argument("-cn", "--config-name", default="config")
+    p.add_argument("overrides", nargs="*")
+    return p.parse_known_args(argv)[0]
 
-    opts = get_args_parser().parse_args(args)
-    if opts.help or opts.hydra_help or opts.cfg or opts.info or opts.shell_completion:
-        return  # nothing runs
+
+def job_configs(argv: list[str]):
+    """The config of every job ``kvtier-run argv`` runs (one, or each of a sweep's), composed with
+    Hydra's public API; a config Hydra refuses is a ConfigError naming the key."""
+    opts = _args(argv)
+    if any(a in argv for a in ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "--shell-completion")):
+        return
     overrides = list(opts.overrides)
     if opts.config_dir:
         overrides.append(f"hydra.searchpath=[file://{Path(opts.config_dir).absolute()}]")
-    name = opts.config_name or "config"
-    with initialize_config_dir(str(RECIPES), version_base="1.3"), _group_errors():
-        hydra_ = GlobalHydra.instance().hydra
-        master = hydra_.compose_config(name, overrides, run_mode=RunMode.MULTIRUN, with_log_configuration=False)
-        if not (opts.multirun or master.hydra.mode == RunMode.MULTIRUN):
-            yield hydra_.compose_config(name, overrides, run_mode=RunMode.RUN, with_log_configuration=False)
-            return
-        loader = GlobalHydra.instance().config_loader()
-        params = [f"{k}={v}" for k, v in (master.hydra.sweeper.get("params") or {}).items()]
-        parser = OverridesParser.create(config_loader=loader)
-        parsed = parser.parse_overrides(params + list(master.hydra.overrides.task))
-        for batch in BasicSweeper.split_arguments(parsed, None):
-            for job in batch:
-                yield loader.load_sweep_config(master, list(job))
+    with initialize_config_dir(str(RECIPES), version_base="1.3"), composing():
+        parser = OverridesParser.create()
+        fixed = [o.input_line for o in parser.parse_overrides(overrides) if not o.is_sweep_override()]
+        head = compose(opts.config_name, overrides=fixed, return_hydra_config=True)
+        params = [f"{k}={v}" for k, v in (head.hydra.sweeper.get("params") or {}).items()]
+        multirun = opts.multirun or str(head.hydra.mode) == "RunMode.MULTIRUN"
+        axes = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
+                else [o.input_line] for o in parser.parse_overrides((params if multirun else []) + overrides)]
+        for job in itertools.product(*axes):
+            yield compose(opts.config_name, overrides=list(job))
 
 
 @contextlib.contextmanager
-def _group_errors():
-    """Hydra's error for a missing group option (``policy=nope``) as a ConfigError naming the group."""
+def composing():
+    """Hydra's and OmegaConf's composition errors as ConfigErrors naming a key that exists."""
     try:
         yield
     except MissingConfigException as e:
         group, _, option = (e.missing_cfg_file or "").rpartition("/")
         if not group or e.options is None:
-            raise
-        raise ConfigError(group, f"unknown {group} {option!r}; use one of {sorted(e.options)}") from None
+            raise ConfigError("defaults", str(e)) from None
+        raise ConfigError(group, f"unknown {group} {option!r}; use one of {sorted(e.options)} or add "
+                                 f"{group}/{option}.yaml to a --config-dir") from None
+    except (HydraException, OmegaConfBaseException) as e:
+        cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e
+        key = getattr(cause, "full_key", None) or ""
+        parent, _, leaf = str(key).rpartition(".")
+        if "not in" in str(cause):
+            options = GlobalHydra.instance().config_loader().get_group_options(parent) if parent else []
+            pick = f"; or pick another {parent}: {', '.join(options)}" if options else ""
+            raise ConfigError(parent or leaf, f"has no key {leaf!r}; check its spelling (kvtier-run --cfg job "
+                                              f"prints every key){pick}") from None
+        message = str(cause).splitlines()[0]
+        raise ConfigError(str(key) or "config", "must be true or false" if "valid bool" in message else message) \
+            from None
+
+
+class _JobError(BaseException):
+    """A KVTierError inside a Hydra job, carried past Hydra's own error report to :func:`main`."""
 
 
 @hydra.main(version_base="1.3", config_path=str(RECIPES), config_name="config")
 def _job(cfg: DictConfig) -> dict:
-    return execute(cfg, HydraConfig.get().runtime.output_dir)
+    try:
+        return execute(cfg, HydraConfig.get().runtime.output_dir)
+    except KVTierError as e:
+        raise _JobError(e) from e
 
 
 def main() -> None:
     """Console script ``kvtier-run [-m] [group=option ...] [key=value ...]`` (Hydra's command line).
 
-    Every job's config is validated before Hydra starts, so a bad one writes nothing.
+    Every job is checked before Hydra starts. A config error or a missing extra prints one line and
+    exits 2; Ctrl-C exits 130 with one line; any other error keeps its traceback.
     """
-    for cfg in job_configs(sys.argv[1:]):
-        validate(cfg)
-    _job()
+    config_dir = _args(sys.argv[1:]).config_dir
+    if config_dir:  # the user's modules beside their recipes import by name (_target_: mine.MyPolicy)
+        sys.path.insert(0, str(Path(config_dir).absolute()))
+    try:
+        for cfg in job_configs(sys.argv[1:]):
+            plan(cfg)
+        _job()
+    except (ConfigError, MissingDependencyError) as e:
+        _exit(2, f"error: {e}")
+    except _JobError as e:
+        if not isinstance(e.args[0], (ConfigError, MissingDependencyError)):
+            raise e.args[0] from None
+        _exit(2, f"error: {e.args[0]}")
+    except KeyboardInterrupt as e:
+        _exit(130, f"interrupted{'; ' + str(e) if str(e) else ''}")
+
+
+def _exit(code: int, line: str) -> None:
+    print(f"kvtier-run: {line}", file=sys.stderr)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

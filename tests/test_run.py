@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from kvtier.build import validate
+from kvtier.build import plan as validate
 from kvtier.errors import ConfigError
 from kvtier.models import cache_dir
 from kvtier.report import WandbLogger
-from kvtier.run import RECIPES, execute, main
+from kvtier.run import RECIPES, execute, job_configs, main
 
-BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parents[1]
+MODULES = {"kvtier-run": "kvtier.run", "kvtier-plot": "kvtier.plot"}  # this checkout's, whatever the venv installed
 # 128 tokens of Opticks: 96 prefilled in 16-token chunks, 32 scored by decode steps
 TINY = ["task.length=128", "task.prefix=96", "scheduler.prefill.chunk_size=16", "progress=false"]
 REQUIRED = ("task", "policy", "scope", "budget_tokens", "perplexity", "tier1_hit_rate", "bytes_moved",
@@ -27,8 +28,9 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def kvtier(cmd: str, args: list[str], cwd: Path, prefix=()) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HOME": str(cwd / "home"), "KVTIER_CACHE": str(cache_dir()), "WANDB_MODE": "disabled"}
-    proc = subprocess.run([*prefix, str(BIN / cmd), *args], cwd=cwd, env=env, capture_output=True, text=True,
+    env = {**os.environ, "HOME": str(cwd / "home"), "KVTIER_CACHE": str(cache_dir()), "WANDB_MODE": "disabled",
+           "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([*prefix, sys.executable, "-m", MODULES[cmd], *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -55,7 +57,7 @@ def test_cli_run_writes_metrics_disk_and_offline_wandb_inside_its_folder(tmp_pat
     trace = tmp_path / "connect.trace"
     args = [*TINY, "tiers=device_host_disk", "budget.tokens=80", "tiers.stack.host.fraction=0.25", "logger=wandb"]
     proc = kvtier("kvtier-run", args, tmp_path, prefix=strace_connects(trace))
-    run_dir = tmp_path / "outputs" / "perplexity" / "aspe-resident-device_host_disk-tok80"
+    (run_dir,) = (tmp_path / "outputs" / "perplexity").glob("aspe-resident-device_host_disk-tok80-*")
     m = json.loads((run_dir / "metrics.json").read_text())
     assert all(k in m for k in REQUIRED), [k for k in REQUIRED if k not in m]
     assert m["task"] == "perplexity" and m["policy"] == "aspe" and m["budget_tokens"] == 80
@@ -134,7 +136,7 @@ def test_wandb_offline_opens_no_network_socket_and_keeps_its_files_in_the_run_fo
 BAD = [
     (["policy=nope"], "policy", "sink_window"),
     (["policy.name=nope"], "policy", "aspe"),
-    (["budget.tokens=5000"], "budget.tokens", "1024"),
+    (["budget.tokens=5000"], "budget.tokens", "384"),
     (["budget.fraction=0"], "budget.fraction", "(0, 1]"),
     (["budget.fraction=1.5"], "budget.fraction", "(0, 1]"),
     (["-m", "budget.fraction=0.5,0"], "budget.fraction", "(0, 1]"),
@@ -158,9 +160,11 @@ def test_bad_config_raises_config_error_naming_the_field_and_writes_nothing(tmp_
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
     monkeypatch.setattr(sys, "argv", ["kvtier-run", *args])
     with pytest.raises(ConfigError) as err:
-        main()
+        list(map(validate, job_configs(args)))
     assert err.value.field == field and hint in str(err.value)
-    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 2 and list(tmp_path.iterdir()) == []
 
 
 def recipe_options():

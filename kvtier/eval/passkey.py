@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Callable, ClassVar
 import numpy as np
 import torch
 
-from kvtier.errors import ConfigError
+from kvtier.checks import check_positions
+from kvtier.errors import ConfigError, Interrupted
 from kvtier.eval.perplexity import check_int, progress_task
 
 if TYPE_CHECKING:  # the cache imports kvtier.eval.fidelity
@@ -56,6 +57,11 @@ class RetrievalTask:
     intro: ClassVar[str] = ""
     min_context: ClassVar[int] = 128
     question_sep: ClassVar[str] = "\n"  # between the haystack and the question (plain format)
+    context_key: ClassVar[str] = "context_tokens"
+
+    @property
+    def new_tokens(self) -> int:
+        return self.max_new_tokens
 
     def __post_init__(self):
         check_int("context_tokens", self.context_tokens, self.min_context)
@@ -104,13 +110,6 @@ class RetrievalTask:
                 hi = mid - 1
         return torch.tensor(encode(lo), dtype=torch.long), lo
 
-    def check_length(self, engine) -> None:
-        limit = getattr(getattr(engine.model, "config", None), "max_position_embeddings", None)
-        if limit is not None and self.context_tokens + self.max_new_tokens > limit:
-            raise ConfigError("task.context_tokens", f"{self.context_tokens} + max_new_tokens {self.max_new_tokens} "
-                                                     f"exceeds the model's {limit} positions; use at most "
-                                                     f"{limit - self.max_new_tokens}")
-
     # -- running -------------------------------------------------------------------------------
     def cases(self, tokenizer, rng: np.random.Generator):
         """Yields ``(depth, ids [S], expected, info dict)`` for every sample."""
@@ -121,30 +120,36 @@ class RetrievalTask:
 
     @torch.no_grad()
     def run(self, engine, make_cache: Callable[[], TieredKVCache], tokenizer, progress=None) -> dict:
-        self.check_length(engine)
+        check_positions(self, engine.model.config)
         rng = np.random.default_rng(self.seed)
         advance = progress_task(progress, f"{self.name} ({self.context_tokens} tok)", len(self.depths) * self.samples)
         records = []
-        for depth, ids, expected, info in self.cases(tokenizer, rng):
-            cache = make_cache()
-            try:
-                out = engine.greedy(cache, ids[None], self.max_new_tokens)[0]
-                hit_rate = cache.stats.tier1_hit_rate
-            finally:
-                cache.close()
-            text = tokenizer.decode(out, skip_special_tokens=True)
-            records.append({"depth": depth, "expected": expected, "output": text,
-                            "correct": self.score(text, expected), "prompt_tokens": int(ids.numel()),
-                            "tier1_hit_rate": hit_rate, **info})
-            advance()
-        per_depth = {}
-        for depth in self.depths:
-            hits = [r["correct"] for r in records if r["depth"] == depth]
-            per_depth[f"{depth:g}"] = sum(hits) / len(hits)
-        return {"task": self.name, "accuracy": sum(r["correct"] for r in records) / len(records),
-                "samples": len(records), "context_tokens": float(np.mean([r["prompt_tokens"] for r in records])),
-                "per_depth": per_depth,
-                "tier1_hit_rate": float(np.mean([r["tier1_hit_rate"] for r in records])), "records": records}
+        try:
+            for depth, ids, expected, info in self.cases(tokenizer, rng):
+                cache = make_cache()
+                try:
+                    out = engine.greedy(cache, ids[None], self.max_new_tokens)[0]
+                    hit_rate = cache.stats.tier1_hit_rate
+                finally:
+                    cache.close()
+                text = tokenizer.decode(out, skip_special_tokens=True)
+                records.append({"depth": depth, "expected": expected, "output": text,
+                                "correct": self.score(text, expected), "prompt_tokens": int(ids.numel()),
+                                "tier1_hit_rate": hit_rate, **info})
+                advance()
+        except KeyboardInterrupt:
+            raise Interrupted(self._result(records)) from None
+        return self._result(records)
+
+    def _result(self, records: list[dict]) -> dict:
+        """Accuracy overall and per depth over the finished samples ``records``."""
+        def mean(values):
+            return float(np.mean(values)) if len(values) else float("nan")
+
+        per_depth = {f"{d:g}": mean([r["correct"] for r in records if r["depth"] == d]) for d in self.depths}
+        return {"task": self.name, "accuracy": mean([r["correct"] for r in records]), "samples": len(records),
+                "context_tokens": mean([r["prompt_tokens"] for r in records]), "per_depth": per_depth,
+                "tier1_hit_rate": mean([r["tier1_hit_rate"] for r in records]), "records": records}
 
 
 @dataclass

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Callable, ClassVar
 import torch
 
 from kvtier.data import TEXTS, token_stream
-from kvtier.errors import ConfigError
+from kvtier.checks import check_positions
+from kvtier.errors import ConfigError, Interrupted
 
 if TYPE_CHECKING:  # the cache imports kvtier.eval.fidelity
     from kvtier.cache import TieredKVCache
@@ -47,6 +48,12 @@ class Perplexity:
     prefix: int = 16
     block_tokens: int = 256  # granularity of the returned NLL curve
     name: ClassVar[str] = "perplexity"
+    context_key: ClassVar[str] = "length"  # the field that sets context_tokens
+    new_tokens: ClassVar[int] = 0  # tokens generated after the context
+
+    @property
+    def context_tokens(self) -> int:
+        return self.length
 
     def __post_init__(self):
         if self.text not in TEXTS:
@@ -57,30 +64,37 @@ class Perplexity:
 
     @torch.no_grad()
     def run(self, engine, make_cache: Callable[[], TieredKVCache], tokenizer, progress=None) -> dict:
+        """The perplexity result; on Ctrl-C, :class:`Interrupted` carrying the tokens scored so far."""
+        check_positions(self, engine.model.config)
         ids = token_stream(tokenizer, self.text, self.length)  # [length]
         advance = progress_task(progress, f"perplexity {self.text} ({self.length} tok)", self.length - self.prefix)
         cache = make_cache()
         nll = torch.empty(self.length - self.prefix, dtype=torch.float64)
-        steps_before = len(engine.tpot_s)
+        steps_before, done = len(engine.tpot_s), 0
         try:
             logits = engine.run_prefill(cache, ids[None, : self.prefix])[:, -1]  # [1, V]
             nll[0] = _nll(logits, ids[self.prefix])
+            done = 1
             advance()
             for i in range(self.prefix, self.length - 1):
                 logits = engine.decode_step(cache, ids[None, i : i + 1])  # [1, V]
                 nll[i + 1 - self.prefix] = _nll(logits, ids[i + 1])
+                done += 1
                 advance()
             cache.finish_step()
-            hit_rate = cache.stats.tier1_hit_rate
+        except KeyboardInterrupt:
+            raise Interrupted(self._result(nll[:done], engine.tpot_s[steps_before:], cache)) from None
         finally:
             cache.close()
-        mean = float(nll.mean())
-        blocks = [float(b.mean()) for b in nll.split(self.block_tokens)]
-        tpot = sorted(engine.tpot_s[steps_before:])
+        return self._result(nll, engine.tpot_s[steps_before:], cache)
+
+    def _result(self, nll: torch.Tensor, tpot: list, cache) -> dict:
+        mean = float(nll.mean()) if nll.numel() else float("nan")
+        tpot = sorted(tpot)
         return {"task": self.name, "perplexity": math.exp(mean), "nll_mean": mean, "samples": 1,
                 "context_tokens": self.length, "scored_tokens": int(nll.numel()), "text": self.text,
-                "prefix": self.prefix, "nll_blocks": blocks, "block_tokens": self.block_tokens,
-                "tier1_hit_rate": hit_rate,
+                "prefix": self.prefix, "nll_blocks": [float(b.mean()) for b in nll.split(self.block_tokens)],
+                "block_tokens": self.block_tokens, "tier1_hit_rate": cache.stats.tier1_hit_rate,
                 "tpot_p50_s": tpot[len(tpot) // 2] if tpot else float("nan")}
 
 

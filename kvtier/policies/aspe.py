@@ -9,11 +9,12 @@ layers too when ``per_layer=False``). Sinks and the local window are pinned; pag
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
 from kvtier.errors import ConfigError
-from kvtier.policies.base import EVICT, PINNED, PageInfo, Policy, check_counts, grown
+from kvtier.policies.base import EVICT, PINNED, PageInfo, Policy, check_counts, grown, sink_window_pages
 
 
 @dataclass
@@ -24,15 +25,22 @@ class ASPE(Policy):
     theta_evict: float = 1e-3
     theta_prefetch: float = 1e-2
     per_layer: bool = True
-    name: str = "aspe"
+    name: ClassVar[str] = "aspe"
 
     def __post_init__(self):
         check_counts(self, "sinks", "window")
         if not isinstance(self.obs_window, int) or self.obs_window <= 0:
             raise ConfigError("policy.obs_window", f"must be a positive number of steps, got {self.obs_window!r}")
-        if not 0 <= self.theta_evict <= self.theta_prefetch:
-            raise ConfigError("policy.theta_evict",
-                              f"need 0 <= theta_evict ({self.theta_evict}) <= theta_prefetch ({self.theta_prefetch})")
+        for key in ("theta_evict", "theta_prefetch"):  # salience is an attention probability
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise ConfigError(f"policy.{key}", f"must be a salience (attention probability) in [0, 1], got {v!r}")
+        if self.theta_evict > self.theta_prefetch:
+            raise ConfigError("policy.theta_evict", f"{self.theta_evict} is above theta_prefetch "
+                                                    f"({self.theta_prefetch}); use theta_evict <= theta_prefetch")
+
+    def pinned_pages(self, page_size: int) -> int:
+        return sink_window_pages(self.sinks, self.window, page_size)
 
     @property
     def needs_salience(self) -> bool:

@@ -50,6 +50,11 @@ def check_counts(policy, *fields: str) -> None:
             raise ConfigError(f"policy.{name}", f"must be an integer >= 0, got {v!r}")
 
 
+def sink_window_pages(sinks: int, window: int, page_size: int) -> int:
+    """Most pages of one sequence that ``sinks`` leading and ``window`` trailing tokens touch."""
+    return -(-sinks // page_size) + -(-window // page_size)
+
+
 def grown(a: np.ndarray, size: int, fill) -> np.ndarray:
     """``a`` with its last axis extended to at least ``size`` (doubling), new cells ``fill``."""
     if a.shape[-1] >= size:
@@ -59,9 +64,14 @@ def grown(a: np.ndarray, size: int, fill) -> np.ndarray:
 
 
 class Policy(ABC):
-    """Base class: event hooks are no-ops unless a policy needs them."""
+    """Base class of placement policies; a user's own subclass runs anywhere kvtier's do.
 
-    name: str = "policy"
+    Must provide :meth:`priority`; may override the event hooks (no-ops here), :meth:`admit`,
+    :meth:`pinned_pages` (how many pages it pins, checked against the device budget) and
+    ``needs_salience`` (true when it reads :meth:`on_salience`, which some kernels cannot give).
+    """
+
+    name: str = "policy"  # a label for reports (class attribute)
 
     def reset(self, num_layers: int) -> None:
         """Forget all state; called when a cache is built."""
@@ -86,6 +96,10 @@ class Policy(ABC):
     def admit(self, info: PageInfo) -> np.ndarray:
         """May a page that is not in the fast tier be promoted ``[L or 1, n]``? Default: yes."""
         return np.ones((1, info.pids.size), dtype=bool)
+
+    def pinned_pages(self, page_size: int) -> int:
+        """Most pages of one sequence this policy pins (+inf), besides the page being written."""
+        return 0
 
     @property
     def needs_salience(self) -> bool:

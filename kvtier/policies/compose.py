@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
@@ -16,7 +17,7 @@ class Compose(Policy):
 
     rank: Policy = None
     pins: list[Policy] = field(default_factory=list)
-    name: str = "compose"
+    name: ClassVar[str] = "compose"
 
     def __post_init__(self):
         if self.rank is None:
@@ -25,6 +26,9 @@ class Compose(Policy):
     @property
     def parts(self) -> list[Policy]:
         return [self.rank, *self.pins]
+
+    def pinned_pages(self, page_size: int) -> int:
+        return sum(p.pinned_pages(page_size) for p in self.parts)  # the union's bound
 
     @property
     def needs_salience(self) -> bool:

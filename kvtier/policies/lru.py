@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -13,7 +14,7 @@ from kvtier.policies.base import PageInfo, Policy, grown
 class LRU(Policy):
     """Priority = the step at which a (layer, page) was last attended or created."""
 
-    name: str = "lru"
+    name: ClassVar[str] = "lru"
 
     def reset(self, num_layers):
         super().reset(num_layers)

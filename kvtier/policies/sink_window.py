@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
-from kvtier.policies.base import PINNED, PageInfo, Policy, check_counts
+from kvtier.policies.base import PINNED, PageInfo, Policy, check_counts, sink_window_pages
 
 
 @dataclass
@@ -18,10 +19,13 @@ class SinkWindow(Policy):
 
     sinks: int = 4
     window: int = 256
-    name: str = "sink_window"
+    name: ClassVar[str] = "sink_window"
 
     def __post_init__(self):
         check_counts(self, "sinks", "window")
+
+    def pinned_pages(self, page_size: int) -> int:
+        return sink_window_pages(self.sinks, self.window, page_size)
 
     def priority(self, info: PageInfo) -> np.ndarray:
         prio = info.logical.astype(np.float64)  # [n]

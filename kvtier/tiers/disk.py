@@ -93,6 +93,15 @@ def landing(layout: KVLayout, n: int, out: torch.Tensor | None) -> tuple[torch.T
     return dst, dst.view(torch.uint8).numpy().reshape(n, -1)
 
 
+def check_folder(path: str | Path, field: str) -> None:
+    """ConfigError(field) unless ``path`` is, or can be made inside, a writable directory (nothing is made)."""
+    path = Path(path).expanduser().absolute()
+    above = next(p for p in (path, *path.parents) if p.exists())
+    if not above.is_dir() or not os.access(above, os.W_OK | os.X_OK):
+        raise ConfigError(field, f"{above} is not a writable directory, so {path} cannot be used; "
+                                 "point it at a writable directory")
+
+
 class DiskTier(Tier):
     """The NVMe tier: ``capacity`` pages per layer in ``<path>/layer_XXX.kv`` on a local disk.
 
@@ -150,6 +159,7 @@ class DiskTier(Tier):
         """Validate (and make) the directory, then lock it against a second live DiskTier."""
         path = path.expanduser().absolute()
         made = False
+        check_folder(path, self._field)
         if not path.exists() and create:
             try:
                 path.mkdir(parents=True)

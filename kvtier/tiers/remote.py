@@ -28,7 +28,7 @@ from kvtier.tiers.disk import landing, page_bytes_view, page_crcs, slot_array
 _DEFAULT_SPEC = TierSpec(bandwidth_gbps=50.0, latency_s=10e-6)  # the seed's tier 3: 50-100 GB/s, 1.5-10 us
 
 
-def _parse_address(address: str, field: str) -> tuple[str, int]:
+def parse_address(address: str, field: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(field, f"address {address!r} is not HOST:PORT, e.g. 127.0.0.1:7070")
@@ -49,7 +49,7 @@ class RemoteTier(Tier):
                  spec: TierSpec | None = None, name: str | None = None, timeout_s: float = 5.0):
         super().__init__(layout, capacity, spec or _DEFAULT_SPEC, name)
         self.address = address
-        self._addr = _parse_address(address, f"tiers.{self.name}.address")
+        self._addr = parse_address(address, f"tiers.{self.name}.address")
         if not timeout_s > 0:
             raise ConfigError(f"tiers.{self.name}.timeout_s", f"must be > 0, got {timeout_s}")
         self.timeout_s = timeout_s
