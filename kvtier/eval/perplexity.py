@@ -36,16 +36,18 @@ def progress_task(progress, description: str, total: int):
 
 @dataclass
 class Perplexity:
-    """Perplexity of ``text`` (its first ``length`` tokens) fed token by token after a ``prefix``.
+    """Perplexity of ``text`` (``length`` tokens from token ``offset``) fed token by token after a ``prefix``.
 
     Scored: the ``length - prefix`` tokens after the prefix (the first from the prefill's last
-    logits, each later one from the decode step of the token before it).
+    logits, each later one from the decode step of the token before it). A long ``prefix`` with a
+    cache built with ``exact_prefill`` is the "exact context, then the budget" protocol.
     """
 
     text: str = "opticks"
     length: int = 4096
     prefix: int = 16
     block_tokens: int = 256  # granularity of the returned NLL curve
+    offset: int = 0  # first token of the text used
     name: ClassVar[str] = "perplexity"
 
     def __post_init__(self):
@@ -54,10 +56,11 @@ class Perplexity:
         check_int("length", self.length, 2)
         check_int("prefix", self.prefix, 1, self.length - 1)
         check_int("block_tokens", self.block_tokens, 1)
+        check_int("offset", self.offset, 0)
 
     @torch.no_grad()
     def run(self, engine, make_cache: Callable[[], TieredKVCache], tokenizer, progress=None) -> dict:
-        ids = token_stream(tokenizer, self.text, self.length)  # [length]
+        ids = token_stream(tokenizer, self.text, self.offset + self.length)[self.offset:]  # [length]
         advance = progress_task(progress, f"perplexity {self.text} ({self.length} tok)", self.length - self.prefix)
         cache = make_cache()
         nll = torch.empty(self.length - self.prefix, dtype=torch.float64)
@@ -80,7 +83,8 @@ class Perplexity:
         return {"task": self.name, "perplexity": math.exp(mean), "nll_mean": mean, "samples": 1,
                 "context_tokens": self.length, "scored_tokens": int(nll.numel()), "text": self.text,
                 "prefix": self.prefix, "nll_blocks": blocks, "block_tokens": self.block_tokens,
-                "tier1_hit_rate": hit_rate,
+                "tier1_hit_rate": hit_rate, "offset": self.offset,
+                "attended_tokens": cache.stats.attended_tokens_mean,
                 "tpot_p50_s": tpot[len(tpot) // 2] if tpot else float("nan")}
 
 
