@@ -44,6 +44,7 @@ class Engine:
         chunks = self.prefill.chunks(ids.shape[1])
         for a, b in chunks:
             logits.append(self.forward(cache, ids[:, a:b]))
+        cache.end_prefill()  # a budget with exact_prefill / mode "once" starts here
         synchronize(self.device)
         self.ttft_s.append(time.perf_counter() - t0 - (cache.stats.fidelity_s - measuring))
         return torch.cat(logits, dim=1)
@@ -57,9 +58,16 @@ class Engine:
         self.tpot_s.append(time.perf_counter() - t0 - (cache.stats.fidelity_s - measuring))
         return logits
 
-    def greedy(self, cache: TieredKVCache, ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """Greedy continuation ``[B, max_new_tokens]`` of the prompt ``ids [B, S]``."""
-        token = self.run_prefill(cache, ids)[:, -1:].argmax(-1)  # [B, 1]
+    def greedy(self, cache: TieredKVCache, ids: torch.Tensor, max_new_tokens: int,
+               prefill_tokens: int | None = None) -> torch.Tensor:
+        """Greedy continuation ``[B, max_new_tokens]`` of the prompt ``ids [B, S]``. With
+        ``prefill_tokens`` only the first that many are prefilled; the rest (a question asked after
+        the context was compressed) are fed one decode step each, under the cache's budget."""
+        n = ids.shape[1] if prefill_tokens is None else prefill_tokens
+        logits = self.run_prefill(cache, ids[:, :n])[:, -1]  # [B, V]
+        for i in range(n, ids.shape[1]):
+            logits = self.decode_step(cache, ids[:, i:i + 1])
+        token = logits.argmax(-1, keepdim=True)  # [B, 1]
         out = [token]
         for _ in range(max_new_tokens - 1):
             token = self.decode_step(cache, token).argmax(-1, keepdim=True)

@@ -23,6 +23,23 @@ class CacheStats:
     fetched_bytes: Counter = field(default_factory=Counter)  # link -> bytes copied for attention
     read_bytes: Counter = field(default_factory=Counter)  # tier -> bytes read where they live (merge)
     occupancy: list = field(default_factory=list)  # [(step, {tier: pages in use, mean over layers})]
+    compressed_pages: int = 0  # (layer, page)s dropped by a compression once the prefill ended
+    attended_tokens: dict = field(default_factory=dict)  # decode step -> keys attended, summed over layers
+    attention_calls: dict = field(default_factory=dict)  # decode step -> attention calls (layers)
+
+    def add_attended_tokens(self, step: int, tokens: float) -> None:
+        """One decode call attended ``tokens`` keys (per sequence)."""
+        self.attended_tokens[step] = self.attended_tokens.get(step, 0) + tokens
+        self.attention_calls[step] = self.attention_calls.get(step, 0) + 1
+
+    def attended_per_step(self) -> list[float]:
+        """Keys attended per decode step, per layer and sequence (mean over layers), in step order."""
+        return [self.attended_tokens[s] / self.attention_calls[s] for s in sorted(self.attended_tokens)]
+
+    @property
+    def attended_tokens_mean(self) -> float:
+        per_step = self.attended_per_step()
+        return float(np.mean(per_step)) if per_step else float("nan")
 
     @property
     def tier1_hit_rate(self) -> float:

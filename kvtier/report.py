@@ -11,7 +11,7 @@ import json
 import math
 import os
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +42,8 @@ class CacheRecord:
     fidelity_calls: list  # FidelityStats.calls (empty unless the cache measured fidelity)
     dropped_pages: int = 0  # (layer, page)s freed for good, left of their sliding window
     dropped_bytes: int = 0
+    attended_per_step: list = field(default_factory=list)  # keys attended per decode step (per layer, sequence)
+    compressed_pages: int = 0  # (layer, page)s dropped by mode "once" at the end of the prefill
 
     @classmethod
     def of(cls, cache) -> "CacheRecord":
@@ -53,7 +55,7 @@ class CacheRecord:
                    dict(stats.fetched_bytes), dict(cache.transfer.bytes_moved),  # apart: fetches, migrations
                    dict(cache.transfer.pages_moved), list(stats.occupancy), off,
                    list(cache.fidelity.calls) if cache.fidelity is not None else [], stats.dropped_pages,
-                   stats.dropped_bytes)
+                   stats.dropped_bytes, stats.attended_per_step(), stats.compressed_pages)
 
 
 def collect(plan, result: dict, records: list[CacheRecord], engine, wall_s: float, cfg, run_dir) -> dict:
@@ -86,6 +88,9 @@ def collect(plan, result: dict, records: list[CacheRecord], engine, wall_s: floa
         "bytes_migrated_total": sum(migrated.values()), "bytes_fetched_total": sum(fetched.values()),
         "pages_migrated": dict(pages),
         "dropped_pages": sum(r.dropped_pages for r in records), "dropped_bytes": sum(r.dropped_bytes for r in records),
+        "compressed_pages": sum(r.compressed_pages for r in records),
+        "attended_tokens_per_step": _mean([x for r in records for x in r.attended_per_step]),
+        "attended_tokens_per_step_max": max([x for r in records for x in r.attended_per_step], default=float("nan")),
         "offloaded_fraction": float(np.mean([r.offloaded_fraction for r in records])) if records else 0.0,
         "ttft_s": float(np.mean(engine.ttft_s)) if engine.ttft_s else float("nan"),
         "tpot_p50_s": percentile(engine.tpot_s, 50), "tpot_p99_s": percentile(engine.tpot_s, 99),
@@ -97,6 +102,10 @@ def collect(plan, result: dict, records: list[CacheRecord], engine, wall_s: floa
         "task_result": result,
         "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
     }
+
+
+def _mean(values: list) -> float:
+    return float(np.mean(values)) if values else float("nan")
 
 
 def write_json(metrics: dict, path: Path) -> Path:
@@ -127,6 +136,9 @@ def metrics_table(m: dict) -> Table:
     t.add_row(m["score_name"], f"{score:.4f}" if m["score_name"] == "perplexity" else f"{score:.1%}")
     t.add_row("budget", f"{m['budget_tokens']} tokens ({m['budget_fraction']:.2f} of {m['context_tokens']:g})")
     t.add_row("tier-1 hit rate", f"{m['tier1_hit_rate']:.1%}")
+    if np.isfinite(m.get("attended_tokens_per_step", float("nan"))):
+        t.add_row("keys attended per decode step mean / max", f"{m['attended_tokens_per_step']:.1f} / "
+                                                               f"{m['attended_tokens_per_step_max']:g}")
     t.add_row("offloaded fraction", f"{m['offloaded_fraction']:.1%}")
     for link, n in sorted(m["bytes_moved"].items()):
         t.add_row(f"bytes moved {link}", _mib(n))

@@ -2,11 +2,14 @@
 
 A scope sees the cache's table and the step's page range (never a page left of a sliding window:
 ``first``; pages from ``tail_from`` on are always attended) and returns, per sequence, the sorted
-logical page numbers to attend. A scope that keeps per-page state hears pages appear and keys be
-written. The fast path's device-side scopes are :mod:`kvtier.fast.scopes`.
+logical page numbers to attend (``choose``). Under a token budget (:mod:`kvtier.budget`) the cache
+attends the sink and window spans itself and asks the scope for the whole pages in between
+(``middle``). Key statistics (Quest's bounds) live in the cache's
+:class:`~kvtier.page_stats.KeyStats`. The fast path's device-side scopes are :mod:`kvtier.fast.scopes`.
 
 - :class:`AllScope`: every page (exact).
-- :class:`ResidentScope`: the pages in the device tier.
+- :class:`ResidentScope`: the pages in the device tier (under a budget: the best of them by the
+  policy's priority).
 - :class:`TopKScope`: Quest (Tang et al., 2024, arXiv:2406.10774): the ``topk_pages`` pages with
   the largest upper bound of q·k from per-page key min/max, sinks and the tail included.
 """
@@ -30,14 +33,11 @@ class Scope:
                q_len: int) -> list[np.ndarray]:
         raise NotImplementedError
 
-    def on_append(self, pids: np.ndarray) -> None:
-        """New pages ``pids`` were appended (fresh state)."""
-
-    def on_copy(self, src: int, dst: int) -> None:
-        """Page ``dst`` is a copy of ``src`` (copy-on-write)."""
-
-    def on_write(self, table, seqs, layer: int, keys: torch.Tensor, start: int) -> None:
-        """Keys ``[B, N_kv, q, D]`` were written at positions ``start..`` of each sequence."""
+    def middle(self, table, seq, b: int, layer: int, query: torch.Tensor, candidates: np.ndarray, k: int,
+               rank_fn) -> np.ndarray:
+        """Under a token budget: at most ``k`` of ``candidates`` (sorted logical pages of sequence
+        ``seq``, row ``b``) to attend whole. ``rank_fn(layer, pids) -> [m]`` is the policy's priority."""
+        raise NotImplementedError
 
 
 def every_page(table, seqs, first: int) -> list[np.ndarray]:
@@ -49,6 +49,9 @@ class AllScope(Scope):
 
     def choose(self, table, seqs, layer, query, first, tail_from, q_len):
         return every_page(table, seqs, first)
+
+    def middle(self, table, seq, b, layer, query, candidates, k, rank_fn):
+        return candidates
 
 
 class ResidentScope(Scope):
@@ -62,24 +65,42 @@ class ResidentScope(Scope):
             chosen.append(np.flatnonzero(on_dev[first:]) + first)
         return chosen
 
+    def middle(self, table, seq, b, layer, query, candidates, k, rank_fn):
+        pids = table.pages(seq)[candidates]
+        on_dev = candidates[table.tier_of[layer, pids] == 0]
+        if k == 0:
+            return on_dev[:0]
+        if k >= on_dev.size:
+            return on_dev
+        prio = rank_fn(layer, table.pages(seq)[on_dev])  # [m]
+        return np.sort(on_dev[np.argsort(-prio, kind="stable")[:k]])
+
 
 class TopKScope(Scope):
-    """Quest page selection at decode steps (prefill attends every page); owns the key bounds
-    ``[L, pids, N_kv, D]`` float32 on ``device``."""
+    """Quest page selection at decode steps (prefill attends every page), from the key bounds of the
+    cache's :class:`~kvtier.page_stats.KeyStats`.
+
+    ``rank``: ``quest`` (the bound, max over query heads, as in the paper) or ``quest_head``
+    (each query head's bounds turned into a softmax over the candidate pages, max over heads: a page
+    that one head needs ranks high even when that head's logits are small).
+    """
 
     name = "topk"
+    RANKS = ("quest", "quest_head")
 
-    def __init__(self, layout, topk_pages: int, sinks: int, device):
-        if not isinstance(topk_pages, int) or isinstance(topk_pages, bool) or topk_pages < 1:
+    def __init__(self, layout, topk_pages: int | None, sinks: int, keys, rank: str = "quest"):
+        if topk_pages is not None and (not isinstance(topk_pages, int) or isinstance(topk_pages, bool)
+                                       or topk_pages < 1):
             raise ConfigError("topk_pages", f"scope 'topk' needs topk_pages >= 1, got {topk_pages!r}")
-        self.layout, self.topk_pages, self.sinks, self.device = layout, topk_pages, sinks, device
-        shape = (layout.num_layers, 64, layout.num_kv_heads, layout.head_dim)
-        self.key_min = torch.full(shape, float("inf"), device=device)
-        self.key_max = torch.full(shape, float("-inf"), device=device)
+        if rank not in self.RANKS:
+            raise ConfigError("cache.rank", f"unknown rank {rank!r}; use one of {list(self.RANKS)}")
+        self.layout, self.topk_pages, self.sinks, self.keys, self.rank = layout, topk_pages, sinks, keys, rank
 
     def choose(self, table, seqs, layer, query, first, tail_from, q_len):
         if q_len > 1:
             return every_page(table, seqs, first)
+        if self.topk_pages is None:
+            raise ConfigError("topk_pages", "scope 'topk' needs topk_pages (or a token budget)")
         P = self.layout.page_size
         chosen = []
         for b, seq in enumerate(seqs):
@@ -91,58 +112,34 @@ class TopKScope(Scope):
             free = np.flatnonzero(~forced[first:]) + first
             k = min(self.topk_pages - int(forced.sum()), free.size)
             if k > 0:
-                scores = self.scores(layer, query[b], pids[free])  # [m]
-                forced[free[torch.topk(scores, k).indices.cpu().numpy()]] = True
+                forced[free[self.best(layer, query[b], pids[free], k)]] = True
             chosen.append(np.flatnonzero(forced))
         return chosen
 
+    def middle(self, table, seq, b, layer, query, candidates: np.ndarray, k: int, rank_fn) -> np.ndarray:
+        """The ``k`` best of a sequence's ``candidates`` (logical pages) for ``query [B, H, 1, D]``."""
+        if k >= candidates.size or k == 0:
+            return candidates[:k]
+        return np.sort(candidates[self.best(layer, query[b], table.pages(seq)[candidates], k)])
+
+    def best(self, layer: int, q: torch.Tensor, pids: np.ndarray, k: int) -> np.ndarray:
+        """Indices of the ``k`` best of ``pids`` for the query ``q [H, 1, D]``."""
+        return torch.topk(self.scores(layer, q, pids), k).indices.cpu().numpy()
+
     def scores(self, layer: int, q: torch.Tensor, pids: np.ndarray) -> torch.Tensor:
-        """Quest upper bound of q·k over each page, max over heads: ``[m]``. q ``[H, 1, D]``."""
-        idx = torch.from_numpy(pids).to(self.device)
-        kmin, kmax = self.key_min[layer, idx], self.key_max[layer, idx]  # [m, N_kv, D]
-        g = q.shape[0] // self.layout.num_kv_heads
-        qg = q[:, -1].float().view(self.layout.num_kv_heads, g, -1).to(self.device)  # [N_kv, G, D]
-        ub = torch.maximum(qg[None] * kmin[:, :, None], qg[None] * kmax[:, :, None]).sum(-1)  # [m, N_kv, G]
-        return ub.amax(dim=(1, 2))
-
-    def on_append(self, pids):
-        self._grow(int(pids.max()) + 1)
-        idx = torch.from_numpy(pids).to(self.device)
-        self.key_min[:, idx] = float("inf")
-        self.key_max[:, idx] = float("-inf")
-
-    def on_copy(self, src, dst):
-        self._grow(max(src, dst) + 1)
-        self.key_min[:, dst] = self.key_min[:, src]
-        self.key_max[:, dst] = self.key_max[:, src]
-
-    def on_write(self, table, seqs, layer, keys, start):
-        P = self.layout.page_size
-        pos = np.arange(start, start + keys.shape[2])
-        for b, seq in enumerate(seqs):
-            pids = torch.from_numpy(table.pages(seq)[pos // P]).to(self.device)  # [q]
-            k = keys[b].transpose(0, 1).float().to(self.device)  # [q, N_kv, D]
-            idx = pids[:, None, None].expand_as(k)
-            self.key_min[layer].scatter_reduce_(0, idx, k, reduce="amin")
-            self.key_max[layer].scatter_reduce_(0, idx, k, reduce="amax")
-
-    def _grow(self, size: int) -> None:
-        cap = self.key_min.shape[1]
-        if size <= cap:
-            return
-        extra = max(size, 2 * cap) - cap
-        def pad(t, v):
-            return torch.cat([t, torch.full((t.shape[0], extra, *t.shape[2:]), v, device=t.device)], 1)
-
-        self.key_min, self.key_max = pad(self.key_min, float("inf")), pad(self.key_max, float("-inf"))
+        """Page scores ``[m]`` for the query ``q [H, 1, D]`` (see ``rank``)."""
+        ub = self.keys.quest_bound(layer, q[:, -1], pids)  # [m, H]
+        if self.rank == "quest_head":
+            ub = torch.softmax(ub * q.shape[-1] ** -0.5, dim=0)
+        return ub.amax(dim=1)
 
 
-def make_scope(name: str, layout, topk_pages: int | None, sinks: int, device) -> Scope:
-    """The scope called ``name`` (one of :data:`SCOPES`)."""
+def make_scope(name: str, layout, topk_pages: int | None, sinks: int, keys=None, rank: str = "quest") -> Scope:
+    """The scope called ``name`` (one of :data:`SCOPES`); ``topk`` reads ``keys`` (KeyStats)."""
     if name == "all":
         return AllScope()
     if name == "resident":
         return ResidentScope()
     if name == "topk":
-        return TopKScope(layout, topk_pages, sinks, device)
+        return TopKScope(layout, topk_pages, sinks, keys, rank)
     raise ConfigError("scope", f"unknown scope {name!r}; use one of {list(SCOPES)}")

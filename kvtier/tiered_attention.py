@@ -31,6 +31,8 @@ class Part:
     batch: PagedBatch
     pids: np.ndarray  # [nnz] pid of each listed page
     resident: bool  # the pages are read in place from the device tier
+    logical: np.ndarray  # [nnz] logical page number of each listed page
+    tokens: int  # keys the newest query row of each sequence sees, summed over sequences
 
 
 class TieredAttention:
@@ -42,9 +44,19 @@ class TieredAttention:
         self.device = table.tiers[0].device
 
     def parts(self, seqs: list[int], layer: int, chosen: list[np.ndarray], q_len: int, tail_from: int,
-              count: bool = True) -> list[Part]:
+              count: bool = True, sinks: int = 0, window: int = 0) -> list[Part]:
         """Split each sequence's ``chosen`` logical pages into calls. ``count=False`` (a fidelity
-        pass) leaves the fetch and read counters alone."""
+        pass) leaves the fetch and read counters alone.
+
+        Token spans (a token budget, :mod:`kvtier.budget`): ``sinks > 0`` attends the first ``sinks``
+        tokens in a call of their own (their last page truncated) instead of those pages whole;
+        ``window > 0`` lets the tail call's queries see only their last ``window`` keys.
+        """
+        sink_pages = -(-sinks // self.layout.page_size)
+        if sinks:
+            chosen = [c[(c >= sink_pages) | (c >= tail_from)] for c in chosen]
+        if window:  # the tail alone: the window's mask counts keys in the call's order
+            chosen = [c[c < tail_from] for c in chosen]
         tail_on_dev = all(bool((self.table.tier_of[layer, self.table.pages(seq)[tail_from:]] == 0).all())
                           for seq in seqs)  # one causal call holds every sequence's tail
         groups: dict[object, list] = {}  # key -> per-seq (logical page numbers)
@@ -59,12 +71,24 @@ class TieredAttention:
                     pages = pages[pages < tail_from]
                 key = 0 if t == 0 else (int(t) if self.merge else "fetch")
                 groups.setdefault(key, [[] for _ in seqs])[b].append(pages)
-            if not tail_on_dev:
+            if not tail_on_dev and not window:
                 groups.setdefault("fetch", [[] for _ in seqs])[b].append(np.arange(tail_from, pids.size))
         parts = []
         for key, per_seq in groups.items():
             logical = [np.sort(np.concatenate(x)) if x else np.zeros(0, np.int64) for x in per_seq]
-            parts.append(self._part(seqs, layer, key, logical, q_len, count))
+            parts.append(self._part(seqs, layer, key, logical, q_len, count, window))
+        if window:
+            logical = [np.arange(tail_from, self.table.num_pages(seq)) for seq in seqs]
+            for seq, pages in zip(seqs, logical):
+                self.transfer.wait(layer, self.table.pages(seq)[pages])
+            parts.append(self._part(seqs, layer, 0 if tail_on_dev else "fetch", logical, q_len, count, window))
+        if sinks:
+            logical = [np.arange(sink_pages)] * len(seqs)
+            for seq in seqs:
+                self.transfer.wait(layer, self.table.pages(seq)[:sink_pages])
+            on_dev = all(bool((self.table.tier_of[layer, self.table.pages(seq)[:sink_pages]] == 0).all())
+                         for seq in seqs)
+            parts.append(self._part(seqs, layer, 0 if on_dev else "fetch", logical, q_len, count, last_tokens=sinks))
         return parts
 
     def run(self, parts: list[Part], q: torch.Tensor, scale: float, page_max: bool = False) -> list:
@@ -99,16 +123,21 @@ class TieredAttention:
             out.append((part.pids, page_salience(page_max, final, batch, self.layout.num_kv_heads).to(self.device)))
         return out
 
-    def _part(self, seqs, layer: int, key, logical: list[np.ndarray], q_len: int, count: bool) -> Part:
+    def _part(self, seqs, layer: int, key, logical: list[np.ndarray], q_len: int, count: bool, window: int = 0,
+              last_tokens: int = 0) -> Part:
+        """One call; ``last_tokens`` > 0: the listed pages are the first ``last_tokens`` tokens (sinks)."""
         P = self.layout.page_size
         all_pids, kv_indptr, last_len, causal = [], [0], [], False
         for b, seq in enumerate(seqs):
             pids = self.table.pages(seq)[logical[b]]
             all_pids.append(pids)
             kv_indptr.append(kv_indptr[-1] + pids.size)
-            has_tail = logical[b].size and logical[b][-1] == self.table.num_pages(seq) - 1
+            has_tail = logical[b].size and logical[b][-1] == self.table.num_pages(seq) - 1 and not last_tokens
             causal |= bool(has_tail)
-            last_len.append((self.table.seq_len(seq) - 1) % P + 1 if has_tail else P)
+            if last_tokens:
+                last_len.append(last_tokens - (pids.size - 1) * P)
+            else:
+                last_len.append((self.table.seq_len(seq) - 1) % P + 1 if has_tail else P)
         pids = np.concatenate(all_pids)
         tiers, slots = self.table.locate(layer, pids)
         if key == 0:
@@ -122,10 +151,15 @@ class TieredAttention:
                 pool, indices = tier.read(layer, torch.from_numpy(slots)), np.arange(pids.size)
                 if count:
                     self.stats.add_read(tier.name, pids.size * self.layout.page_bytes)
-        window_left = self.layout.window(layer) - 1 if causal else -1  # -1: no window (also for a global layer)
+        spans = [w for w in (self.layout.window(layer), window) if w > 0]
+        window_left = min(spans) - 1 if causal and spans else -1  # -1: no window (also for a global layer)
         batch = PagedBatch.from_host(np.arange(len(seqs) + 1) * q_len, kv_indptr, indices, last_len, P, causal,
                                      pool.device, window_left)
-        return Part(pool, batch, pids, key == 0)
+        n_pages = np.diff(kv_indptr)
+        seen = np.where(n_pages > 0, (n_pages - 1) * P + np.asarray(last_len), 0)  # keys per sequence
+        if window_left >= 0:
+            seen = np.minimum(seen, window_left + 1)
+        return Part(pool, batch, pids, key == 0, np.concatenate(logical).astype(np.int64), int(seen.sum()))
 
     def _fetch(self, layer: int, pids, count: bool) -> torch.Tensor:
         """Copy pages from their tiers into a temporary device pool ``[n, 2, P, N_kv, D]``."""

@@ -151,3 +151,17 @@ def test_context_beyond_the_model_is_refused(smol):
     with pytest.raises(ConfigError) as err:
         Passkey(context_tokens=9000).run(Engine(model), cache_factory(model, 64, LRU, "all"), tok)
     assert err.value.field == "task.context_tokens"
+
+
+def test_passkey_question_after_the_context(smol):
+    """question_at='after': the context is prefilled, the question fed one decode step per token
+    (under the budget when there is one); exact attention still finds the key."""
+    model, tok, _ = smol
+    task = Passkey(context_tokens=384, depths=[0.5], seed=3, question_at="after", max_new_tokens=6)
+    engine = Engine(model, ChunkedPrefill(256))
+    res = task.run(engine, cache_factory(model, 1024, LRU, "all"), tok)
+    assert res["accuracy"] == 1.0, res["records"]
+    assert task.question_tokens > 5 and len(engine.tpot_s) == task.question_tokens + 6 - 1
+    with pytest.raises(ConfigError) as e:
+        Passkey(question_at="before")
+    assert e.value.field == "task.question_at"

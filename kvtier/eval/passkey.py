@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # the cache imports kvtier.eval.fidelity
 
 FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
 _PLACEHOLDER = "\x00HAYSTACK\x00"
+QUESTION_PLACEMENTS = ("inside", "after")
 
 
 def check_depths(depths) -> tuple[float, ...]:
@@ -53,6 +54,7 @@ class RetrievalTask:
     seed: int = 0
     max_new_tokens: int = 10
     chat_template: bool = False
+    question_at: str = "inside"  # inside: prefilled with the context; after: fed token by token once it is in
     name: ClassVar[str] = "retrieval"
     intro: ClassVar[str] = ""
     min_context: ClassVar[int] = 128
@@ -71,6 +73,9 @@ class RetrievalTask:
         check_int("max_new_tokens", self.max_new_tokens, 1, 256)
         if not isinstance(self.chat_template, bool):
             raise ConfigError("task.chat_template", f"must be true or false, got {self.chat_template!r}")
+        if self.question_at not in QUESTION_PLACEMENTS:
+            raise ConfigError("task.question_at",
+                              f"must be one of {list(QUESTION_PLACEMENTS)}, got {self.question_at!r}")
 
     # -- prompts -------------------------------------------------------------------------------
     def template(self, tokenizer, question: str, answer_prefix: str) -> tuple[str, str]:
@@ -94,8 +99,15 @@ class RetrievalTask:
 
     def fit(self, tokenizer, before: str, after: str, haystack: Callable[[int], str], max_units: int):
         """The longest prompt ``before + haystack(n) + after`` of at most ``context_tokens`` tokens
-        (binary search over the number of haystack units ``n``): ``(ids LongTensor [S], n)``."""
+        (binary search over the number of haystack units ``n``): ``(ids LongTensor [S], n)``. With
+        ``question_at="after"`` the two parts are tokenized apart (the split is a token boundary) and
+        ``self.question_tokens`` holds the length of the second."""
+        tail = tokenizer(after, add_special_tokens=False, verbose=False)["input_ids"]
+        self.question_tokens = len(tail) if self.question_at == "after" else 0
+
         def encode(n):
+            if self.question_at == "after":
+                return tokenizer(before + haystack(n), add_special_tokens=False, verbose=False)["input_ids"] + tail
             return tokenizer(before + haystack(n) + after, add_special_tokens=False, verbose=False)["input_ids"]
 
         lo, hi = 0, max_units
@@ -128,7 +140,8 @@ class RetrievalTask:
             for depth, ids, expected, info in self.cases(tokenizer, rng):
                 cache = make_cache()
                 try:
-                    out = engine.greedy(cache, ids[None], self.max_new_tokens)[0]
+                    out = engine.greedy(cache, ids[None], self.max_new_tokens,
+                                        prefill_tokens=ids.numel() - self.question_tokens)[0]
                     hit_rate = cache.stats.tier1_hit_rate
                 finally:
                     cache.close()

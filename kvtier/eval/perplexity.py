@@ -37,16 +37,18 @@ def progress_task(progress, description: str, total: int):
 
 @dataclass
 class Perplexity:
-    """Perplexity of ``text`` (its first ``length`` tokens) fed token by token after a ``prefix``.
+    """Perplexity of ``text`` (``length`` tokens from token ``offset``) fed token by token after a ``prefix``.
 
     Scored: the ``length - prefix`` tokens after the prefix (the first from the prefill's last
-    logits, each later one from the decode step of the token before it).
+    logits, each later one from the decode step of the token before it). A long ``prefix`` with a
+    cache built with ``exact_prefill`` is the "exact context, then the budget" protocol.
     """
 
     text: str = "opticks"
     length: int = 4096
     prefix: int = 16
     block_tokens: int = 256  # granularity of the returned NLL curve
+    offset: int = 0  # first token of the text used
     name: ClassVar[str] = "perplexity"
     context_key: ClassVar[str] = "length"  # the field that sets context_tokens
     new_tokens: ClassVar[int] = 0  # tokens generated after the context
@@ -61,12 +63,13 @@ class Perplexity:
         check_int("length", self.length, 2)
         check_int("prefix", self.prefix, 1, self.length - 1)
         check_int("block_tokens", self.block_tokens, 1)
+        check_int("offset", self.offset, 0)
 
     @torch.no_grad()
     def run(self, engine, make_cache: Callable[[], TieredKVCache], tokenizer, progress=None) -> dict:
         """The perplexity result; on Ctrl-C, :class:`Interrupted` carrying the tokens scored so far."""
         check_positions(self, engine.model.config)
-        ids = token_stream(tokenizer, self.text, self.length)  # [length]
+        ids = token_stream(tokenizer, self.text, self.offset + self.length)[self.offset:]  # [length]
         advance = progress_task(progress, f"perplexity {self.text} ({self.length} tok)", self.length - self.prefix)
         cache = make_cache()
         nll = torch.empty(self.length - self.prefix, dtype=torch.float64)
@@ -95,6 +98,7 @@ class Perplexity:
                 "context_tokens": self.length, "scored_tokens": int(nll.numel()), "text": self.text,
                 "prefix": self.prefix, "nll_blocks": [float(b.mean()) for b in nll.split(self.block_tokens)],
                 "block_tokens": self.block_tokens, "tier1_hit_rate": cache.stats.tier1_hit_rate,
+                "offset": self.offset, "attended_tokens": cache.stats.attended_tokens_mean,
                 "tpot_p50_s": tpot[len(tpot) // 2] if tpot else float("nan")}
 
 

@@ -14,11 +14,27 @@ from typing import ClassVar
 import numpy as np
 
 from kvtier.errors import ConfigError
-from kvtier.policies.base import EVICT, PINNED, PageInfo, Policy, check_counts, grown, sink_window_pages
+from kvtier.policies.base import EVICT, PageInfo
+from kvtier.policies.scored import ScoredPolicy, Scorer
 
 
 @dataclass
-class ASPE(Policy):
+class Salience(Scorer):
+    """Φ: windowed mean of per-page salience (max attention probability, summed over kv heads);
+    ``default`` where a page was never observed."""
+
+    needs = frozenset({"salience"})
+    obs_window: int = 16
+    default: float = 1e-3
+    per_layer: bool = True
+
+    def score(self, stats) -> np.ndarray:
+        phi = np.where(np.isnan(stats.salience), self.default, stats.salience)  # [L, n]
+        return phi if self.per_layer else np.broadcast_to(phi.sum(0, keepdims=True), phi.shape)
+
+
+@dataclass
+class ASPE(ScoredPolicy):
     sinks: int = 4
     window: int = 64
     obs_window: int = 16
@@ -28,7 +44,6 @@ class ASPE(Policy):
     name: ClassVar[str] = "aspe"
 
     def __post_init__(self):
-        check_counts(self, "sinks", "window")
         if not isinstance(self.obs_window, int) or self.obs_window <= 0:
             raise ConfigError("policy.obs_window", f"must be a positive number of steps, got {self.obs_window!r}")
         for key in ("theta_evict", "theta_prefetch"):  # salience is an attention probability
@@ -38,54 +53,19 @@ class ASPE(Policy):
         if self.theta_evict > self.theta_prefetch:
             raise ConfigError("policy.theta_evict", f"{self.theta_evict} is above theta_prefetch "
                                                     f"({self.theta_prefetch}); use theta_evict <= theta_prefetch")
+        super().__post_init__()
 
-    def pinned_pages(self, page_size: int) -> int:
-        return sink_window_pages(self.sinks, self.window, page_size)
-
-    @property
-    def needs_salience(self) -> bool:
-        return True
-
-    def reset(self, num_layers):
-        super().reset(num_layers)
-        self.hist = np.full((self.obs_window, num_layers, 64), np.nan, dtype=np.float32)  # [W, L, pids]
-        self.last_phi = np.full((num_layers, 64), np.nan, dtype=np.float32)  # [L, pids]
-        self._row = 0
-
-    def on_step(self, step):
-        self._row = step % self.obs_window
-        self.hist[self._row] = np.nan
-
-    def on_append(self, pids, step):
-        self._grow(int(pids.max(initial=-1)) + 1)
-        self.hist[:, :, pids] = np.nan  # a recycled pid starts with no history
-        self.last_phi[:, pids] = np.nan
-
-    def on_salience(self, layer, pids, scores, step):
-        self._grow(int(pids.max(initial=-1)) + 1)
-        self.hist[self._row, layer, pids] = scores.sum(-1)  # Σ over kv heads
+    def make_scorer(self):
+        return Salience(self.obs_window, self.theta_evict, self.per_layer)
 
     def phi(self, pids: np.ndarray) -> np.ndarray:
         """Φ ``[L, n]``: windowed mean where observed, else the last Φ seen, else θ_evict."""
-        self._grow(int(pids.max(initial=-1)) + 1)
-        h = self.hist[:, :, pids]  # [W, L, n]
-        seen = ~np.isnan(h)
-        count = seen.sum(0)
-        mean = np.where(seen, h, 0).sum(0) / np.maximum(count, 1)  # [L, n]
-        self.last_phi[:, pids] = np.where(count > 0, mean, self.last_phi[:, pids])
-        phi = np.where(np.isnan(self.last_phi[:, pids]), self.theta_evict, self.last_phi[:, pids])
-        if not self.per_layer:
-            phi = np.broadcast_to(phi.sum(0, keepdims=True), phi.shape)
-        return phi
+        n = pids.size
+        return self.score(PageInfo(pids, np.zeros(n, np.int64), np.ones(n, np.int64), 1, 0))
 
     def priority(self, info: PageInfo) -> np.ndarray:
-        phi = self.phi(info.pids).astype(np.float64)  # [L, n]
-        pinned = (info.in_sinks(self.sinks) | info.in_window(self.window))[None, :]
-        return np.where(pinned, PINNED, np.where(phi < self.theta_evict, EVICT, phi))
+        phi = self.score(info)  # [L, n]
+        return np.where(self.pinned(info)[None, :], np.inf, np.where(phi < self.theta_evict, EVICT, phi))
 
     def admit(self, info: PageInfo) -> np.ndarray:
-        return self.phi(info.pids) > self.theta_prefetch  # [L, n]
-
-    def _grow(self, size):
-        self.hist = grown(self.hist, size, np.nan)
-        self.last_phi = grown(self.last_phi, size, np.nan)
+        return self.score(info) > self.theta_prefetch  # [L, n]

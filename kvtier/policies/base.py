@@ -101,6 +101,23 @@ class Policy(ABC):
         """Most pages of one sequence this policy pins (+inf), besides the page being written."""
         return 0
 
+    def on_attention(self, layer: int, pids: np.ndarray, mass: np.ndarray, step: int) -> None:
+        """Attention ``mass [r, n, N_kv]`` the step's newest ``r`` query rows gave pages ``pids``
+        (asked for by :attr:`attention_rows`)."""
+
+    def bind(self, keys=None, queries=None) -> None:
+        """The cache's key and query statistics (:mod:`kvtier.page_stats`), when :attr:`needs` them."""
+
     @property
     def needs_salience(self) -> bool:
         return False
+
+    @property
+    def needs(self) -> frozenset:
+        """Statistics the cache must gather: a subset of ``{"attention", "salience", "keys", "queries"}``."""
+        return frozenset({"salience"}) if self.needs_salience else frozenset()
+
+    @property
+    def attention_rows(self) -> int | None:
+        """Newest query rows per step whose attention :meth:`on_attention` hears (None: every row; 0: none)."""
+        return 0

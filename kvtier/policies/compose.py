@@ -34,6 +34,24 @@ class Compose(Policy):
     def needs_salience(self) -> bool:
         return any(p.needs_salience for p in self.parts)
 
+    @property
+    def needs(self) -> frozenset:
+        return frozenset().union(*(p.needs for p in self.parts))
+
+    @property
+    def attention_rows(self) -> int | None:
+        rows = [p.attention_rows for p in self.parts]
+        return None if None in rows else max(rows)
+
+    def bind(self, keys=None, queries=None):
+        for p in self.parts:
+            p.bind(keys, queries)
+
+    def on_attention(self, layer, pids, mass, step):
+        for p in self.parts:
+            if p.attention_rows != 0:
+                p.on_attention(layer, pids, mass, step)
+
     def reset(self, num_layers):
         super().reset(num_layers)
         for p in self.parts:

@@ -1,4 +1,4 @@
-"""SinkWindow (StreamingLLM): attention sinks and the recent window are pinned."""
+"""SinkWindow (StreamingLLM, Xiao et al., 2023, arXiv:2309.17453): attention sinks and the recent window."""
 
 from __future__ import annotations
 
@@ -7,27 +7,28 @@ from typing import ClassVar
 
 import numpy as np
 
-from kvtier.policies.base import PINNED, PageInfo, Policy, check_counts, sink_window_pages
+from kvtier.policies.scored import ScoredPolicy, Scorer
 
 
 @dataclass
-class SinkWindow(Policy):
-    """Pins pages holding the first ``sinks`` tokens and the last ``window`` tokens.
+class Recency(Scorer):
+    """Later pages score higher: position alone (StreamingLLM keeps nothing but sinks and the recent)."""
 
-    Other pages rank by position (later is higher), so spare room holds a longer window.
+    def score(self, stats) -> np.ndarray:
+        return stats.info.logical.astype(np.float64)[None, :]  # [1, n]
+
+
+@dataclass
+class SinkWindow(ScoredPolicy):
+    """StreamingLLM: pins the pages holding the first ``sinks`` and the last ``window`` tokens.
+
+    Other pages rank by position (later is higher), so spare room holds a longer window. Under a
+    token budget (``TieredKVCache(budget=...)``) attention reads exactly the first ``sinks`` tokens
+    and the last ``budget - sinks`` tokens, as in the paper.
     """
 
-    sinks: int = 4
     window: int = 256
     name: ClassVar[str] = "sink_window"
 
-    def __post_init__(self):
-        check_counts(self, "sinks", "window")
-
-    def pinned_pages(self, page_size: int) -> int:
-        return sink_window_pages(self.sinks, self.window, page_size)
-
-    def priority(self, info: PageInfo) -> np.ndarray:
-        prio = info.logical.astype(np.float64)  # [n]
-        pinned = info.in_sinks(self.sinks) | info.in_window(self.window)
-        return np.where(pinned, PINNED, prio)[None, :]  # [1, n]
+    def make_scorer(self):
+        return Recency()

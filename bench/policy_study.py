@@ -1,0 +1,202 @@
+"""Policy study on the real SmolLM2-135M (CPU): policies x scopes x budgets on the quality protocols.
+
+Protocols (``--protocol``):
+
+- ``ctx2k``: exact prefill of a 2,048-token Opticks slice, then 256 teacher-forced tokens under the
+  budget; perplexity over the 256 (``--slices`` slices at offsets 0, 30k, 60k, ...; the ppl of the
+  pooled NLL). Budget = fraction x 2,048.
+- ``stream``: a ``--length``-token stream (``--text``) fed one token per step after a 256-token
+  prefix (prefilled exactly); perplexity over the rest. Budget = fraction x length, or ``--tokens``.
+- ``passkey_inside`` / ``passkey_after``: passkey at ``--context`` tokens, exact prefill; the question
+  is inside the compressed context, or fed token by token after it. Budget = fraction x context.
+- ``needle``: the needle task (Lady Susan), question inside; budget = fraction x context.
+
+Configurations (``--configs``, names below): ``exact`` (scope all); ``<scope>:<policy>`` with
+scope ``resident`` (continuous eviction), ``once`` (compress once after the prefill, resident) or
+``topk`` (recall; the policy only places pages), and ``topk_head`` (Quest with per-head
+normalisation). Every budgeted run attends ``--sinks`` sink tokens and a recent window of
+``--window`` tokens (StreamingLLM, ``resident:sink_window``: all of the rest).
+
+    .venv/bin/python -m bench.policy_study --protocol ctx2k --fractions 0.2 \\
+        --configs exact,topk:sink_window,resident:snapkv --out bench/policy_study/ctx2k.json
+
+Writes a JSON list of rows (appending to ``--out`` if it exists) and prints a markdown table.
+``--plot A.json B.json ... --plot-out DIR`` draws quality vs budget per protocol (one line per
+configuration, exact dashed) from such files, and prints their table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from kvtier.cache import TieredKVCache
+from kvtier.engine import Engine
+from kvtier.eval import Needle, Passkey, Perplexity
+from kvtier.hook import install
+from kvtier.models import kv_layout_for, load_model
+from kvtier.policies import POLICIES
+from kvtier.scheduler.chunked_prefill import ChunkedPrefill
+from kvtier.tiers import DeviceTier, HostTier
+
+PAGE = 16
+
+
+def make_task(args, protocol: str, offset: int = 0):
+    if protocol == "ctx2k":
+        return Perplexity(text="opticks", length=2048 + 256, prefix=2048, offset=offset), 2048
+    if protocol == "stream":
+        return Perplexity(text=args.text, length=args.length, prefix=256), args.length
+    if protocol.startswith("passkey"):
+        return Passkey(context_tokens=args.context, depths=args.depths, samples=args.samples,
+                       question_at=protocol.split("_")[1], max_new_tokens=8), args.context
+    if protocol == "needle":
+        return Needle(text="lady_susan", context_tokens=args.context, depths=args.depths, samples=args.samples,
+                      max_new_tokens=16), args.context
+    raise SystemExit(f"unknown protocol {protocol!r}")
+
+
+def cache_factory(layout, config: str, budget: int, args, context: int):
+    """A function building a fresh cache for ``config`` at ``budget`` tokens."""
+    total = layout.pages_for(context + 512) + 8
+    if config == "exact":
+        return lambda: TieredKVCache(layout, [DeviceTier(layout, total, device="cpu"), HostTier(layout, total)],
+                                     POLICIES["lru"](), scope="all")
+    scope, name = config.split(":")
+    rank = "quest_head" if scope == "topk_head" else "quest"
+    window = budget - args.sinks if name == "sink_window" else args.window
+    kw = dict(sinks=args.sinks, window=window)
+    policy_kw = dict(sinks=args.sinks, window=window)
+    mode = "once" if scope == "once" else "continuous"
+    cache_scope = {"once": "resident", "topk_head": "topk"}.get(scope, scope)
+    m = (budget - args.sinks - window) // PAGE
+    # resident: the device holds the budget's pages (+ the partial sink/window pages and the next
+    # token's page); topk and once: everything (what recall attends does not depend on where pages live)
+    device = total if mode == "once" or cache_scope == "topk" else -(-args.sinks // PAGE) + m + window // PAGE + 3
+
+    def make():
+        policy = POLICIES[name](**policy_kw)
+        return TieredKVCache(layout, [DeviceTier(layout, device, device="cpu"), HostTier(layout, total)], policy,
+                             scope=cache_scope, budget=budget, mode=mode, exact_prefill=True, rank=rank, **kw)
+    return make
+
+
+def run_one(args, engine, tok, layout, protocol, config, fraction, tokens=None) -> dict:
+    t0 = time.time()
+    offsets = [30000 * i for i in range(args.slices)] if protocol == "ctx2k" else [0]
+    results = []
+    for off in offsets:
+        task, context = make_task(args, protocol, off)
+        budget = tokens or int(round(fraction * context))
+        make = cache_factory(layout, config, budget, args, context)
+        results.append(task.run(engine, make, tok))
+    row = {"protocol": protocol, "config": config, "budget_tokens": budget,
+           "fraction": round(budget / context, 4), "wall_s": round(time.time() - t0, 1)}
+    if "perplexity" in results[0]:
+        nll = sum(r["nll_mean"] * r["scored_tokens"] for r in results) / sum(r["scored_tokens"] for r in results)
+        row.update(perplexity=round(math.exp(nll), 3), per_slice=[round(r["perplexity"], 3) for r in results],
+                   attended_tokens=round(sum(r["attended_tokens"] for r in results) / len(results), 1),
+                   text=results[0]["text"])
+    else:
+        r = results[0]
+        row.update(accuracy=r["accuracy"], samples=r["samples"], per_depth=r["per_depth"],
+                   outputs=[x["output"] for x in r["records"]])
+    return row
+
+
+def table(rows) -> str:
+    lines = ["| protocol | config | budget (tokens, fraction) | score | attended tok/step | wall s |",
+             "| --- | --- | --- | ---: | ---: | ---: |"]
+    for r in rows:
+        score = f"ppl {r['perplexity']:.2f}" if "perplexity" in r else f"acc {r['accuracy']:.2f} ({r['samples']})"
+        lines.append(f"| {r['protocol']} | {r['config']} | {r['budget_tokens']} ({r['fraction']:.0%}) | {score} | "
+                     f"{r.get('attended_tokens', '-')} | {r['wall_s']} |")
+    return "\n".join(lines)
+
+
+def plot(rows, out_dir: Path) -> list[Path]:
+    """``quality_vs_budget-<protocol>.png`` per protocol: score against the budget fraction."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for protocol in sorted({r["protocol"] for r in rows}):
+        mine = [r for r in rows if r["protocol"] == protocol]
+        score = "perplexity" if "perplexity" in mine[0] else "accuracy"
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for config in sorted({r["config"] for r in mine}):
+            pts = sorted((r["fraction"], r[score]) for r in mine if r["config"] == config)
+            if config == "exact":
+                ax.axhline(pts[0][1], ls="--", color="k", label="exact")
+            else:
+                ax.plot(*zip(*pts), marker="o", label=config)
+        ax.set_xlabel("budget (fraction of the context, tokens attended)")
+        ax.set_ylabel(score)
+        ax.set_title(f"{protocol} (SmolLM2-135M)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(out_dir / f"quality_vs_budget-{protocol}.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--plot", nargs="+", default=None, help="study JSON files to plot (nothing is run)")
+    p.add_argument("--plot-out", default="docs/policy_study")
+    p.add_argument("--protocol")
+    p.add_argument("--configs", default="exact,topk:sink_window,resident:sink_window")
+    p.add_argument("--fractions", default="0.2")
+    p.add_argument("--tokens", type=int, default=None, help="budget in tokens (overrides --fractions)")
+    p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--window", type=int, default=64)
+    p.add_argument("--slices", type=int, default=3)
+    p.add_argument("--text", default="opticks")
+    p.add_argument("--length", type=int, default=4096)
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--depths", default="0.1,0.5,0.9")
+    p.add_argument("--samples", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if args.plot:
+        rows = [r for f in args.plot for r in json.loads(Path(f).read_text())]
+        print(table(rows))
+        for path in plot(rows, Path(args.plot_out)):
+            print(path)
+        return
+    if not args.protocol:
+        p.error("--protocol is required (or --plot)")
+    args.depths = [float(d) for d in args.depths.split(",")]
+    torch.set_num_threads(args.threads)
+    model, tok = load_model(None, dtype="float32", device="cpu", attn_implementation=install())
+    model.eval()
+    layout = kv_layout_for(model.config, page_size=PAGE, dtype=torch.float32)
+    engine = Engine(model, ChunkedPrefill(512))
+    rows = []
+    out = Path(args.out) if args.out else None
+    for fraction in [float(f) for f in args.fractions.split(",")]:
+        for config in args.configs.split(","):
+            if config == "exact" and rows and any(r["config"] == "exact" for r in rows):
+                continue  # exact does not depend on the budget
+            row = run_one(args, engine, tok, layout, args.protocol, config, fraction, args.tokens)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if out:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                old = json.loads(out.read_text()) if out.exists() else []
+                out.write_text(json.dumps(old + [row], indent=1))
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

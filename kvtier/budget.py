@@ -1,0 +1,82 @@
+"""Token budgets: how many keys a decode step attends per (layer, sequence), counted in tokens.
+
+A budget of ``tokens`` keys is spent as StreamingLLM and Quest spend it: the first ``sinks`` tokens
+(a 4-token sink costs 4 tokens, not a page: its page is attended truncated), ``middle_pages`` whole
+pages chosen by the scope (``resident``: the best device pages by policy priority; ``topk``: the best
+by a query-aware score), and the most recent ``window_tokens`` (at least ``window``: the leftover of
+the page rounding goes to the window), attended in the causal tail call with ``window_left``.
+
+A sequence of at most ``tokens`` tokens is attended whole. Candidates for the middle are the pages
+wholly between the sink pages and the window's first page; tokens of the partial pages outside the
+sink and window spans are not attended. With ``once`` the window's start is fixed when the prefill
+ends (``compress once``: the pages not kept then are dropped, later tokens all attended).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtier.errors import ConfigError
+
+MODES = ("continuous", "once")
+
+
+@dataclass
+class TokenBudget:
+    tokens: int
+    sinks: int = 4
+    window: int = 64
+    page_size: int = 16
+    mode: str = "continuous"
+
+    def __post_init__(self):
+        for name in ("tokens", "sinks", "window"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"cache.{'budget' if name == 'tokens' else name}",
+                                  f"must be an integer >= 0, got {v!r}")
+        if self.window < 1:
+            raise ConfigError("cache.window", "a token budget attends at least the newest token: window >= 1")
+        if self.sinks + self.window > self.tokens:
+            raise ConfigError("cache.budget", f"{self.tokens} tokens cannot hold sinks ({self.sinks}) + window "
+                                              f"({self.window})")
+        if self.mode not in MODES:
+            raise ConfigError("cache.mode", f"unknown mode {self.mode!r}; use one of {list(MODES)}")
+
+    @property
+    def middle_pages(self) -> int:
+        return (self.tokens - self.sinks - self.window) // self.page_size
+
+    @property
+    def window_tokens(self) -> int:
+        return self.tokens - self.sinks - self.middle_pages * self.page_size
+
+    def view(self, n: int, win_start: int | None = None) -> "BudgetView | None":
+        """The spans of a sequence of ``n`` tokens (None when it fits whole); ``win_start`` fixes the window."""
+        if n <= self.tokens and win_start is None:
+            return None
+        P = self.page_size
+        start = n - self.window_tokens if win_start is None else win_start
+        return BudgetView(self.sinks, start, -(-self.sinks // P), start // P)
+
+
+@dataclass
+class BudgetView:
+    """One step's spans: tokens ``[0, sinks)`` and ``[win_start, n)`` are attended; the middle
+    candidates are the logical pages ``[cand_lo, cand_hi)``."""
+
+    sinks: int
+    win_start: int
+    cand_lo: int
+    cand_hi: int
+
+    @property
+    def tail_from(self) -> int:
+        return self.cand_hi
+
+    def candidates(self, live: np.ndarray) -> np.ndarray:
+        """Middle candidates among a sequence's pages, ``live [n_pages]`` bool (not dropped): logical ``[m]``."""
+        idx = np.arange(self.cand_lo, min(self.cand_hi, live.size))
+        return idx[live[idx]]

@@ -1,0 +1,44 @@
+"""Expected Attention (Devoto et al., 2025, arXiv:2510.00636): score keys by the attention future queries
+are expected to give them, with queries modelled as a Gaussian fitted to the recent ones:
+E[exp(q·k/√d)] = exp(μ·k/√d + kᵀΣk/(2d)).
+
+Here, page-level and simplified: μ and a diagonal Σ from the last ``rows`` queries of each layer (as
+observed, with their rotary phase; the paper averages the rotation over future positions and weighs
+by value norms, neither done here), and a page's keys through their mean and mean square:
+μ·k̄/√d + Σ_c σ²_c·mean(k_c²)/(2d) (the expected log-attention of the page's typical key).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from kvtier.policies.scored import ScoredPolicy, Scorer
+
+
+@dataclass
+class ExpectedLogit(Scorer):
+    needs = frozenset({"keys", "queries"})
+    rows: int = 32
+
+    def score(self, stats) -> np.ndarray:
+        if stats.query_moments is None:
+            return np.zeros((1, stats.info.pids.size))
+        mu, var = stats.query_moments  # [L, H, D]
+        L, H, D = mu.shape
+        k, k2 = stats.key_mean, stats.key_sq_mean  # [L, n, N_kv, D]
+        n_kv = k.shape[2]
+        mu, var = mu.reshape(L, 1, n_kv, H // n_kv, D), var.reshape(L, 1, n_kv, H // n_kv, D)
+        logit = (mu * k[:, :, :, None]).sum(-1) / np.sqrt(D) + (var * k2[:, :, :, None]).sum(-1) / (2 * D)
+        return logit.reshape(L, -1, H).max(-1)  # [L, n]
+
+
+@dataclass
+class ExpectedAttention(ScoredPolicy):
+    obs_window: int = 32
+    name: ClassVar[str] = "expected_attention"
+
+    def make_scorer(self):
+        return ExpectedLogit(self.obs_window)

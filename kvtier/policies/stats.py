@@ -1,0 +1,172 @@
+"""What scorers read: :class:`PageStats`, a value object over the candidate pages, and the
+:class:`StatsStore` a scored policy fills from the cache's events.
+
+The store keeps, per (layer, pid, kv head), observed attention (the exact probability mass a page
+received from a query row, :func:`kvtier.page_stats.page_attention`): the running sum over every
+observed row (H2O) and the last ``rows`` rows (a ring: TOVA reads the newest, SnapKV sums the
+window), plus ASPE's salience history (max probability per page, summed over kv heads) and the
+cache's key and query statistics (:mod:`kvtier.page_stats`), bound by the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+import torch
+
+from kvtier.policies.base import PageInfo, grown
+
+NEEDS = frozenset({"attention", "salience", "keys", "queries"})
+
+
+class StatsStore:
+    """Observations of one cache, numpy on the host. ``rows``: attention rows kept; ``obs_window``:
+    steps of salience kept."""
+
+    def __init__(self, num_layers: int, rows: int = 1, obs_window: int = 16):
+        self.L, self.rows, self.obs_window = num_layers, rows, obs_window
+        self.acc: np.ndarray | None = None  # [L, pids, N_kv] attention summed over every observed row
+        self.ring: np.ndarray | None = None  # [rows, L, pids, N_kv] the last rows (0 where not attended)
+        self.head = np.zeros(num_layers, dtype=np.int64)  # rows pushed per layer
+        self.sal = np.full((obs_window, num_layers, 64), np.nan, dtype=np.float32)  # [W, L, pids]
+        self.sal_last = np.full((num_layers, 64), np.nan, dtype=np.float32)  # [L, pids] last windowed mean
+        self._sal_row = 0
+        self.keys = None  # kvtier.page_stats.KeyStats, bound by the cache
+        self.queries = None  # kvtier.page_stats.QueryStats
+
+    # -- events --------------------------------------------------------------------------------
+    def on_step(self, step: int) -> None:
+        self._sal_row = step % self.obs_window
+        self.sal[self._sal_row] = np.nan
+
+    def on_append(self, pids: np.ndarray) -> None:
+        self._grow(int(pids.max(initial=-1)) + 1)
+        if self.acc is not None:
+            self.acc[:, pids] = 0
+            self.ring[:, :, pids] = 0
+        self.sal[:, :, pids] = np.nan
+        self.sal_last[:, pids] = np.nan
+
+    def on_attention(self, layer: int, pids: np.ndarray, mass: np.ndarray) -> None:
+        """``mass [r, n, N_kv]``: the step's last ``r`` query rows (oldest first) on pages ``pids``."""
+        if self.acc is None:
+            n_kv = mass.shape[-1]
+            self.acc = np.zeros((self.L, self.sal.shape[-1], n_kv), dtype=np.float64)
+            self.ring = np.zeros((self.rows, self.L, self.sal.shape[-1], n_kv), dtype=np.float32)
+        self._grow(int(pids.max(initial=-1)) + 1)
+        np.add.at(self.acc[layer], pids, mass.sum(0))
+        for row in mass[-self.rows:]:
+            slot = self.head[layer] % self.rows
+            self.ring[slot, layer] = 0  # a page the row did not attend got nothing from it
+            np.add.at(self.ring[slot, layer], pids, row)  # a page split over parts adds up
+            self.head[layer] += 1
+
+    def on_salience(self, layer: int, pids: np.ndarray, scores: np.ndarray) -> None:
+        self._grow(int(pids.max(initial=-1)) + 1)
+        self.sal[self._sal_row, layer, pids] = scores.sum(-1)  # Σ over kv heads
+
+    def _grow(self, size: int) -> None:
+        self.sal = grown(self.sal, size, np.nan)
+        self.sal_last = grown(self.sal_last, size, np.nan)
+        if self.acc is not None:
+            self.acc = np.moveaxis(grown(np.moveaxis(self.acc, 1, -1), size, 0.0), -1, 1)
+            self.ring = np.moveaxis(grown(np.moveaxis(self.ring, 2, -1), size, 0.0), -1, 2)
+
+    # -- reading -------------------------------------------------------------------------------
+    def salience_mean(self, pids: np.ndarray) -> np.ndarray:
+        """ASPE's Φ ``[L, n]``: mean salience over the window where observed, else the last mean
+        seen, else NaN."""
+        self._grow(int(pids.max(initial=-1)) + 1)
+        h = self.sal[:, :, pids]  # [W, L, n]
+        seen = ~np.isnan(h)
+        count = seen.sum(0)
+        mean = np.where(seen, h, 0).sum(0) / np.maximum(count, 1)  # [L, n]
+        self.sal_last[:, pids] = np.where(count > 0, mean, self.sal_last[:, pids])
+        return self.sal_last[:, pids].copy()
+
+    def stats(self, info: PageInfo) -> "PageStats":
+        return PageStats(info, self)
+
+
+@dataclass
+class PageStats:
+    """The candidate pages of :class:`PageInfo` (``n`` of them) and what is known of them; each
+    field is computed on first use. Arrays are per layer: ``[L, n, ...]``."""
+
+    info: PageInfo
+    store: StatsStore = field(repr=False)
+
+    def _rows(self) -> np.ndarray:
+        if self.store.ring is None:
+            return np.zeros((self.store.rows, self.store.L, self.info.pids.size, 1), dtype=np.float32)
+        self.store._grow(int(self.info.pids.max(initial=-1)) + 1)
+        return self.store.ring[:, :, self.info.pids]  # [rows, L, n, N_kv]
+
+    @cached_property
+    def attention_total(self) -> np.ndarray:
+        """Attention summed over every observed query row ``[L, n, N_kv]`` (H2O's accumulated score)."""
+        if self.store.acc is None:
+            return np.zeros((self.store.L, self.info.pids.size, 1))
+        self.store._grow(int(self.info.pids.max(initial=-1)) + 1)
+        return self.store.acc[:, self.info.pids]
+
+    @cached_property
+    def attention_last(self) -> np.ndarray:
+        """The newest query row's attention ``[L, n, N_kv]`` (per layer: its own newest row)."""
+        rows = self._rows()
+        newest = (self.store.head - 1) % self.store.rows  # [L]
+        return rows[newest, np.arange(self.store.L)]
+
+    @cached_property
+    def attention_window(self) -> np.ndarray:
+        """Attention summed over the last ``rows`` query rows ``[L, n, N_kv]`` (SnapKV's window)."""
+        return self._rows().sum(0)
+
+    @cached_property
+    def salience(self) -> np.ndarray:
+        """ASPE's Φ ``[L, n]`` (NaN where never observed)."""
+        return self.store.salience_mean(self.info.pids)
+
+    def _keys(self, name: str) -> np.ndarray:
+        keys = self.store.keys
+        return getattr(keys, name)[:, torch.from_numpy(self.info.pids).to(keys.device)].cpu().numpy()
+
+    @cached_property
+    def key_count(self) -> np.ndarray:
+        """Tokens written per page ``[L, n]``."""
+        return self._keys("count")
+
+    @cached_property
+    def key_norm(self) -> np.ndarray:
+        """Mean key L2 norm per page ``[L, n, N_kv]`` (NaN for an empty page)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return self._keys("norm_sum") / self.key_count[..., None]
+
+    @cached_property
+    def key_mean(self) -> np.ndarray:
+        """Mean key ``[L, n, N_kv, D]``."""
+        return self._keys("key_sum") / np.maximum(self.key_count, 1)[..., None, None]
+
+    @cached_property
+    def key_sq_mean(self) -> np.ndarray:
+        """Mean squared key, per channel ``[L, n, N_kv, D]``."""
+        return self._keys("key_sq") / np.maximum(self.key_count, 1)[..., None, None]
+
+    @cached_property
+    def key_bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """Quest's per-channel key min and max ``[L, n, N_kv, D]`` each."""
+        return self._keys("key_min"), self._keys("key_max")
+
+    @cached_property
+    def query_last(self) -> np.ndarray | None:
+        """The newest decode query per layer ``[L, H, D]`` (None before any decode step)."""
+        q = self.store.queries.last() if self.store.queries is not None else None
+        return None if q is None else q.cpu().numpy()
+
+    @cached_property
+    def query_moments(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Mean and variance of the recent decode queries ``[L, H, D]`` each."""
+        m = self.store.queries.moments() if self.store.queries is not None else None
+        return None if m is None else (m[0].cpu().numpy(), m[1].cpu().numpy())

@@ -1,0 +1,381 @@
+"""Scored policies on planted inputs (each one's defining behaviour), the per-page statistics they
+read, token budgets (sinks cost tokens, not pages; StreamingLLM token-exact against HF) and
+compress-once after an exact prefill."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier import KVLayout
+from kvtier.cache import TieredKVCache
+from kvtier.errors import ConfigError
+from kvtier.page_stats import KeyStats, QueryStats
+from kvtier.policies import (H2O, LRU, PINNED, TOVA, Compose, ExpectedAttention, Knorm, PageInfo, Quest,
+                             ScoredPolicy, SinkWindow, SnapKV)
+from kvtier.policies.h2o import AccumulatedAttention
+from kvtier.tiers import DeviceTier, HostTier
+
+N_KV, D = 2, 8
+
+
+def info(n_pages, seq_len=None, page=16):
+    seq_len = n_pages * page if seq_len is None else seq_len
+    return PageInfo(np.arange(n_pages), np.arange(n_pages), np.full(n_pages, seq_len), page, 0)
+
+
+def feed(pol, rows_per_step, layers=1):
+    """Planted attention: ``rows_per_step`` is a list of ``[r, n]`` arrays (mass per page, head 0;
+    head 1 gets a tenth of it)."""
+    pol.reset(layers)
+    n = np.asarray(rows_per_step[0]).shape[-1]
+    pol.on_append(np.arange(n), 0)
+    for step, rows in enumerate(rows_per_step):
+        rows = np.asarray(rows, dtype=np.float32)
+        mass = np.stack([rows, rows / 10], -1)  # [r, n, N_kv]
+        pol.on_step(step)
+        for layer in range(layers):
+            pol.on_attention(layer, np.arange(n), mass, step)
+    return pol
+
+
+def ranked(pol, n):
+    """Priorities of pages 0..n-1 of a sequence whose page n is being written (always pinned)."""
+    return pol.priority(info(n + 1, n * 16 + 1))[0][:n]
+
+
+def middle_order(pol, n):
+    prio = ranked(pol, n)
+    assert np.isfinite(prio).all()
+    return list(np.argsort(-prio, kind="stable"))
+
+
+def test_h2o_keeps_the_largest_accumulated_attention():
+    # page 2 wins every early step; page 4 wins only the last: accumulated, page 2 is the heavy hitter
+    steps = [[[0.1, 0.1, 0.6, 0.1, 0.1]]] * 5 + [[[0.0, 0.1, 0.0, 0.0, 0.9]]]
+    pol = feed(H2O(sinks=0, window=0), steps)
+    order = middle_order(pol, 5)
+    assert order[0] == 2 and order[1] == 4
+    assert pol.attention_rows is None  # every query row (prefill rows included)
+
+
+def test_tova_drops_the_page_the_last_query_attends_least():
+    # page 0 is the heavy hitter of the past; the newest query gives it the least
+    steps = [[[0.9, 0.05, 0.02, 0.03]]] * 4 + [[[0.01, 0.5, 0.3, 0.19]]]
+    pol = feed(TOVA(sinks=0, window=0), steps)
+    order = middle_order(pol, 4)
+    assert order[-1] == 0 and order[0] == 1
+    assert pol.attention_rows == 1
+
+
+def test_tova_a_page_the_last_query_did_not_attend_scores_zero():
+    pol = TOVA(sinks=0, window=0)
+    pol.reset(1)
+    pol.on_append(np.arange(3), 0)
+    pol.on_attention(0, np.arange(3), np.ones((1, 3, N_KV), np.float32), 0)
+    pol.on_attention(0, np.array([0, 2]), np.full((1, 2, N_KV), 0.5, np.float32), 1)  # page 1 not attended
+    np.testing.assert_allclose(ranked(pol, 3), [0.5, 0.0, 0.5])
+
+
+def test_snapkv_pools_the_observation_window_only():
+    # one prefill chunk of 6 rows: rows 0-2 favour page 0, the last 3 rows (the window) page 3
+    rows = np.array([[0.9, 0.0, 0.1, 0.0]] * 3 + [[0.0, 0.2, 0.1, 0.7]] * 3)
+    pol = feed(SnapKV(sinks=0, window=0, obs_window=3), [rows])
+    prio = ranked(pol, 4)
+    np.testing.assert_allclose(prio, [0.0, 0.6, 0.3, 2.1], rtol=1e-6)  # sums over the window rows, head 0
+    wide = feed(SnapKV(sinks=0, window=0, obs_window=6), [rows])
+    assert middle_order(wide, 4)[0] == 0  # the whole chunk as window: page 0 wins
+
+
+def test_pins_are_sinks_and_window_pages():
+    pol = feed(H2O(sinks=4, window=20), [[[0.0] * 6]])
+    prio = pol.priority(info(6, 6 * 16 - 3))[0]
+    assert list(np.flatnonzero(prio == PINNED)) == [0, 4, 5]  # page 4 holds some of the last 20 tokens
+
+
+class Table:
+    """Stand-in for the BlockTable: one sequence whose logical pages are pids 0..n-1."""
+
+    def __init__(self, n_pages):
+        self.n = n_pages
+
+    def pages(self, seq):
+        return np.arange(self.n)
+
+
+def keys_for(pages_keys, page=4):
+    """KeyStats of 1 layer holding ``pages_keys [n_pages, page, N_kv, D]``."""
+    layout = KVLayout(num_layers=1, num_kv_heads=N_KV, head_dim=D, page_size=page, dtype="float32")
+    ks = KeyStats(layout, "cpu")
+    n = pages_keys.shape[0]
+    ks.on_append(np.arange(n))
+    k = pages_keys.reshape(n * page, N_KV, D).permute(1, 0, 2)[None]  # [1, N_kv, S, D]
+    ks.on_write(Table(n), [0], 0, k, 0)
+    return ks
+
+
+def bound_policy(pol, keys, queries=None):
+    pol.reset(1)
+    pol.bind(keys, queries)
+    return pol
+
+
+def test_knorm_keeps_low_key_norm_pages():
+    torch.manual_seed(0)
+    pk = torch.randn(5, 4, N_KV, D)
+    scale = torch.tensor([1.0, 3.0, 0.2, 2.0, 1.5])  # page 2 has the smallest keys, page 1 the largest
+    pol = bound_policy(Knorm(sinks=0, window=0), keys_for(pk * scale[:, None, None, None]))
+    order = middle_order(pol, 5)
+    assert order[0] == 2 and order[-1] == 1
+    np.testing.assert_allclose(pol.store.stats(info(5)).key_norm[0],
+                               (pk * scale[:, None, None, None]).norm(dim=-1).mean(1).numpy(), rtol=1e-5)
+
+
+def test_quest_policy_ranks_the_page_aligned_with_the_newest_query():
+    torch.manual_seed(1)
+    pk = torch.randn(6, 4, N_KV, D) * 0.1
+    q = torch.randn(2 * N_KV, D)  # 2 query heads per kv head
+    pk[3, 1, 0] = 5 * q[0]  # one key of page 3 aligned with query head 0
+    queries = QueryStats(1, 1, "cpu")
+    queries.add(0, q)
+    pol = bound_policy(Quest(sinks=0, window=0), keys_for(pk), queries)
+    assert middle_order(pol, 6)[0] == 3
+    empty = bound_policy(Quest(sinks=0, window=0), keys_for(pk), QueryStats(1, 1, "cpu"))
+    assert (ranked(empty, 6) == 0).all()  # no query yet: no preference
+
+
+def test_expected_attention_follows_the_query_mean_and_variance():
+    pk = torch.zeros(4, 4, N_KV, D)
+    mu = torch.zeros(2 * N_KV, D)
+    mu[:, 0] = 1.0
+    pk[1, :, :, 0] = 3.0  # page 1 lies along the query mean
+    pk[2, :, :, 5] = 3.0  # page 2 along channel 5, where the queries vary
+    queries = QueryStats(1, 8, "cpu")
+    for sign in (1, -1, 1, -1):
+        q = mu.clone()
+        q[:, 5] = 2.0 * sign  # mean 0, variance 4 on channel 5
+        queries.add(0, q)
+    pol = bound_policy(ExpectedAttention(sinks=0, window=0), keys_for(pk), queries)
+    prio = ranked(pol, 4)
+    # page 1: mu.k/sqrt(D) = 3/sqrt(8); page 2: var*k^2/(2D) = 4*9/16
+    np.testing.assert_allclose(prio, [0, 3 / np.sqrt(8), 4 * 9 / 16, 0], rtol=1e-5)
+    assert list(np.argsort(-prio))[:2] == [2, 1]
+
+
+def test_scored_policy_validates_itself():
+    with pytest.raises(ConfigError) as e:
+        ScoredPolicy()
+    assert e.value.field == "policy.scorer"
+    with pytest.raises(ConfigError) as e:
+        SnapKV(obs_window=0)
+    assert e.value.field == "policy.obs_window"
+    with pytest.raises(ConfigError) as e:
+        H2O(window=-1)
+    assert e.value.field == "policy.window"
+    assert isinstance(ScoredPolicy(scorer=AccumulatedAttention()).scorer, AccumulatedAttention)
+    both = Compose(rank=H2O(), pins=[SinkWindow(), Knorm()])  # a combinator gathers what its parts need
+    assert both.needs == {"attention", "keys"} and both.attention_rows is None
+
+
+# -- the cache: statistics, token budgets, compress once ------------------------------------------
+LAYOUT = KVLayout(num_layers=1, num_kv_heads=N_KV, head_dim=D, page_size=4, dtype="float32")
+
+
+def make_cache(policy, scope="resident", device_pages=64, **kw):
+    return TieredKVCache(LAYOUT, [DeviceTier(LAYOUT, device_pages, device="cpu"), HostTier(LAYOUT, 64)], policy,
+                         scope=scope, **kw)
+
+
+def eager(q, k, v, keep):
+    """Eager attention of q ``[1, H, 1, D]`` over the keys ``keep`` (bool ``[S]``): out ``[H, D]``, probs ``[H, S]``."""
+    kk, vv = k[0].repeat_interleave(3, dim=0), v[0].repeat_interleave(3, dim=0)  # [H, S, D]
+    logits = (q[0, :, 0, None, :] * kk).sum(-1) * D ** -0.5
+    probs = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)
+    return (probs[:, :, None] * vv).sum(1), probs
+
+
+def run_steps(cache, k, v, qs, prefill):
+    """Prefill ``prefill`` tokens (one chunk), then one decode step per remaining token; returns outputs."""
+    outs = []
+    cache.update(k[:, :, :prefill], v[:, :, :prefill], 0)
+    cache.attend(0, torch.randn(1, 6, prefill, D))
+    cache.end_prefill()
+    for i in range(prefill, k.shape[2]):
+        cache.update(k[:, :, i:i + 1], v[:, :, i:i + 1], 0)
+        outs.append(cache.attend(0, qs[i][None, :, None]))
+    cache.finish_step()
+    return outs
+
+
+def test_budget_counts_tokens_and_streaming_spans_are_token_exact():
+    """budget 16 = 3 sink tokens + 13 recent tokens: never a whole sink page, checked against eager."""
+    torch.manual_seed(4)
+    S = 41
+    k, v, qs = torch.randn(1, N_KV, S, D), torch.randn(1, N_KV, S, D), torch.randn(S, 6, D)
+    cache = make_cache(SinkWindow(sinks=3, window=13), budget=16, sinks=3, window=13)
+    outs = run_steps(cache, k, v, qs, prefill=10)
+    for i, out in zip(range(10, S), outs):
+        keep = torch.zeros(S, dtype=torch.bool)
+        keep[: i + 1] = True
+        if i + 1 > 16:
+            keep[3: i + 1 - 13] = False
+        ref, _ = eager(qs[i][None, :, None], k[:, :, : S], v[:, :, : S], keep)
+        assert torch.allclose(out[0, 0], ref, atol=1e-5), i
+    per_step = cache.stats.attended_per_step()
+    assert per_step == [float(min(i + 1, 16)) for i in range(10, S)]
+
+
+def test_budget_middle_pages_follow_the_policy_under_resident_and_the_query_under_topk():
+    torch.manual_seed(5)
+    S = 49  # 12 full pages + 1
+    k, v, qs = torch.randn(1, N_KV, S, D), torch.randn(1, N_KV, S, D), torch.randn(S, 6, D)
+    k[:, :, 21] = 6 * qs[S - 1, ::3]  # token 21 (page 5) aligned with the last query
+    # budget 4 sinks + 8 recent + 2 pages of 4
+    topk = make_cache(LRU(), scope="topk", budget=20, sinks=4, window=8)
+    run_steps(topk, k, v, qs, prefill=48)
+    chosen = topk.choose(0, qs[S - 1][None, :, None])[0]
+    assert 5 in chosen.tolist() and topk.stats.attended_per_step() == [20.0]
+    # resident: the H2O heavy hitter of the prefill's rows, whatever the query
+    u = torch.nn.functional.normalize(torch.randn(N_KV, D), dim=-1)
+    k2 = torch.randn(1, N_KV, S, D)
+    k2[:, :, 30] = 5 * u  # token 30 (page 7) is what every prefill query looks for
+    q_prefill = torch.randn(48, 6, D) + 3 * u.repeat_interleave(3, dim=0)
+    pol = H2O(sinks=4, window=8)
+    res = make_cache(pol, budget=20, sinks=4, window=8, exact_prefill=True)
+    res.update(k2[:, :, :48], v[:, :, :48], 0)
+    res.attend(0, q_prefill.permute(1, 0, 2)[None])
+    res.end_prefill()
+    acc = pol.store.stats(info(12, 48, page=4)).attention_total[0].max(-1)  # [pages]
+    assert np.argmax(acc[1:10]) + 1 == 7
+    res.update(k2[:, :, 48:], v[:, :, 48:], 0)
+    chosen = res.choose(0, qs[S - 1][None, :, None])[0]
+    middle = sorted((np.argsort(-acc[1:10], kind="stable")[:2] + 1).tolist())  # candidates: pages 1-9
+    assert chosen.tolist() == [0] + middle + [10, 11, 12] and 7 in middle
+
+
+def test_page_attention_equals_eager_mass_per_page():
+    torch.manual_seed(6)
+    S = 30
+    k, v, q = torch.randn(1, N_KV, S, D), torch.randn(1, N_KV, S, D), torch.randn(1, 6, 1, D)
+    got = {}
+
+    class Spy(TOVA):
+        def on_attention(self, layer, pids, mass, step):
+            for pid, m in zip(pids.tolist(), mass[-1]):
+                got[pid] = got.get(pid, 0) + m
+
+    cache = make_cache(Spy(sinks=0, window=0), budget=14, sinks=2, window=8)
+    cache.update(k[:, :, :-1], v[:, :, :-1], 0)
+    cache.attend(0, torch.randn(1, 6, S - 1, D))
+    cache.finish_step()
+    got.clear()
+    cache.update(k[:, :, -1:], v[:, :, -1:], 0)
+    # attended: tokens 0-1 (sinks), the middle page best by TOVA, tokens 22-29 (window)
+    chosen = cache.choose(0, q)[0]
+    cache.attend(0, q)
+    cache.finish_step()
+    keep = torch.zeros(S, dtype=torch.bool)
+    keep[:2] = keep[22:] = True
+    for page in chosen.tolist():
+        if 1 <= page < 5:
+            keep[page * 4:(page + 1) * 4] = True
+    _, probs = eager(q, k, v, keep)  # [H, S]
+    per_page = torch.nn.functional.pad(probs, (0, 2)).view(N_KV, 3, 8, 4).sum(-1).mean(1)  # [N_kv, pages]
+    pids = cache.table.pages(0)
+    for logical, pid in enumerate(pids.tolist()):
+        if pid in got:
+            np.testing.assert_allclose(got[pid], per_page[:, logical].numpy(), atol=1e-5)
+    assert sum(g.sum() for g in got.values()) == pytest.approx(N_KV, abs=1e-4)  # all the mass, each kv head
+
+
+def test_compress_once_after_an_exact_prefill():
+    torch.manual_seed(7)
+    S = 45
+    k, v, qs = torch.randn(1, N_KV, S, D), torch.randn(1, N_KV, S, D), torch.randn(S, 6, D)
+    exact = make_cache(LRU(), scope="all")
+    ref = run_steps(exact, k, v, qs, prefill=40)
+    pol = SnapKV(sinks=4, window=8, obs_window=4)
+    cache = make_cache(pol, budget=20, sinks=4, window=8, mode="once")
+    cache.update(k[:, :, :40], v[:, :, :40], 0)
+    out_prefill = cache.attend(0, qs[:40].permute(1, 0, 2)[None])
+    exact_prefill = make_cache(LRU(), scope="all")
+    exact_prefill.update(k[:, :, :40], v[:, :, :40], 0)
+    assert torch.allclose(out_prefill, exact_prefill.attend(0, qs[:40].permute(1, 0, 2)[None]), atol=1e-6)
+    cache.end_prefill()
+    window_score = pol.store.stats(info(10, 40, page=4)).attention_window[0].max(-1)  # [pages]
+    # candidates: pages 1..7 (window starts at token 41 - 8 = 33: page 8); 2 kept, the best by SnapKV
+    best = sorted((np.argsort(-window_score[1:8], kind="stable")[:2] + 1).tolist())
+    live = np.flatnonzero(cache.table.tier_of[0, cache.table.pages(0)] >= 0).tolist()
+    assert live == [0] + best + [8, 9]
+    assert cache.stats.compressed_pages == 5
+    outs = []
+    for i in range(40, S):
+        cache.update(k[:, :, i:i + 1], v[:, :, i:i + 1], 0)
+        outs.append(cache.attend(0, qs[i][None, :, None]))
+    # the window grows from its fixed start: 4 + 2 pages + tokens 33..i
+    assert cache.stats.attended_per_step() == [4 + 8 + (i + 1 - 33) for i in range(40, S)]
+    keep = torch.zeros(S, dtype=torch.bool)
+    keep[:4] = keep[33:] = True
+    for page in best:
+        keep[page * 4:(page + 1) * 4] = True
+    want, _ = eager(qs[S - 1][None, :, None], k, v, keep)
+    assert torch.allclose(outs[-1][0, 0], want, atol=1e-5)
+    assert not torch.allclose(outs[-1], ref[-1], atol=1e-3)  # compression did change the result
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(budget=10, sinks=4, window=8), "cache.budget"),
+    (dict(budget=32, window=0), "cache.window"),
+    (dict(budget=32, window=8, mode="later"), "cache.mode"),
+    (dict(budget=32, window=8, scope="all"), "cache.budget"),
+    (dict(scope="topk", topk_pages=4, rank="best"), "cache.rank"),
+    (dict(scope="topk"), "topk_pages"),
+    (dict(budget=32, window=8, dense_layers=2), "cache.dense_layers"),
+])
+def test_bad_budget_configs(kw, field):
+    with pytest.raises(ConfigError) as e:
+        make_cache(LRU(), **{"scope": "resident", **kw})
+    assert e.value.field == field
+
+
+def test_streaming_llm_token_exact_against_a_trimmed_hf_cache(smollm2):
+    """Budget 28 = 4 sinks + 24 recent tokens; HF's own DynamicCache trimmed by hand to the same
+    tokens before every decode step (keys keep their positions) gives the same logits."""
+    from transformers import DynamicCache
+
+    from kvtier.data import token_stream
+    from kvtier.engine import Engine
+    from kvtier.hook import install
+    from kvtier.models import kv_layout_for
+
+    model, tok = smollm2
+    ids = token_stream(tok, "opticks", 64)[None]
+    prompt, sinks, recent = 20, 4, 24
+    model.set_attn_implementation("sdpa")
+    ref = []
+    with torch.no_grad():
+        past = DynamicCache()
+        out = model(ids[:, :prompt], past_key_values=past, use_cache=True)
+        for i in range(prompt, ids.shape[1]):
+            n = i + 1  # tokens once this one is in
+            if n > sinks + recent:
+                for layer in past.layers:
+                    keep = list(range(sinks)) + list(range(layer.keys.shape[2] - (recent - 1), layer.keys.shape[2]))
+                    layer.keys, layer.values = layer.keys[:, :, keep], layer.values[:, :, keep]
+            out = model(ids[:, i:i + 1], past_key_values=past, position_ids=torch.tensor([[i]]), use_cache=True)
+            ref.append(out.logits[0, -1])
+    model.set_attn_implementation(install())
+    layout = kv_layout_for(model.config, page_size=16, dtype=torch.float32)
+    cache = TieredKVCache(layout, [DeviceTier(layout, 8, device="cpu"), HostTier(layout, 16)],
+                          SinkWindow(sinks=sinks, window=recent), scope="resident", budget=sinks + recent,
+                          sinks=sinks, window=recent)
+    engine = Engine(model)
+    engine.run_prefill(cache, ids[:, :prompt])
+    got = [engine.decode_step(cache, ids[:, i:i + 1])[0] for i in range(prompt, ids.shape[1])]
+    model.set_attn_implementation("sdpa")
+    ref, got = torch.stack(ref), torch.stack(got)
+    assert (got - ref).abs().max() / ref.abs().max() < 1e-4
+    assert cache.stats.attended_per_step()[-1] == sinks + recent
+    full = ids.shape[1]  # and the trimming mattered: exact attention differs
+    with torch.no_grad():
+        exact = model(ids).logits[0, prompt - 1:full - 1]
+    assert (exact[-1] - ref[-1]).abs().max() > 1e-2
