@@ -69,7 +69,8 @@ def cache_factory(layout, config: str, budget: int, args, context: int):
                                      POLICIES["lru"](), scope="all")
     scope, name = config.split(":")
     rank = "quest_head" if scope == "topk_head" else "quest"
-    window = budget - args.sinks if name == "sink_window" else args.window
+    streaming = name == "sink_window" and scope in ("resident", "once")  # StreamingLLM: sinks + window only
+    window = budget - args.sinks if streaming else args.window
     kw = dict(sinks=args.sinks, window=window)
     policy_kw = dict(sinks=args.sinks, window=window)
     mode = "once" if scope == "once" else "continuous"
@@ -95,7 +96,9 @@ def run_one(args, engine, tok, layout, protocol, config, fraction, tokens=None) 
         budget = tokens or int(round(fraction * context))
         make = cache_factory(layout, config, budget, args, context)
         results.append(task.run(engine, make, tok))
-    row = {"protocol": protocol, "config": config, "budget_tokens": budget,
+    streaming = config.endswith("sink_window") and not config.startswith("topk")
+    row = {"protocol": protocol, "config": config, "budget_tokens": budget, "page": PAGE,
+           "window": None if config == "exact" else budget - args.sinks if streaming else args.window,
            "fraction": round(budget / context, 4), "wall_s": round(time.time() - t0, 1)}
     if "perplexity" in results[0]:
         nll = sum(r["nll_mean"] * r["scored_tokens"] for r in results) / sum(r["scored_tokens"] for r in results)
@@ -110,13 +113,24 @@ def run_one(args, engine, tok, layout, protocol, config, fraction, tokens=None) 
 
 
 def table(rows) -> str:
-    lines = ["| protocol | config | budget (tokens, fraction) | score | attended tok/step | wall s |",
-             "| --- | --- | --- | ---: | ---: | ---: |"]
+    lines = ["| protocol | config | page, window | budget (tokens, fraction) | score | attended tok/step | wall s |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: |"]
     for r in rows:
         score = f"ppl {r['perplexity']:.2f}" if "perplexity" in r else f"acc {r['accuracy']:.2f} ({r['samples']})"
-        lines.append(f"| {r['protocol']} | {r['config']} | {r['budget_tokens']} ({r['fraction']:.0%}) | {score} | "
+        shape = f"{r.get('page', 16)}, {r.get('window') or '-'}"
+        lines.append(f"| {r['protocol']} | {r['config']} | {shape} | {r['budget_tokens']} ({r['fraction']:.0%}) | {score} | "
                      f"{r.get('attended_tokens', '-')} | {r['wall_s']} |")
     return "\n".join(lines)
+
+
+def label(row) -> str:
+    """A configuration's name in plots: config, and its window / page size when not the defaults."""
+    extra = []
+    if row.get("window") not in (None, 64) and not row["config"].startswith(("resident:sink", "once:sink")):
+        extra.append(f"w{row['window']}")
+    if row.get("page", 16) != 16:
+        extra.append(f"p{row['page']}")
+    return row["config"] + (f" ({', '.join(extra)})" if extra else "")
 
 
 def plot(rows, out_dir: Path) -> list[Path]:
@@ -132,8 +146,8 @@ def plot(rows, out_dir: Path) -> list[Path]:
         mine = [r for r in rows if r["protocol"] == protocol]
         score = "perplexity" if "perplexity" in mine[0] else "accuracy"
         fig, ax = plt.subplots(figsize=(6, 4))
-        for config in sorted({r["config"] for r in mine}):
-            pts = sorted((r["fraction"], r[score]) for r in mine if r["config"] == config)
+        for config in sorted({label(r) for r in mine}):
+            pts = sorted((r["fraction"], r[score]) for r in mine if label(r) == config)
             if config == "exact":
                 ax.axhline(pts[0][1], ls="--", color="k", label="exact")
             else:
@@ -157,6 +171,7 @@ def main(argv=None):
     p.add_argument("--configs", default="exact,topk:sink_window,resident:sink_window")
     p.add_argument("--fractions", default="0.2")
     p.add_argument("--tokens", type=int, default=None, help="budget in tokens (overrides --fractions)")
+    p.add_argument("--page", type=int, default=16, help="tokens per KV page")
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--slices", type=int, default=3)
@@ -177,6 +192,8 @@ def main(argv=None):
     if not args.protocol:
         p.error("--protocol is required (or --plot)")
     args.depths = [float(d) for d in args.depths.split(",")]
+    global PAGE
+    PAGE = args.page
     torch.set_num_threads(args.threads)
     model, tok = load_model(None, dtype="float32", device="cpu", attn_implementation=install())
     model.eval()
