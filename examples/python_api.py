@@ -25,7 +25,7 @@ task = Perplexity(text="opticks", length=args.tokens, prefix=16)
 def make_cache() -> TieredKVCache:
     tiers = [DeviceTier(layout, layout.pages_for(task.length // 4)), HostTier(layout, layout.pages_for(task.length))]
     policy = ASPE(sinks=4, window=16, obs_window=16, theta_evict=1e-3, theta_prefetch=1e-2)
-    return TieredKVCache(layout, tiers, policy, LookaheadScheduler(lookahead=2), make_backend("torch"),
+    return TieredKVCache(layout, tiers, policy, LookaheadScheduler(), make_backend("torch"),
                          scope="resident")
 
 

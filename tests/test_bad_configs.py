@@ -62,8 +62,8 @@ CASES = {
                                       "policy.obs_window"),
     "compose without ranking": (lambda p: __import__("kvtier.policies", fromlist=["Compose"]).Compose(),
                                 "policy.rank"),
-    "lookahead zero": (lambda p: __import__("kvtier.scheduler", fromlist=["LookaheadScheduler"]).LookaheadScheduler(
-        lookahead=0), "scheduler.lookahead"),
+    "no moves per step": (lambda p: __import__("kvtier.scheduler", fromlist=["LookaheadScheduler"]).LookaheadScheduler(
+        max_moves_per_step=0), "scheduler.max_moves_per_step"),
     "chunk size zero": (lambda p: __import__("kvtier.scheduler.chunked_prefill", fromlist=["ChunkedPrefill"])
                         .ChunkedPrefill(0), "scheduler.chunk_size"),
     "unknown scope": (lambda p: cache(scope="nearby"), "scope"),

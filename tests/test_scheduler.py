@@ -31,7 +31,7 @@ def test_capacity_never_exceeded_and_pins_stay(policy):
     rng = np.random.default_rng(1)
     table, transfer = make(device_pages=6)
     policy.reset(LAYOUT.num_layers)
-    sched = LookaheadScheduler(lookahead=1)
+    sched = LookaheadScheduler()
     table.add_sequence(0)
     for s in range(120):
         policy.on_step(s)
@@ -72,7 +72,7 @@ def test_demoted_page_predicted_salient_is_promoted_back():
     table, transfer = make(device_pages=5)
     pol = ASPE(sinks=0, window=4, obs_window=2, theta_evict=1e-3, theta_prefetch=1e-2)
     pol.reset(2)
-    sched = LookaheadScheduler(lookahead=2)
+    sched = LookaheadScheduler()
     table.add_sequence(0)
     new, _ = table.append(0, 32)  # 8 pages, only 5 fit on the device
     pol.on_append(np.asarray(new), 0)
@@ -118,5 +118,5 @@ def test_demotion_cascades_to_lower_tier_when_full():
 
 def test_bad_scheduler_config():
     with pytest.raises(ConfigError) as e:
-        LookaheadScheduler(lookahead=0)
-    assert e.value.field == "scheduler.lookahead"
+        LookaheadScheduler(max_moves_per_step=0)
+    assert e.value.field == "scheduler.max_moves_per_step"

@@ -38,7 +38,7 @@ class TableMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.policy = ASPE(sinks=4, window=8, obs_window=3)
         self.policy.reset(LAYOUT.num_layers)
-        self.scheduler = LookaheadScheduler(lookahead=1)
+        self.scheduler = LookaheadScheduler()
         self.step = 0
 
     def teardown(self):

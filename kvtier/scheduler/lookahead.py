@@ -1,13 +1,14 @@
-"""LookaheadScheduler: the device tier holds the highest-priority pages; moves run k steps ahead.
+"""LookaheadScheduler: the device tier holds the highest-priority pages, planned once per step.
 
 Per layer: pinned pages (priority +inf, pinned in the BlockTable, or a sequence's newest page,
 which the next token writes) always stay; pages with
 priority -inf leave the device; the remaining device room (capacity - reserve) goes to the
 highest-priority pages among those resident and those the policy admits. Demotions go to the
 fastest lower tier with room, pushing that tier's lowest-priority pages further down when full
-(a cascade); promotions are only planned into room the plan has made. A plan made at step t is
-issued at once and must have landed by step t + k (``lookahead``). Dropped pages (left of a
-sliding window, :data:`~kvtier.table.DROPPED`) are never planned.
+(a cascade); promotions are only planned into room the plan has made. A plan is issued at once;
+how far ahead of its use a page is asked for is the caller's (``FastEngine(lookahead=k)`` feeds
+the pages step t attended to the policy before step t + k). Dropped pages (left of a sliding
+window, :data:`~kvtier.table.DROPPED`) are never planned.
 """
 
 from __future__ import annotations
@@ -36,12 +37,9 @@ def page_info(table, step: int) -> PageInfo:
 
 @dataclass
 class LookaheadScheduler(Scheduler):
-    lookahead: int = 2
     max_moves_per_step: int | None = None  # per layer; None = unbounded
 
     def __post_init__(self):
-        if not isinstance(self.lookahead, int) or self.lookahead < 1:
-            raise ConfigError("scheduler.lookahead", f"must be an integer >= 1, got {self.lookahead!r}")
         if self.max_moves_per_step is not None and self.max_moves_per_step < 1:
             raise ConfigError("scheduler.max_moves_per_step", f"must be >= 1 or null, got {self.max_moves_per_step!r}")
 
