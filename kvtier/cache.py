@@ -94,7 +94,7 @@ class TieredKVCache(PagedCacheBase):
         self.queries = QueryStats(layout.num_layers, max(1, getattr(policy, "query_rows", 32)), tiers[0].device) \
             if "queries" in needs else None
         self.chooser = make_scope(scope, layout, topk_pages, sinks, self.keys, rank)
-        super().__init__([layout.window(layer) > 0 for layer in range(layout.num_layers)])
+        super().__init__(layout)
         self.layout = layout
         self.table = BlockTable(layout, tiers)
         self.transfer = TransferEngine(self.table)

@@ -60,11 +60,11 @@ class PagedLayer(CacheLayerMixin):
 class PagedCacheBase(Cache):
     """A transformers Cache whose layers are kvtier pages; subclasses implement ``update``.
 
-    ``sliding[i]``: layer i has a sliding window (HF reads ``is_sliding`` per layer).
+    One layer per layer of ``layout``; HF reads ``is_sliding`` of each (the layout's window).
     """
 
-    def __init__(self, sliding: list[bool]):
-        super().__init__(layers=[PagedLayer(self, i, s) for i, s in enumerate(sliding)])
+    def __init__(self, layout):
+        super().__init__(layers=[PagedLayer(self, i, layout.window(i) > 0) for i in range(layout.num_layers)])
 
     def get_mask_sizes(self, query, layer_idx: int = 0) -> tuple[int, int]:
         return self.get_seq_length() + query_length(query), 0

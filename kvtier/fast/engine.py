@@ -83,7 +83,7 @@ class _PassCache(PagedCacheBase):
     """The ``past_key_values`` the decoder layers see: routes ``update`` to the engine."""
 
     def __init__(self, engine: "FastEngine"):
-        super().__init__([engine.layout.window(layer) > 0 for layer in range(engine.layout.num_layers)])
+        super().__init__(engine.layout)
         self.engine, self.layout = engine, engine.layout
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
