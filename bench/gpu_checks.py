@@ -5,8 +5,10 @@ the device machine) runs a 1k-token prompt and 16 greedy decode steps with HF sd
 kvtier with scope=all, a 25% HBM budget (pages migrate every step) and each kernel backend, in
 bf16 and fp32. Prints the max relative logit error and greedy-token agreement; writes JSON.
 The fast path (:class:`kvtier.fast.engine.FastEngine`: CUDA graph, static Triton kernel, host pages
-read in place) runs the same prompt and tokens with the same budget.
-Run on a GPU:  python -m bench.gpu_checks [--fast-only]
+read in place) runs the same prompt and tokens with the same budget. ``--windows`` runs sliding-window
+models instead: Mistral-shaped (every layer sliding) and Gemma-3-shaped (5 sliding : 1 global, MQA,
+head_dim 256), window 256 over the 1k prompt, through every backend (FlashInfer's ``window_left`` too).
+Run on a GPU:  python -m bench.gpu_checks [--fast-only] [--windows]
 """
 
 from __future__ import annotations
@@ -69,25 +71,53 @@ def fast_logits(model, ids, tokens, budget_pages):
     return torch.stack(got), moved, hit
 
 
+def windowed_model(family: str, dtype: str):
+    """A random-weight sliding-window model on the GPU: ``mistral`` (all layers) or ``gemma3`` (mixed)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
+
+    if family == "mistral":
+        cls, config = MistralForCausalLM, MistralConfig(
+            num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=128, hidden_size=2048,
+            intermediate_size=5632, vocab_size=32000, sliding_window=WINDOW)
+    else:
+        cls, config = Gemma3ForCausalLM, Gemma3TextConfig(
+            num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=1, head_dim=256, hidden_size=1152,
+            intermediate_size=6912, vocab_size=32000, sliding_window=WINDOW,
+            layer_types=["sliding_attention"] * 5 + ["full_attention"])
+    with torch.random.fork_rng(devices=["cuda"]), torch.device("cuda"):
+        torch.manual_seed(0)
+        return cls._from_config(config, dtype=getattr(torch, dtype)).eval()
+
+
+WINDOW = 256
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--fast-only", action="store_true")
     ap.add_argument("--smollm2", default="", help="also the real SmolLM2 (converted folder) through the fast path")
+    ap.add_argument("--windows", action="store_true", help="sliding-window models (Mistral, Gemma 3 shapes) instead")
     args = ap.parse_args()
     rows = []
-    models = [("smollm2-shape", dtype) for dtype in ("bfloat16", "float32")]
+    shapes = ("mistral-shape", "gemma3-shape") if args.windows else ("smollm2-shape",)
+    models = [(shape, dtype) for shape in shapes for dtype in ("bfloat16", "float32")]
     models += [("smollm2", dtype) for dtype in ("bfloat16", "float32")] if args.smollm2 else []
     for name, dtype in models:
         if name == "smollm2":
             model, tok = load_model(args.smollm2, dtype=dtype, device="cuda")
             ids = token_stream(tok, "opticks", 1024)[None].cuda()
+        elif args.windows:
+            model = windowed_model(name.removesuffix("-shape"), dtype)
+            ids = torch.randint(0, 32000, (1, 1024), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
         else:
             model = random_llama(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536,
                                  vocab_size=49152, device="cuda", dtype=dtype)
             ids = torch.randint(0, 49152, (1, 1024), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
         ref, tokens = hf_logits(model, ids, 16)
         runs = [] if args.fast_only or name == "smollm2" else [("torch", False), ("triton", False), ("triton", True)]
-        for kernel, merge in runs + [("fast", False)]:
+        runs += [("flashinfer", False), ("flashinfer", True)] if args.windows and dtype == "bfloat16" else []
+        runs += [] if name == "gemma3-shape" else [("fast", False)]  # the fast runner is Llama-family only
+        for kernel, merge in runs:
             if kernel == "fast":
                 got, moved, hit = fast_logits(model, ids, tokens, budget_pages=18)  # one slot is the scratch page
             else:
@@ -102,7 +132,7 @@ def main():
         del model
     print_table("exact scope vs HF sdpa on the GPU (1k prompt + 16 decode steps, 25% HBM, LRU migrating)", rows,
                 ["model", "dtype", "kernel", "merge", "max_rel_err", "rel_err", "nan", "greedy_agree", "hit_rate", "MB_moved"])
-    write_json("gpu_checks.json", {"gpu": torch.cuda.get_device_name(), "rows": rows})
+    write_json("gpu_checks_windows.json" if args.windows else "gpu_checks.json", {"gpu": torch.cuda.get_device_name(), "rows": rows})
 
 
 if __name__ == "__main__":
