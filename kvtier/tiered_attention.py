@@ -76,6 +76,8 @@ class TieredAttention:
         parts = []
         for key, per_seq in groups.items():
             logical = [np.sort(np.concatenate(x)) if x else np.zeros(0, np.int64) for x in per_seq]
+            if not any(x.size for x in logical):  # every page went to the tail's call: no empty launch
+                continue
             parts.append(self._part(seqs, layer, key, logical, q_len, count, window))
         if window:
             logical = [np.arange(tail_from, self.table.num_pages(seq)) for seq in seqs]
