@@ -10,8 +10,8 @@ it runs ahead:
 1. take what step ``t - k`` produced (``k = lookahead``): the pages each layer's scope attended and,
    for salience policies, their salience; the policy hears them (``on_access``, ``on_salience``);
 2. grow every sequence by one token (a new page, in the device tier, every ``page_size`` steps);
-3. the scheduler plans (only when some page lives off the device or the device is short of room)
-   and its moves run on the side stream without waiting for compute; a moved page is read at its
+3. the scheduler plans (only when the device is short of room, or some page lives off the device and
+   the policy heard something since the last plan: pages appended, accessed, salience) and its moves run on the side stream without waiting for compute; a moved page is read at its
    old place until its copy has landed, then the device table points at the new place (fenced
    moves, :mod:`kvtier.tiers.transfer`);
 4. copy the changed table rows, lengths and tokens to the device, replay the bucket's graph.
@@ -202,6 +202,7 @@ class FastEngine:
         self._mode = "decode"
         self._B = max_batch
         self._dirty: set[int] = set()  # rows whose block-table entries changed since the last upload
+        self._news = True  # the policy heard something since the last plan (appends, accesses, salience)
 
     # -- sequences -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -461,6 +462,7 @@ class FastEngine:
         if new:
             pids = np.asarray(new, dtype=np.int64)
             self.policy.on_append(pids, self.step_idx)
+            self._news = True
             for layer in range(self.layout.num_layers):
                 self.mirror[layer, row, first:first + pids.size] = self._encode(layer, pids)
             self._dirty.add(row)
@@ -486,13 +488,14 @@ class FastEngine:
         return int(((active + ahead) // P - active // P).sum())
 
     def _schedule(self, reserve: int, after_compute: bool) -> None:
-        """Plan and issue moves, when some page lives off the device or the device is short of room."""
+        """Plan and issue moves when the device is short of room, or when some page lives off the device
+        and the policy heard something since the last plan (nothing else changes its ranking)."""
         if self.host is None:
             return
         self._switch_landed()  # landed moves give their source slots back once their fence passes
-        off_device = any(self.table.tiers[1].num_used(layer) for layer in range(self.layout.num_layers))
-        if not off_device and self._device_free() >= reserve:
+        if self._device_free() >= reserve and not (self._news and self._off_device()):
             return
+        self._news = False
         self._pin_unsettled(True)
         try:
             plan = self.scheduler.plan(self.table, self.policy, max(self.step_idx, 0), reserve=reserve)
@@ -505,7 +508,11 @@ class FastEngine:
         self.transfer.migrate_many(demote, after_compute=after_compute, fenced=True)
         free = {m.layer: self.table.tiers[0].num_free(m.layer) - reserve for m in plan.promote}
         promote = [(m.layer, m.pids[:free[m.layer]], 0) for m in plan.promote if free[m.layer] > 0]
-        self.transfer.migrate_many(promote, after_compute=after_compute, fenced=True)  # the rest waits a step
+        self.transfer.migrate_many(promote, after_compute=after_compute, fenced=True)
+        self._news |= any(m.pids.size > free[m.layer] for m in plan.promote)  # the rest waits a step
+
+    def _off_device(self) -> bool:
+        return any(self.table.tiers[1].num_used(layer) for layer in range(self.layout.num_layers))
 
     def _pin_unsettled(self, pinned: bool) -> None:
         """Each sequence's page before the newest may still be written by a queued step: not movable."""
@@ -539,10 +546,11 @@ class FastEngine:
         """The page each row writes this step must be in the device pool, its copy landed: else the
         scheduler (which pins those pages) makes room and promotes them, and the host waits."""
         P = self.layout.page_size
-        tails = [(r, (self.lens[r] - 1) // P) for r in active]
-        missing = [(r, page) for r, page in tails if (self.mirror[:, r, page] < 0).any()]
-        if not missing:
+        tails = (self.lens[active] - 1) // P  # [A]
+        off = (self.mirror[:, active, tails] < 0).any(0)  # [A]
+        if not off.any():
             return
+        missing = [(active[i], tails[i]) for i in np.flatnonzero(off)]
         self._schedule(reserve=0, after_compute=True)
         self._wait_room()
         for r, page in missing:
@@ -573,6 +581,7 @@ class FastEngine:
         for layer in range(self.layout.num_layers):
             mine = pids[self.table.tier_of[layer, pids] == 0] if self.scope == "resident" else pids
             self.policy.on_access(layer, mine, self.step_idx)
+        self._news = True
 
     def _upload(self) -> None:
         """Lengths and positions every step; the block-table rows that changed (a copy each, or one
@@ -590,10 +599,11 @@ class FastEngine:
     def _record(self, B: int) -> None:
         """After a step: copy its picks and salience towards the host, and mark the step's end."""
         accessed = attended = sal = None
-        if self.lookahead and self.page_list is not None:
+        hears_picks = self.page_list is not None and self.recall is None  # the recall cache acts on the picks
+        if self.lookahead and self.page_list is not None and (hears_picks or self.salience is not None):
             attended = self._to_host(self.page_list[:, :B])
+        if self.lookahead and hears_picks:
             accessed = self._to_host(self.predicted[:, :B]) if self.predicted is not None else attended
-            accessed = None if self.recall is not None else accessed  # the recall cache acts on the picks
         if self.lookahead and self.salience is not None:
             sal = self._to_host(self.salience[:, :B])
         event = None
@@ -634,6 +644,7 @@ class FastEngine:
                 if seq is not None and seq in self.table.seqs]
         if not rows:
             return
+        self._news = True
         every = np.arange(self.max_pages)
         for layer in range(self.layout.num_layers):
             if p.accessed is not None:

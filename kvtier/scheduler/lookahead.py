@@ -44,38 +44,40 @@ class LookaheadScheduler(Scheduler):
             raise ConfigError("scheduler.max_moves_per_step", f"must be >= 1 or null, got {self.max_moves_per_step!r}")
 
     def plan(self, table, policy: Policy, step: int, reserve: int = 0) -> MigrationPlan:
+        """Every layer at once on ``[L, n]`` arrays (n live pages); a loop only over layers that move."""
         plan = MigrationPlan(step)
         info = page_info(table, step)
         if info.pids.size == 0:
             return plan
-        L = table.layout.num_layers
-        prio = np.broadcast_to(policy.priority(info), (L, info.pids.size)).astype(np.float64)
-        admit = np.broadcast_to(policy.admit(info), (L, info.pids.size))
+        L, n = table.layout.num_layers, info.pids.size
+        prio = np.broadcast_to(policy.priority(info), (L, n)).astype(np.float64)  # [L, n]
+        admit = np.broadcast_to(policy.admit(info), (L, n))
         writing = info.logical == (info.seq_len - 1) // info.page_size  # each sequence's newest page
-        pinned = (prio == PINNED) | (table.pinned[info.pids] | writing)[None, :]
+        pinned = (prio == PINNED) | (table.pinned[info.pids] | writing)[None, :]  # [L, n]
         device = table.tiers[0]
-        for layer in range(L):
-            tier = table.tier_of[layer, info.pids]  # [n]
-            resident = tier == 0
-            room = device.num_free(layer) + int(resident.sum()) - reserve  # slots held elsewhere do not count
-            keep = pinned[layer] & resident
-            live = tier >= 0  # not dropped
-            cand = np.flatnonzero((resident | admit[layer] | pinned[layer]) & (prio[layer] > -np.inf) & live)
-            order = cand[np.lexsort((-prio[layer, cand], ~pinned[layer, cand]))]  # pinned, then best first
-            want = np.zeros(info.pids.size, dtype=bool)
-            want[order[:max(room, int(keep.sum()))]] = True
-            want |= keep
-            demote = np.flatnonzero(resident & ~want & ~pinned[layer])
-            promote = np.flatnonzero(~resident & want)
-            promote = promote[np.lexsort((-prio[layer, promote], ~pinned[layer, promote]))]  # pinned first
-            free_after = device.num_free(layer) + demote.size - reserve
-            promote = promote[:max(free_after, 0)]
+        tier = table.tier_of[:, info.pids]  # [L, n]
+        resident = tier == 0
+        free = np.array([device.num_free(layer) for layer in range(L)])  # [L]
+        room = free + resident.sum(1) - reserve  # slots held elsewhere do not count
+        keep = pinned & resident
+        cand = (resident | admit | pinned) & (prio > -np.inf) & (tier >= 0)  # tier < 0: dropped
+        order = np.lexsort((-prio, ~pinned, ~cand), axis=1)  # [L, n] candidates, pinned, then best first
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, np.arange(n)[None, :], axis=1)  # [L, n] place of each page in order
+        want = (cand & (rank < np.maximum(room, keep.sum(1))[:, None])) | keep
+        demote = resident & ~want & ~pinned
+        promote = ~resident & want
+        free_after = free + demote.sum(1) - reserve  # [L]
+        for layer in np.flatnonzero(demote.any(1) | promote.any(1)):
+            down = np.flatnonzero(demote[layer])
+            up = np.flatnonzero(promote[layer])
+            up = up[np.argsort(rank[layer, up])][:max(free_after[layer], 0)]  # pinned first, best first
             if self.max_moves_per_step is not None:
-                demote = demote[np.argsort(prio[layer, demote], kind="stable")][:self.max_moves_per_step]
-                promote = promote[:self.max_moves_per_step]
-            plan.demote += self._demotions(table, layer, info.pids, prio[layer], demote)
-            if promote.size:
-                plan.promote.append(Move(layer, info.pids[promote], 0))
+                down = down[np.argsort(prio[layer, down], kind="stable")][:self.max_moves_per_step]
+                up = up[:self.max_moves_per_step]
+            plan.demote += self._demotions(table, int(layer), info.pids, prio[layer], down)
+            if up.size:
+                plan.promote.append(Move(int(layer), info.pids[up], 0))
         return plan
 
     def _demotions(self, table, layer, pids, prio, demote) -> list[Move]:
