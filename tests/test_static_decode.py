@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first `import triton`: jit picks the interpreter
 
 import math  # noqa: E402
 
@@ -34,6 +33,11 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and no
 
 def device():
     return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+
+
+def host(pool: torch.Tensor | None) -> torch.Tensor | None:
+    """The host pool as the kernel gets it: pinned host memory, read through its mapped address on a GPU."""
+    return pool if pool is None or device() == "cpu" else pool.pin_memory()
 
 
 def random_case(seq_lens, max_pages, page, n_kv, group, dim, dtype, host_frac, gen, with_host=True):
@@ -145,7 +149,7 @@ def run_case(seq_lens, max_pages, page, n_kv, group, dim, dtype, host_frac, list
     past = torch.arange(max_pages) >= -(-lens[:, None] // page)  # [B, max_pages] pages past each sequence
     block_table[past] = torch.where(torch.rand(past.shape, generator=gen) < 0.5, 10 ** 6, -10 ** 6)[past].int()
     pm = torch.empty(len(seq_lens), len(listed[0]), heads, device=device())
-    out, lse = static_decode(to(q), to(dev_pool), to(host_pool), to(block_table), to(lens), plan, sm_scale,
+    out, lse = static_decode(to(q), to(dev_pool), host(host_pool), to(block_table), to(lens), plan, sm_scale,
                              to(page_list), window_left, pm)
     assert out.dtype == dtype and out.shape == q.shape and lse.shape == q.shape[:2]
     pm_ref = torch.empty(len(seq_lens), len(listed[0]), heads)
@@ -213,7 +217,7 @@ def test_same_tensors_updated_in_place_give_both_results():
     q, keys, values, dev_pool, host_pool, block_table = random_case([32, 32], 4, page, n_kv, 2, dim, torch.float32,
                                                                     0.5, gen)
     d = device()
-    q_d, dev_d, host_d, bt_d = q.to(d), dev_pool.to(d), host_pool.to(d), block_table.to(d)
+    q_d, dev_d, host_d, bt_d = q.to(d), dev_pool.to(d), host(host_pool), block_table.to(d)
     lens = torch.tensor([10, 0], dtype=torch.int32, device=d)
     pm = torch.empty(2, 4, heads, device=d)
     results = []
@@ -235,7 +239,8 @@ def test_a_call_reads_no_tensor_value_on_the_host(monkeypatch):
     q, _, _, dev_pool, host_pool, block_table = random_case([20, 3], 4, 8, 1, 4, 32, torch.float32, 0.5, gen)
     plan = plan_static_decode(2, 4, 4, 1, 32, 8, device(), max_listed=3,
                               config=DecodeConfig(block_n=8, pages_per_split=2))
-    args = [x.to(device()) for x in (q, dev_pool, host_pool, block_table, torch.tensor([20, 3], dtype=torch.int32))]
+    args = [x.to(device()) for x in (q, dev_pool, block_table, torch.tensor([20, 3], dtype=torch.int32))]
+    args.insert(2, host(host_pool))
     page_list = torch.tensor([[0, 2, -1], [0, 1, 2]], dtype=torch.int32, device=device())
     pm = torch.empty(2, 3, 4, device=device())
 

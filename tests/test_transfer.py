@@ -2,7 +2,6 @@
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
