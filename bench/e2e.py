@@ -5,7 +5,9 @@ Per model shape and (batch B, context S), rows side by side:
 - ``hf-eager`` (DynamicCache, sdpa) and ``hf-compiled`` (StaticCache + ``torch.compile`` reduce-overhead);
 - ``kvtier all-HBM``: :class:`kvtier.fast.engine.FastEngine`, scope ``all``, every page in HBM;
 - ``kvtier tiered``: 50% and 20% of the pages in HBM, the rest in pinned host DRAM, scopes ``topk``
-  (LRU over the pages top-k attended, lookahead ``--lookahead``) and ``resident`` (sink+window).
+  (Quest top-k pages; half the device budget is a recall cache of pages picked from the host, the other
+  half holds the newest pages; ``--no-recall``: LRU over the picks, lookahead ``--lookahead``) and
+  ``resident`` (sink+window).
 
 Weights are random (Llama-8B and SmolLM2 shapes); the context's K/V is written straight into the
 pages (random, as the weights), then ``--steps`` greedy decode steps run. With ``--smollm2 PATH``
@@ -41,7 +43,7 @@ TIERED = [(0.5, "topk"), (0.5, "resident"), (0.2, "topk"), (0.2, "resident")]
 
 
 def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope: str, lookahead: int,
-               prompts: list[torch.Tensor] | None = None) -> dict:
+               prompts: list[torch.Tensor] | None = None, recall: bool = True) -> dict:
     """Decode ``steps`` tokens of ``batch`` sequences through FastEngine, after ``context`` tokens each:
     ``prompts`` prefilled, or random K/V written straight into the pages."""
     layout = kv_layout_for(model.config, page_size=16, dtype=torch.bfloat16)
@@ -53,8 +55,9 @@ def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope
         tiers.append(HostTier(layout, total + 64))
     policy = SinkWindow(sinks=4, window=256) if scope == "resident" else LRU()
     topk = max(int(per_seq * budget) // 2, 16) if scope == "topk" else None
+    recall_slots = topk * batch if recall and scope == "topk" and budget < 1 else 0  # within the device budget
     engine = FastEngine(model, layout, tiers, policy, scope=scope, topk_pages=topk, max_batch=batch,
-                        max_context=context + steps + WARMUP + 1, lookahead=lookahead,
+                        max_context=context + steps + WARMUP + 1, lookahead=lookahead, recall_slots=recall_slots,
                         prefill=ChunkedPrefill(4096), buckets=(batch,))
     gen = torch.Generator(device="cuda").manual_seed(0)
     shape = (layout.num_kv_heads, layout.head_dim)
@@ -72,15 +75,20 @@ def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope
             torch.cuda.synchronize()
             t0, moved0, wait0 = time.perf_counter(), sum(engine.transfer.bytes_moved.values()), engine.stats.host_wait_s
             engine.stats.counts.zero_()
+            copied0 = int(engine.recall.copied) if engine.recall is not None else 0
         engine.step()
         events.append(engine._last_event)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    attended, on_device = engine.stats.counts.tolist()
+    copied = int(engine.recall.copied) - copied0 if engine.recall is not None else 0
+    # bytes that crossed the link: migrations, copies into recall slots, misses read in place from the host
+    moved = sum(engine.transfer.bytes_moved.values()) - moved0 + (copied + attended - on_device) * layout.page_bytes
     tpot = np.array([events[i - 1].elapsed_time(events[i]) for i in range(WARMUP + 1, len(events))])  # ms
     row = {"budget": budget, "scope": scope, "lookahead": lookahead, "tpot_p50_ms": float(np.percentile(tpot, 50)),
            "tpot_p99_ms": float(np.percentile(tpot, 99)), "wall_ms": wall / steps * 1e3,
            "hit_rate": engine.stats.hit_rate(),
-           "MB_moved_per_step": (sum(engine.transfer.bytes_moved.values()) - moved0) / steps / 1e6,
+           "MB_moved_per_step": moved / steps / 1e6, "recall_slots": recall_slots,
            "host_wait_ms": (engine.stats.host_wait_s - wait0) / steps * 1e3,
            "offloaded": 1 - min(engine.table.occupancy()["device"]) / total}
     engine.close()
@@ -110,6 +118,7 @@ def main():
     ap.add_argument("--lookahead", type=int, default=2)
     ap.add_argument("--lookaheads", default="", help="extra topk-20%% rows (B=1 shapes) at these lookaheads, e.g. 0,1")
     ap.add_argument("--json", default="e2e.json")
+    ap.add_argument("--no-recall", action="store_true", help="topk rows without the recall cache (LRU over picks)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF rows (compiling takes minutes)")
     ap.add_argument("--tiered-max-tokens", type=int, default=131072, help="tiered rows only up to B*S tokens")
     ap.add_argument("--smollm2", default="", help="the real SmolLM2: its GGUF file or converted HF folder")
@@ -151,7 +160,7 @@ def main():
                     grid += [(0.2, "topk", int(k)) for k in args.lookaheads.split(",") if k]
             for budget, scope, k in grid:
                 t0 = time.time()
-                r = kvtier_row(model, batch, context, args.steps, budget, scope, k, prompts)
+                r = kvtier_row(model, batch, context, args.steps, budget, scope, k, prompts, not args.no_recall)
                 rows.append({**base, "system": "kvtier", **r})
                 print(rows[-1], f"({time.time() - t0:.0f}s)", flush=True)
             all_hbm = next(r["tpot_p50_ms"] for r in rows if r.get("system") == "kvtier" and r["budget"] == 1.0
