@@ -195,7 +195,8 @@ def test_lse_is_natural_log():
     gen = torch.Generator().manual_seed(4)
     q, pool, batch, keys, _ = random_paged_batch([24], [1], 16, 1, 16, 1, generator=gen)
     backend = TritonBackend()
+    q, pool, batch = q.to(device()), pool.to(device()), batch.to(device())
     backend.plan(batch, 1, 1, 16)
-    lse = backend.run(q, pool).lse
+    lse = backend.run(q, pool).lse.cpu()
     expect = torch.logsumexp((keys[0][:, 0].double() @ q[0, 0].double()) * 16 ** -0.5, 0)
     assert math.isclose(lse[0, 0].item(), expect.item(), abs_tol=1e-4)

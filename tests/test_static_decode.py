@@ -184,7 +184,7 @@ def run_case(seq_lens, max_pages, page, n_kv, group, dim, dtype, host_frac, list
     # a page list narrower than a block: the last block of a row ends at the list's width, not in the next row
     ([40, 48], 6, 8, 1, 2, 64, torch.float32, 0.5, [[0, 1, 2], [3, 4, 5]], -1, DecodeConfig(block_n=16)),
     # 20 one-page splits: the merge reads its partials in two chunks
-    ([150, 77], 20, 8, 1, 2, 64, torch.float32, 0.5, None, -1, DecodeConfig(block_n=8, pages_per_split=1)),
+    ([300, 150], 20, 16, 1, 2, 64, torch.float32, 0.5, None, -1, DecodeConfig(block_n=16, pages_per_split=1)),
     # the default launch config (128-token blocks of 8 pages) and planner, a window
     ([150, 0, 77], 10, 16, 2, 4, 64, torch.float16, 0.5, None, 60, None),
     # head_dim 256

@@ -44,6 +44,11 @@ def filled_table(device_pages=8, host_pages=8, event_factory=None, method="auto"
     return table, TransferEngine(table, event_factory=event_factory, method=method), kv
 
 
+INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="the copy kernel on CPU pools: the interpreter only")
+
+
+@INTERPRETED
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_copy_kernel_moves_scattered_pages_bit_exact(dtype):
     src = torch.randn(12, 2, 4, 2, 8).to(dtype)
@@ -55,7 +60,7 @@ def test_copy_kernel_moves_scattered_pages_bit_exact(dtype):
     assert torch.equal(dst.view(torch.uint8), want.view(torch.uint8))
 
 
-@pytest.mark.parametrize("method", ["kernel", "generic"])
+@pytest.mark.parametrize("method", [pytest.param("kernel", marks=INTERPRETED), "generic"])
 def test_migration_round_trip_counts_bytes_per_link(method):
     table, transfer, kv = filled_table(method=method)
     pids = table.pages(0)

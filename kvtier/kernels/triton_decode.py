@@ -24,6 +24,7 @@ import triton.language as tl
 
 from kvtier.kernels.base import AttentionBackend, AttentionOutput, PagedBatch, to_device
 from kvtier.kernels.triton_prefill import (LN2, LOG2E, PrefillConfig, check_page_size, dot_operand_dtype,
+                                           MIN_DOT, fit_shared_memory,
                                            finish_rows, kernel_window, online_softmax_step, paged_prefill,
                                            plan_prefill)
 
@@ -85,7 +86,7 @@ def plan_decode(batch: PagedBatch, num_qo_heads: int, num_kv_heads: int, head_di
     check_page_size(batch.page_size)
     config = default_decode_config(head_dim) if config is None else config
     page = batch.page_size
-    block_n = max(config.block_n, page)
+    block_n = max(config.block_n, page, MIN_DOT)
     pages_per_block = block_n // page
     kv_indptr = batch.kv_indptr_host()  # [B+1]
     npages = np.diff(kv_indptr)  # [B]
@@ -249,6 +250,8 @@ def paged_decode(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, plan
     else:
         part_out, part_lse = plan.part_out, plan.part_lse
     grid = (plan.chunk_seq.numel(), n_kv)
+    _, stages = fit_shared_memory(block_g, plan.block_n, plan.config.num_stages, block_d,
+                                  4 if dot_f32 else q.element_size(), plan.block_n)
     _decode_split_kernel[grid](
         q, kv_pool, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
         plan.chunk_seq, plan.chunk_page, plan.chunk_split,
@@ -262,7 +265,7 @@ def paged_decode(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, plan
         GROUP=group, BLOCK_G=block_g, PAGE=batch.page_size, BLOCK_N=plan.block_n,
         HEAD_DIM=dim, BLOCK_D=block_d,
         WITH_PAGE_MAX=return_page_max, DOT_F32=dot_f32, PRECISION=precision,
-        num_warps=plan.config.num_warps, num_stages=plan.config.num_stages,
+        num_warps=plan.config.num_warps, num_stages=stages,
     )
     if not single:
         _merge_splits_kernel[(n_q, heads)](

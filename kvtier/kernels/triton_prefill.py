@@ -221,6 +221,26 @@ def _prefill_kernel(
     tl.store(lse + o_rows * stride_ln + heads, row_lse, mask=row_ok)
 
 
+MIN_DOT = 16  # tl.dot's smallest tile side on a GPU (the interpreter takes any)
+SHARED_MEMORY_BUDGET = 200 << 10  # bytes per block; Hopper allows 227 KiB, Triton's own estimate differs a little
+
+
+def fit_shared_memory(q_rows: int, block_n: int, num_stages: int, block_d: int, operand_bytes: int,
+                      min_block_n: int) -> tuple[int, int]:
+    """``(block_n, num_stages)`` whose query tile ``[q_rows, block_d]`` and pipelined K/V tiles fit in
+    shared memory: large heads (D=256) or fp32 operands take fewer stages, then smaller key blocks
+    (never below ``min_block_n``)."""
+    q_tile = q_rows * block_d * operand_bytes
+    while q_tile + num_stages * 2 * block_n * block_d * operand_bytes > SHARED_MEMORY_BUDGET:
+        if num_stages > 2:
+            num_stages -= 1
+        elif block_n > min_block_n:
+            block_n //= 2
+        else:
+            break
+    return block_n, num_stages
+
+
 def paged_prefill(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, plan: PrefillPlan, sm_scale: float,
                   return_page_max: bool = False) -> AttentionOutput:
     """Chunked-prefill attention of ``q [Nq, H, D]`` over ``kv_pool [slots, 2, P, N_kv, D]``.
@@ -233,6 +253,9 @@ def paged_prefill(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, pla
     if q.stride(-1) != 1 or kv_pool.stride(-1) != 1:
         raise ValueError("q and kv_pool need a contiguous head dimension")
     dot_f32, precision = dot_operand_dtype(q.dtype)
+    block_d = triton.next_power_of_2(dim)
+    block_n, num_stages = fit_shared_memory(plan.block_q * plan.group_pad, plan.block_n, plan.config.num_stages,
+                                            block_d, 4 if dot_f32 else q.element_size(), batch.page_size)
     out = torch.empty(n_q, heads, dim, dtype=q.dtype, device=q.device)  # [Nq, H, D]
     lse = torch.empty(n_q, heads, dtype=torch.float32, device=q.device)  # [Nq, H]
     page_max = (torch.full((batch.kv_indices.numel(), heads), float("-inf"), dtype=torch.float32, device=q.device)
@@ -246,8 +269,8 @@ def paged_prefill(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, pla
         out.stride(0), out.stride(1), lse.stride(0), heads,
         sm_scale * LOG2E, kernel_window(batch),
         CAUSAL=batch.causal, GROUP=heads // n_kv, G_PAD=plan.group_pad, BLOCK_Q=plan.block_q,
-        PAGE=batch.page_size, BLOCK_N=plan.block_n, HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim),
+        PAGE=batch.page_size, BLOCK_N=block_n, HEAD_DIM=dim, BLOCK_D=block_d,
         WITH_PAGE_MAX=return_page_max, DOT_F32=dot_f32, PRECISION=precision,
-        num_warps=plan.config.num_warps, num_stages=plan.config.num_stages,
+        num_warps=plan.config.num_warps, num_stages=num_stages,
     )
     return AttentionOutput(out, lse, page_max)

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from kvtier.kernels.triton_decode import DecodeConfig, default_decode_config, num_multiprocessors
 from kvtier.kernels.triton_prefill import (LN2, LOG2E, check_page_size, dot_operand_dtype, finish_rows,
-                                           online_softmax_step)
+                                           MIN_DOT, fit_shared_memory, online_softmax_step)
 
 
 MAX_SPLITS = 128  # most splits per sequence that plan_static_decode chooses
@@ -64,7 +64,7 @@ def plan_static_decode(batch_size: int, max_pages: int, num_qo_heads: int, num_k
     check_page_size(page_size)
     config = default_decode_config(head_dim) if config is None else config
     listed = max_pages if max_listed is None else max_listed
-    block_n = max(config.block_n, page_size)
+    block_n = max(config.block_n, page_size, MIN_DOT)
     pages_per_block = block_n // page_size
     if config.pages_per_split is not None:
         per_split = config.pages_per_split
@@ -276,6 +276,9 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
     pm = page_max if page_max is not None else lse.unsqueeze(1)  # a placeholder pointer when off
     pl = page_list if page_list is not None else block_table
     scan = min(triton.next_power_of_2(plan.pages_per_split), 256)  # listed entries per vector scan
+    block_g = max(16, triton.next_power_of_2(heads // n_kv))
+    _, stages = fit_shared_memory(block_g, plan.block_n, plan.config.num_stages, block_d,
+                                  4 if dot_f32 else q.element_size(), plan.block_n)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _static_split_kernel[(n_q * plan.num_splits, n_kv)](
             q, dev_pool, host_pool if host_pool is not None else dev_pool, block_table, seq_lens, pl,
@@ -288,11 +291,11 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
             pm.stride(0), pm.stride(1), pm.stride(2),
             sm_scale * LOG2E, LN2 if single else 1.0, window_left, n_listed,
             SPLITS=plan.num_splits, PPS=plan.pages_per_split, SCAN=scan,
-            GROUP=heads // n_kv, BLOCK_G=max(16, triton.next_power_of_2(heads // n_kv)), PAGE=page,
+            GROUP=heads // n_kv, BLOCK_G=block_g, PAGE=page,
             BLOCK_N=plan.block_n, HEAD_DIM=dim, BLOCK_D=block_d,
             HAS_HOST=host_pool is not None, HAS_LIST=page_list is not None, WITH_PAGE_MAX=page_max is not None,
             DOT_F32=dot_f32, PRECISION=precision,
-            num_warps=plan.config.num_warps, num_stages=plan.config.num_stages,
+            num_warps=plan.config.num_warps, num_stages=stages,
         )
         if not single:
             block_s = triton.next_power_of_2(plan.num_splits)
