@@ -39,7 +39,7 @@ from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 from kvtier.tiers import DeviceTier, HostTier
 
 WARMUP = 3
-TIERED = [(0.5, "topk"), (0.5, "resident"), (0.2, "topk"), (0.2, "resident")]
+TIERED = "0.5:topk,0.5:resident,0.2:topk,0.2:resident"
 
 
 def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope: str, lookahead: int,
@@ -118,6 +118,7 @@ def main():
     ap.add_argument("--lookahead", type=int, default=2)
     ap.add_argument("--lookaheads", default="", help="extra topk-20%% rows (B=1 shapes) at these lookaheads, e.g. 0,1")
     ap.add_argument("--json", default="e2e.json")
+    ap.add_argument("--tiered", default=TIERED, help="tiered rows, HBM fraction:scope, comma-separated")
     ap.add_argument("--no-recall", action="store_true", help="topk rows without the recall cache (LRU over picks)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF rows (compiling takes minutes)")
     ap.add_argument("--tiered-max-tokens", type=int, default=131072, help="tiered rows only up to B*S tokens")
@@ -155,7 +156,7 @@ def main():
                     free_device_memory()
             grid = [(1.0, "all", args.lookahead)]
             if batch * context <= args.tiered_max_tokens:
-                grid += [(b, s, args.lookahead) for b, s in TIERED]
+                grid += [(float(b), s, args.lookahead) for b, s in (x.split(":") for x in args.tiered.split(",") if x)]
                 if batch == 1:
                     grid += [(0.2, "topk", int(k)) for k in args.lookaheads.split(",") if k]
             for budget, scope, k in grid:

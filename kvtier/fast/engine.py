@@ -174,7 +174,7 @@ class FastEngine:
         self.recall = None
         if recall_slots:  # the host's table is then ``home``; the step overlays the recall slots on it
             slots = np.stack([tiers[0].alloc(layer, recall_slots).numpy() for layer in range(L)])  # [L, C]
-            self.recall = RecallCache(slots, M, self.scratch, dev)
+            self.recall = RecallCache(slots, M, self.scratch, dev, compile=compiled)
         self.home = self.block_table.clone() if self.recall is not None else self.block_table
         self.seq_lens = torch.zeros(R, dtype=torch.int32, device=dev)  # [R] tokens incl. the one being fed
         self.positions = torch.zeros(R, dtype=torch.int64, device=dev)  # [R] position of the token fed
@@ -183,7 +183,7 @@ class FastEngine:
         self.stats = FastStats(counts=torch.zeros(2, dtype=torch.int64, device=dev))
         self.row_seq: list[int | None] = [None] * R
         self.lens = np.zeros(R, dtype=np.int64)  # host copy of seq_lens
-        self.bounds = QuestBounds(L, R, M, layout.num_kv_heads, layout.head_dim, layout.page_size, dev) \
+        self.bounds = QuestBounds(L, R, M, layout.num_kv_heads, layout.head_dim, layout.page_size, dev, compiled) \
             if scope == "topk" else None
         listed = topk_pages if scope == "topk" else M
         self.want_salience = policy.needs_salience

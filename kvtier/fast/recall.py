@@ -18,9 +18,12 @@ from kvtier.tiers.copy_kernel import copy_pool_pages
 
 class RecallCache:
     """``C`` recall slots per layer: device slot ``slots [L, C]``, cached page ``page [L, C]``
-    (``row * M + logical``, -1 empty), last step picked ``stamp [L, C]``."""
+    (``row * M + logical``, -1 empty), last step picked ``stamp [L, C]``.
 
-    def __init__(self, slots: np.ndarray, max_pages: int, scratch: np.ndarray, device):
+    ``compile``: the per-layer bookkeeping runs as torch.compile'd kernels (a few fused launches).
+    """
+
+    def __init__(self, slots: np.ndarray, max_pages: int, scratch: np.ndarray, device, compile: bool = False):
         L, C = slots.shape
         self.slots = torch.from_numpy(slots.astype(np.int64)).to(device)  # [L, C]
         self.page = torch.full((L, C), -1, dtype=torch.int64, device=device)  # [L, C]
@@ -29,21 +32,14 @@ class RecallCache:
         self.step = torch.zeros((), dtype=torch.int64, device=device)
         self.max_pages = max_pages
         self.copied = torch.zeros((), dtype=torch.int64, device=device)  # pages copied into recall slots
+        self._overlay = torch.compile(overlay_recall, dynamic=False) if compile else overlay_recall
+        self._admit = torch.compile(plan_admission, dynamic=False) if compile else plan_admission
 
     def overlay(self, layer: int, home: torch.Tensor, table: torch.Tensor) -> None:
         """``table [B, M] = home [B, M]``, with the cached pages pointing at their recall slots; a slot
         whose page went home to the device, was freed (home at the scratch slot) or whose row is
         outside the bucket (idle) is emptied."""
-        B, M = home.shape
-        table.copy_(home)
-        page = self.page[layer]  # [C]
-        valid = (page >= 0) & (page < B * M)
-        at_home = home.reshape(-1).gather(0, torch.where(valid, page, 0))  # [C]
-        keep = valid & (at_home < 0)
-        self.page[layer] = torch.where(keep, page, -1)
-        flat = torch.cat([table.reshape(-1), table.new_zeros(1)])  # [B*M + 1]: the last entry takes the dropped
-        flat.scatter_(0, torch.where(keep, page, B * M), self.slots[layer].to(table.dtype))
-        table.copy_(flat[:-1].view(B, M))
+        self._overlay(home, table, self.page[layer], self.slots[layer])
 
     def forget_row(self, row: int) -> None:
         """A new sequence takes ``row``: its old cached pages are stale."""
@@ -53,30 +49,52 @@ class RecallCache:
               host_pool: torch.Tensor) -> None:
         """Copy the picked pages ``picks [B, K]`` (logical, -1 none) read from the host this step into the
         least recently picked slots (pages picked again keep theirs), for the next steps."""
-        B, M = table.shape
-        C = self.page.shape[1]
-        loc = table.gather(1, picks.clamp(min=0).long())  # [B, K]
-        rows = torch.arange(B, device=picks.device)[:, None]  # [B, 1]
-        key = (rows * M + picks.long()).reshape(-1)  # [B*K] cached-page key of each pick
-        picked = (picks >= 0).reshape(-1)
-        hit = (self.page[layer][None, :] == key[:, None]) & picked[:, None]  # [B*K, C]
-        self.stamp[layer] = torch.where(hit.any(0), self.step, self.stamp[layer])  # picked again: fresh
-        miss = picked & (loc.reshape(-1) < 0)  # [B*K] at home on the host, not in a recall slot
-        n = min(miss.numel(), C)
-        victims = torch.topk(-self.stamp[layer], n).indices  # [n] oldest first
-        order = torch.cumsum(miss.long(), 0) - 1  # [B*K] rank of each miss
-        victim = victims[order.clamp(0, n - 1)]  # [B*K] slot for each miss
-        take = miss & (order < n) & (self.stamp[layer][victim] < self.step)  # never evict this step's picks
-        src = torch.where(take, -loc.reshape(-1) - 1, 0)  # host slot
-        dst = torch.where(take, self.slots[layer][victim], self.scratch[layer])  # a skipped miss writes the scratch
+        src, dst = self._admit(picks, table, self.page[layer], self.stamp[layer], self.slots[layer],
+                               self.scratch[layer], self.step, self.copied)
         copy_pool_pages(host_pool, src, dev_pool, dst)
-        index = torch.where(take, victim, C)  # [B*K]; C: dropped
-        page = torch.full((C + 1,), -1, dtype=torch.int64, device=picks.device)
-        page = page.scatter(0, index, torch.where(take, key, -1))  # [C + 1]
-        filled = page[:C] >= 0
-        self.page[layer] = torch.where(filled, page[:C], self.page[layer])
-        self.stamp[layer] = torch.where(filled, self.step, self.stamp[layer])
-        self.copied += take.sum()
 
     def next_step(self) -> None:
         self.step += 1
+
+
+def overlay_recall(home: torch.Tensor, table: torch.Tensor, page: torch.Tensor, slots: torch.Tensor) -> None:
+    """:meth:`RecallCache.overlay` on one layer: ``table [B, M]`` and ``page [C]`` in place."""
+    B, M = home.shape
+    table.copy_(home)
+    valid = (page >= 0) & (page < B * M)
+    at_home = home.reshape(-1).gather(0, torch.where(valid, page, 0))  # [C]
+    keep = valid & (at_home < 0)
+    page.copy_(torch.where(keep, page, -1))
+    flat = torch.cat([table.reshape(-1), table.new_zeros(1)])  # [B*M + 1]: the last entry takes the dropped
+    flat.scatter_(0, torch.where(keep, page, B * M), slots.to(table.dtype))
+    table.copy_(flat[:-1].view(B, M))
+
+
+def plan_admission(picks: torch.Tensor, table: torch.Tensor, page: torch.Tensor, stamp: torch.Tensor,
+                   slots: torch.Tensor, scratch: torch.Tensor, step: torch.Tensor, copied: torch.Tensor):
+    """One layer's admission: updates ``page``/``stamp [C]`` and ``copied`` in place and returns the copy's
+    host slots and device slots ``[B*K]`` (a skipped miss copies host slot 0 into the scratch slot)."""
+    B, M = table.shape
+    C = page.shape[0]
+    loc = table.gather(1, picks.clamp(min=0).long())  # [B, K]
+    rows = torch.arange(B, device=picks.device)[:, None]  # [B, 1]
+    key = (rows * M + picks.long()).reshape(-1)  # [B*K] cached-page key of each pick
+    picked = (picks >= 0).reshape(-1)
+    hit = (page[None, :] == key[:, None]) & picked[:, None]  # [B*K, C]
+    stamp.copy_(torch.where(hit.any(0), step, stamp))  # picked again: fresh
+    miss = picked & (loc.reshape(-1) < 0)  # [B*K] at home on the host, not in a recall slot
+    n = min(miss.numel(), C)
+    victims = torch.topk(-stamp, n).indices  # [n] oldest first
+    order = torch.cumsum(miss.long(), 0) - 1  # [B*K] rank of each miss
+    victim = victims[order.clamp(0, n - 1)]  # [B*K] slot for each miss
+    take = miss & (order < n) & (stamp[victim] < step)  # never evict this step's picks
+    src = torch.where(take, -loc.reshape(-1) - 1, 0)  # host slot
+    dst = torch.where(take, slots[victim], scratch)
+    index = torch.where(take, victim, C)  # [B*K]; C: dropped
+    new = torch.full((C + 1,), -1, dtype=torch.int64, device=picks.device)
+    new = new.scatter(0, index, torch.where(take, key, -1))[:C]  # [C]
+    filled = new >= 0
+    page.copy_(torch.where(filled, new, page))
+    stamp.copy_(torch.where(filled, step, stamp))
+    copied.add_(take.sum())
+    return src, dst
