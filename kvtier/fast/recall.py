@@ -73,7 +73,7 @@ def overlay_recall(home: torch.Tensor, table: torch.Tensor, page: torch.Tensor, 
 def plan_admission(picks: torch.Tensor, table: torch.Tensor, page: torch.Tensor, stamp: torch.Tensor,
                    slots: torch.Tensor, scratch: torch.Tensor, step: torch.Tensor, copied: torch.Tensor):
     """One layer's admission: updates ``page``/``stamp [C]`` and ``copied`` in place and returns the copy's
-    host slots and device slots ``[B*K]`` (a skipped miss copies host slot 0 into the scratch slot)."""
+    host slots and device slots ``[B*K]`` (-1 and the scratch slot: nothing to copy)."""
     B, M = table.shape
     C = page.shape[0]
     loc = table.gather(1, picks.clamp(min=0).long())  # [B, K]
@@ -88,7 +88,7 @@ def plan_admission(picks: torch.Tensor, table: torch.Tensor, page: torch.Tensor,
     order = torch.cumsum(miss.long(), 0) - 1  # [B*K] rank of each miss
     victim = victims[order.clamp(0, n - 1)]  # [B*K] slot for each miss
     take = miss & (order < n) & (stamp[victim] < step)  # never evict this step's picks
-    src = torch.where(take, -loc.reshape(-1) - 1, 0)  # host slot
+    src = torch.where(take, -loc.reshape(-1) - 1, -1)  # host slot
     dst = torch.where(take, slots[victim], scratch)
     index = torch.where(take, victim, C)  # [B*K]; C: dropped
     new = torch.full((C + 1,), -1, dtype=torch.int64, device=picks.device)

@@ -21,14 +21,15 @@ def _copy_pages_kernel(src, src_slots, dst, dst_slots, PAGE_ELEMS: tl.constexpr,
     s = tl.load(src_slots + page).to(tl.int64)
     d = tl.load(dst_slots + page).to(tl.int64)
     offs = part * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < PAGE_ELEMS
+    mask = (offs < PAGE_ELEMS) & (s >= 0)  # a negative source slot: nothing to copy (no memory traffic)
     x = tl.load(src + s * PAGE_ELEMS + offs, mask=mask)
     tl.store(dst + d * PAGE_ELEMS + offs, x, mask=mask)
 
 
 def copy_pages(src_pool: torch.Tensor, src_slots: torch.Tensor, dst_pool: torch.Tensor, dst_slots: torch.Tensor,
                device: torch.device | None = None) -> None:
-    """``dst_pool[dst_slots] = src_pool[src_slots]`` in one launch.
+    """``dst_pool[dst_slots] = src_pool[src_slots]`` in one launch; entries whose source slot is negative
+    are skipped (a static-shape caller's padding).
 
     Pools ``[slots, 2, P, N_kv, D]`` (contiguous, same dtype); one may be pinned host memory, read
     or written through its mapped device address. Slots are int tensors ``[n]`` on the launch device.
@@ -50,9 +51,11 @@ def copy_pages(src_pool: torch.Tensor, src_slots: torch.Tensor, dst_pool: torch.
 
 def copy_pool_pages(src_pool: torch.Tensor, src_slots: torch.Tensor, dst_pool: torch.Tensor,
                     dst_slots: torch.Tensor) -> None:
-    """``dst_pool[dst_slots] = src_pool[src_slots]``: the one-launch kernel when a pool is on a GPU
-    (host memory read through its mapped address), else a plain indexed copy. Graph-capturable."""
+    """``dst_pool[dst_slots] = src_pool[src_slots]`` (negative source slots skipped): the one-launch kernel
+    when a pool is on a GPU (host memory read through its mapped address), else a plain indexed copy.
+    Graph-capturable."""
     if src_pool.is_cuda or dst_pool.is_cuda:
         copy_pages(src_pool, src_slots, dst_pool, dst_slots)
     else:
-        dst_pool[dst_slots.long()] = src_pool[src_slots.long()]
+        keep = src_slots >= 0
+        dst_pool[dst_slots[keep].long()] = src_pool[src_slots[keep].long()]
