@@ -136,7 +136,7 @@ def test_wandb_offline_opens_no_network_socket_and_keeps_its_files_in_the_run_fo
 BAD = [
     (["policy=nope"], "policy", "sink_window"),
     (["policy.name=nope"], "policy", "aspe"),
-    (["budget.tokens=5000"], "budget.tokens", "384"),
+    (["budget.tokens=5000"], "budget.tokens", "320"),
     (["budget.fraction=0"], "budget.fraction", "(0, 1]"),
     (["budget.fraction=1.5"], "budget.fraction", "(0, 1]"),
     (["-m", "budget.fraction=0.5,0"], "budget.fraction", "(0, 1]"),
