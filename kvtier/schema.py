@@ -33,6 +33,10 @@ class Budget:
     size: Optional[str] = None
     fraction: Optional[float] = 0.25
 
+    def __post_init__(self):
+        if self.fraction is not None and not 0 < self.fraction <= 1:  # nan too
+            raise ConfigError("budget.fraction", f"must be in (0, 1], got {self.fraction}")
+
     @property
     def key(self) -> str:
         """The setting in force: ``budget.tokens``, else ``budget.size``, else ``budget.fraction``."""
@@ -44,7 +48,7 @@ class Budget:
             if self.size is None else parse_bytes(self.size, "budget.size") // token_bytes
         if not 1 <= tokens <= context:
             raise ConfigError(self.key, f"{getattr(self, self.key[7:])} gives {tokens} device tokens; the task's "
-                                        f"context is {context}: give 1 to {context} tokens, or a fraction in (0, 1]")
+                                        f"context is {context}: give it 1 to {context}")
         return tokens
 
 

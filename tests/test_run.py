@@ -151,6 +151,12 @@ BAD = [
     (["page_size=12"], "page_size", "power of two"),
     (["logger=wandb", "logger.mode=online"], "logger.mode", "offline"),
     (["cache.fidelity=maybe"], "cache.fidelity", "true or false"),
+    (["budget.fraction=nan"], "budget.fraction", "(0, 1]"),
+    (["budget.size=lots"], "budget.size", "GiB"),
+    (["+tiers.stack.host.bogus=3"], "tiers.stack.host", "bogus"),
+    (["+tiers.stack.host.capacity=3"], "tiers.stack.host", "capacity"),
+    (["+model.foo=2"], "model", "foo"),
+    (["cpu_threads=0"], "cpu_threads", ">= 1"),
 ]
 
 
