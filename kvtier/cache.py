@@ -43,7 +43,7 @@ import time
 import numpy as np
 import torch
 
-from kvtier.checks import check_device_room
+from kvtier.checks import check_device_room, check_salience
 from kvtier.compat import PagedCacheBase
 from kvtier.errors import ConfigError
 from kvtier.eval.fidelity import FidelityStats, attention_fidelity
@@ -103,9 +103,7 @@ class TieredKVCache(PagedCacheBase):
         self.backend = backend or TorchBackend()
         self.scope, self.merge = scope, merge
         self.fidelity = FidelityStats() if fidelity and scope != "all" else None  # scope all is exact
-        if policy.needs_salience and not self.backend.supports_salience:
-            raise ConfigError("kernel", f"policy '{policy.name}' needs salience, which backend "
-                                        f"'{self.backend.name}' does not give; use kernel=triton or kernel=torch")
+        check_salience(policy, self.backend)
         check_device_room(tiers[0].capacity, policy, layout.page_size, 0, f"tiers.{tiers[0].name}.capacity", batch_size)
         self.seqs = list(range(batch_size))
         for s in self.seqs:

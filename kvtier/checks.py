@@ -1,30 +1,41 @@
-"""Cross-object checks, in one place: what no constructor can see alone (budget vs context vs the
-policy's pins vs the model's positions, the tier stack vs the context). Constructors check their own
-arguments; the run path (:mod:`kvtier.build`) and the Python API (``TieredKVCache``, the tasks) call these.
-"""
+"""Cross-object checks, in one place: what no constructor sees alone (budget vs context vs the policy's
+pins vs the model's positions, policy vs kernel, the tier stack vs the context), and sizes in bytes. The
+run path (:mod:`kvtier.build`) and the Python API (``TieredKVCache``, the tasks) call them."""
 
 from __future__ import annotations
 
 import math
+import re
 
 from kvtier.errors import ConfigError
-from kvtier.sizes import parse_bytes
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
-def device_pages_needed(policy, page_size: int, chunk_tokens: int, batch_size: int = 1) -> int:
-    """Device pages a step needs per sequence: the policy's pins, the page being written, a chunk's new pages."""
-    return batch_size * (policy.pinned_pages(page_size) + 1 + -(-chunk_tokens // page_size))
+def parse_bytes(value, field: str) -> int:
+    """Bytes in ``value``: an integer, or a number and a unit (B, KB/MB/GB/TB, KiB/MiB/GiB/TiB)."""
+    m = None if isinstance(value, bool) else re.fullmatch(r"\s*(\d*\.?\d+)\s*([kmgt]i?)?b?\s*", str(value), re.I)
+    if m is None or int(float(m[1]) * _UNITS[(m[2] or "").lower()]) < 1:
+        raise ConfigError(field, f"{value!r} is not a size; write e.g. 8GiB, 512MB or a number of bytes")
+    return int(float(m[1]) * _UNITS[(m[2] or "").lower()])
 
 
 def check_device_room(capacity: int, policy, page_size: int, chunk_tokens: int, field: str,
                       batch_size: int = 1) -> None:
-    need = device_pages_needed(policy, page_size, chunk_tokens, batch_size)
+    """The device holds, per sequence, the policy's pins, the page being written and a chunk's new pages."""
+    need = batch_size * (policy.pinned_pages(page_size) + 1 + -(-chunk_tokens // page_size))
     if capacity < need:
         raise ConfigError(field, f"{capacity} device pages of {page_size} tokens cannot hold what policy "
-                                 f"'{policy.name}' pins, the page being written and {chunk_tokens} more tokens "
-                                 f"({need} pages); "
-                                 f"give the device at least {need} pages ({need * page_size} tokens), or pin less, or "
-                                 "prefill in smaller steps (scheduler.prefill.chunk_size)")
+                                 f"'{policy.name}' pins, the page being written and {chunk_tokens} more tokens; "
+                                 f"give the device at least {need} pages ({need * page_size} tokens), or pin less, "
+                                 "or prefill in smaller steps (scheduler.prefill.chunk_size)")
+
+
+def check_salience(policy, backend) -> None:
+    """A policy that reads page salience needs a kernel backend that gives it."""
+    if policy.needs_salience and not backend.supports_salience:
+        raise ConfigError("kernel", f"policy '{policy.name}' needs salience, which backend '{backend.name}' does "
+                                    "not give; use kernel=triton or kernel=torch")
 
 
 def check_positions(task, config) -> None:
@@ -36,45 +47,23 @@ def check_positions(task, config) -> None:
                           f"{limit} positions; use at most {limit - task.new_tokens}")
 
 
-def budget_tokens(budget, context: int, token_bytes: int) -> int:
-    """Device tokens per sequence from ``budget.tokens``, ``budget.size`` or ``budget.fraction``."""
-    tokens, size, fraction = budget.tokens, budget.size, budget.fraction
-    if tokens is not None:
-        if tokens < 1 or tokens > context:
-            raise ConfigError("budget.tokens", f"must be in [1, {context}] (the task's context), got {tokens}")
-        return tokens
-    if size is not None:
-        tokens = parse_bytes(size, "budget.size") // token_bytes
-        if not 1 <= tokens <= context:
-            raise ConfigError("budget.size", f"{size} holds {tokens} tokens of KV ({token_bytes} B each); "
-                                             f"the task's context is {context}: size it in between")
-        return tokens
-    if fraction is None or not 0 < fraction <= 1:
-        raise ConfigError("budget.fraction", f"must be in (0, 1] (or set budget.tokens or budget.size), "
-                                             f"got {fraction}")
-    return max(1, int(fraction * context))
-
-
-def tier_pages(spec, key: str, context_pages: int, stack_page_bytes: int) -> int:
-    """Pages per layer of a lower tier: ``size`` (bytes over every layer) when set, else ``fraction`` of the
-    context (default 1)."""
+def tier_pages(spec, field: str, context_pages: int, stack_page_bytes: int) -> int:
+    """Pages per layer of a lower tier: ``size`` (bytes over all layers), else ``fraction`` (default 1) of
+    the context."""
     if spec.get("size") is not None:
-        pages = parse_bytes(spec.size, f"tiers.stack.{key}.size") // stack_page_bytes
-        if pages < 1:
-            raise ConfigError(f"tiers.stack.{key}.size", f"{spec.size} holds no page ({stack_page_bytes} B "
-                                                         "over all layers); size it larger")
+        if (pages := parse_bytes(spec.size, f"{field}.size") // stack_page_bytes) < 1:
+            raise ConfigError(f"{field}.size", f"{spec.size} holds no page ({stack_page_bytes} B over all layers)")
         return pages
     fraction = spec.get("fraction", 1.0)
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not fraction > 0:
-        raise ConfigError(f"tiers.stack.{key}.fraction", f"must be a positive share of the context, got {fraction!r}")
-    return max(1, math.ceil(fraction * context_pages))
+        raise ConfigError(f"{field}.fraction", f"must be a positive share of the context, got {fraction!r}")
+    return math.ceil(fraction * context_pages)
 
 
 def check_stack(capacities: dict, context_pages: int) -> None:
-    """The tiers together hold the whole context (the device alone when it is the only tier)."""
+    """The tiers below the device (the device, when alone) hold the whole context."""
     keys = list(capacities)
     held = sum(capacities[k] for k in keys[1:]) if len(keys) > 1 else capacities[keys[0]]
     if held < context_pages:
-        where = f"tiers.stack.{keys[-1]}" if len(keys) > 1 else "tiers.stack"
-        raise ConfigError(where, f"the tiers below the device hold {held} pages, the context needs "
-                                 f"{context_pages}; raise a fraction or size, or add a tier")
+        raise ConfigError(f"tiers.stack.{keys[-1]}" if len(keys) > 1 else "tiers.stack", f"the tiers below the "
+                          f"device hold {held} pages, the context needs {context_pages}; raise a fraction or size")

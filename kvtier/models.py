@@ -144,6 +144,18 @@ def load_config(path: str | None = None):
     return folder, config
 
 
+def check_load_args(dtype: str, device: str | torch.device) -> None:
+    """ConfigError unless ``dtype`` is one of :data:`MODEL_DTYPES` and ``device`` a torch device present here."""
+    if dtype not in MODEL_DTYPES:
+        raise ConfigError("model.dtype", f"unsupported dtype {dtype!r}; use one of {sorted(MODEL_DTYPES)}")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError("model.device", f"{device!r} is not a torch device ({e}); use auto, cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("model.device", "cuda was asked for but no GPU is visible; use model.device=cpu")
+
+
 def load_model(path: str | None = None, dtype: str = "float32", device: str = "cpu",
                attn_implementation: str = "sdpa"):
     """Load ``(model, tokenizer)`` in eval mode from a local folder, never from the network.
@@ -157,8 +169,7 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
 
     from kvtier.compat import ATTN_NAME
 
-    if dtype not in MODEL_DTYPES:
-        raise ConfigError("model.dtype", f"unsupported dtype {dtype!r}; use one of {sorted(MODEL_DTYPES)}")
+    check_load_args(dtype, device)
     folder, config = load_config(path)
     if attn_implementation == ATTN_NAME:
         check_model_support(config)
@@ -195,8 +206,7 @@ def random_llama(num_layers: int = 32, num_heads: int = 32, num_kv_heads: int = 
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if dtype not in MODEL_DTYPES:
-        raise ConfigError("model.dtype", f"unsupported dtype {dtype!r}; use one of {sorted(MODEL_DTYPES)}")
+    check_load_args(dtype, device)
     hidden = num_heads * head_dim
     config = LlamaConfig(
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,

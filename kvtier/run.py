@@ -78,9 +78,9 @@ def execute(cfg: DictConfig, run_dir: str | Path) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     log.info("run folder: %s", run_dir)
     try:
-        model, tokenizer, layout = build_model(cfg, plan_)
+        model, tokenizer = build_model(cfg)
         engine = Engine(model, build(cfg.scheduler.prefill, "scheduler.prefill"))
-        make_cache = CacheFactory(cfg, plan_, layout, run_dir)
+        make_cache = CacheFactory(cfg, plan_, run_dir)
         try:
             with _progress(cfg.progress) as bar, _cpu_threads(cfg.cpu_threads):
                 result = build(cfg.task, "task").run(engine, make_cache, tokenizer, progress=bar)

@@ -1,7 +1,6 @@
 """The recipe's schema: typed dataclasses that Hydra merges every recipe into (``config.yaml``'s first
-default), so an unknown or mistyped top-level key fails when the config is composed. Nodes built from a
-``_target_`` (model, policy, tiers, kernel, task, logger) are open: their keys are checked against the
-target's own parameters when it is built (:mod:`kvtier.build`)."""
+default), each checking its own ranges. Nodes built from a ``_target_`` (model, policy, tiers, kernel,
+task, logger) are open: their keys go to the target's constructor (:mod:`kvtier.build`)."""
 
 from __future__ import annotations
 
@@ -11,8 +10,9 @@ from typing import Any, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from kvtier.checks import parse_bytes
 from kvtier.errors import ConfigError
 
 
@@ -26,19 +26,35 @@ class Scope(str, Enum):
 
 @dataclass
 class Budget:
-    """Device-tier KV per sequence: ``tokens``, else ``size`` (bytes, e.g. "64MiB"), else ``fraction`` of
-    the task's context, in (0, 1]."""
+    """Device-tier KV per sequence: ``tokens``, else ``size`` (bytes over all layers, "64MiB"), else
+    ``fraction`` of the task's context, in (0, 1]."""
 
     tokens: Optional[int] = None
     size: Optional[str] = None
     fraction: Optional[float] = 0.25
 
+    def __post_init__(self):
+        if self.fraction is not None and not 0 < self.fraction <= 1:  # nan too
+            raise ConfigError("budget.fraction", f"must be in (0, 1], got {self.fraction}")
+
+    @property
+    def key(self) -> str:
+        """The setting in force: ``budget.tokens``, else ``budget.size``, else ``budget.fraction``."""
+        return "budget." + next((k for k in ("tokens", "size") if getattr(self, k) is not None), "fraction")
+
+    def tokens_for(self, context: int, token_bytes: int) -> int:
+        """Device tokens for a task of ``context`` tokens, each ``token_bytes`` of KV over all layers."""
+        tokens = self.tokens if self.tokens is not None else int((self.fraction or 0) * context) \
+            if self.size is None else parse_bytes(self.size, "budget.size") // token_bytes
+        if not 1 <= tokens <= context:
+            raise ConfigError(self.key, f"{getattr(self, self.key[7:])} gives {tokens} device tokens; the task's "
+                                        f"context is {context}: give it 1 to {context}")
+        return tokens
+
 
 @dataclass
 class Tiers:
-    """The tier stack, device first; each entry a ``_target_`` tier sized by ``fraction`` or ``size``."""
-
-    stack: Dict[str, Any] = MISSING
+    stack: Dict[str, Any] = MISSING  # device first; each a _target_ tier, lower ones sized by fraction or size
 
 
 @dataclass
@@ -54,6 +70,11 @@ class Cache:
     topk_pages: Optional[int] = None
     sinks: int = 4
     fidelity: bool = True
+
+    def __post_init__(self):
+        if self.topk_pages is not None and self.topk_pages < 1 or self.sinks < 0:
+            raise ConfigError("cache", f"topk_pages must be >= 1 (or null) and sinks >= 0, got {self.topk_pages} "
+                                       f"and {self.sinks}")
 
 
 @dataclass
@@ -72,15 +93,22 @@ class Recipe:
     progress: bool = True
     cpu_threads: Optional[int] = 1
 
+    def __post_init__(self):
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ConfigError("cpu_threads", f"must be >= 1 (or null: torch's default), got {self.cpu_threads}")
+
 
 ConfigStore.instance().store(name="kvtier_schema", node=Recipe)
 
 
-def check_schema(cfg) -> None:
-    """ConfigError unless ``cfg`` (hydra node aside) fits :class:`Recipe`: catches keys added by ``+key=``."""
+def check_schema(cfg) -> Recipe:
+    """``cfg`` (its hydra node aside) as a :class:`Recipe`; ConfigError names a key that is unknown (added
+    by ``+key=``), unset or out of range."""
     try:
         plain = OmegaConf.to_container(cfg, enum_to_str=True)
-        OmegaConf.merge(OmegaConf.structured(Recipe), {k: v for k, v in plain.items() if k != "hydra"})
+        return OmegaConf.to_object(OmegaConf.merge(Recipe, {k: v for k, v in plain.items() if k != "hydra"}))
+    except MissingMandatoryValue as e:
+        raise ConfigError(str(e.full_key), f"has no value; set it, e.g. kvtier-run {e.full_key}=...") from None
     except OmegaConfBaseException as e:
         parent, _, leaf = str(e.full_key).rpartition(".")
         raise ConfigError(parent or leaf, f"has no key {leaf!r}; check its spelling (kvtier-run --cfg job "

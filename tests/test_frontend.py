@@ -52,9 +52,10 @@ SILENT = [  # each ran with exit 0 before; now a named error before the model lo
 @pytest.mark.parametrize("args,field", SILENT, ids=[" ".join(a) for a, _ in SILENT])
 def test_silent_mistakes_are_named_before_the_model_loads(args, field, monkeypatch, tmp_path):
     import kvtier.build
+    import kvtier.run
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(kvtier.build, "build_model", lambda *a: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(kvtier.run, "build_model", lambda *a: pytest.fail("the model was loaded"))
     monkeypatch.setattr(sys, "argv", ["kvtier-run", *args])
     with pytest.raises(SystemExit) as exit_:
         main()
@@ -148,25 +149,25 @@ def test_joblib_launcher_runs_a_two_job_sweep(tmp_path):
     assert len(list(tmp_path.glob("multirun/*/*/metrics.json"))) == 2
 
 
-def test_wandb_agent_runs_two_sweep_jobs_offline(tmp_path, monkeypatch):
-    """wandb's own Agent builds each run's command from the sweep file, as a server's run command would."""
-    from wandb.wandb_agent import Agent
+def test_wandb_agent_runs_two_sweep_jobs_offline(tmp_path):
+    """The real ``wandb agent`` CLI runs the example sweep file's first two grid points, each one kvtier-run
+    logging offline into its run folder. W&B's sweep service, which hands an agent its runs and which no
+    offline mode replaces, is a loopback stand-in (wandb_sweep_service.py)."""
+    from wandb_sweep_service import SweepService
 
     sweep = yaml.safe_load((ROOT / "examples" / "sweeps" / "wandb_sweep.yaml").read_text())
+    sweep["command"][-1:-1] = [a for a in TINY if not a.startswith(("logger=", "budget."))]  # the grid sets these
     shim = tmp_path / "bin" / "kvtier-run"  # kvtier-run of this checkout, whatever the venv installed
     shim.parent.mkdir()
     shim.write_text(f"#!/bin/sh\nexec {sys.executable} -m kvtier.run \"$@\"\n")
     shim.chmod(0o755)
-    monkeypatch.chdir(tmp_path)
-    for key, value in {"PATH": f"{shim.parent}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline",
-                       "WANDB_SWEEP_ID": "offline", "HOME": str(tmp_path / "home"), "WANDB_DIR": str(tmp_path)}.items():
-        monkeypatch.setenv(key, value)
-    agent = Agent(api=None, queue=None, sweep_id="offline")
-    agent._sweep_command = sweep["command"]
-    for i, policy in enumerate(("lru", "sink_window")):
-        tiny = [a.split("=") for a in TINY if not a.startswith("logger=")]  # the sweep file picks the logger
-        args = {"policy": {"value": policy}, **{k: {"value": v} for k, v in tiny}}
-        agent._command_run({"run_id": f"run{i}", "program": sweep["program"], "args": args})
-    assert [p.wait() for p in agent._run_processes.values()] == [0, 0]
-    runs = list(tmp_path.glob("outputs/perplexity/*/metrics.json"))
-    assert len(runs) == 2 and all(list(p.parent.glob("wandb/offline-run-*")) for p in runs)
+    with SweepService(sweep) as url:
+        env = {**os.environ, "PATH": f"{shim.parent}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
+               "HOME": str(tmp_path / "home"), "WANDB_BASE_URL": url, "WANDB_API_KEY": "0" * 40}
+        proc = subprocess.run([sys.executable, "-m", "wandb", "agent", "--count", "2", "local/kvtier/grid"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = sorted(tmp_path.glob("outputs/perplexity/*/metrics.json"))
+    metrics = [json.loads(p.read_text()) for p in runs]
+    assert sorted((m["policy"], m["budget_fraction"]) for m in metrics) == [("lru", 0.25), ("lru", 0.5)]
+    assert all(list(p.parent.glob("wandb/offline-run-*/run-*.wandb")) for p in runs)

@@ -136,7 +136,7 @@ def test_wandb_offline_opens_no_network_socket_and_keeps_its_files_in_the_run_fo
 BAD = [
     (["policy=nope"], "policy", "sink_window"),
     (["policy.name=nope"], "policy", "aspe"),
-    (["budget.tokens=5000"], "budget.tokens", "384"),
+    (["budget.tokens=5000"], "budget.tokens", "320"),
     (["budget.fraction=0"], "budget.fraction", "(0, 1]"),
     (["budget.fraction=1.5"], "budget.fraction", "(0, 1]"),
     (["-m", "budget.fraction=0.5,0"], "budget.fraction", "(0, 1]"),
@@ -151,6 +151,12 @@ BAD = [
     (["page_size=12"], "page_size", "power of two"),
     (["logger=wandb", "logger.mode=online"], "logger.mode", "offline"),
     (["cache.fidelity=maybe"], "cache.fidelity", "true or false"),
+    (["budget.fraction=nan"], "budget.fraction", "(0, 1]"),
+    (["budget.size=lots"], "budget.size", "GiB"),
+    (["+tiers.stack.host.bogus=3"], "tiers.stack.host", "bogus"),
+    (["+tiers.stack.host.capacity=3"], "tiers.stack.host", "capacity"),
+    (["+model.foo=2"], "model", "foo"),
+    (["cpu_threads=0"], "cpu_threads", ">= 1"),
 ]
 
 

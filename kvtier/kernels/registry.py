@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
+import torch
+
 from kvtier.errors import ConfigError
 from kvtier.kernels.base import AttentionBackend
 from kvtier.kernels.flashinfer import FlashInferBackend
@@ -10,15 +14,20 @@ from kvtier.kernels.reference import TorchBackend
 BACKENDS = ("torch", "triton", "flashinfer")
 
 
-def make_backend(name: str) -> AttentionBackend:
-    """A fresh backend: ``torch`` (reference), ``triton`` or ``flashinfer`` (needs kvtier[gpu])."""
+def make_backend(name: str, device: str = "cuda") -> AttentionBackend:
+    """A fresh backend: ``torch`` (reference, any device), or on ``device`` (the model's) ``triton`` (a
+    GPU, or the CPU under TRITON_INTERPRET=1) or ``flashinfer`` (a GPU and ``pip install 'kvtier[gpu]'``)."""
     if name == "torch":
         return TorchBackend()
-    if name == "triton":
-        # Imported here: triton.jit picks compiled or interpreted kernels (TRITON_INTERPRET) at import.
-        from kvtier.kernels.triton_decode import TritonBackend
-
-        return TritonBackend()
+    if name not in BACKENDS:
+        raise ConfigError("kernel", f"unknown kernel backend {name!r}; use one of {', '.join(BACKENDS)}")
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        if name == "flashinfer" or os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError("kernel", f"kernel={name} needs a GPU (triton runs on a CPU only under "
+                                        "TRITON_INTERPRET=1, slowly); use kernel=torch")
     if name == "flashinfer":
-        return FlashInferBackend()
-    raise ConfigError("kernel", f"unknown kernel backend {name!r}; use one of {', '.join(BACKENDS)}")
+        return FlashInferBackend(device=device)
+    # Imported here: triton.jit picks compiled or interpreted kernels (TRITON_INTERPRET) at import.
+    from kvtier.kernels.triton_decode import TritonBackend
+
+    return TritonBackend()
