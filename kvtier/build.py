@@ -27,9 +27,10 @@ from kvtier.models import MODEL_DTYPES, kv_layout_for, load_config
 from kvtier.report import CacheRecord
 from kvtier.schema import check_schema
 from kvtier.tiers.disk import check_folder
-from kvtier.tiers.remote import parse_address, start_local_server
+from kvtier.tiers.redis import check_url
+from kvtier.tiers.redis_server import LocalRedis
 
-LOCAL_STORE = "local"  # tiers.stack.<remote>.address that starts a page server for the run
+LOCAL_STORE = "local"  # tiers.stack.<remote>.url that starts a redis-server on loopback for the run
 
 
 @dataclass(frozen=True)
@@ -125,8 +126,8 @@ def plan(cfg: DictConfig) -> Plan:
         capacities[key] = layout.pages_for(budget) if i == 0 else tier_pages(spec, key, pages, page_bytes)
         if "path" in spec:  # a disk tier: relative paths live in the run folder
             check_folder(spec.path if Path(spec.path).is_absolute() else ".", f"{field}.path")
-        if spec.get("address", LOCAL_STORE) != LOCAL_STORE:
-            parse_address(spec.address, f"{field}.address")
+        if spec.get("url", LOCAL_STORE) != LOCAL_STORE:
+            check_url(spec.url, f"{field}.url")
     device = next(iter(capacities))
     check_device_room(capacities[device], policy, layout.page_size, min(prefill.chunk_size, context),
                       next(f"budget.{k}" for k in ("tokens", "size", "fraction") if cfg.budget[k] is not None))
@@ -189,8 +190,8 @@ class CacheFactory:
     """``make_cache()`` for a task: a fresh TieredKVCache per call, every part built from the config.
 
     Keeps a :class:`~kvtier.report.CacheRecord` of every cache it made (taken when the next one is
-    made, or at :meth:`close`). Disk tiers get a folder per cache; a ``local`` remote address starts
-    one page server for the whole run (stopped by :meth:`close`).
+    made, or at :meth:`close`). Disk tiers get a folder per cache; a ``local`` remote url starts
+    one redis-server on loopback for the whole run (stopped by :meth:`close`).
     """
 
     def __init__(self, cfg: DictConfig, plan_: Plan, layout, run_dir: Path):
@@ -200,10 +201,10 @@ class CacheFactory:
         self._resources = contextlib.ExitStack()
         self._stores: dict[str, str] = {}
         for key, spec in cfg.tiers.stack.items():
-            if spec.get("address") == LOCAL_STORE:
-                nbytes = 2 * layout.num_layers * plan_.capacities[key] * layout.page_bytes  # room for two caches
-                proc, self._stores[key] = start_local_server(nbytes)
-                self._resources.callback(_stop, proc)
+            if spec.get("url") == LOCAL_STORE:
+                server = LocalRedis()
+                self._resources.callback(server.stop)
+                self._stores[key] = server.url
 
     def __call__(self):
         self._record_last()
@@ -216,7 +217,7 @@ class CacheFactory:
         return self._last
 
     def _tier(self, key: str, spec: DictConfig):
-        extra = {"address": self._stores[key]} if key in self._stores else {}
+        extra = {"url": self._stores[key]} if key in self._stores else {}
         if "path" in spec:
             extra["path"] = self.run_dir / Path(spec.path).expanduser() / f"cache-{len(self.records)}"
         node = OmegaConf.create({k: v for k, v in OmegaConf.to_container(spec, resolve=True).items()
@@ -230,14 +231,10 @@ class CacheFactory:
             self._last = None
 
     def close(self) -> None:
-        """Record the last cache, close it (idempotent) and stop any page server."""
+        """Record the last cache, close it (idempotent) and stop any local redis-server."""
         last = self._last
         self._record_last()
         if last is not None:
             last.close()
         self._resources.close()
 
-
-def _stop(proc) -> None:
-    proc.terminate()
-    proc.wait()
