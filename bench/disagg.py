@@ -12,7 +12,7 @@ same from its own cache and the two must agree. Rows, all in one run:
 - ``disaggregated``: TTFT at the decode rank (first token and last layer landed, from a barrier);
   hidden fraction = 1 - (TTFT - prefill alone) / (all layers' transfer at the link rate), clipped to
   [0, 1]; target >= 0.8; TTFT / (prefill alone + one layer's transfer), target <= 1.1.
-Run on a 2-GPU host:  python -m bench.disagg   (writes $OUT/disagg.json)
+Run on a 2-GPU host:  python -m bench.disagg   (writes $OUT/disagg.json); ``--smoke`` checks it on a CPU
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import torch.multiprocessing as mp
 
 from bench.common import MODELS, print_table, write_json
 
+SMOKE_SHAPE = dict(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, vocab_size=256)
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -35,20 +37,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _sync_ms(fn) -> float:
-    torch.cuda.synchronize()
+    _sync()
     t0 = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    _sync()
     return (time.perf_counter() - t0) * 1e3
 
 
 def worker(rank: int, port: int, args, queue) -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (shared host)
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            device_id=dev)
+    if args.smoke:  # CPU: gloo, a tiny model, the torch kernels
+        dev, backend, shape, dtype = torch.device("cpu"), "gloo", SMOKE_SHAPE, "float32"
+    else:
+        torch.cuda.set_device(rank)
+        dev, backend, shape, dtype = torch.device("cuda", rank), "nccl", MODELS["llama8b-shape"], "bfloat16"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            device_id=None if args.smoke else dev)
     from kvtier import DeviceTier, SinkWindow, install, kv_layout_for
     from kvtier.cache import TieredKVCache
     from kvtier.disagg import StreamingPrefillCache, decode, prefill_and_send, receive_prefill, transfer_model
@@ -57,9 +67,9 @@ def worker(rank: int, port: int, args, queue) -> None:
     from kvtier.models import random_llama
     from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 
-    model = random_llama(**MODELS["llama8b-shape"], dtype="bfloat16", device=str(dev), seed=0)
+    model = random_llama(**shape, dtype=dtype, device=str(dev), seed=0)
     model.set_attn_implementation(install())
-    layout = kv_layout_for(model.config, page_size=16, dtype=torch.bfloat16)
+    layout = kv_layout_for(model.config, page_size=16, dtype=model.dtype)
     pages = layout.pages_for(args.tokens + args.decode + 1)
     ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(1))
 
@@ -86,13 +96,13 @@ def worker(rank: int, port: int, args, queue) -> None:
         prefill_alone_ms = _sync_ms(lambda: engine.run_prefill(local, ids))
         del local
     dist.barrier()
-    torch.cuda.synchronize()
+    _sync()
     dist.barrier()
     t0 = time.perf_counter()
     if rank == 0:
         sender = cache(StreamingPrefillCache, dst=1)
         sent = prefill_and_send(model, sender, ids, args.chunk, comm_device=dev)
-        torch.cuda.synchronize()
+        _sync()
         own = decode(model, sender, sent.first_token, args.decode)
         queue.put({"rank": 0, "prefill_alone_ms": prefill_alone_ms, "prefill_sending_ms": sent.prefill_s * 1e3,
                    "sent_bytes": sent.sent_bytes, "tokens": own[0].tolist(), "link_GBps": link_gbps,
@@ -101,7 +111,7 @@ def worker(rank: int, port: int, args, queue) -> None:
     else:
         receiver = cache()
         got = receive_prefill(receiver, src=0, comm_device=dev, t0=t0)
-        torch.cuda.synchronize()
+        _sync()
         ttft_ms = (time.perf_counter() - t0) * 1e3
         tokens = decode(model, receiver, got.first_token, args.decode)
         queue.put({"rank": 1, "ttft_ms": ttft_ms, "received_bytes": got.received_bytes, "tokens": tokens[0].tolist(),
@@ -115,11 +125,14 @@ def main():
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--chunk", type=int, default=4096, help="prefill chunk (a multiple of the page size)")
     ap.add_argument("--decode", type=int, default=4)
-    ap.add_argument("--kernel", default="triton", choices=["triton", "flashinfer"])
+    ap.add_argument("--kernel", default="triton", choices=["triton", "flashinfer", "torch"])
+    ap.add_argument("--smoke", action="store_true", help="CPU check of this script: gloo, a tiny model, 512 tokens")
     args = ap.parse_args()
+    if args.smoke:
+        args.tokens, args.chunk, args.kernel = 512, 128, "torch"
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-    if torch.cuda.device_count() < 2:
+    if not args.smoke and torch.cuda.device_count() < 2:
         raise SystemExit(f"bench.disagg needs 2 GPUs, this host has {torch.cuda.device_count()}")
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
@@ -145,7 +158,8 @@ def main():
     same = p["tokens"] == d["tokens"]
     rows.append({"row": "greedy tokens, decode rank == prefill rank", "ms": float(same), "note": str(d["tokens"])})
     assert d["received_bytes"] == p["sent_bytes"], (d["received_bytes"], p["sent_bytes"])
-    print_table(f"Disaggregated P/D, llama8b-shape bf16, {args.tokens} tokens, chunk {args.chunk}, {args.kernel}",
+    shape = "tiny fp32 on CPU (smoke)" if args.smoke else "llama8b-shape bf16"
+    print_table(f"Disaggregated P/D, {shape}, {args.tokens} tokens, chunk {args.chunk}, {args.kernel}",
                 rows, ["row", "ms", "GB/s", "note"])
     print("wrote", write_json("disagg.json", {"args": vars(args), "prefill": p, "decode": d, "hidden_fraction": hidden,
                                               "ttft_ratio": ttft_ratio, "tokens_agree": same}))

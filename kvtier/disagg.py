@@ -148,6 +148,8 @@ def receive_prefill(cache: TieredKVCache, src: int, group=None, comm_device: tor
     nbytes = 0
     for layer, work, landing, slots in posted:
         work.wait()
+        if landing.is_cuda:  # NCCL's wait only orders the stream: wait for the bytes themselves
+            torch.cuda.current_stream(landing.device).synchronize()
         if slots is not None:
             cache.table.tiers[0].pool(layer)[torch.from_numpy(slots).to(cache.device)] = landing
         arrival[layer] = time.perf_counter() - t0
