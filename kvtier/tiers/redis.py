@@ -2,9 +2,10 @@
 
 Packing: one key per page, ``kvtier:{<namespace>:<layer>}:<slot>``, whose value is the page's bytes
 followed by their crc32 (4 bytes, little-endian). The namespace is random per tier object (so two
-caches, or two runs, on one server never collide); the ``{...}`` hash tag keeps a layer's pages in
-one Redis Cluster hash slot, so a batch is one ``MGET`` (reads) or one pipeline of ``SET``s (writes):
-one round trip per call, never one per page.
+caches, or two runs, on one server never collide). A batch is one ``MGET`` (reads) or one pipeline
+of ``SET``s (writes): one round trip per call, never one per page. One server per URL (Redis,
+Valkey); Redis Cluster is not supported yet, though the ``{...}`` hash tag already keeps a layer's
+pages in one cluster slot, where a batch's MGET would have to go.
 
 A page comes back only if it has the right length, its own crc32 matches and it matches the crc32
 this tier recorded when it wrote it (a page overwritten behind kvtier's back fails that). A key the
