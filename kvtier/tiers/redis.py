@@ -137,14 +137,17 @@ class RedisTier(Tier):
         s = slot_array(self, slots)
         buf = page_bytes_view(pages)  # [n, page_bytes]
         crcs = page_crcs(buf)
+        pb = self.layout.page_bytes
+        values = np.empty((s.size, pb + _CRC.itemsize), dtype=np.uint8)  # [n, page_bytes + 4]: page, crc32
+        values[:, :pb] = buf
+        values[:, pb:] = crcs.astype(_CRC).view(np.uint8).reshape(-1, _CRC.itemsize)
         self._valid[layer, s] = False
         ttl_ms = None if self.ttl_s is None else max(1, round(self.ttl_s * 1000))
 
         def send():
             pipe = self._db.pipeline(transaction=False)
             for i, slot in enumerate(s):
-                pipe.set(self.key(layer, int(slot)), buf[i].tobytes() + crcs[i:i + 1].astype(_CRC).tobytes(),
-                         px=ttl_ms)
+                pipe.set(self.key(layer, int(slot)), values[i].data, px=ttl_ms)  # memoryview: sent without a copy
             return pipe.execute(raise_on_error=False)
 
         replies = self._call(send)
