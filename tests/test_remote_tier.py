@@ -136,8 +136,13 @@ def test_config_errors(server):
 def test_missing_extra_names_it(server, monkeypatch):
     import sys
 
+    import redis.utils
+
+    monkeypatch.setattr(redis.utils, "HIREDIS_AVAILABLE", False)
+    with pytest.raises(MissingDependencyError, match=r"needs the 'hiredis' package: pip install 'kvtier\[redis\]'"):
+        RedisTier(layout_of(), 4, server.url)
     monkeypatch.setitem(sys.modules, "redis", None)  # import redis now raises ImportError
-    with pytest.raises(MissingDependencyError, match=r"pip install 'kvtier\[redis\]'"):
+    with pytest.raises(MissingDependencyError, match=r"needs the 'redis' package: pip install 'kvtier\[redis\]'"):
         RedisTier(layout_of(), 4, server.url)
 
 

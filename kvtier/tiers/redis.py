@@ -31,10 +31,14 @@ _CRC = np.dtype("<u4")
 
 
 def _redis():
+    """redis-py, with hiredis parsing replies (the pure-Python parser would cap batched reads)."""
     try:
         import redis
+        import redis.utils
     except ImportError:
         raise MissingDependencyError("redis", "redis", "RedisTier") from None
+    if not redis.utils.HIREDIS_AVAILABLE:
+        raise MissingDependencyError("hiredis", "redis", "RedisTier (its reply parser)")
     return redis
 
 
