@@ -33,7 +33,10 @@ DECODE_WORKER = textwrap.dedent(f'''
     model, _ = load_model(None, dtype="float32", device="cpu", attn_implementation="sdpa")
     model.set_attn_implementation(install())
     layout = kv_layout_for(model.config, page_size=16, dtype=torch.float32)
-    cache = TieredKVCache(layout, [DeviceTier(layout, {PAGES}, device="cpu")], SinkWindow())
+    tier = DeviceTier(layout, {PAGES}, device="cpu")
+    tier.alloc(1, 6)
+    tier.free(1, torch.tensor([1, 3]))  # layer 1's pages land in scattered slots: received, then copied in
+    cache = TieredKVCache(layout, [tier], SinkWindow())
     dist.init_process_group("gloo", init_method=sys.argv[1], rank=1, world_size=2)
     got = receive_prefill(cache, src=0)
     tokens = decode(model, cache, got.first_token, {NEW_TOKENS})
@@ -64,7 +67,10 @@ def test_prefill_in_one_process_and_decode_in_another_match_one_process(smollm2)
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
             dist.init_process_group("gloo", init_method=url, rank=0, world_size=2)
-            cache = StreamingPrefillCache(layout, [DeviceTier(layout, PAGES, device="cpu")], SinkWindow(), dst=1)
+            tier = DeviceTier(layout, PAGES, device="cpu")
+            tier.alloc(0, 6)
+            tier.free(0, torch.tensor([1, 3]))  # layer 0's pages sit in scattered slots: gathered, then sent
+            cache = StreamingPrefillCache(layout, [tier], SinkWindow(), dst=1)
             sent = prefill_and_send(model, cache, ids, CHUNK)
             out, err = child.communicate(timeout=240)
         finally:
