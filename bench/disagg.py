@@ -151,7 +151,8 @@ def main():
         {"row": "prefill while sending (rank 0)", "ms": p["prefill_sending_ms"], "note": ""},
         {"row": "disaggregated TTFT (decode rank)", "ms": d["ttft_ms"],
          "note": f"last layer landed at {max(d['layer_arrival_ms']):.1f} ms"},
-        {"row": "KV transfer hidden fraction", "ms": hidden, "note": f"target >= 0.8: {'met' if hidden >= 0.8 else 'NOT met'}"},
+        {"row": "KV transfer hidden fraction", "ms": hidden,
+         "note": f"target >= 0.8: {'met' if hidden >= 0.8 else 'NOT met'}"},
         {"row": "TTFT / (prefill alone + one layer)", "ms": ttft_ratio,
          "note": f"target <= 1.1: {'met' if ttft_ratio <= 1.1 else 'NOT met'}"},
     ]

@@ -41,7 +41,8 @@ def transfer_model(layout: KVLayout, tokens: int, link_gbps: float) -> dict:
 
 def _check_streamable(cache: TieredKVCache, chunk_size: int | None = None) -> None:
     if len(cache.seqs) != 1:
-        raise ConfigError("batch_size", f"disaggregated prefill streams one sequence, the cache holds {len(cache.seqs)}")
+        raise ConfigError("batch_size", f"disaggregated prefill streams one sequence, the cache holds "
+                                        f"{len(cache.seqs)}")
     if cache.keys is not None or cache.queries is not None:
         raise ConfigError("scope", "disaggregated decode receives pages only: scope 'topk' and policies that need "
                                    "key/query statistics would miss the prompt's; use scope all or resident")

@@ -1,5 +1,6 @@
 """Real faults under the disk and remote tiers: bit flips, truncation, interrupted and killed
-writers, full disks; a real Redis killed, restarted empty, frozen, evicting, or rewritten behind our back. Corrupted bytes must never come back as data."""
+writers, full disks; a real Redis killed, restarted empty, frozen, evicting, or rewritten behind
+our back. Corrupted bytes must never come back as data."""
 
 import errno
 import os

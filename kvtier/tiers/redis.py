@@ -43,7 +43,8 @@ def _redis():
 
 
 def check_url(url: str, field: str) -> None:
-    """ConfigError(field) unless ``url`` is a Redis URL: ``redis://host:port/db``, ``rediss://...``, ``unix:///path``."""
+    """ConfigError(field) unless ``url`` is a Redis URL (``redis://host:port/db``, ``rediss://...``,
+    ``unix:///path``)."""
     try:
         parts = urlsplit(str(url))
         ok = parts.scheme in ("redis", "rediss") and bool(parts.hostname) and parts.port is not None \
