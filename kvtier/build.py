@@ -22,9 +22,10 @@ from kvtier.models import check_load_args, kv_layout_for, load_config
 from kvtier.report import CacheRecord
 from kvtier.schema import check_schema
 from kvtier.tiers.disk import check_folder
-from kvtier.tiers.remote import parse_address, start_local_server
+from kvtier.tiers.redis import check_url
+from kvtier.tiers.redis_server import LocalRedis
 
-LOCAL_STORE = "local"  # tiers.stack.<remote>.address that starts a page server for the run
+LOCAL_STORE = "local"  # tiers.stack.<remote>.url that starts a redis-server on loopback for the run
 SIZING = ("fraction", "size")  # a lower tier's size keys, read by kvtier.checks.tier_pages
 
 
@@ -109,8 +110,8 @@ def plan(cfg: DictConfig) -> Plan:
         capacities[key] = tier_pages(spec, field, pages, page_bytes) if capacities else layout.pages_for(budget)
         if "path" in spec:  # a disk tier: relative paths live in the run folder
             check_folder(spec.path if Path(spec.path).is_absolute() else ".", f"{field}.path")
-        if spec.get("address", LOCAL_STORE) != LOCAL_STORE:
-            parse_address(spec.address, f"{field}.address")
+        if spec.get("url", LOCAL_STORE) != LOCAL_STORE:
+            check_url(spec.url, f"{field}.url")
     check_device_room(next(iter(capacities.values())), policy, layout.page_size, min(prefill.chunk_size, context),
                       recipe.budget.key)
     check_stack(capacities, pages)
@@ -142,8 +143,8 @@ class CacheFactory:
     """``make_cache()`` for a task: a fresh TieredKVCache per call, every part built from the config.
 
     Keeps a :class:`~kvtier.report.CacheRecord` of every cache it made (taken, and the cache closed, when
-    the next one is made or at :meth:`close`). Disk tiers get a folder per cache; a ``local`` remote address starts
-    one page server for the whole run (stopped by :meth:`close`).
+    the next one is made or at :meth:`close`). Disk tiers get a folder per cache; a ``local`` remote url starts
+    one redis-server on loopback for the whole run (stopped by :meth:`close`).
     """
 
     def __init__(self, cfg: DictConfig, plan_: Plan, run_dir: Path):
@@ -151,10 +152,10 @@ class CacheFactory:
         self.records: list[CacheRecord] = []
         self._last, self._servers, self._stores = None, [], {}
         for key, spec in cfg.tiers.stack.items():
-            if spec.get("address") == LOCAL_STORE:  # room for two caches
-                proc, self._stores[key] = start_local_server(2 * plan_.layout.num_layers * plan_.capacities[key]
-                                                             * plan_.layout.page_bytes)
-                self._servers.append(proc)
+            if spec.get("url") == LOCAL_STORE:
+                server = LocalRedis()
+                self._servers.append(server)
+                self._stores[key] = server.url
 
     def __call__(self):
         self._retire()
@@ -162,7 +163,7 @@ class CacheFactory:
         for key, spec in self.cfg.tiers.stack.items():
             node = _unsized(spec)
             if key in self._stores:
-                node.address = self._stores[key]
+                node.url = self._stores[key]
             if "path" in spec:
                 node.path = str(self.run_dir / Path(spec.path).expanduser() / f"cache-{len(self.records)}")
             tiers.append(build(node, f"tiers.stack.{key}", layout=self.plan.layout, capacity=self.plan.capacities[key],
@@ -182,9 +183,8 @@ class CacheFactory:
             self._last = None
 
     def close(self) -> None:
-        """Retire the last cache and stop any page server."""
+        """Retire the last cache and stop any local redis-server."""
         self._retire()
-        for proc in self._servers:
-            proc.terminate()
-            proc.wait()
+        for server in self._servers:
+            server.stop()
         self._servers = []

@@ -142,6 +142,11 @@ class TieredKVCache(PagedCacheBase):
         return key_states, value_states
 
     # -- step lifecycle ------------------------------------------------------------------------
+    def receive_step(self, q_len: int) -> None:
+        """Open a step whose K/V another process computed (:mod:`kvtier.disagg`): every sequence grows
+        by ``q_len`` tokens and the caller writes each layer's new pages into their tiers."""
+        self._begin_step(q_len)
+
     def _begin_step(self, q_len: int) -> None:
         self.finish_step()
         if q_len == 1 and not self.prefilled and self.step >= 0:

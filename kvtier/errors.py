@@ -21,6 +21,11 @@ class PageCorruptedError(KVTierError):
     """A stored page failed its integrity check; its bytes are never returned."""
 
 
+class PageEvictedError(PageCorruptedError):
+    """A stored page is gone from its store (evicted, expired, or the server restarted empty); never
+    replaced by other bytes."""
+
+
 class PageInFlightError(KVTierError):
     """A page was read while a transfer into or out of it had not completed."""
 

@@ -1,5 +1,6 @@
 """Real faults under the disk and remote tiers: bit flips, truncation, interrupted and killed
-writers, full disks, dead, frozen and lying servers. Corrupted bytes must never come back as data."""
+writers, full disks; a real Redis killed, restarted empty, frozen, evicting, or rewritten behind
+our back. Corrupted bytes must never come back as data."""
 
 import errno
 import os
@@ -15,12 +16,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 import torch
 
-from kvtier.errors import PageCorruptedError, TierIOError
+from kvtier.errors import PageCorruptedError, PageEvictedError, TierIOError
 from kvtier.layout import KVLayout
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.remote import RemoteTier, start_local_server
+from kvtier.tiers.redis import RedisTier
+from kvtier.tiers.redis_server import LocalRedis
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE_SRC = textwrap.dedent('''
@@ -267,69 +270,113 @@ def test_file_size_limit_fails_the_reservation(tmp_path):
     assert not path.exists()  # the partly reserved files, and the directory the tier made, were removed
 
 
-# -- remote ----------------------------------------------------------------------------------------
+# -- remote (a real redis-server on loopback) ------------------------------------------------------
 def test_server_killed_mid_run_is_an_io_error():
-    proc, address = start_local_server(capacity_bytes=1 << 20)
+    server = LocalRedis()
     layout = layout_of()
-    tier = RemoteTier(layout, 8, address, timeout_s=2.0)
+    tier = RedisTier(layout, 8, server.url, timeout_s=2.0)
     pages = rand_pages(layout, 4)
     tier.write(0, torch.arange(4), pages)
     assert same_bits(tier.read(0, torch.arange(4)), pages)
-    proc.kill()
-    proc.wait()
-    with pytest.raises(TierIOError, match=f"store at {address} is unreachable"):
+    server.stop()
+    with pytest.raises(TierIOError, match=f"Redis server at {server.url} is unreachable"):
         tier.read(0, torch.arange(4))
-    with pytest.raises(TierIOError, match=address):
+    with pytest.raises(TierIOError, match=server.url):
         tier.write(0, torch.arange(4), pages)
-    with pytest.raises(TierIOError, match=rf"{address} is unreachable \(.*refused"):
-        RemoteTier(layout, 8, address)
-    tier.close()  # closing against a dead store does not raise
+    with pytest.raises(TierIOError, match=rf"{server.url} is unreachable \(.*refused"):
+        RedisTier(layout, 8, server.url)
+    tier.close()  # closing against a dead server does not raise
+
+
+def test_server_restarted_empty_is_a_named_error_and_rewriting_heals():
+    with LocalRedis() as server:
+        layout = layout_of(layers=2)
+        tier = RedisTier(layout, 8, server.url, timeout_s=2.0)
+        pages = rand_pages(layout, 4)
+        tier.write(1, torch.arange(4), pages)
+        server.restart()  # same port, nothing persisted
+        out = torch.ones_like(pages)
+        with pytest.raises(PageEvictedError, match=r"layer 1: slots \[0, 1, 2, 3\] are gone .*restarted empty"):
+            tier.read(1, torch.arange(4), out=out)
+        assert (raw(out) == 0).all()
+        with pytest.raises(PageCorruptedError, match="hold no complete page"):  # known lost from now on
+            tier.read(1, torch.tensor([2]))
+        tier.write(1, torch.tensor([2]), pages[2:3])
+        assert same_bits(tier.read(1, torch.tensor([2])), pages[2:3])
+        tier.close()
 
 
 def test_frozen_server_times_out():
-    proc, address = start_local_server(capacity_bytes=64 << 20)
-    try:
+    with LocalRedis() as server:
         layout = layout_of(page_size=64, heads=8, head_dim=128)
-        tier = RemoteTier(layout, 128, address, timeout_s=0.3)
-        proc.send_signal(signal.SIGSTOP)
-        with pytest.raises(TierIOError, match=rf"no answer from {address} within 0.3 s.*timeout_s"):
-            tier.write(0, torch.arange(128), rand_pages(layout, 128))  # 32 MiB: more than socket buffers hold
-        proc.send_signal(signal.SIGCONT)
+        tier = RedisTier(layout, 128, server.url, timeout_s=0.3)
         pages = rand_pages(layout, 2)
+        tier.write(0, torch.tensor([1, 2]), pages)
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(TierIOError, match=rf"no answer from {server.url} within 0.3 s.*timeout_s"):
+                tier.read(0, torch.tensor([1, 2]))
+            with pytest.raises(TierIOError, match=rf"no answer from {server.url} within 0.3 s"):
+                tier.write(0, torch.arange(128), rand_pages(layout, 128))  # 32 MiB: more than socket buffers hold
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        with pytest.raises(PageCorruptedError, match=r"slots \[0, 1, 2, 3"):
+            tier.read(0, torch.arange(4))  # the timed-out write left its slots invalid
         tier.write(0, torch.tensor([1, 2]), pages)  # a fresh connection works again
         assert same_bits(tier.read(0, torch.tensor([1, 2])), pages)
         tier.close()
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_silent_peer_times_out_at_construction():
     with socket.socket() as listener:  # accepts connections (backlog), never answers
         listener.bind(("127.0.0.1", 0))
         listener.listen()
-        address = f"127.0.0.1:{listener.getsockname()[1]}"
-        with pytest.raises(TierIOError, match=f"no answer from {address} within 0.2 s"):
-            RemoteTier(layout_of(), 4, address, timeout_s=0.2)
+        url = f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+        with pytest.raises(TierIOError, match=f"no answer from {url} within 0.2 s"):
+            RedisTier(layout_of(), 4, url, timeout_s=0.2)
 
 
-def test_store_corrupting_pages_is_detected():
-    proc, address = start_local_server(capacity_bytes=1 << 20, corrupt_every=3)
-    try:
+def test_page_overwritten_behind_kvtiers_back_is_detected():
+    """Another client rewrites keys: with different bytes of the right size, with a self-consistent
+    page (its own crc correct) from another slot, and with a short value. None comes back as data."""
+    with LocalRedis() as server:
         layout = layout_of(torch.float16)
-        tier = RemoteTier(layout, 16, address)
+        tier = RedisTier(layout, 16, server.url)
+        other = redis.Redis.from_url(server.url)
         slots = torch.tensor([9, 2, 14, 0, 5, 11, 7])
         pages = rand_pages(layout, 7)
-        tier.write(0, slots, pages)  # the store flips a byte of its 3rd and 6th page
+        tier.write(0, slots, pages)
+        value = other.get(tier.key(0, 14))
+        other.set(tier.key(0, 14), bytes([value[0] ^ 1]) + value[1:])  # one flipped bit
+        other.set(tier.key(0, 11), other.get(tier.key(0, 9)))  # a valid page, but not this slot's
+        other.set(tier.key(0, 7), value[:100])  # truncated
         out = torch.ones_like(pages)
-        with pytest.raises(PageCorruptedError, match=r"layer 0: slots \[14, 11\] from .* crc32"):
+        with pytest.raises(PageCorruptedError, match=r"layer 0: slots \[14, 11, 7\] from .* crc32 .*behind kvtier"):
             tier.read(0, slots, out=out)
-        assert (raw(out)[[2, 5]] == 0).all()
-        good = [0, 1, 3, 4, 6]
+        assert (raw(out)[[2, 5, 6]] == 0).all()
+        good = [0, 1, 3, 4]
         assert same_bits(tier.read(0, slots[good]), pages[good])
-        tier.write(0, slots[[2]], pages[[2]])  # 8th page stored: intact
+        tier.write(0, slots[[2]], pages[[2]])  # rewriting heals the slot
         assert same_bits(tier.read(0, slots[[2]]), pages[[2]])
+        other.close()
         tier.close()
-    finally:
-        proc.terminate()
-        proc.wait()
+
+
+def test_pages_evicted_under_maxmemory_or_expired_are_named_errors():
+    with LocalRedis(maxmemory=4 << 20, policy="allkeys-random") as server:
+        layout = KVLayout(num_layers=1, num_kv_heads=8, head_dim=128, page_size=64, dtype=torch.bfloat16)  # 256 KiB
+        tier = RedisTier(layout, 32, server.url)
+        pages = rand_pages(layout, 32)
+        tier.write(0, torch.arange(32), pages)  # 8 MiB into 4 MiB: the server evicts at random
+        with pytest.raises(PageEvictedError, match=r"slots \[.*\] are gone .*evicted under maxmemory"):
+            tier.read(0, torch.arange(32))
+        kept = torch.tensor([i for i in range(32) if tier._valid[0, i]])
+        assert 0 < kept.numel() < 32 and same_bits(tier.read(0, kept), pages[kept])
+        tier.close()
+    with LocalRedis() as server:
+        tier = RedisTier(layout_of(), 4, server.url, ttl_s=0.05)
+        tier.write(0, torch.arange(2), rand_pages(layout_of(), 2))
+        time.sleep(0.3)
+        with pytest.raises(PageEvictedError, match=r"slots \[0, 1\] are gone .*expired"):
+            tier.read(0, torch.arange(2))
+        tier.close()

