@@ -8,6 +8,9 @@ that starts from a cached prefix shares its pages (``BlockTable.add_sequence(seq
 only full pages are shared, so no sequence ever writes into them; a sequence forked inside a page
 copies that page on its first write (the table's copy-on-write).
 
+Without a table (``table=None``) the tree is a prefix index only: nodes keep the ids they are given and
+nothing is retained or freed (trace statistics, :mod:`kvtier.serve.trace`).
+
 Eviction is leaf-first (a prefix outlives its extensions) and takes only pages no sequence holds;
 among those leaves the order is the tier policy's (lowest :meth:`Policy.priority` first, over the
 layers' minimum), ties and the policy-less case by least recent use in the tree.
@@ -24,13 +27,13 @@ from kvtier.policies.base import PageInfo, Policy
 from kvtier.table import BlockTable
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class RadixNode:
     pid: int  # -1 at the root
     depth: int  # pages from the root: this node is logical page depth - 1
     parent: "RadixNode | None"
-    key: bytes = b""
-    children: dict[bytes, "RadixNode"] = field(default_factory=dict)
+    key: int = 0  # page_keys' hash of the page's tokens
+    children: dict[int, "RadixNode"] = field(default_factory=dict)
     last_used: int = 0  # the tree's clock at the last match or insert through this node
 
 
@@ -41,20 +44,32 @@ class PrefixMatch:
     node: RadixNode  # the deepest matched node (the root when nothing matched)
 
 
-def page_keys(tokens: np.ndarray, page_size: int) -> list[bytes]:
-    """The key of each full page of ``tokens [S]`` (its int64 token ids as bytes)."""
+def page_keys(tokens: np.ndarray, page_size: int) -> list[int]:
+    """The key of each full page of ``tokens [S]``: the 64-bit hash of its int64 token ids' bytes (keys
+    only tell siblings apart, so two pages alias only if they share a parent and a 64-bit hash)."""
     n = len(tokens) // page_size
     buf = np.ascontiguousarray(tokens[:n * page_size], dtype=np.int64).tobytes()
     w = 8 * page_size
-    return [buf[i * w:(i + 1) * w] for i in range(n)]
+    return [hash(buf[i * w:(i + 1) * w]) for i in range(n)]
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """Steele et al.'s SplitMix64 finalizer, elementwise on uint64 ``x``."""
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
 
 
 class RadixCache:
     """Page-aligned prefixes of token-id sequences -> shared pages of ``table``."""
 
-    def __init__(self, table: BlockTable, policy: Policy | None = None):
+    def __init__(self, table: BlockTable | None, policy: Policy | None = None, page_size: int | None = None):
+        if (table is None) == (page_size is None):
+            raise KVTierError("RadixCache: give a block table, or page_size alone for an index without pages")
         self.table, self.policy = table, policy
-        self.page_size = table.layout.page_size
+        self.page_size = table.layout.page_size if table is not None else page_size
         self.root = RadixNode(pid=-1, depth=0, parent=None)
         self.leaves: set[RadixNode] = set()
         self.num_pages = 0
@@ -77,20 +92,25 @@ class RadixCache:
             pids.append(node.pid)
         return PrefixMatch(np.asarray(pids, dtype=np.int64), len(pids) * self.page_size, node)
 
-    def insert(self, tokens, pids) -> int:
+    def insert(self, tokens, pids, after: PrefixMatch | None = None) -> int:
         """Cache the full pages of ``tokens [S]``, held in ``pids [>= S // page_size]`` (a sequence's
         pages). A page already cached keeps its pid (the caller's copy stays the caller's); new nodes
-        take a reference on their pid. Returns the number of pages added."""
-        keys = page_keys(np.asarray(tokens), self.page_size)
-        pids = np.asarray(pids, dtype=np.int64)
+        take a reference on their pid. ``after``: this sequence's own match, whose pages it still holds
+        (the walk starts there). Returns the number of pages added."""
+        node = self.root if after is None else after.node
+        first = node.depth
+        tokens = np.asarray(tokens)
+        keys = page_keys(tokens[first * self.page_size:], self.page_size)
+        pids = np.asarray(pids, dtype=np.int64)[first:]
         if pids.size < len(keys):
-            raise KVTierError(f"insert of {len(keys)} pages with only {pids.size} pids")
+            raise KVTierError(f"insert of {first + len(keys)} pages with only {first + pids.size} pids")
         self.clock += 1
-        node, added = self.root, 0
+        added = 0
         for key, pid in zip(keys, pids.tolist()):
             child = node.children.get(key)
             if child is None:
-                self.table.retain([pid])
+                if self.table is not None:
+                    self.table.retain([pid])
                 child = RadixNode(pid=pid, depth=node.depth + 1, parent=node, key=key)
                 node.children[key] = child
                 self.leaves.discard(node)
@@ -110,14 +130,14 @@ class RadixCache:
             stack.extend(node.children.values())
         free: dict[int, bool] = {}  # id(node) -> no sequence holds a page of its subtree
         for node in reversed(order):
-            free[id(node)] = self.table.ref[node.pid] == 1 and all(free[id(c)] for c in node.children.values())
+            free[id(node)] = not self._held(node.pid) and all(free[id(c)] for c in node.children.values())
         return sum(free.values())
 
     def evict(self, n_pages: int) -> list[int]:
         """Free up to ``n_pages`` pages, leaves first, in the policy's order. Returns the freed pids."""
         freed: list[int] = []
         while len(freed) < n_pages:
-            cands = [leaf for leaf in self.leaves if self.table.ref[leaf.pid] == 1]
+            cands = [leaf for leaf in self.leaves if not self._held(leaf.pid)]
             if not cands:
                 break
             for leaf in [cands[i] for i in self._order(cands)[:n_pages - len(freed)]]:
@@ -126,7 +146,7 @@ class RadixCache:
                 if leaf.parent is not self.root and not leaf.parent.children:
                     self.leaves.add(leaf.parent)
                 self.num_pages -= 1
-                freed += self.table.release([leaf.pid])
+                freed += self.table.release([leaf.pid]) if self.table is not None else [leaf.pid]
         return freed
 
     def clear(self) -> None:
@@ -135,10 +155,15 @@ class RadixCache:
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
-            self.table.release([node.pid])
+            if self.table is not None:
+                self.table.release([node.pid])
         self.root.children.clear()
         self.leaves.clear()
         self.num_pages = 0
+
+    def _held(self, pid: int) -> bool:
+        """Does a sequence hold ``pid`` besides the tree?"""
+        return self.table is not None and self.table.ref[pid] > 1
 
     def _order(self, leaves: list[RadixNode]) -> np.ndarray:
         """Indices of ``leaves`` in eviction order: the policy's priority (min over layers), then age."""
