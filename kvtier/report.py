@@ -23,7 +23,7 @@ from kvtier.eval.fidelity import FidelityStats
 from kvtier.metrics import percentile
 
 WANDB_MODES = ("offline", "disabled")
-SCORES = ("perplexity", "accuracy")
+SCORES = ("perplexity", "accuracy", "goodput_rps")
 
 
 @dataclass

@@ -311,6 +311,10 @@ class FastEngine:
         self._dirty.add(row)
         self._to_free.append((seq, self._last_event))
 
+    def reclaim(self) -> None:
+        """Free the pages of finished sequences now (waiting for the queued steps that read them)."""
+        self._free_finished(block=True)
+
     # -- decode --------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, tokens: dict[int, int] | None = None) -> torch.Tensor:
