@@ -32,12 +32,15 @@ def hf_greedy(model, prompt, steps):
 @pytest.fixture(scope="module")
 def setup(smollm2):
     model, tok = smollm2
-    layout = kv_layout_for(model.config, page_size=16, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the cores are shared: one thread keeps a 135M model fast
+    layout = kv_layout_for(model.config, page_size=8, dtype=torch.float32)
     shared = ("The light of the sun is compounded of rays differently refrangible, and those rays which are more "
               "refrangible than others are also more reflexible, as appears by")
     endings = [" experiments with prisms and", " the colours of thin plates, and", " the rainbow, whose"]
     prompts = [tok(shared + e, return_tensors="pt").input_ids[0] for e in endings]
-    return model, layout, prompts, [hf_greedy(model, p, NEW) for p in prompts]
+    yield model, layout, prompts, [hf_greedy(model, p, NEW) for p in prompts]
+    torch.set_num_threads(threads)
 
 
 def serve(model, layout, prompts, device_pages, host_pages=0, **kw):
@@ -56,16 +59,16 @@ def test_interleaved_prefill_and_prefix_reuse_match_hf(setup):
     sched, got = serve(model, layout, prompts, device_pages=40)
     assert got == want
     assert sched.stats.recomputes == sched.stats.swaps == 0
-    # the shared system prompt's full pages were computed once: later requests matched them
-    assert sched.stats.cached_tokens >= 2 * 16 * 2
+    # the shared sentence's full pages were computed once: the later requests matched them
+    assert sched.stats.cached_tokens >= 2 * 4 * 8
     assert sched.stats.iterations < sum(len(p) for p in prompts)  # chunks of up to 24 tokens, with decode
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preempted_requests_resume_to_the_same_tokens(setup, mode):
     model, layout, prompts, want = setup
-    kw = dict(preempt="recompute") if mode == "recompute" else dict(swap_tokens=512)
-    sched, got = serve(model, layout, prompts, device_pages=9, prefix_cache=mode == "recompute", **kw)
+    kw = dict(preempt="recompute") if mode == "recompute" else dict(swap_tokens=512, prefix_cache=False)
+    sched, got = serve(model, layout, prompts, device_pages=10 if mode == "recompute" else 13, **kw)
     assert got == want
     n = sched.stats.recomputes if mode == "recompute" else sched.stats.swaps
     assert n > 0 and sum(s.preemptions for s in sched.done) == sched.stats.recomputes + sched.stats.swaps

@@ -561,22 +561,15 @@ class FastEngine:
         landed = self.transfer.take_landed(fence=self._last_event)
         if not landed:
             return
-        row_of, logical_of = self._page_rows()
+        rows = [(r, self.table.pages(seq)) for r, seq in enumerate(self.row_seq)
+                if seq is not None and r not in self._prefilling]  # a shared (prefix) page may be in several
         for layer, pids in landed:
             pids = pids[~self.transfer.in_flight(layer, pids)]  # a later move switches those
-            pids = pids[row_of[pids] >= 0]  # pages of active rows
-            self.mirror[layer, row_of[pids], logical_of[pids]] = self._encode(layer, pids)
-            self._dirty.update(row_of[pids].tolist())
-
-    def _page_rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per pid ``[pids]``: the active row holding it (-1: none) and its logical page there."""
-        row_of = np.full(self.table.ref.size, -1)
-        logical_of = np.zeros(self.table.ref.size, dtype=np.int64)
-        for r, seq in enumerate(self.row_seq):
-            if seq is not None and r not in self._prefilling:
-                pids = self.table.pages(seq)
-                row_of[pids], logical_of[pids] = r, np.arange(pids.size)
-        return row_of, logical_of
+            for r, pages in rows:
+                logical = np.flatnonzero(np.isin(pages, pids))
+                if logical.size:
+                    self.mirror[layer, r, logical] = self._encode(layer, pages[logical])
+                    self._dirty.add(r)
 
     def _ensure_tails(self, active: list[int]) -> None:
         """The page each row writes this step must be in the device pool, its copy landed: else the

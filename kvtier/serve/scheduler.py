@@ -169,9 +169,9 @@ class ServeScheduler:
             self.swap_used -= len(tokens)
             state.swapped, state.decoding = None, True
         else:
-            m = self.tree.match(tokens, max_tokens=len(tokens) - 1) if self.tree is not None else None
-            if not self._room(1):
+            if not self._room(1):  # before matching: making room may evict tree pages
                 return False
+            m = self.tree.match(tokens, max_tokens=len(tokens) - 1) if self.tree is not None else None
             shared = (m.pids, m.n_tokens) if m is not None else ((), 0)
             state.seq, state.match = self.engine.open(len(tokens), *shared), m
             if not state.preemptions:
