@@ -64,8 +64,8 @@ def serve_alone(sched: ServeScheduler, ids: np.ndarray, new: int):
     return state
 
 
-def ttft_rows(model, rng, flops) -> list[dict]:
-    S, V = 8192, model.config.vocab_size
+def ttft_rows(model, rng, flops, S: int = 8192) -> list[dict]:
+    V = model.config.vocab_size
     eng = engine_for(model, hbm_pages=4 * S // PAGE, host_pages=0, max_batch=2, max_context=S + 64)
     sched = ServeScheduler(eng, token_budget=S + 64, prefix_cache=True)
     serve_alone(sched, prompt(rng, S + 1, V), 2)  # warm-up: kernels, the decode graph
@@ -82,13 +82,13 @@ def ttft_rows(model, rng, flops) -> list[dict]:
              "x_cold": t_hit / t_cold}]
 
 
-def itl_rows(model, rng, flops) -> list[dict]:
-    B, ctx, chunk, V = 16, 2048, 2048, model.config.vocab_size
-    long = 8192
-    eng = engine_for(model, hbm_pages=(B * (ctx + 128) + 4 * long) // PAGE + 64, host_pages=0, max_batch=B + 2,
-                     max_context=long + 64)
+def itl_rows(model, rng, flops, B: int = 16, ctx: int = 2048, chunk: int = 2048, long: int = 8192) -> list[dict]:
+    V = model.config.vocab_size
+    new = 24 + 4 * (-(-long // chunk)) + 32  # decoding through the warm-up, the baseline and the chunks
+    eng = engine_for(model, hbm_pages=(B * (ctx + new + PAGE) + 4 * long) // PAGE + 64, host_pages=0,
+                     max_batch=B + 2, max_context=max(long, ctx + new) + 64)
     sched = ServeScheduler(eng, token_budget=B + chunk, prefix_cache=False)
-    decoders = [sched.submit(Request(i, prompt(rng, ctx, V), 10_000, sched.clock())) for i in range(B)]
+    decoders = [sched.submit(Request(i, prompt(rng, ctx, V), new, sched.clock())) for i in range(B)]
     while not all(s.decoding for s in decoders):
         sched.iterate()
     for _ in range(8):  # warm-up and decode-only ITL
@@ -108,21 +108,21 @@ def itl_rows(model, rng, flops) -> list[dict]:
     limit = 2 * flops["params"] * (chunk + B) / (flops["tflops"] * 1e12)
     eng.close()
     return [{"part": "itl B=16", "system": "limit (2k+16 tokens, compute)", "itl_p99_ms": limit * 1e3},
-            {"part": "itl B=16", "system": "decode only", "itl_p50_ms": np.percentile(alone, 50) * 1e3,
-             "itl_p99_ms": np.percentile(alone, 99) * 1e3},
-            {"part": "itl B=16", "system": "decode + 2k chunks", "itl_p50_ms": np.percentile(mixed, 50) * 1e3,
-             "itl_p99_ms": np.percentile(mixed, 99) * 1e3}]
+            {"part": "itl B=16", "system": "decode only", "itl_p50_ms": float(np.percentile(alone, 50)) * 1e3,
+             "itl_p99_ms": float(np.percentile(alone, 99)) * 1e3},
+            {"part": "itl B=16", "system": "decode + 2k chunks", "itl_p50_ms": float(np.percentile(mixed, 50)) * 1e3,
+             "itl_p99_ms": float(np.percentile(mixed, 99)) * 1e3}]
 
 
-def goodput_rows(model, rng, rates, n_requests, sessions_hbm) -> list[dict]:
-    S, new, V = 8192, 32, model.config.vocab_size
+def goodput_rows(model, rng, rates, n_requests, sessions_hbm, S: int = 8192, new: int = 32) -> list[dict]:
+    V = model.config.vocab_size
     per_session = (S + new) // PAGE + 2
     hbm = sessions_hbm * per_session
     rows = []
     for system, host, window in (("all-HBM", 0, None), ("tiered 20% HBM + host", 4 * hbm, S // 5)):
         for rate in rates:
             eng = engine_for(model, hbm, host, max_batch=32, max_context=S + new + 16, window=window)
-            sched = ServeScheduler(eng, token_budget=8192 + 32, prefix_cache=False, preempt="recompute")
+            sched = ServeScheduler(eng, token_budget=S + 32, prefix_cache=False, preempt="recompute")
             gaps = rng.exponential(1 / rate, n_requests)
             reqs = [Request(i, prompt(rng, S, V), new, float(t)) for i, t in enumerate(np.cumsum(gaps) - gaps[0])]
             serve_alone(sched, prompt(rng, 256, V), 4)  # warm-up

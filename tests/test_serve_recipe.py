@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_dir
 from kvtier.run import RECIPES, execute
 
 SMALL = ["experiment=serve_trace", "task.requests=3", "task.block_tokens=16", "task.max_context=96",
-         "task.time_scale=100", "progress=false", "logger=none"]
+         "task.time_scale=100", "budget.tokens=96", "task.max_batch=2", "progress=false", "logger=none"]
 
 
 def test_serve_trace_recipe(tmp_path):

@@ -84,6 +84,10 @@ class ServeScheduler:
         if not isinstance(token_budget, int) or token_budget < engine.max_batch + 1:
             raise ConfigError("serve.token_budget", f"must exceed max_batch={engine.max_batch} (one decode token "
                                                     f"per row, plus prefill), got {token_budget!r}")
+        device = engine.table.tiers[0]
+        if device.capacity - 1 < 2 * engine.max_batch:  # the scratch page, and each row's written and next page
+            raise ConfigError("serve.max_batch", f"the device tier holds {device.capacity} pages per layer; serving "
+                                                 f"{engine.max_batch} rows needs at least {2 * engine.max_batch + 1}")
         if preempt not in PREEMPT_MODES:
             raise ConfigError("serve.preempt", f"use one of {PREEMPT_MODES}, got {preempt!r}")
         if not isinstance(swap_tokens, int) or swap_tokens < 0 or (swap_tokens and preempt == "recompute"):
@@ -169,11 +173,18 @@ class ServeScheduler:
             self.swap_used -= len(tokens)
             state.swapped, state.decoding = None, True
         else:
-            if not self._room(1):  # before matching: making room may evict tree pages
-                return False
             m = self.tree.match(tokens, max_tokens=len(tokens) - 1) if self.tree is not None else None
-            shared = (m.pids, m.n_tokens) if m is not None else ((), 0)
-            state.seq, state.match = self.engine.open(len(tokens), *shared), m
+            held = m.pids if m is not None else np.zeros(0, dtype=np.int64)
+            self.engine.table.retain(held)  # making room must not evict the pages it matched
+            try:  # admitted only when its whole prompt fits: a partly prefilled victim is work thrown away
+                room = self._room(self.engine.layout.pages_for(len(tokens)) - held.size)
+                if room:
+                    shared = (m.pids, m.n_tokens) if m is not None else ((), 0)
+                    state.seq, state.match = self.engine.open(len(tokens), *shared), m
+            finally:
+                self.engine.table.release(held)
+            if not room:
+                return False
             if not state.preemptions:
                 state.cached_tokens = shared[1]
                 self.stats.cached_tokens += shared[1]
