@@ -3,6 +3,8 @@ the metrics carry TTFT / ITL / E2E, goodput, prefix hits, occupancy over time an
 
 import json
 
+import pytest
+
 from hydra import compose, initialize_config_dir
 
 from kvtier.run import RECIPES, execute
@@ -24,3 +26,25 @@ def test_serve_trace_recipe(tmp_path):
     assert r["prefix_hit_tokens"] > 0
     assert set(r["occupancy"]["pages"]) == {"device", "host"} and len(r["occupancy"]["time_s"]) == r["iterations"]
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["goodput_rps"] == m["goodput_rps"]
+
+
+def test_goodput_counts_requests_meeting_both_slos():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from kvtier.serve.replay import SLO, summarize
+    from kvtier.serve.scheduler import Request, RequestState, ServeStats
+
+    def done(arrival, tokens):
+        s = RequestState(Request(0, np.zeros(4, dtype=np.int64), len(tokens), arrival))
+        s.token_s, s.first_token_s, s.finish_s = tokens, tokens[0], tokens[-1]
+        return s
+
+    states = [done(0.0, [0.1, 0.105, 0.110]),  # meets both
+              done(0.0, [0.3, 0.305]),  # TTFT 300 ms
+              done(1.0, [1.1, 1.2]),  # ITL 100 ms
+              done(1.0, [1.2])]  # TTFT 200 ms, no ITL: meets both
+    out = summarize(SimpleNamespace(done=states, stats=ServeStats(prompt_tokens=16, cached_tokens=4)), SLO(), 0.0)
+    assert out["slo_met_fraction"] == 0.5 and out["goodput_rps"] == pytest.approx(2 / 1.2)
+    assert out["ttft_p50_s"] == pytest.approx(0.15) and out["prefix_hit_tokens"] == 0.25

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, TierFullError
 from kvtier.fast.engine import FastEngine
 from kvtier.models import kv_layout_for
 from kvtier.policies import LRU
@@ -90,7 +90,15 @@ def test_bad_settings(setup):
         ServeScheduler(engine, token_budget=2)
     with pytest.raises(ConfigError, match="preempt"):
         ServeScheduler(engine, preempt="swap-always")
+    with pytest.raises(ConfigError, match="max_batch"):
+        ServeScheduler(FastEngine(model, layout, [DeviceTier(layout, 4, device="cpu")], LRU(), max_batch=2,
+                                  max_context=64))
     sched = ServeScheduler(engine, token_budget=16)
     with pytest.raises(ConfigError, match="max_context"):
         sched.submit(Request(0, np.zeros(60, dtype=np.int64), 10))
+    small = ServeScheduler(FastEngine(model, layout, [DeviceTier(layout, 6, device="cpu")], LRU(), max_batch=2,
+                                      max_context=64), token_budget=16)
+    small.submit(Request(1, np.zeros(50, dtype=np.int64), 2))  # 7 pages of 8 tokens; 5 free
+    with pytest.raises(TierFullError, match="request 1"):
+        small.iterate()
     model.set_attn_implementation("sdpa")

@@ -144,6 +144,9 @@ class ServeScheduler:
             if budget <= 0:
                 break
             if state.seq is None and not self._admit(state):
+                if not self.active:
+                    raise TierFullError(f"request {state.req.rid}: {len(state.tokens)} tokens do not fit the engine's "
+                                        "empty tiers; raise their capacities or shorten the request")
                 break  # FCFS: later requests wait behind the first that does not fit
             if state.decoding:  # swapped back in: nothing to compute
                 continue
