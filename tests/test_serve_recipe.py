@@ -7,6 +7,7 @@ import pytest
 
 from hydra import compose, initialize_config_dir
 
+from kvtier.report import metrics_table
 from kvtier.run import RECIPES, execute
 
 SMALL = ["experiment=serve_trace", "task.requests=3", "task.block_tokens=16", "task.max_context=96",
@@ -26,6 +27,8 @@ def test_serve_trace_recipe(tmp_path):
     assert r["prefix_hit_tokens"] > 0
     assert set(r["occupancy"]["pages"]) == {"device", "host"} and len(r["occupancy"]["time_s"]) == r["iterations"]
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["goodput_rps"] == m["goodput_rps"]
+    rows = metrics_table(m).columns[0]._cells
+    assert "ITL p50 / p99" in rows and "tier-1 hit rate" not in rows  # the console shows the serving figures
 
 
 def test_goodput_counts_requests_meeting_both_slos():
