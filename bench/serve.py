@@ -7,7 +7,7 @@
    limit of one iteration's 2k + 16 tokens.
 3. Goodput vs request rate of long-context sessions (8k prompt, 32 new tokens) for an all-HBM engine
    and a tiered one with the same HBM plus host DRAM (each session ~20% in HBM: sink + window pinned,
-   scope resident): SLO-met requests/s (TTFT < 250 ms, ITL p99 < 12 ms), TTFT / ITL p99 and the peak
+   scope resident; 16 rows): SLO-met requests/s (TTFT < 250 ms, ITL p99 < 12 ms), TTFT / ITL p99 and the peak
    of sessions decoding at once (target: tiered >= 3x the sessions of all-HBM before the SLOs break).
 
     PYTHONPATH=. python3 -m bench.serve            # table + $OUT/serve.json, about 3 minutes
@@ -121,7 +121,7 @@ def goodput_rows(model, rng, rates, n_requests, sessions_hbm, S: int = 8192, new
     rows = []
     for system, host, window in (("all-HBM", 0, None), ("tiered 20% HBM + host", 4 * hbm, S // 5)):
         for rate in rates:
-            eng = engine_for(model, hbm, host, max_batch=32, max_context=S + new + 16, window=window)
+            eng = engine_for(model, hbm, host, max_batch=16, max_context=S + new + 16, window=window)
             sched = ServeScheduler(eng, token_budget=S + 32, prefix_cache=False, preempt="recompute")
             gaps = rng.exponential(1 / rate, n_requests)
             reqs = [Request(i, prompt(rng, S, V), new, float(t)) for i, t in enumerate(np.cumsum(gaps) - gaps[0])]
