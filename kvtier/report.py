@@ -23,7 +23,7 @@ from kvtier.eval.fidelity import FidelityStats
 from kvtier.metrics import percentile
 
 WANDB_MODES = ("offline", "disabled")
-SCORES = ("perplexity", "accuracy")
+SCORES = ("perplexity", "accuracy", "goodput_rps")
 
 
 @dataclass
@@ -132,17 +132,21 @@ def metrics_table(m: dict) -> Table:
     t = Table(title=f"kvtier · {m['task']} · {m['policy']} · scope {m['scope']} · {m['tiers']} · {m['kernel']}")
     t.add_column("metric", style="bold")
     t.add_column("value", justify="right")
-    score = m[m["score_name"]]
-    t.add_row(m["score_name"], f"{score:.4f}" if m["score_name"] == "perplexity" else f"{score:.1%}")
+    score, serving = m[m["score_name"]], m["score_name"] == "goodput_rps"
+    t.add_row(m["score_name"], f"{score:.4f}" if m["score_name"] == "perplexity" else
+              f"{score:.3f} req/s" if serving else f"{score:.1%}")
+    if serving:
+        _serving_rows(t, m["task_result"])
     t.add_row("budget", f"{m['budget_tokens']} tokens ({m['budget_fraction']:.2f} of {m['context_tokens']:g})")
-    t.add_row("tier-1 hit rate", f"{m['tier1_hit_rate']:.1%}")
-    if np.isfinite(m.get("attended_tokens_per_step", float("nan"))):
-        t.add_row("keys attended per decode step mean / max", f"{m['attended_tokens_per_step']:.1f} / "
-                                                               f"{m['attended_tokens_per_step_max']:g}")
-    t.add_row("offloaded fraction", f"{m['offloaded_fraction']:.1%}")
-    for link, n in sorted(m["bytes_moved"].items()):
-        t.add_row(f"bytes moved {link}", _mib(n))
-    t.add_row("bytes moved total", _mib(m["bytes_moved_total"]))
+    if not serving:  # a serve_trace run's cache figures are the fast engine's, in its rows above
+        t.add_row("tier-1 hit rate", f"{m['tier1_hit_rate']:.1%}")
+        if np.isfinite(m.get("attended_tokens_per_step", float("nan"))):
+            t.add_row("keys attended per decode step mean / max", f"{m['attended_tokens_per_step']:.1f} / "
+                                                                   f"{m['attended_tokens_per_step_max']:g}")
+        t.add_row("offloaded fraction", f"{m['offloaded_fraction']:.1%}")
+        for link, n in sorted(m["bytes_moved"].items()):
+            t.add_row(f"bytes moved {link}", _mib(n))
+        t.add_row("bytes moved total", _mib(m["bytes_moved_total"]))
     if m.get("dropped_pages"):
         t.add_row("dropped (left of sliding windows)", f"{m['dropped_pages']} pages, {_mib(m['dropped_bytes'])}")
     if "attention_mass_recall" in m:
@@ -150,12 +154,28 @@ def metrics_table(m: dict) -> Table:
                                                        f"{m['attention_mass_recall_p10']:.1%}")
         t.add_row("attention output rel. err mean / p90", f"{m['attention_rel_err']:.2e} / "
                                                            f"{m['attention_rel_err_p90']:.2e}")
-    t.add_row("stall (fetch wait)", f"{m['stall_s']:.3f} s")
-    t.add_row("TTFT", f"{m['ttft_s'] * 1e3:.1f} ms")
-    t.add_row("TPOT p50 / p99", f"{m['tpot_p50_s'] * 1e3:.1f} / {m['tpot_p99_s'] * 1e3:.1f} ms")
-    t.add_row("peak pages per tier", " · ".join(f"{k} {v:.1f}" for k, v in m["peak_pages"].items()))
+    if not serving:
+        t.add_row("stall (fetch wait)", f"{m['stall_s']:.3f} s")
+        t.add_row("TTFT", f"{m['ttft_s'] * 1e3:.1f} ms")
+        t.add_row("TPOT p50 / p99", f"{m['tpot_p50_s'] * 1e3:.1f} / {m['tpot_p99_s'] * 1e3:.1f} ms")
+        t.add_row("peak pages per tier", " · ".join(f"{k} {v:.1f}" for k, v in m["peak_pages"].items()))
     t.add_row("wall", f"{m['wall_s']:.1f} s")
     return t
+
+
+def _serving_rows(t: Table, r: dict) -> None:
+    """A serve_trace run's figures (kvtier.serve.replay.summarize)."""
+    ms = lambda k: f"{r[k + '_p50_s'] * 1e3:.1f} / {r[k + '_p99_s'] * 1e3:.1f} ms"  # noqa: E731
+    t.add_row("requests met both SLOs", f"{r['slo_met_fraction']:.1%} (TTFT < {r['slo_ttft_s'] * 1e3:g} ms, "
+                                         f"ITL p99 < {r['slo_itl_s'] * 1e3:g} ms)")
+    for name, key in (("TTFT", "ttft"), ("ITL", "itl"), ("E2E", "e2e")):
+        t.add_row(f"{name} p50 / p99", ms(key))
+    t.add_row("prefix hit (prompt tokens)", f"{r['prefix_hit_tokens']:.1%}")
+    t.add_row("preemptions swap / recompute", f"{r['preemptions']['swap']} / {r['preemptions']['recompute']}")
+    t.add_row("peak requests decoding", str(r["peak_running"]))
+    t.add_row("decode pages read from the device", f"{r['decode_hit_rate']:.1%}")
+    occ = r["occupancy"]["pages"]
+    t.add_row("peak pages per tier (layer 0)", " · ".join(f"{k} {max(v, default=0)}" for k, v in occ.items()))
 
 
 def _mib(n: float) -> str:

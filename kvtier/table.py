@@ -51,10 +51,15 @@ class BlockTable:
         self._free_pids = list(range(cap - 1, -1, -1))
 
     # -- sequences ---------------------------------------------------------------------------
-    def add_sequence(self, seq: int) -> None:
+    def add_sequence(self, seq: int, pids=(), length: int = 0) -> None:
+        """A new sequence sharing the live pages ``pids`` that hold its first ``length`` tokens (copy-on-write)."""
         if seq in self.seqs:
             raise KVTierError(f"sequence {seq} already exists")
-        self.seqs[seq] = SeqState([], 0)
+        pids = [int(p) for p in pids]
+        if self.layout.pages_for(length) != len(pids) or (pids and (self.ref[pids] < 1).any()):
+            raise KVTierError(f"sequence {seq}: {len(pids)} live pages cannot hold its first {length} tokens")
+        self.seqs[seq] = SeqState(pids, length)
+        self.ref[pids] += 1
 
     def seq_len(self, seq: int) -> int:
         return self._seq(seq).length
@@ -69,21 +74,32 @@ class BlockTable:
     def fork(self, src: int, dst: int) -> None:
         """``dst`` shares all of ``src``'s pages (copy-on-write)."""
         s = self._seq(src)
-        self.add_sequence(dst)
-        self.seqs[dst] = SeqState(list(s.pids), s.length)
-        self.ref[s.pids] += 1
+        self.add_sequence(dst, s.pids, s.length)
 
     def free(self, seq: int) -> list[int]:
         """Drop ``seq``; pages no other sequence holds are freed. Returns the freed pids."""
         s = self.seqs.pop(seq, None)
         if s is None:
             raise KVTierError(f"free of unknown sequence {seq}")
+        return self.release(s.pids)
+
+    def retain(self, pids) -> None:
+        """One more holder (e.g. the radix prefix cache) of each live page of ``pids``."""
+        pids = np.asarray(pids, dtype=np.int64)
+        if (self.ref[pids] < 1).any():
+            raise KVTierError(f"retain of pages no one holds: {pids[self.ref[pids] < 1].tolist()}")
+        np.add.at(self.ref, pids, 1)
+
+    def release(self, pids) -> list[int]:
+        """One holder fewer of each of ``pids``; pages no one holds are freed. Returns the freed pids."""
         freed = []
-        for pid in s.pids:
+        for pid in pids:
+            if self.ref[pid] < 1:
+                raise KVTierError(f"release of page {pid}, which no one holds")
             self.ref[pid] -= 1
             if self.ref[pid] == 0:
                 self._release(pid)
-                freed.append(pid)
+                freed.append(int(pid))
         return freed
 
     def append(self, seq: int, n_tokens: int) -> tuple[list[int], list[tuple[int, int]]]:

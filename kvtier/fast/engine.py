@@ -203,6 +203,7 @@ class FastEngine:
         self._B = max_batch
         self._dirty: set[int] = set()  # rows whose block-table entries changed since the last upload
         self._news = True  # the policy heard something since the last plan (appends, accesses, salience)
+        self._prefilling: set[int] = set()  # rows opened and not yet decoding (their table row: scratch)
 
     # -- sequences -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -212,22 +213,55 @@ class FastEngine:
         The greedy next token becomes the sequence's input of the next :meth:`step`.
         """
         S = int(prompt.numel())
-        seq, row = self._open_row(S)
-        ids = prompt.view(1, S).to(self.device)
-        out = []
+        seq = self.open(S)
+        out = [self.prefill_chunk(seq, prompt[a:b], all_logits) for a, b in self.prefill.chunks(S)]
+        self.start_decode(seq, out[-1][-1].argmax())
+        return seq, torch.cat(out) if all_logits else out[-1]
+
+    def open(self, n_tokens: int, prefix_pids=(), prefix_len: int = 0) -> int:
+        """A new sequence of up to ``n_tokens`` prompt tokens on a reserved row, not decoded until
+        :meth:`start_decode`; it shares the pages ``prefix_pids`` holding its first ``prefix_len`` tokens
+        (e.g. a radix-cache match). Its prompt is then computed by :meth:`prefill_chunk`, between steps."""
+        if len(prefix_pids) and self.bounds is not None:
+            raise ConfigError("scope", "'topk' builds each row's key bounds while it prefills, and a shared "
+                                       "prefix is not prefilled: use scope 'all' or 'resident' to share prefixes")
+        seq, _ = self._open_row(n_tokens, prefix_pids, prefix_len)
+        return seq
+
+    @torch.no_grad()
+    def prefill_chunk(self, seq: int, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """Compute the next ``q`` prompt tokens ``ids [q]`` of an opened ``seq``: logits ``[q or 1, V]``."""
+        row, a = self._prefilling_row(seq), self.table.seq_len(seq)
+        q = int(ids.numel())
         self._mode, token = "prefill", ACTIVE_CACHE.set(self.kv)
         try:
-            for a, b in self.prefill.chunks(S):
-                self._grow(seq, row, b - a)
-                self._prefill = (seq, row, a, b - a)
-                pos = torch.arange(a, b, device=self.device)[None]  # [1, q]
-                out.append(self.runner.forward(ids[:, a:b], pos, self.kv, last_only=not all_logits)[0])
-                self._schedule(reserve=self._room_needed(), after_compute=True)
+            self._grow(seq, row, q)
+            self._prefill = (seq, row, a, q)
+            pos = torch.arange(a, a + q, device=self.device)[None]  # [1, q]
+            out = self.runner.forward(ids.view(1, q).to(self.device), pos, self.kv, last_only=not all_logits)[0]
+            self._schedule(reserve=self._room_needed(), after_compute=True)
         finally:
             self._mode = "decode"
             ACTIVE_CACHE.reset(token)
-        self._close_prefill(row, S, out[-1][-1].argmax())
-        return seq, torch.cat(out) if all_logits else out[-1]
+        return out
+
+    def start_decode(self, seq: int, next_token) -> None:
+        """``seq``'s prompt is in its pages: it decodes from the next :meth:`step`, fed ``next_token``."""
+        row = self._prefilling_row(seq)
+        self._prefilling.discard(row)
+        pids = self.table.pages(seq)
+        for layer in range(self.layout.num_layers):
+            self.transfer.wait(layer, pids)  # pages moved while it prefilled are read at their new place
+            self.mirror[layer, row, :pids.size] = self._encode(layer, pids)
+        self.lens[row] = self.table.seq_len(seq)
+        self.tokens[row] = next_token
+        self._dirty.add(row)
+
+    def _prefilling_row(self, seq: int) -> int:
+        row = self.row_seq.index(seq) if seq in self.row_seq else None
+        if row is None or row not in self._prefilling:
+            raise KVTierError(f"sequence {seq} is not being prefilled: open() it first")
+        return row
 
     @torch.no_grad()
     def add_written(self, n_tokens: int, kv_of, next_token: int = 0) -> int:
@@ -245,10 +279,10 @@ class FastEngine:
                 self._schedule(reserve=self._room_needed(), after_compute=True)
         finally:
             self._mode = "decode"
-        self._close_prefill(row, n_tokens, next_token)
+        self.start_decode(seq, next_token)
         return seq
 
-    def _open_row(self, n_tokens: int) -> tuple[int, int]:
+    def _open_row(self, n_tokens: int, prefix_pids=(), prefix_len: int = 0) -> tuple[int, int]:
         if n_tokens < 1 or n_tokens + 1 > self.max_pages * self.layout.page_size:
             raise ConfigError("prompt", f"{n_tokens} tokens do not fit max_context="
                                         f"{self.max_pages * self.layout.page_size}")
@@ -258,27 +292,28 @@ class FastEngine:
         self._free_finished(block=True)
         seq = self._next_seq
         self._next_seq += 1
-        self.table.add_sequence(seq)
+        self.table.add_sequence(seq, prefix_pids, prefix_len)
         self.row_seq[row] = seq
+        self._prefilling.add(row)  # its table row stays the scratch slot until start_decode
         if self.recall is not None:
             self.recall.forget_row(row)
         if self.bounds is not None:
             self.bounds.reset_row(row)
         return seq, row
 
-    def _close_prefill(self, row: int, n_tokens: int, next_token) -> None:
-        self.lens[row] = n_tokens
-        self.tokens[row] = next_token
-        self._dirty.add(row)
-
     def finish(self, seq: int) -> None:
         """Drop ``seq``: its row goes idle now, its pages are freed once no queued step can use them."""
         row = self.row_seq.index(seq)
         self.row_seq[row] = None
+        self._prefilling.discard(row)
         self.lens[row] = 0
         self.mirror[:, row] = self.scratch[:, None]
         self._dirty.add(row)
         self._to_free.append((seq, self._last_event))
+
+    def reclaim(self) -> None:
+        """Free the pages of finished sequences now (waiting for the queued steps that read them)."""
+        self._free_finished(block=True)
 
     # -- decode --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -288,7 +323,7 @@ class FastEngine:
         Each sequence's input is its greedy token from the last step (or prefill), unless
         ``tokens`` (sequence -> token id) forces it. Row r of the result is ``self.row_seq[r]``.
         """
-        active = [r for r, s in enumerate(self.row_seq) if s is not None]
+        active = [r for r, s in enumerate(self.row_seq) if s is not None and r not in self._prefilling]
         if not active:
             raise KVTierError("no active sequence: add() one first")
         B = next(b for b in self.buckets if b > max(active))
@@ -463,9 +498,10 @@ class FastEngine:
             pids = np.asarray(new, dtype=np.int64)
             self.policy.on_append(pids, self.step_idx)
             self._news = True
-            for layer in range(self.layout.num_layers):
-                self.mirror[layer, row, first:first + pids.size] = self._encode(layer, pids)
-            self._dirty.add(row)
+            if row not in self._prefilling:
+                for layer in range(self.layout.num_layers):
+                    self.mirror[layer, row, first:first + pids.size] = self._encode(layer, pids)
+                self._dirty.add(row)
         length = self.table.seq_len(seq)
         if self._mode == "decode":
             self.lens[row] = length
@@ -525,22 +561,15 @@ class FastEngine:
         landed = self.transfer.take_landed(fence=self._last_event)
         if not landed:
             return
-        row_of, logical_of = self._page_rows()
+        rows = [(r, self.table.pages(seq)) for r, seq in enumerate(self.row_seq)
+                if seq is not None and r not in self._prefilling]  # a shared (prefix) page may be in several
         for layer, pids in landed:
             pids = pids[~self.transfer.in_flight(layer, pids)]  # a later move switches those
-            pids = pids[row_of[pids] >= 0]  # pages of active rows
-            self.mirror[layer, row_of[pids], logical_of[pids]] = self._encode(layer, pids)
-            self._dirty.update(row_of[pids].tolist())
-
-    def _page_rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per pid ``[pids]``: the active row holding it (-1: none) and its logical page there."""
-        row_of = np.full(self.table.ref.size, -1)
-        logical_of = np.zeros(self.table.ref.size, dtype=np.int64)
-        for r, seq in enumerate(self.row_seq):
-            if seq is not None:
-                pids = self.table.pages(seq)
-                row_of[pids], logical_of[pids] = r, np.arange(pids.size)
-        return row_of, logical_of
+            for r, pages in rows:
+                logical = np.flatnonzero(np.isin(pages, pids))
+                if logical.size:
+                    self.mirror[layer, r, logical] = self._encode(layer, pages[logical])
+                    self._dirty.add(r)
 
     def _ensure_tails(self, active: list[int]) -> None:
         """The page each row writes this step must be in the device pool, its copy landed: else the
@@ -611,7 +640,8 @@ class FastEngine:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
         self._last_event = event
-        self._produced.append(_Produced(self.step_idx, event, list(self.row_seq[:B]), accessed, attended, sal))
+        row_seq = [None if r in self._prefilling else s for r, s in enumerate(self.row_seq[:B])]
+        self._produced.append(_Produced(self.step_idx, event, row_seq, accessed, attended, sal))
 
     def _to_host(self, x: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":

@@ -16,7 +16,8 @@ class MemoryTier(Tier):
         super().__init__(layout, capacity, spec, name)
         shape = (layout.num_layers, capacity, *layout.page_shape)
         self._device = torch.device(device)
-        self._pool = torch.empty(shape, dtype=layout.dtype, device=self._device, pin_memory=pin_memory)
+        # zeros: attention multiplies a page's unwritten rows by probability 0, and fresh memory may hold NaN
+        self._pool = torch.zeros(shape, dtype=layout.dtype, device=self._device, pin_memory=pin_memory)
 
     @property
     def device(self) -> torch.device:

@@ -1,0 +1,284 @@
+"""ServeScheduler: continuous batching of requests over :class:`~kvtier.fast.engine.FastEngine`.
+
+Each iteration has a token budget shared by decode tokens (one per running request) and prefill
+chunks (Sarathi-Serve, Agrawal et al. OSDI'24; vLLM v1's unified budget): running requests decode
+first, the rest of the budget goes to prompt chunks, the oldest request first, and a request that
+finishes its prompt emits its first token at once. The chunks run as their own passes just before
+the iteration's batched decode step, so a long prompt delays a decode token by one chunk at most.
+
+A new request starts from the longest cached page-aligned prefix of its prompt (:class:`RadixCache`
+over the engine's block table, whichever tier the pages are in: prefill gathers them, decode reads
+host pages in place and the engine's scheduler promotes them). Its prompt pages enter the tree when
+its prefill ends, its generated pages when it finishes; pages no request holds are evicted from the
+tree, leaf first in the engine policy's order, whenever room is short.
+
+**Preemption.** Before each iteration the engine must hold one free page per running request (its
+next token may open a page); when the tiers cannot, even after evicting the tree, the most recently
+arrived request is preempted (vLLM's rule) until they can. Rule for the victim's K/V: *swap* when it
+fits the free swap space (host DRAM outside the engine's tiers, ``swap_tokens``): its pages are
+copied out and written back into fresh pages on resume, nothing recomputed; else *recompute*: its full
+pages go to the radix tree (freed only if room is still short, so a resume re-matches what survived)
+and the rest is prefilled again. Either way it resumes with its last generated token as input, so it
+produces the same tokens as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvtier.errors import ConfigError, TierFullError
+from kvtier.fast.engine import FastEngine
+from kvtier.serve.radix import PrefixMatch, RadixCache
+
+PREEMPT_MODES = ("auto", "recompute")
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt: np.ndarray  # [S] token ids
+    max_new_tokens: int
+    arrival_s: float = 0.0
+
+
+@dataclass
+class RequestState:
+    req: Request
+    seq: int | None = None  # engine sequence (None: waiting or preempted)
+    decoding: bool = False
+    output: list[int] = field(default_factory=list)
+    match: PrefixMatch | None = None
+    swapped: list[torch.Tensor] | None = None  # per layer [2, T, N_kv, D] on the host, while swapped out
+    cached_tokens: int = 0  # prompt tokens taken from the radix tree at admission
+    first_token_s: float | None = None
+    token_s: list[float] = field(default_factory=list)  # time of every output token
+    finish_s: float | None = None
+    preemptions: int = 0
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Tokens whose K/V the sequence holds or will: the prompt and every output token but the last."""
+        return np.concatenate([self.req.prompt, np.asarray(self.output[:-1], dtype=np.int64)])
+
+
+@dataclass
+class ServeStats:
+    iterations: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served by the radix tree
+    swaps: int = 0
+    recomputes: int = 0
+    peak_running: int = 0  # most requests decoding in one iteration
+    occupancy: list = field(default_factory=list)  # (time s, {tier: pages used in layer 0}, radix pages)
+
+
+class ServeScheduler:
+    """Requests -> engine sequences, one budgeted iteration at a time (:meth:`iterate`)."""
+
+    def __init__(self, engine: FastEngine, token_budget: int = 512, prefix_cache: bool = True,
+                 preempt: str = "auto", swap_tokens: int = 0, clock=time.perf_counter):
+        if not isinstance(token_budget, int) or token_budget < engine.max_batch + 1:
+            raise ConfigError("serve.token_budget", f"must exceed max_batch={engine.max_batch} (one decode token "
+                                                    f"per row, plus prefill), got {token_budget!r}")
+        device = engine.table.tiers[0]
+        if device.capacity - 1 < 2 * engine.max_batch:  # the scratch page, and each row's written and next page
+            raise ConfigError("serve.max_batch", f"the device tier holds {device.capacity} pages per layer; serving "
+                                                 f"{engine.max_batch} rows needs at least {2 * engine.max_batch + 1}")
+        if preempt not in PREEMPT_MODES:
+            raise ConfigError("serve.preempt", f"use one of {PREEMPT_MODES}, got {preempt!r}")
+        if not isinstance(swap_tokens, int) or swap_tokens < 0 or (swap_tokens and preempt == "recompute"):
+            raise ConfigError("serve.swap_tokens", f"host tokens of swap space, >= 0 and only with preempt 'auto'; "
+                                                   f"got {swap_tokens!r} with {preempt!r}")
+        self.engine, self.budget, self.clock = engine, token_budget, clock
+        self.swap_tokens, self.swap_used = swap_tokens, 0
+        self.tree = RadixCache(engine.table, engine.policy) if prefix_cache else None
+        self.waiting: list[RequestState] = []  # arrival order, preempted ones back in their place
+        self.active: list[RequestState] = []  # holding an engine row (prefilling or decoding)
+        self.done: list[RequestState] = []
+        self.stats = ServeStats()
+
+    def submit(self, req: Request) -> RequestState:
+        S = int(len(req.prompt))
+        limit = self.engine.max_pages * self.engine.layout.page_size
+        if S < 1 or req.max_new_tokens < 1 or S + req.max_new_tokens > limit:
+            raise ConfigError("request", f"request {req.rid}: {S} prompt + {req.max_new_tokens} new tokens must be "
+                                         f">= 1 each and fit max_context={limit}")
+        state = RequestState(req)
+        self.waiting.append(state)
+        self.waiting.sort(key=lambda s: s.req.arrival_s)
+        self.stats.prompt_tokens += S
+        return state
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.active
+
+    # -- one iteration -------------------------------------------------------------------------
+    def iterate(self) -> list[RequestState]:
+        """Make room (evict, preempt), spend the budget on prompt chunks, then decode one token for every
+        running request. Returns the requests that finished."""
+        self.stats.iterations += 1
+        self._make_room()
+        budget = self.budget - sum(s.decoding for s in self.active)
+        finished = self._prefill(budget)
+        self.stats.peak_running = max(self.stats.peak_running, sum(s.decoding for s in self.active))
+        if any(s.decoding for s in self.active):
+            logits = self.engine.step()
+            now = self.clock()
+            next_tok = logits.argmax(-1).tolist()
+            for row, seq in enumerate(self.engine.row_seq[:len(next_tok)]):
+                state = self._by_seq(seq)
+                if state is not None and state.decoding:
+                    self._emit(state, next_tok[row], now, finished)
+        self._record()
+        return finished
+
+    def _prefill(self, budget: int) -> list[RequestState]:
+        finished = []
+        order = [s for s in self.active if not s.decoding] + list(self.waiting)
+        for state in order:
+            if budget <= 0:
+                break
+            if state.seq is None and not self._admit(state):
+                if not self.active:
+                    raise TierFullError(f"request {state.req.rid}: {len(state.tokens)} tokens do not fit the engine's "
+                                        "empty tiers; raise their capacities or shorten the request")
+                break  # FCFS: later requests wait behind the first that does not fit
+            if state.decoding:  # swapped back in: nothing to compute
+                continue
+            tokens = state.tokens
+            done = self.engine.table.seq_len(state.seq)
+            q = min(budget, len(tokens) - done)
+            if not self._room(self.engine.layout.pages_for(done + q) - self.engine.table.num_pages(state.seq)):
+                break
+            logits = self.engine.prefill_chunk(state.seq, torch.from_numpy(tokens[done:done + q]))
+            budget -= q
+            if done + q == len(tokens):
+                self._start_decode(state, int(logits[-1].argmax()), finished)
+        return finished
+
+    def _admit(self, state: RequestState) -> bool:
+        """Give ``state`` a row: swap it back in, or open it on its longest cached prefix."""
+        if None not in self.engine.row_seq:
+            return False
+        tokens = state.tokens
+        if state.swapped is not None:
+            if not self._room(self.engine.layout.pages_for(len(tokens)) + 1):
+                return False
+            kv = state.swapped
+            dev = self.engine.device
+            state.seq = self.engine.add_written(len(tokens), lambda layer, a, b: kv[layer][:, a:b].to(dev),
+                                                next_token=state.output[-1])
+            self.swap_used -= len(tokens)
+            state.swapped, state.decoding = None, True
+        else:
+            m = self.tree.match(tokens, max_tokens=len(tokens) - 1) if self.tree is not None else None
+            held = m.pids if m is not None else np.zeros(0, dtype=np.int64)
+            self.engine.table.retain(held)  # making room must not evict the pages it matched
+            try:  # admitted only when its whole prompt fits: a partly prefilled victim is work thrown away
+                room = self._room(self.engine.layout.pages_for(len(tokens)) - held.size)
+                if room:
+                    shared = (m.pids, m.n_tokens) if m is not None else ((), 0)
+                    state.seq, state.match = self.engine.open(len(tokens), *shared), m
+            finally:
+                self.engine.table.release(held)
+            if not room:
+                return False
+            if not state.preemptions:
+                state.cached_tokens = shared[1]
+                self.stats.cached_tokens += shared[1]
+        self.waiting.remove(state)
+        self.active.append(state)
+        return True
+
+    def _start_decode(self, state: RequestState, first: int, finished: list) -> None:
+        if self.tree is not None:
+            self.tree.insert(state.tokens, self.engine.table.pages(state.seq), after=state.match)
+        resumed = bool(state.output)  # recomputed after a preemption: its next input is known
+        self.engine.start_decode(state.seq, state.output[-1] if resumed else first)
+        state.decoding = True
+        if not resumed:
+            self._emit(state, first, self.clock(), finished)
+
+    def _emit(self, state: RequestState, token: int, now: float, finished: list) -> None:
+        state.output.append(token)
+        state.token_s.append(now)
+        if state.first_token_s is None:
+            state.first_token_s = now
+        if len(state.output) == state.req.max_new_tokens:
+            state.finish_s = now
+            self._release(state, keep=True)
+            self.done.append(state)
+            finished.append(state)
+
+    # -- memory --------------------------------------------------------------------------------
+    def _free_pages(self) -> int:
+        table = self.engine.table
+        return sum(min(t.num_free(layer) for layer in range(table.layout.num_layers)) for t in table.tiers)
+
+    def _room(self, pages: int) -> bool:
+        """Are ``pages`` (plus one per running request) free, after evicting the tree if needed?"""
+        need = pages + sum(s.decoding for s in self.active)
+        if need > self._free_pages():
+            self.engine.reclaim()
+        short = need - self._free_pages()
+        if short > 0 and self.tree is not None:
+            self.tree.step = max(self.engine.step_idx, 0)
+            self.tree.evict(short)
+        return self._free_pages() >= need
+
+    def _make_room(self) -> None:
+        """Preempt the latest arrivals until the running requests' next pages fit."""
+        while not self._room(0):
+            victims = sorted(self.active, key=lambda s: s.req.arrival_s)
+            if len(victims) <= 1:
+                raise TierFullError("the engine's tiers cannot hold a single request's next page: "
+                                    "raise the tier capacities or shorten the requests")
+            self._preempt(victims[-1])
+
+    def _preempt(self, state: RequestState) -> None:
+        """Swap ``state`` out if it fits the swap space, else hand its pages to the tree and recompute."""
+        n = self.engine.table.seq_len(state.seq)
+        if state.decoding and self.swap_used + n <= self.swap_tokens:
+            state.swapped = self._copy_out(state.seq, n)
+            self.swap_used += n
+            self.stats.swaps += 1
+            self._release(state, keep=False)
+        else:
+            self.stats.recomputes += 1
+            self._release(state, keep=True)
+        state.decoding = False
+        state.preemptions += 1
+        self.waiting.append(state)
+        self.waiting.sort(key=lambda s: s.req.arrival_s)
+
+    def _copy_out(self, seq: int, n: int) -> list[torch.Tensor]:
+        """``seq``'s K/V per layer ``[2, n, N_kv, D]`` in host memory."""
+        eng, out = self.engine, []
+        pids = eng.table.pages(seq)
+        for layer in range(eng.layout.num_layers):
+            eng.transfer.wait(layer, pids)
+            pages, _ = eng.transfer.gather(layer, pids, eng.device)  # [n_pages, 2, P, N_kv, D]
+            kv = pages.transpose(0, 1).reshape(2, -1, *pages.shape[3:])[:, :n]  # [2, n, N_kv, D]
+            out.append(kv.to("cpu", non_blocking=False))
+        return out
+
+    def _release(self, state: RequestState, keep: bool) -> None:
+        """Drop ``state``'s sequence; with ``keep`` its full computed pages enter the radix tree first."""
+        if keep and self.tree is not None:
+            n = self.engine.table.seq_len(state.seq)
+            self.tree.insert(state.tokens[:n], self.engine.table.pages(state.seq), after=state.match)
+        self.engine.finish(state.seq)
+        self.active.remove(state)
+        state.seq, state.match = None, None
+
+    def _by_seq(self, seq) -> RequestState | None:
+        return next((s for s in self.active if s.seq == seq), None) if seq is not None else None
+
+    def _record(self) -> None:
+        occ = {t.name: t.num_used(0) for t in self.engine.table.tiers}
+        self.stats.occupancy.append((self.clock(), occ, self.tree.num_pages if self.tree is not None else 0))

@@ -1,0 +1,104 @@
+"""The request scheduler on the real SmolLM2 (CPU): budgeted chunked prefill interleaved with decode,
+prefix reuse through the radix tree, and preemption (recompute, swap) that resumes to the same greedy
+tokens as HF's own uninterrupted generation."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.errors import ConfigError, TierFullError
+from kvtier.fast.engine import FastEngine
+from kvtier.models import kv_layout_for
+from kvtier.policies import LRU
+from kvtier.scheduler.chunked_prefill import ChunkedPrefill
+from kvtier.serve.scheduler import Request, ServeScheduler
+from kvtier.tiers import DeviceTier, HostTier
+
+NEW = 6
+
+
+def hf_greedy(model, prompt, steps):
+    """HF's own greedy continuation of ``prompt [S]`` (sdpa attention, its KV cache): ``steps`` token ids."""
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        out = model(prompt[None], use_cache=True)
+        ids = [int(out.logits[0, -1].argmax())]
+        for _ in range(steps - 1):
+            out = model(torch.tensor([[ids[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+            ids.append(int(out.logits[0, -1].argmax()))
+    return ids
+
+
+@pytest.fixture(scope="module")
+def setup(smollm2):
+    model, tok = smollm2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the cores are shared: one thread keeps a 135M model fast
+    layout = kv_layout_for(model.config, page_size=8, dtype=torch.float32)
+    shared = ("The light of the sun is compounded of rays differently refrangible, and those rays which are more "
+              "refrangible than others are also more reflexible, as appears by")
+    endings = [" experiments with prisms and", " the colours of thin plates, and", " the rainbow, whose"]
+    prompts = [tok(shared + e, return_tensors="pt").input_ids[0] for e in endings]
+    yield model, layout, prompts, [hf_greedy(model, p, NEW) for p in prompts]
+    torch.set_num_threads(threads)
+
+
+def serve(model, layout, prompts, device_pages, host_pages=0, **kw):
+    tiers = [DeviceTier(layout, device_pages, device="cpu")] + ([HostTier(layout, host_pages)] if host_pages else [])
+    engine = FastEngine(model, layout, tiers, LRU(), max_batch=3, max_context=128, prefill=ChunkedPrefill(64))
+    sched = ServeScheduler(engine, token_budget=24, **kw)
+    states = [sched.submit(Request(i, p.numpy(), NEW, arrival_s=float(i))) for i, p in enumerate(prompts)]
+    while not sched.idle:
+        sched.iterate()
+    model.set_attn_implementation("sdpa")
+    return sched, [s.output for s in states]
+
+
+def test_interleaved_prefill_and_prefix_reuse_match_hf(setup):
+    model, layout, prompts, want = setup
+    sched, got = serve(model, layout, prompts, device_pages=40)
+    assert got == want
+    assert sched.stats.recomputes == sched.stats.swaps == 0
+    # the shared sentence's full pages were computed once: the later requests matched them
+    assert sched.stats.cached_tokens >= 2 * 4 * 8
+    assert sched.stats.iterations < sum(len(p) for p in prompts)  # chunks of up to 24 tokens, with decode
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_requests_resume_to_the_same_tokens(setup, mode):
+    model, layout, prompts, want = setup
+    kw = dict(preempt="recompute") if mode == "recompute" else dict(swap_tokens=512, prefix_cache=False)
+    sched, got = serve(model, layout, prompts, device_pages=10 if mode == "recompute" else 13, **kw)
+    assert got == want
+    n = sched.stats.recomputes if mode == "recompute" else sched.stats.swaps
+    assert n > 0 and sum(s.preemptions for s in sched.done) == sched.stats.recomputes + sched.stats.swaps
+
+
+def test_tiered_engine_holds_the_batch_without_preemption(setup):
+    """The same HBM plus host DRAM: pages go down a tier instead of requests being preempted."""
+    model, layout, prompts, want = setup
+    sched, got = serve(model, layout, prompts, device_pages=9, host_pages=40)
+    assert got == want
+    assert sched.stats.recomputes == sched.stats.swaps == 0
+    assert max(occ["host"] for _, occ, _ in sched.stats.occupancy) > 0
+
+
+def test_bad_settings(setup):
+    model, layout, prompts, _ = setup
+    engine = FastEngine(model, layout, [DeviceTier(layout, 16, device="cpu")], LRU(), max_batch=2, max_context=64)
+    with pytest.raises(ConfigError, match="token_budget"):
+        ServeScheduler(engine, token_budget=2)
+    with pytest.raises(ConfigError, match="preempt"):
+        ServeScheduler(engine, preempt="swap-always")
+    with pytest.raises(ConfigError, match="max_batch"):
+        ServeScheduler(FastEngine(model, layout, [DeviceTier(layout, 4, device="cpu")], LRU(), max_batch=2,
+                                  max_context=64))
+    sched = ServeScheduler(engine, token_budget=16)
+    with pytest.raises(ConfigError, match="max_context"):
+        sched.submit(Request(0, np.zeros(60, dtype=np.int64), 10))
+    small = ServeScheduler(FastEngine(model, layout, [DeviceTier(layout, 6, device="cpu")], LRU(), max_batch=2,
+                                      max_context=64), token_budget=16)
+    small.submit(Request(1, np.zeros(50, dtype=np.int64), 2))  # 7 pages of 8 tokens; 5 free
+    with pytest.raises(TierFullError, match="request 1"):
+        small.iterate()
+    model.set_attn_implementation("sdpa")
