@@ -562,14 +562,18 @@ class FastEngine:
         if not landed:
             return
         rows = [(r, self.table.pages(seq)) for r, seq in enumerate(self.row_seq)
-                if seq is not None and r not in self._prefilling]  # a shared (prefix) page may be in several
+                if seq is not None and r not in self._prefilling]
+        if not rows:
+            return
+        held = np.concatenate([pages for _, pages in rows])  # [N] every row's pages (a shared page: each holder)
+        row_of = np.concatenate([np.full(pages.size, r) for r, pages in rows])  # [N]
+        logical = np.concatenate([np.arange(pages.size) for _, pages in rows])  # [N]
         for layer, pids in landed:
             pids = pids[~self.transfer.in_flight(layer, pids)]  # a later move switches those
-            for r, pages in rows:
-                logical = np.flatnonzero(np.isin(pages, pids))
-                if logical.size:
-                    self.mirror[layer, r, logical] = self._encode(layer, pages[logical])
-                    self._dirty.add(r)
+            hit = np.isin(held, pids)  # [N]
+            if hit.any():
+                self.mirror[layer, row_of[hit], logical[hit]] = self._encode(layer, held[hit])
+                self._dirty.update(np.unique(row_of[hit]).tolist())
 
     def _ensure_tails(self, active: list[int]) -> None:
         """The page each row writes this step must be in the device pool, its copy landed: else the
