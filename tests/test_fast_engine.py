@@ -220,3 +220,25 @@ def test_recall_cache_changes_where_pages_are_read_not_what_is_attended(tiny):
     with pytest.raises(ConfigError, match="recall_slots"):
         FastEngine(model, layout, [DeviceTier(layout, 8, device="cpu")], LRU(), scope="topk", topk_pages=2,
                    recall_slots=4)
+
+
+@pytest.mark.parametrize("policy,hears", [(SinkWindow(sinks=4, window=16), False), (LRU(), True)])
+def test_plans_only_when_the_policy_heard_something_or_room_is_short(tiny, policy, hears):
+    """resident + lookahead: a policy that ignores accesses is told nothing and planned for only around new
+    pages (room for them, their append); LRU hears the picks every step, so every step plans."""
+    model, layout = tiny
+    prompt = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(9))
+    engine = FastEngine(model, layout, [DeviceTier(layout, 8, device="cpu"), HostTier(layout, 64)], policy,
+                        scope="resident", lookahead=1, max_context=128, prefill=ChunkedPrefill(32))
+    engine.add(prompt)
+    plans, accesses = [], []
+    real_plan, real_access = engine.scheduler.plan, policy.on_access
+    engine.scheduler.plan = lambda *a, **k: plans.append(engine.step_idx) or real_plan(*a, **k)
+    policy.on_access = lambda *a, **k: accesses.append(a) or real_access(*a, **k)
+    for _ in range(3 * layout.page_size):
+        engine.step()
+    assert bool(accesses) == hears
+    if hears:
+        assert len(set(plans)) >= 3 * layout.page_size - 2
+    else:  # plans around new pages (room for the next ones, the append's news), not every step
+        assert 1 <= len(set(plans)) <= 3 * layout.page_size // 2

@@ -608,7 +608,7 @@ class FastEngine:
     def _note_access(self, active: list[int]) -> None:
         """Scopes known on the host (``all``; ``resident`` without lookahead): every listed page was read.
         Without a host tier nothing is ever planned, so the policy need not hear it."""
-        if self.host is None:
+        if self.host is None or not self.policy.hears_access:
             return
         pids = np.concatenate([self.table.pages(self.row_seq[r]) for r in active])
         for layer in range(self.layout.num_layers):
@@ -632,7 +632,8 @@ class FastEngine:
     def _record(self, B: int) -> None:
         """After a step: copy its picks and salience towards the host, and mark the step's end."""
         accessed = attended = sal = None
-        hears_picks = self.page_list is not None and self.recall is None  # the recall cache acts on the picks
+        # the recall cache acts on the picks itself; a policy that ignores accesses need not hear them
+        hears_picks = self.page_list is not None and self.recall is None and self.policy.hears_access
         if self.lookahead and self.page_list is not None and (hears_picks or self.salience is not None):
             attended = self._to_host(self.page_list[:, :B])
         if self.lookahead and hears_picks:

@@ -113,6 +113,11 @@ class Policy(ABC):
         return False
 
     @property
+    def hears_access(self) -> bool:
+        """Does :meth:`on_access` change anything? (Engines skip gathering accesses for policies that ignore them.)"""
+        return type(self).on_access is not Policy.on_access
+
+    @property
     def needs(self) -> frozenset:
         """Statistics the cache must gather: a subset of ``{"attention", "salience", "keys", "queries"}``."""
         return frozenset({"salience"}) if self.needs_salience else frozenset()

@@ -69,6 +69,10 @@ class Compose(Policy):
         for p in self.parts:
             p.on_access(layer, pids, step)
 
+    @property
+    def hears_access(self) -> bool:
+        return any(p.hears_access for p in self.parts)
+
     def on_salience(self, layer, pids, scores, step):
         for p in self.parts:
             p.on_salience(layer, pids, scores, step)
