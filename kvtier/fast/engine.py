@@ -98,16 +98,24 @@ class _PassCache(PagedCacheBase):
 
 
 def _tally(table: torch.Tensor, lens: torch.Tensor, page_list: torch.Tensor | None, page_size: int) -> torch.Tensor:
-    """``[2]``: pages a step attends for ``table [B, M]`` / ``lens [B]`` / ``page_list [B, K]`` (None: all),
+    """``[2]``: pages a step attends for ``table [L, B, M]`` / ``lens [B]`` / ``page_list [L, B, K]`` (None: all),
     and how many of them are in the device pool."""
     n_pages = (lens.long() + page_size - 1) // page_size  # [B]
     if page_list is None:
-        listed = torch.arange(table.shape[1], device=table.device)[None, :] < n_pages[:, None]  # [B, M]
+        listed = torch.arange(table.shape[-1], device=table.device) < n_pages[:, None]  # [B, M]
+        listed = listed.expand_as(table)  # [L, B, M]
         on_dev = listed & (table >= 0)
     else:
-        listed = (page_list >= 0) & (page_list < n_pages[:, None])  # [B, K]
-        on_dev = listed & (table.gather(1, page_list.clamp(min=0).long()) >= 0)
+        listed = (page_list >= 0) & (page_list < n_pages[:, None])  # [L, B, K]
+        on_dev = listed & (table.gather(-1, page_list.clamp(min=0).long()) >= 0)
     return torch.stack([listed.sum(), on_dev.sum()])
+
+
+def write_decode_kv(pool: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, page_size: int) -> None:
+    """Each row's new K/V ``[B, N_kv, 1, D]`` into its page ``table [B, M]`` at ``positions [B]`` of ``pool``."""
+    slot = table.gather(1, (positions // page_size)[:, None])[:, 0].long()  # [B] device slots
+    pool[slot, :, positions % page_size] = torch.stack([key[:, :, 0], value[:, :, 0]], 1).to(pool.dtype)  # [B, 2, N_kv, D]
 
 
 class FastEngine:
@@ -159,6 +167,7 @@ class FastEngine:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self._forward = torch.compile(self.runner.forward, dynamic=False) if compiled else self.runner.forward
         self._tally = torch.compile(_tally, dynamic=False) if compiled else _tally
+        self._write_kv = torch.compile(write_decode_kv, dynamic=False) if compiled else write_decode_kv
         self.lookahead, self.topk_pages, self.sinks, self.margin = lookahead, topk_pages, sinks, margin
         self.max_batch = max_batch
         self.max_pages = layout.pages_for(max_context)
@@ -360,6 +369,10 @@ class FastEngine:
             ACTIVE_CACHE.reset(token)
         self.logits[:B] = logits[:, 0]
         self.tokens[:B] = logits[:, 0].argmax(-1)
+        # attended pages and those read from the device tier, all layers at once (the tables after the
+        # recall overlay are the ones attention read)
+        page_list = self.page_list[:, :B] if self.page_list is not None else None
+        self.stats.counts += self._tally(self.block_table[:, :B], self.seq_lens[:B], page_list, self.layout.page_size)
         if self.recall is not None:
             self.recall.next_step()
 
@@ -402,9 +415,7 @@ class FastEngine:
         if self.recall is not None:
             self.recall.overlay(layer, self.home[layer, :B], self.block_table[layer, :B])
         pos = self.positions[:B]  # [B]
-        slot = self.block_table[layer, :B].gather(1, (pos // P)[:, None])[:, 0].long()  # [B] device slots
-        pool = self.table.tiers[0].pool(layer)  # [slots, 2, P, N_kv, D]
-        pool[slot, :, pos % P] = torch.stack([key[:, :, 0], value[:, :, 0]], 1).to(pool.dtype)  # [B, 2, N_kv, D]
+        self._write_kv(self.table.tiers[0].pool(layer), self.block_table[layer, :B], pos, key, value, P)
         if self.bounds is not None:
             self.bounds.add_decode(layer, key[:, :, 0], pos)
 
@@ -444,7 +455,6 @@ class FastEngine:
         kernel = static_decode if self.decode_kernel == "triton" else static_decode_reference
         out, lse = kernel(q, self.table.tiers[0].pool(layer), host_pool, table, lens, self._plan(B, H, D), scale,
                           page_list=page_list, window_left=self._window_left(layer), page_max=page_max)
-        self._count(table, lens, page_list)
         if self.recall is not None:
             self.recall.admit(layer, page_list, table, self.table.tiers[0].pool(layer), host_pool)
         if page_max is not None:
@@ -470,10 +480,6 @@ class FastEngine:
                 self.predicted[layer, :B] = predicted
         self.page_list[layer, :B] = picks
         return picks
-
-    def _count(self, table, lens, page_list) -> None:
-        """Attended pages and those read from the device tier, accumulated on the device."""
-        self.stats.counts += self._tally(table, lens, page_list, self.layout.page_size)
 
     def _plan(self, B: int, H: int, D: int):
         from kvtier.kernels.triton_static_decode import plan_static_decode
@@ -525,7 +531,7 @@ class FastEngine:
 
     def _schedule(self, reserve: int, after_compute: bool) -> None:
         """Plan and issue moves when the device is short of room, or when some page lives off the device
-        and the policy heard something since the last plan (nothing else changes its ranking)."""
+        and something changed since the last plan: the policy heard news, or a sequence's pages were freed."""
         if self.host is None:
             return
         self._switch_landed()  # landed moves give their source slots back once their fence passes
@@ -709,6 +715,7 @@ class FastEngine:
                 if event is not None:
                     event.synchronize()
                 self.table.free(seq)
+                self._news = True  # room freed: better pages may move up
             else:
                 still.append((seq, event))
         self._to_free = still
