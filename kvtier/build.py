@@ -151,7 +151,7 @@ def _model(cfg: DictConfig):
     if OmegaConf.is_missing(model, "path"):
         raise ConfigError("model.path", "set it to a local Hugging Face model folder, e.g. model.path=/models/llama")
     _, config = load_config(model.path)
-    return kv_layout_for(config, page_size=cfg.page_size, dtype=model.dtype), config
+    return kv_layout_for(config, page_size=cfg.page_size, dtype=model.dtype, kv_dtype=cfg.kv_dtype), config
 
 
 def _check_kernel(cfg: DictConfig, policy) -> None:

@@ -266,3 +266,29 @@ def test_a_pool_without_scale_rows_is_refused():
     backend.plan(batch, 1, 1, 16)
     with pytest.raises(ValueError, match="page_size \\+ 1"):
         backend.run(q, page_values(pool).contiguous())
+
+
+@pytest.mark.parametrize("lists,window_left", [(None, -1), ([[0, 2, -1], [1, 2, 3]], 40)])
+def test_fp8_static_decode_reads_device_and_host_pages_with_their_scales(lists, window_left):
+    from test_static_decode import random_case
+
+    from kvtier.kernels.triton_static_decode import plan_static_decode, static_decode, static_decode_reference
+    gen = torch.Generator().manual_seed(6)
+    seq_lens, page, n_kv, group, dim = [50, 61], 16, 2, 3, 32
+    q, _, _, dev_pool, host_pool, block_table = random_case(seq_lens, 4, page, n_kv, group, dim, torch.float32,
+                                                            0.5, gen)
+    dev_pool = quantize_pages(dev_pool * torch.exp2(torch.randint(-5, 5, (dev_pool.shape[0], 2, 1, n_kv, 1),
+                                                                  generator=gen).float()))
+    host_pool = quantize_pages(host_pool * 40.0)
+    plan = plan_static_decode(2, 4, n_kv * group, n_kv, dim, page, "cpu", None if lists is None else 3,
+                              DecodeConfig(block_n=16, pages_per_split=2))
+    lens, pl = torch.tensor(seq_lens, dtype=torch.int32), None if lists is None else torch.tensor(lists).int()
+    pm, pm_ref, pm_deq = (torch.empty(2, 4 if lists is None else 3, n_kv * group) for _ in range(3))
+    out, lse = static_decode(q, dev_pool, host_pool, block_table, lens, plan, 0.2, pl, window_left, pm)
+    ref = static_decode_reference(q, dev_pool, host_pool, block_table, lens, plan, 0.2, pl, window_left, pm_ref)
+    deq = static_decode_reference(q, dequantize(dev_pool), dequantize(host_pool), block_table, lens, plan, 0.2, pl,
+                                  window_left, pm_deq)
+    assert torch.equal(ref[0], deq[0]) and torch.equal(pm_ref, pm_deq)  # the reference attends the dequantized pages
+    assert rel_err(out, ref[0]) < 1e-5 and torch.allclose(lse, ref[1], atol=1e-4)
+    fin = torch.isfinite(pm_ref)
+    assert torch.equal(torch.isfinite(pm), fin) and torch.allclose(pm[fin], pm_ref[fin], atol=1e-4)
