@@ -43,6 +43,7 @@ from kvtier.kernels.reference import TorchBackend
 from kvtier.kernels.registry import make_backend
 from kvtier.layout import KVLayout
 from kvtier.paged_io import write_tokens
+from kvtier.quant import write_scaled
 from kvtier.policies.base import Policy
 from kvtier.scheduler.base import Scheduler
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
@@ -367,8 +368,12 @@ class FastEngine:
             self.recall.overlay(layer, self.home[layer, :B], self.block_table[layer, :B])
         pos = self.positions[:B]  # [B]
         slot = self.block_table[layer, :B].gather(1, (pos // P)[:, None])[:, 0].long()  # [B] device slots
-        pool = self.table.tiers[0].pool(layer)  # [slots, 2, P, N_kv, D]
-        pool[slot, :, pos % P] = torch.stack([key[:, :, 0], value[:, :, 0]], 1).to(pool.dtype)  # [B, 2, N_kv, D]
+        pool = self.table.tiers[0].pool(layer)  # [slots, 2, P(+1), N_kv, D]
+        kv = torch.stack([key[:, :, 0], value[:, :, 0]], 1)  # [B, 2, N_kv, D]
+        if self.layout.scaled:  # each row writes its own page: no host work, capturable
+            write_scaled(pool, slot, torch.arange(B, device=slot.device), pos.long() % P, kv.transpose(0, 1))
+        else:
+            pool[slot, :, pos % P] = kv.to(pool.dtype)
         if self.bounds is not None:
             self.bounds.add_decode(layer, key[:, :, 0], pos)
 
