@@ -294,23 +294,40 @@ def fp8_pools(buffer: torch.Tensor, nnz: int, heads) -> tuple[torch.Tensor, torc
     return ours, buffer[:nnz * 2 * 16 * n_kv * dim].view(nnz, 2, 16, n_kv, dim)
 
 
+def timed(fn, graphs: bool, into: dict, name: str) -> float:
+    """``time_ms(fn)``; with ``graphs`` also one CUDA-graph replay's time into ``into[name]`` (no host launch gaps)."""
+    ms = time_ms(fn)
+    if graphs:
+        try:
+            into[name] = graph_ms(fn)
+        except Exception as err:
+            print(f"graph {name}: {type(err).__name__}: {str(err)[:200]}", flush=True)
+    return ms
+
+
 def decode_grid(buffers: dict, fi_decoders: list, cells: list, rows: list, save) -> None:
-    """Every cell, bf16 and FP8 pages: Triton, Triton with page_max, each FlashInfer setting (saved per cell)."""
+    """Every cell, bf16 and FP8 pages: Triton, Triton with page_max, each FlashInfer setting (saved per cell).
+
+    Cells under 1 GB of KV are also timed as CUDA-graph replays: at small shapes the event timing is the
+    host's launch time, the replay the device's."""
     for heads, b, s in cells:
         q, pool_bf16, batch = paged_problem([s] * b, [1] * b, heads, 16, torch.bfloat16, False, buffers["bf16"])
         ours_fp8, fi_fp8 = fp8_pools(buffers["fp8"], pool_bf16.shape[0], heads)
         for kv, ours, theirs, dtype in (("bf16", pool_bf16, pool_bf16, torch.bfloat16), ("fp8", ours_fp8, fi_fp8, FP8)):
-            row = {"heads": heads, "B": b, "context": s, "kv": kv, "kv_bytes": kv_bytes(b, s, heads, dtype)}
+            row = {"heads": heads, "B": b, "context": s, "kv": kv, "kv_bytes": kv_bytes(b, s, heads, dtype),
+                   "graph_ms": {}}
+            graphs = DEVICE == "cuda" and row["kv_bytes"] < 1e9
             triton_backend = TritonBackend()
             triton_backend.plan(batch, *heads)
-            row["triton_ms"] = time_ms(lambda: triton_backend.run(q, ours))
-            row["triton_page_max_ms"] = time_ms(lambda: triton_backend.run(q, ours, return_page_max=True))
+            row["triton_ms"] = timed(lambda: triton_backend.run(q, ours), graphs, row["graph_ms"], "triton")
+            row["triton_page_max_ms"] = timed(lambda: triton_backend.run(q, ours, return_page_max=True), graphs,
+                                              row["graph_ms"], "triton_page_max")
             row["flashinfer_ms"] = {}
             for dec in fi_decoders:
                 name = "tc" if dec.tensor_cores else "plain"
                 try:
                     dec.plan(batch, heads, dtype)
-                    row["flashinfer_ms"][name] = time_ms(lambda: dec.run(q, theirs))
+                    row["flashinfer_ms"][name] = timed(lambda: dec.run(q, theirs), graphs, row["graph_ms"], name)
                 except Exception as err:  # a setting FlashInfer lacks for this dtype: reported, not fatal
                     row["flashinfer_ms"][name] = None
                     row.setdefault("flashinfer_errors", {})[name] = f"{type(err).__name__}: {str(err)[:200]}"
@@ -320,6 +337,9 @@ def decode_grid(buffers: dict, fi_decoders: list, cells: list, rows: list, save)
             row["kv_gbps"] = row["kv_bytes"] / row["triton_ms"] / 1e6
             row["vs_flashinfer_best"] = row["flashinfer_best_ms"] / row["triton_ms"] if done else None
             row["page_max_overhead"] = row["triton_page_max_ms"] / row["triton_ms"] - 1
+            g = row["graph_ms"]
+            fi_graph = [g[k] for k in ("plain", "tc") if k in g]
+            row["vs_flashinfer_best_graph"] = min(fi_graph) / g["triton"] if fi_graph and "triton" in g else None
             rows.append(row)
             print(f"decode {heads} B={b} S={s} {kv}: triton {row['triton_ms']:.4f} ms (+page_max "
                   f"{row['page_max_overhead']:+.1%}), flashinfer {row['flashinfer_ms']}", flush=True)
@@ -420,27 +440,29 @@ def print_grid(rows, skipped, ceilings) -> dict:
     read = ceilings["read_gbps"]
     print(f"\ndecode grid, page 16, bf16 queries; FI best = the faster FlashInfer setting (tc: use_tensor_cores=True); "
           f"of read = KV bytes / time / the measured read ceiling ({read:.0f} GB/s)")
-    print("| heads q/kv D | B | context | kv | triton ms | FI best ms | triton / FI | of read | page_max | fp8 / bf16 |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| heads q/kv D | B | context | kv | triton ms | FI best ms | triton / FI | same, graphs | of read | page_max "
+          "| fp8 / bf16 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     bf16 = {(tuple(r["heads"]), r["B"], r["context"]): r for r in rows if r["kv"] == "bf16"}
     for r in rows:
         fi = f"{r['flashinfer_best_ms']:.4f} ({r['flashinfer_best']})" if r["flashinfer_best"] else "-"
         vs = f"{r['vs_flashinfer_best']:.2f}x" if r["vs_flashinfer_best"] else "-"
+        vs_graph = f"{r['vs_flashinfer_best_graph']:.2f}x" if r.get("vs_flashinfer_best_graph") else "-"
         base = bf16.get((tuple(r["heads"]), r["B"], r["context"]))
         speed = f"{base['triton_ms'] / r['triton_ms']:.2f}x" if r["kv"] == "fp8" and base else ""
         h = r["heads"]
-        print(f"| {h[0]}/{h[1]} {h[2]} | {r['B']} | {r['context']} | {r['kv']} | {r['triton_ms']:.4f} | {fi} | {vs} "
+        print(f"| {h[0]}/{h[1]} {h[2]} | {r['B']} | {r['context']} | {r['kv']} | {r['triton_ms']:.4f} | {fi} | {vs} | {vs_graph} "
               f"| {r['kv_gbps'] / read:.2f} | {r['page_max_overhead']:+.1%} | {speed} |")
     for h, b, s in skipped:
         print(f"| {h[0]}/{h[1]} {h[2]} | {b} | {s} | skipped: {kv_bytes(b, s, h, torch.bfloat16) / 1e9:.0f} GB of bf16 KV "
-              f"> {KV_LIMIT_BYTES / 1e9:.0f} GB | | | | | | |")
+              f"> {KV_LIMIT_BYTES / 1e9:.0f} GB | | | | | | | |")
     vs = [r for r in rows if r["vs_flashinfer_best"]]
     anchor = [r for r in rows if tuple(r["heads"]) == (32, 8, 128) and r["B"] == 64 and r["context"] == 8192]
     targets = {
         "min_vs_flashinfer_best": {kv: min((r["vs_flashinfer_best"] for r in vs if r["kv"] == kv), default=None)
                                    for kv in ("bf16", "fp8")},
-        "cells_below_0.95": [(r["heads"], r["B"], r["context"], r["kv"], round(r["vs_flashinfer_best"], 3))
-                             for r in vs if r["vs_flashinfer_best"] < 0.95],
+        "cells_below_0.95": [(r["heads"], r["B"], r["context"], r["kv"], round(r["vs_flashinfer_best"], 3),
+                              r.get("vs_flashinfer_best_graph")) for r in vs if r["vs_flashinfer_best"] < 0.95],
         "fp8_over_bf16_B64_8k_32_8": (anchor[0]["triton_ms"] / anchor[1]["triton_ms"]) if len(anchor) == 2 else None,
         "max_page_max_overhead": max(r["page_max_overhead"] for r in rows),
         "cells_page_max_over_5pct": [(r["heads"], r["B"], r["context"], r["kv"], round(r["page_max_overhead"], 3))
