@@ -327,3 +327,22 @@ def test_fp8_cache_hook_path_and_fast_path_agree_and_stay_near_bf16_pages():
     assert (got - hook).abs().max() / hook.abs().max() < 1e-4
     err = ((hook - exact).abs().max() / exact.abs().max()).item()
     assert 0 < err < 0.1  # quantized, not a no-op, and close
+
+
+# -- the recipe ----------------------------------------------------------------------------------
+def test_recipe_kv_dtype_sets_the_layout_and_the_tier_sizes():
+    """``kvtier-run kv_dtype=fp8_e4m3``: the plan's layout stores FP8 pages, whose bytes (scale rows included)
+    size the tiers; a bad name is a ConfigError on kv_dtype."""
+    from kvtier.build import plan as validate
+    from kvtier.run import job_configs
+    from test_run import TINY
+
+    (fp32_plan,) = map(validate, job_configs([*TINY, "budget.tokens=80"]))
+    (fp8_plan,) = map(validate, job_configs([*TINY, "budget.tokens=80", "kv_dtype=fp8_e4m3"]))
+    assert fp8_plan.layout.scaled and fp8_plan.layout.page_bytes * 64 == fp32_plan.layout.page_bytes * 17  # 16 rows of 4 B vs 17 of 1 B
+    with pytest.raises(ConfigError) as err:
+        list(map(validate, job_configs([*TINY, "kv_dtype=fp4"])))
+    assert err.value.field == "kv_dtype"
+    sized = [job_configs([*TINY, "budget.tokens=80", "tiers.stack.host.size=8MiB", *kv]) for kv in ([], ["kv_dtype=fp8_e4m3"])]
+    host_fp32, host_fp8 = (validate(cfg).capacities["host"] for (cfg,) in sized)
+    assert host_fp8 == (8 << 20) // (30 * fp8_plan.layout.page_bytes) > host_fp32 * 3  # 64/17 as many pages
