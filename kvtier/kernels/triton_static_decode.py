@@ -352,7 +352,7 @@ def static_decode_reference(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: 
         on_host = need & (loc < 0)
         pages[on_host] = as_f32(host_pool[(-loc[on_host] - 1).to(host_pool.device)]).to(dev)
     k = pages[:, :, 0].reshape(n_q, n_listed * page, n_kv, dim)  # [B, S, N_kv, D]
-    v = pages[:, :, 1].reshape(n_q, n_listed * page, n_kv, dim)
+    v = pages[:, :, 1].reshape(n_q, n_listed * page, n_kv, dim).masked_fill(~ok.view(n_q, -1, 1, 1), 0.0)  # stale rows
     qg = q.float().view(n_q, n_kv, heads // n_kv, dim)  # [B, N_kv, G, D]; head h = kv h // G
     logits = torch.einsum("bngd,bsnd->bngs", qg, k).reshape(n_q, heads, -1) * sm_scale  # [B, H, S]
     logits = logits.masked_fill(~ok.view(n_q, 1, -1), float("-inf"))
