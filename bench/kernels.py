@@ -5,14 +5,17 @@
 
 Sections, in order: (1) the device's copy ceiling (device-to-device copy, read+write bytes) and
 read ceiling (``x.sum()`` over 4 GiB), (2) every backend (torch reference, triton with page_max,
-flashinfer when importable) against the reference on fresh random inputs, (3) ``--tune`` only: a
-sweep of Triton launch configurations on representative shapes, (4) decode batch x context for
-GQA 32/8 (D=128) and 9/3 (D=64), page 16, bf16, and chunked prefill chunk x prefix (32/8, D=128,
-causal), timed with ``triton.testing.do_bench`` medians (L2 flushed between runs); decode shapes
-under 1 GB of KV also as CUDA-graph replays (device time without host launch gaps). The table comes
-last: KV bytes read per second, TFLOP/s (prefill), speedup over FlashInfer (its time / this time)
-and the fraction of the measured read ceiling. JSON goes to ``$OUT/kernels.json`` if ``OUT`` is
-set, else ``bench/kernels.json``.
+flashinfer when importable) against the reference on fresh random inputs, bf16/fp16 and FP8 pages,
+(3) ``--tune`` only: a sweep of Triton launch configurations on representative shapes, (4) the
+decode grid: B in 1, 8, 16, 64, 256 x context 1k, 8k, 32k, 128k x heads 32/8 D=128 and 9/3 D=64,
+page 16, bf16 and FP8 pages (cells whose bf16 KV exceeds ``KV_LIMIT_BYTES`` are skipped and listed).
+Each cell times Triton, Triton with page_max and FlashInfer with both ``use_tensor_cores`` settings
+(the faster is the cell's anchor); FP8 cells give Triton kvtier's FP8 pages (per-page scales in a
+scale row) and FlashInfer its own FP8 path (plain E4M3 pages, one k/v scale per call). (5) chunked
+prefill chunk x prefix (32/8, D=128, causal). Times are ``triton.testing.do_bench`` medians (L2
+flushed between runs). The decode table gives each cell's KV GB/s as a fraction of the measured
+read ceiling, Triton / FlashInfer-best speed, page_max overhead and FP8 / bf16 speed. JSON goes to
+``$OUT/kernels.json`` if ``OUT`` is set, else ``bench/kernels.json``.
 """
 
 from __future__ import annotations
@@ -30,9 +33,11 @@ from pathlib import Path
 
 import torch
 
-KV_LIMIT_BYTES = 60e9  # skip sweep combos whose KV does not fit this
+KV_LIMIT_BYTES = 40e9  # skip grid cells whose bf16 KV exceeds this (bf16 and FP8 pools share the GPU)
 CHECK_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 DECODE_HEADS = [(32, 8, 128), (9, 3, 64)]  # (query heads, kv heads, head dim)
+GRID_BATCHES = [1, 8, 16, 64, 256]
+GRID_CONTEXTS = [1024, 8192, 32768, 131072]
 PREFILL_HEADS = (32, 8, 128)
 
 
@@ -55,6 +60,7 @@ from kvtier.kernels.flashinfer import FlashInferBackend  # noqa: E402
 from kvtier.kernels.reference import TorchBackend, paged_attention_reference  # noqa: E402
 from kvtier.kernels.triton_decode import DecodeConfig, TritonBackend  # noqa: E402
 from kvtier.kernels.triton_prefill import PrefillConfig  # noqa: E402
+from kvtier.quant import FP8, page_scales, quantize_pages  # noqa: E402
 
 DEVICE = "cpu" if ARGS.smoke else "cuda"
 
@@ -165,14 +171,25 @@ def check_backends(backends: dict, small: bool) -> list:
         q_lens = [40, 17] if small else [300, 77]
         prefix = [70, 0] if small else [1000, 0]
         cases.append(("prefill", dtype, PREFILL_HEADS, [p + n for p, n in zip(prefix, q_lens)], q_lens, True))
+    for heads in DECODE_HEADS:  # FP8 pages (kvtier's per-page scales): triton and torch only
+        lens = torch.randint(1, 200 if small else 3000, (5,), generator=gen_lens).tolist()
+        cases.append(("decode", FP8, heads, lens, [1] * 5, False))
+    cases.append(("prefill", FP8, PREFILL_HEADS, [110, 57] if small else [1300, 77],
+                  [40, 17] if small else [300, 77], True))
     if small:
         cases = [(k, d, (4, 2, 32), lens, ql, c) for k, d, _, lens, ql, c in cases]
     rows = []
     for kind, dtype, heads, kv_lens, q_lens, causal in cases:
-        q, pool, batch = paged_problem(kv_lens, q_lens, heads, 16, dtype, causal)
+        q, pool, batch = paged_problem(kv_lens, q_lens, heads, 16, torch.bfloat16 if dtype == FP8 else dtype, causal)
+        if dtype == FP8:  # random pages with scales from 2^-4 to 2^4, then quantized
+            q = q.to(torch.bfloat16)
+            spread = torch.exp2(torch.randint(-4, 5, (pool.shape[0], 2, 1, heads[1], 1), device=DEVICE).float())
+            pool = quantize_pages(torch.randn(pool.shape, device=DEVICE) * spread)
         scale = heads[2] ** -0.5
         ref = paged_attention_reference(q, pool, batch, scale, return_page_max=True)
         for name, backend in backends.items():
+            if dtype == FP8 and name == "flashinfer":
+                continue  # FlashInfer's FP8 path takes one scale per call: timed on its own pages below
             salience = backend.supports_salience
             try:
                 backend.plan(batch, heads[0], heads[1], heads[2])
@@ -187,8 +204,9 @@ def check_backends(backends: dict, small: bool) -> list:
             row = {"kind": kind, "dtype": str(dtype).removeprefix("torch."), "heads": heads, "kv_lens": kv_lens,
                    "q_lens": q_lens, "backend": name, "out_rel_err": err, "lse_max_abs_err": lse_err(res.lse, ref.lse),
                    "page_max_max_abs_err": lse_err(res.page_max, ref.page_max) if salience else None}
-            row["ok"] = err <= CHECK_TOL[dtype] and row["lse_max_abs_err"] <= 20 * CHECK_TOL[dtype] and (
-                not salience or row["page_max_max_abs_err"] <= 20 * CHECK_TOL[dtype])
+            tol = CHECK_TOL[q.dtype]
+            row["ok"] = err <= tol and row["lse_max_abs_err"] <= 20 * tol and (
+                not salience or row["page_max_max_abs_err"] <= 20 * tol)
             rows.append(row)
             print(f"check {kind:7s} {row['dtype']:8s} {heads} {name:10s} out {err:.2e} "
                   f"lse {row['lse_max_abs_err']:.2e} page_max {row['page_max_max_abs_err']} "
@@ -205,12 +223,14 @@ def prefill_flops(chunk, prefix, heads) -> float:
     return 4 * pairs * heads[0] * heads[2]
 
 
-def decode_shapes(quick: bool, smoke: bool):
+def decode_cells(quick: bool, smoke: bool) -> tuple[list, list]:
+    """The decode grid's ``(heads, B, context)`` cells, and the cells skipped for size."""
     if smoke:
-        return [(h, b, s) for h in [(4, 2, 32), (3, 1, 16)] for b, s in [(2, 64), (3, 200)]]
-    batches, ctxs = ([1, 64, 256], [1024, 8192]) if quick else ([1, 16, 64, 256], [1024, 8192, 32768])
-    return [(h, b, s) for h in DECODE_HEADS for b in batches for s in ctxs
-            if kv_bytes(b, s, h, torch.bfloat16) <= KV_LIMIT_BYTES]
+        return [(h, b, s) for h in [(4, 2, 32), (3, 1, 16)] for b, s in [(1, 64), (3, 200)]], []
+    batches, ctxs = ([1, 8, 64], [1024, 8192]) if quick else (GRID_BATCHES, GRID_CONTEXTS)
+    cells = list(itertools.product(DECODE_HEADS, batches, ctxs))
+    fits = [c for c in cells if kv_bytes(c[1], c[2], c[0], torch.bfloat16) <= KV_LIMIT_BYTES]
+    return fits, [c for c in cells if c not in fits]
 
 
 def prefill_shapes(quick: bool, smoke: bool):
@@ -244,23 +264,91 @@ def timed_runs(kind, heads, shape_desc, q, pool, batch, backends, flops, nbytes,
         timings.append(rec)
 
 
-def sweep(buffer, fi, quick, smoke, timings: list, save) -> None:
-    """Decode and prefill timings of every backend on bf16 problems cut from ``buffer`` (saved per shape).
+class FlashInferDecode:
+    """FlashInfer's paged decode with one ``use_tensor_cores`` setting, bf16 queries; FP8 through FlashInfer's
+    own FP8 path (plain E4M3 pages ``[slots, 2, P, N_kv, D]``, one k/v scale per call)."""
 
-    Shapes under 1 GB of KV are also timed as CUDA-graph replays, which shows the host launch cost.
-    """
+    def __init__(self, workspace: torch.Tensor, tensor_cores: bool):
+        import flashinfer
 
-    for heads, b, s in decode_shapes(quick, smoke):
-        q, pool, batch = paged_problem([s] * b, [1] * b, heads, 16, torch.bfloat16, False, buffer)
-        backends = {"triton": (TritonBackend(), False), "triton+page_max": (TritonBackend(), True)}
-        if fi is not None:
-            backends["flashinfer"] = (fi, False)
-        if b <= 16:
-            backends["torch"] = (TorchBackend(), False)
-        desc = f"B={b} S={s} {heads[0]}/{heads[1]} D={heads[2]}"
-        nbytes = kv_bytes(b, s, heads, torch.bfloat16)
-        timed_runs("decode", heads, desc, q, pool, batch, backends, 0.0, nbytes, timings, graphs=nbytes < 1e9)
+        self.tensor_cores = tensor_cores
+        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
+
+    def plan(self, batch: PagedBatch, heads, kv_dtype: torch.dtype) -> None:
+        self.kv_dtype = kv_dtype
+        self.wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, *heads, batch.page_size,
+                          q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
+
+    def run(self, q, pool):
+        if self.kv_dtype == FP8:
+            return self.wrapper.run(q, pool, k_scale=1.0 / 64, v_scale=1.0 / 64)
+        return self.wrapper.run(q, pool)
+
+
+def fp8_pools(buffer: torch.Tensor, nnz: int, heads) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of the E4M3 ``buffer``: kvtier's pool ``[nnz, 2, 17, N_kv, D]`` (scale row set to 2^-6) and
+    FlashInfer's plain pool ``[nnz, 2, 16, N_kv, D]``."""
+    _, n_kv, dim = heads
+    ours = buffer[:nnz * 2 * 17 * n_kv * dim].view(nnz, 2, 17, n_kv, dim)
+    page_scales(ours).fill_(1.0 / 64)
+    return ours, buffer[:nnz * 2 * 16 * n_kv * dim].view(nnz, 2, 16, n_kv, dim)
+
+
+def timed(fn, graphs: bool, into: dict, name: str) -> float:
+    """``time_ms(fn)``; with ``graphs`` also one CUDA-graph replay's time into ``into[name]`` (no host launch gaps)."""
+    ms = time_ms(fn)
+    if graphs:
+        try:
+            into[name] = graph_ms(fn)
+        except Exception as err:
+            print(f"graph {name}: {type(err).__name__}: {str(err)[:200]}", flush=True)
+    return ms
+
+
+def decode_grid(buffers: dict, fi_decoders: list, cells: list, rows: list, save) -> None:
+    """Every cell, bf16 and FP8 pages: Triton, Triton with page_max, each FlashInfer setting (saved per cell).
+
+    Cells under 1 GB of KV are also timed as CUDA-graph replays: at small shapes the event timing is the
+    host's launch time, the replay the device's."""
+    for heads, b, s in cells:
+        q, pool_bf16, batch = paged_problem([s] * b, [1] * b, heads, 16, torch.bfloat16, False, buffers["bf16"])
+        ours_fp8, fi_fp8 = fp8_pools(buffers["fp8"], pool_bf16.shape[0], heads)
+        for kv, ours, theirs, dtype in (("bf16", pool_bf16, pool_bf16, torch.bfloat16), ("fp8", ours_fp8, fi_fp8, FP8)):
+            row = {"heads": heads, "B": b, "context": s, "kv": kv, "kv_bytes": kv_bytes(b, s, heads, dtype),
+                   "graph_ms": {}}
+            graphs = DEVICE == "cuda" and row["kv_bytes"] < 1e9
+            triton_backend = TritonBackend()
+            triton_backend.plan(batch, *heads)
+            row["triton_ms"] = timed(lambda: triton_backend.run(q, ours), graphs, row["graph_ms"], "triton")
+            row["triton_page_max_ms"] = timed(lambda: triton_backend.run(q, ours, return_page_max=True), graphs,
+                                              row["graph_ms"], "triton_page_max")
+            row["flashinfer_ms"] = {}
+            for dec in fi_decoders:
+                name = "tc" if dec.tensor_cores else "plain"
+                try:
+                    dec.plan(batch, heads, dtype)
+                    row["flashinfer_ms"][name] = timed(lambda: dec.run(q, theirs), graphs, row["graph_ms"], name)
+                except Exception as err:  # a setting FlashInfer lacks for this dtype: reported, not fatal
+                    row["flashinfer_ms"][name] = None
+                    row.setdefault("flashinfer_errors", {})[name] = f"{type(err).__name__}: {str(err)[:200]}"
+            done = {k: v for k, v in row["flashinfer_ms"].items() if v is not None}
+            row["flashinfer_best"] = min(done, key=done.get) if done else None
+            row["flashinfer_best_ms"] = done[row["flashinfer_best"]] if done else None
+            row["kv_gbps"] = row["kv_bytes"] / row["triton_ms"] / 1e6
+            row["vs_flashinfer_best"] = row["flashinfer_best_ms"] / row["triton_ms"] if done else None
+            row["page_max_overhead"] = row["triton_page_max_ms"] / row["triton_ms"] - 1
+            g = row["graph_ms"]
+            fi_graph = [g[k] for k in ("plain", "tc") if k in g]
+            row["vs_flashinfer_best_graph"] = min(fi_graph) / g["triton"] if fi_graph and "triton" in g else None
+            rows.append(row)
+            print(f"decode {heads} B={b} S={s} {kv}: triton {row['triton_ms']:.4f} ms (+page_max "
+                  f"{row['page_max_overhead']:+.1%}), flashinfer {row['flashinfer_ms']}", flush=True)
         save()
+
+
+def sweep(buffer, fi, quick, smoke, timings: list, save) -> None:
+    """Chunked prefill timings of every backend on bf16 problems cut from ``buffer`` (saved per shape), and
+    Triton on FP8 pages."""
     for heads, chunk, prefix in prefill_shapes(quick, smoke):
         q, pool, batch = paged_problem([prefix + chunk], [chunk], heads, 16, torch.bfloat16, True, buffer)
         backends = {"triton": (TritonBackend(), False), "triton+page_max": (TritonBackend(), True)}
@@ -269,6 +357,9 @@ def sweep(buffer, fi, quick, smoke, timings: list, save) -> None:
         desc = f"chunk={chunk} prefix={prefix} {heads[0]}/{heads[1]} D={heads[2]}"
         timed_runs("prefill", heads, desc, q, pool, batch, backends, prefill_flops(chunk, prefix, heads),
                    kv_bytes(1, prefix + chunk, heads, torch.bfloat16), timings)
+        fp8 = quantize_pages(pool.float() / 8)  # [nnz, 2, 17, N_kv, D]
+        timed_runs("prefill", heads, desc + " fp8", q, fp8, batch, {"triton": (TritonBackend(), False)},
+                   prefill_flops(chunk, prefix, heads), kv_bytes(1, prefix + chunk, heads, FP8), timings)
         save()
 
 
@@ -344,12 +435,50 @@ def print_table(timings, ceilings):
               f"{tf:>8s} {vs:>6s} {r['kv_gbps'] / read:7.2f}")
 
 
+def print_grid(rows, skipped, ceilings) -> dict:
+    """The decode grid table, and the targets' figures (also returned)."""
+    read = ceilings["read_gbps"]
+    print(f"\ndecode grid, page 16, bf16 queries; FI best = the faster FlashInfer setting (tc: use_tensor_cores=True); "
+          f"of read = KV bytes / time / the measured read ceiling ({read:.0f} GB/s)")
+    print("| heads q/kv D | B | context | kv | triton ms | FI best ms | triton / FI | same, graphs | of read | page_max "
+          "| fp8 / bf16 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    bf16 = {(tuple(r["heads"]), r["B"], r["context"]): r for r in rows if r["kv"] == "bf16"}
+    for r in rows:
+        fi = f"{r['flashinfer_best_ms']:.4f} ({r['flashinfer_best']})" if r["flashinfer_best"] else "-"
+        vs = f"{r['vs_flashinfer_best']:.2f}x" if r["vs_flashinfer_best"] else "-"
+        vs_graph = f"{r['vs_flashinfer_best_graph']:.2f}x" if r.get("vs_flashinfer_best_graph") else "-"
+        base = bf16.get((tuple(r["heads"]), r["B"], r["context"]))
+        speed = f"{base['triton_ms'] / r['triton_ms']:.2f}x" if r["kv"] == "fp8" and base else ""
+        h = r["heads"]
+        print(f"| {h[0]}/{h[1]} {h[2]} | {r['B']} | {r['context']} | {r['kv']} | {r['triton_ms']:.4f} | {fi} | {vs} | {vs_graph} "
+              f"| {r['kv_gbps'] / read:.2f} | {r['page_max_overhead']:+.1%} | {speed} |")
+    for h, b, s in skipped:
+        print(f"| {h[0]}/{h[1]} {h[2]} | {b} | {s} | skipped: {kv_bytes(b, s, h, torch.bfloat16) / 1e9:.0f} GB of bf16 KV "
+              f"> {KV_LIMIT_BYTES / 1e9:.0f} GB | | | | | | | |")
+    vs = [r for r in rows if r["vs_flashinfer_best"]]
+    anchor = [r for r in rows if tuple(r["heads"]) == (32, 8, 128) and r["B"] == 64 and r["context"] == 8192]
+    targets = {
+        "min_vs_flashinfer_best": {kv: min((r["vs_flashinfer_best"] for r in vs if r["kv"] == kv), default=None)
+                                   for kv in ("bf16", "fp8")},
+        "cells_below_0.95": [(r["heads"], r["B"], r["context"], r["kv"], round(r["vs_flashinfer_best"], 3),
+                              r.get("vs_flashinfer_best_graph")) for r in vs if r["vs_flashinfer_best"] < 0.95],
+        "fp8_over_bf16_B64_8k_32_8": (anchor[0]["triton_ms"] / anchor[1]["triton_ms"]) if len(anchor) == 2 else None,
+        "max_page_max_overhead": max(r["page_max_overhead"] for r in rows),
+        "cells_page_max_over_5pct": [(r["heads"], r["B"], r["context"], r["kv"], round(r["page_max_overhead"], 3))
+                                     for r in rows if r["page_max_overhead"] > 0.05],
+    }
+    print("\ntargets:", json.dumps(targets, default=str))
+    return targets
+
+
 def main():
     env = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
            "argv": sys.argv[1:]}
     print(env, flush=True)
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent
+    out_dir.mkdir(parents=True, exist_ok=True)
     result = {"env": env}
 
     def save():
@@ -363,16 +492,30 @@ def main():
         backends["flashinfer"] = fi
     result["checks"] = check_backends(backends, small=ARGS.smoke)
     save()
-    pooled = [b * -(-s // 16) * 16 * h[1] * h[2] * 2 for h, b, s in decode_shapes(ARGS.quick, ARGS.smoke)]
-    pooled += [-(-(c + p) // 16) * 16 * h[1] * h[2] * 2 for h, c, p in prefill_shapes(ARGS.quick, ARGS.smoke)]
-    numel = max(pooled)  # elements of the largest pool (whole pages of 16 tokens)
-    buffer = torch.randn(numel, dtype=torch.bfloat16, device=DEVICE)  # every pool is a view of this
+    cells, skipped = decode_cells(ARGS.quick, ARGS.smoke)
+    pages = [b * -(-s // 16) * h[1] * h[2] * 2 for h, b, s in cells]  # page rows x N_kv x D of each pool
+    pooled = [p * 16 for p in pages] + [-(-(c + p) // 16) * 16 * h[1] * h[2] * 2
+                                        for h, c, p in prefill_shapes(ARGS.quick, ARGS.smoke)]
+    buffer = torch.randn(max(pooled), dtype=torch.bfloat16, device=DEVICE)  # every bf16 pool is a view of this
+    fp8 = torch.empty(max(pages) * 17, dtype=torch.uint8, device=DEVICE).random_(0, 0x7E).view(FP8)  # finite E4M3
     if ARGS.tune:
         result["tuning"] = tune(buffer, ARGS.smoke)
         save()
+    decoders = [FlashInferDecode(fi.workspace, tc) for tc in (False, True)] if fi is not None else []
+    result["decode_grid"], result["skipped_cells"] = [], skipped
+    decode_grid({"bf16": buffer, "fp8": fp8}, decoders, cells, result["decode_grid"], save)
+    del fp8
     result["timings"] = []
     sweep(buffer, fi, ARGS.quick, ARGS.smoke, result["timings"], save)
     print_table(result["timings"], result["ceilings"])
+    result["targets"] = print_grid(result["decode_grid"], skipped, result["ceilings"])
+    prefill = {r["backend"]: r["ms"] for r in result["timings"] if r["shape"].startswith("chunk=2048 prefix=32768")
+               and not r["shape"].endswith("fp8")}
+    if "flashinfer" in prefill:
+        result["targets"]["prefill_2048_over_32k_triton_over_flashinfer"] = prefill["triton"] / prefill["flashinfer"]
+        print(f"chunked prefill 2048 over 32k: triton {prefill['triton']:.3f} ms / FlashInfer "
+              f"{prefill['flashinfer']:.3f} ms = {prefill['triton'] / prefill['flashinfer']:.2f}x (target <= 1.15x)")
+    save()
     failed = [c for c in result["checks"] if not c["ok"]]
     print(f"\ncorrectness: {len(result['checks']) - len(failed)}/{len(result['checks'])} ok"
           + "".join(f"\n  FAIL {c['kind']} {c['dtype']} {c['backend']} out {c['out_rel_err']:.2e}" for c in failed))

@@ -96,7 +96,7 @@ def plan(cfg: DictConfig) -> Plan:
     build(cfg.model, "model", call=False)
     check_load_args(cfg.model.get("dtype"), cfg.model.get("device", "cpu"))
     _, config = load_config(cfg.model.get("path"))
-    layout = kv_layout_for(config, page_size=recipe.page_size, dtype=cfg.model.dtype)
+    layout = kv_layout_for(config, page_size=recipe.page_size, dtype=cfg.model.dtype, kv_dtype=recipe.kv_dtype)
     check_positions(task, config)
     context, pages = task.context_tokens, layout.pages_for(task.context_tokens + task.new_tokens)
     page_bytes = layout.num_layers * layout.page_bytes  # one page of every layer

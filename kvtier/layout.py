@@ -15,6 +15,8 @@ SUPPORTED_DTYPES = {
     "bfloat16": torch.bfloat16,
     "float8_e4m3fn": torch.float8_e4m3fn,
 }
+KV_DTYPE_ALIASES = {"fp8_e4m3": "float8_e4m3fn"}  # the recipe's short name for FP8 E4M3 pages
+SCALED_KV_DTYPES = (torch.float8_e4m3fn,)  # stored as values plus per-page scales (kvtier/quant.py)
 
 
 def resolve_dtype(dtype: str | torch.dtype, field: str = "dtype") -> torch.dtype:
@@ -41,6 +43,11 @@ class KVLayout:
     A page is ``[2, page_size, num_kv_heads, head_dim]`` (FlashInfer NHD); a tier's pool for one
     layer is ``[slots, 2, page_size, num_kv_heads, head_dim]``.
 
+    ``dtype`` is the model's (what K/V arrive in and attention returns); ``kv_dtype`` is what pages
+    store (default: ``dtype``). ``kv_dtype="fp8_e4m3"`` stores FP8 E4M3 values with one scale per
+    (page, K/V, kv head) in one extra row of the page, so a page is ``[2, page_size + 1, N_kv, D]``
+    (:mod:`kvtier.quant` says why this granularity and where the scales sit).
+
     ``sliding_windows``: empty (every layer global) or one entry per layer, the number of keys a
     query of that layer sees (itself included, HF's ``sliding_window``), 0 for a global layer.
     """
@@ -51,6 +58,7 @@ class KVLayout:
     page_size: int = 16
     dtype: torch.dtype | str = torch.bfloat16
     sliding_windows: tuple[int, ...] = ()
+    kv_dtype: torch.dtype | str | None = None
 
     def __post_init__(self):
         _positive("num_layers", self.num_layers)
@@ -60,6 +68,11 @@ class KVLayout:
         if self.page_size & (self.page_size - 1):
             raise ConfigError("page_size", f"must be a power of two, got {self.page_size}")
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
+        kv_dtype = self.dtype if self.kv_dtype is None else KV_DTYPE_ALIASES.get(self.kv_dtype, self.kv_dtype)
+        object.__setattr__(self, "kv_dtype", resolve_dtype(kv_dtype, "kv_dtype"))
+        if self.scaled and self.head_dim % 4:
+            raise ConfigError("kv_dtype", f"FP8 pages keep each head's fp32 scale in its scale row: head_dim must be "
+                                          f"a multiple of 4, got {self.head_dim}")
         windows = tuple(self.sliding_windows or ())
         if windows and len(windows) != self.num_layers:
             raise ConfigError("sliding_windows", f"needs one entry per layer ({self.num_layers}), got {len(windows)}")
@@ -73,18 +86,24 @@ class KVLayout:
         return self.sliding_windows[layer] if self.sliding_windows else 0
 
     @property
+    def scaled(self) -> bool:
+        """Pages hold quantized values plus a scale row (``kv_dtype`` FP8)."""
+        return self.kv_dtype in SCALED_KV_DTYPES
+
+    @property
     def page_shape(self) -> tuple[int, int, int, int]:
-        """``(2, page_size, num_kv_heads, head_dim)``."""
-        return (2, self.page_size, self.num_kv_heads, self.head_dim)
+        """Stored page: ``(2, page_size, num_kv_heads, head_dim)``, one row more with scales (FP8)."""
+        return (2, self.page_size + self.scaled, self.num_kv_heads, self.head_dim)
 
     @property
     def dtype_bytes(self) -> int:
-        return self.dtype.itemsize
+        """Bytes per stored K/V element (``kv_dtype``)."""
+        return self.kv_dtype.itemsize
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page of one layer (K and V)."""
-        return 2 * self.page_size * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        """Bytes of one stored page of one layer (K and V, and the scale row of FP8 pages)."""
+        return 2 * (self.page_size + self.scaled) * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
     @property
     def token_bytes(self) -> int:

@@ -185,13 +185,15 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
     return model.to(device).eval(), tokenizer
 
 
-def kv_layout_for(config, page_size: int = 16, dtype: str | torch.dtype = torch.bfloat16) -> KVLayout:
+def kv_layout_for(config, page_size: int = 16, dtype: str | torch.dtype = torch.bfloat16,
+                  kv_dtype: str | torch.dtype | None = None) -> KVLayout:
     """KVLayout (pages ``[2, page_size, num_kv_heads, head_dim]``, per-layer sliding windows) of a HF
-    model config; UnsupportedAttentionError if kvtier cannot honour the model's attention."""
+    model config, pages stored as ``kv_dtype`` (None: ``dtype``; ``"fp8_e4m3"``: FP8 with scales);
+    UnsupportedAttentionError if kvtier cannot honour the model's attention."""
     _, kv_heads, head_dim = attention_dims(config)
     check_model_support(config)
     return KVLayout(num_layers=config.num_hidden_layers, num_kv_heads=kv_heads, head_dim=head_dim,
-                    page_size=page_size, dtype=dtype, sliding_windows=sliding_windows(config))
+                    page_size=page_size, dtype=dtype, sliding_windows=sliding_windows(config), kv_dtype=kv_dtype)
 
 
 def random_llama(num_layers: int = 32, num_heads: int = 32, num_kv_heads: int = 8, head_dim: int = 128,

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from kvtier.kernels.base import to_device
+from kvtier.quant import dequantize, write_scaled
 from kvtier.table import BlockTable
 
 
@@ -13,7 +14,8 @@ def write_tokens(table: BlockTable, layer: int, seq: int, kv: torch.Tensor, star
     """Store ``kv [2, n, N_kv, D]`` as tokens ``start .. start+n-1`` of ``seq`` (pages already appended).
 
     Addressable tiers are written in place per token; other tiers by read-modify-write of whole
-    pages (a page whose first token is written starts from zeros).
+    pages (a page whose first token is written starts from zeros). FP8 layouts quantize on the way
+    in (:func:`kvtier.quant.write_scaled`: each page's scale grows with its values).
     """
     n = kv.shape[1]
     P = table.layout.page_size
@@ -26,31 +28,43 @@ def write_tokens(table: BlockTable, layer: int, seq: int, kv: torch.Tensor, star
         tier = table.tiers[t]
         pool = tier.pool(layer)
         chunk = kv if sel.size == n else kv[:, to_device([sel], kv.device, torch.int64)[0]]  # [2, m, N_kv, D]
-        if pool is not None:
-            idx, off = to_device([slots[sel], offs[sel]], pool.device, torch.int64)  # [m], [m]
-            pool[idx, :, off] = chunk.transpose(0, 1).to(pool.device, pool.dtype)
-            continue
         uniq, inv = np.unique(slots[sel], return_inverse=True)
+        if pool is not None:
+            _store(table.layout.scaled, pool, uniq, inv, offs[sel], chunk)
+            continue
         u = torch.from_numpy(uniq)
         fresh = np.zeros(uniq.size, dtype=bool)  # a write from offset 0 starts a page: nothing to keep
         fresh[inv[offs[sel] == 0]] = True
-        pages = torch.zeros((uniq.size, *table.layout.page_shape), dtype=table.layout.dtype)  # [u, 2, P, N_kv, D]
+        pages = torch.zeros((uniq.size, *table.layout.page_shape), dtype=table.layout.kv_dtype)  # [u, 2, P(+1), N_kv, D]
         if not fresh.all():
             old = np.flatnonzero(~fresh)
             pages[torch.from_numpy(old)] = tier.read(layer, u[old]).to(pages.device)
-        pages[torch.from_numpy(inv), :, torch.from_numpy(offs[sel])] = chunk.transpose(0, 1).to(pages.device, pages.dtype)
+        _store(table.layout.scaled, pages, np.arange(uniq.size), inv, offs[sel], chunk)
         tier.write(layer, u, pages)
 
 
+def _store(scaled: bool, pool: torch.Tensor, pages: np.ndarray, inv: np.ndarray, offs: np.ndarray,
+           kv: torch.Tensor) -> None:
+    """Token ``i`` of ``kv [2, m, N_kv, D]`` into row ``offs[i]`` of slot ``pages[inv[i]]`` of ``pool``."""
+    p, i, o = to_device([pages, inv, offs], pool.device, torch.int64)  # [u], [m], [m]
+    kv = kv.to(pool.device)
+    if scaled:
+        write_scaled(pool, p, i, o, kv)
+    else:
+        pool[p[i], :, o] = kv.transpose(0, 1).to(pool.dtype)
+
+
 def read_tokens(table: BlockTable, layer: int, seq: int, device=None) -> torch.Tensor:
-    """All tokens of ``seq`` in ``layer``: ``[2, S, N_kv, D]`` (for tests and debugging)."""
+    """All tokens of ``seq`` in ``layer``: ``[2, S, N_kv, D]`` in the model's dtype (for tests and debugging)."""
     pids = table.pages(seq)
     tiers, slots = table.locate(layer, pids)
     L = table.layout
     dev = device or table.tiers[0].device
-    pages = torch.empty((pids.size, *L.page_shape), dtype=L.dtype, device=dev)  # [n, 2, P, N_kv, D]
+    pages = torch.empty((pids.size, *L.page_shape), dtype=L.kv_dtype, device=dev)  # [n, 2, P(+1), N_kv, D]
     for t in np.unique(tiers):
         sel = np.flatnonzero(tiers == t)
         pages[torch.from_numpy(sel).to(dev)] = table.tiers[t].read(layer, torch.from_numpy(slots[sel])).to(dev)
+    if L.scaled:
+        pages = dequantize(pages).to(L.dtype)  # [n, 2, P, N_kv, D]
     S = table.seq_len(seq)
     return pages.transpose(0, 1).reshape(2, -1, L.num_kv_heads, L.head_dim)[:, :S]  # [2, S, N_kv, D]

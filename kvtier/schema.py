@@ -88,6 +88,7 @@ class Recipe:
     logger: Any = MISSING
     scope: Scope = Scope.resident
     page_size: int = 16
+    kv_dtype: Optional[str] = None  # None: the model's dtype; "fp8_e4m3": FP8 pages with per-page scales
     budget: Budget = field(default_factory=Budget)
     cache: Cache = field(default_factory=Cache)
     progress: bool = True

@@ -43,6 +43,7 @@ from kvtier.kernels.reference import TorchBackend
 from kvtier.kernels.registry import make_backend
 from kvtier.layout import KVLayout
 from kvtier.paged_io import write_tokens
+from kvtier.quant import write_scaled
 from kvtier.policies.base import Policy
 from kvtier.scheduler.base import Scheduler
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
@@ -415,7 +416,13 @@ class FastEngine:
         if self.recall is not None:
             self.recall.overlay(layer, self.home[layer, :B], self.block_table[layer, :B])
         pos = self.positions[:B]  # [B]
-        self._write_kv(self.table.tiers[0].pool(layer), self.block_table[layer, :B], pos, key, value, P)
+        if self.layout.scaled:  # each row writes its own page: no host work, capturable
+            slot = self.block_table[layer, :B].gather(1, (pos // P)[:, None])[:, 0].long()  # [B] device slots
+            kv = torch.stack([key[:, :, 0], value[:, :, 0]], 1)  # [B, 2, N_kv, D]
+            write_scaled(self.table.tiers[0].pool(layer), slot, torch.arange(B, device=slot.device), pos.long() % P,
+                         kv.transpose(0, 1))
+        else:
+            self._write_kv(self.table.tiers[0].pool(layer), self.block_table[layer, :B], pos, key, value, P)
         if self.bounds is not None:
             self.bounds.add_decode(layer, key[:, :, 0], pos)
 

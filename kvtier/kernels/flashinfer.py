@@ -16,6 +16,7 @@ import torch
 
 from kvtier.errors import ConfigError, MissingDependencyError
 from kvtier.kernels.base import AttentionBackend, AttentionOutput, PagedBatch
+from kvtier.quant import is_scaled_pool
 
 LN2 = math.log(2.0)
 
@@ -65,6 +66,10 @@ class FlashInferBackend(AttentionBackend):
         if return_page_max:
             raise ConfigError("kernel", "page salience needs kernel=triton or kernel=torch; "
                                         "FlashInfer returns no per-page max logit")
+        if is_scaled_pool(kv_pool, self.batch.page_size):
+            raise ConfigError("kernel", "kernel=flashinfer cannot read kvtier's FP8 pages: FlashInfer's FP8 path takes "
+                                        "one k_scale/v_scale per call, these pages carry one per (page, kv head); "
+                                        "use kernel=triton (or kernel=torch)")
         if self.planned_dtypes != (q.dtype, kv_pool.dtype):
             self.plan_wrapper(q.dtype, kv_pool.dtype)
         wrapper = self.decode_wrapper if self.is_decode else self.prefill_wrapper

@@ -5,19 +5,21 @@ from __future__ import annotations
 import torch
 
 from kvtier.kernels.base import AttentionBackend, AttentionOutput, PagedBatch
+from kvtier.quant import dequantize, is_scaled_pool
 
 
 def paged_attention_reference(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, sm_scale: float,
                               return_page_max: bool = False) -> AttentionOutput:
     """Paged GQA attention in fp32, one sequence at a time.
 
-    q ``[Nq, H, D]``, kv_pool ``[slots, 2, P, N_kv, D]``; see :mod:`kvtier.kernels.base` for the
-    batch convention. Returns out ``[Nq, H, D]`` (q's dtype), lse ``[Nq, H]``, page_max ``[nnz, H]``.
+    q ``[Nq, H, D]``, kv_pool ``[slots, 2, P, N_kv, D]`` (FP8: ``[slots, 2, P + 1, N_kv, D]`` with scales,
+    dequantized here); see :mod:`kvtier.kernels.base` for the batch convention. Returns out ``[Nq, H, D]`` (q's dtype), lse ``[Nq, H]``, page_max ``[nnz, H]``.
     """
     n_q, heads, dim = q.shape
     page = batch.page_size
     n_kv = kv_pool.shape[3]
     group = heads // n_kv
+    scaled = is_scaled_pool(kv_pool, page)
     out = torch.zeros(n_q, heads, dim, dtype=torch.float32, device=q.device)  # [Nq, H, D]
     lse = torch.full((n_q, heads), float("-inf"), dtype=torch.float32, device=q.device)  # [Nq, H]
     nnz = batch.kv_indices.numel()
@@ -30,7 +32,9 @@ def paged_attention_reference(q: torch.Tensor, kv_pool: torch.Tensor, batch: Pag
         if q1 == q0 or p1 == p0:
             continue
         s_len = kv_lens[b]
-        pages = kv_pool.index_select(0, batch.kv_indices[p0:p1].long())  # [n, 2, P, N_kv, D]
+        pages = kv_pool.index_select(0, batch.kv_indices[p0:p1].long())  # [n, 2, P(+1), N_kv, D]
+        if scaled:
+            pages = dequantize(pages)  # [n, 2, P, N_kv, D] fp32
         k = pages[:, 0].reshape(-1, n_kv, dim)[:s_len].float()  # [S, N_kv, D]
         v = pages[:, 1].reshape(-1, n_kv, dim)[:s_len].float()
         qb = q[q0:q1].float().view(q1 - q0, n_kv, group, dim)  # [n, N_kv, G, D]; head h = kv h // G

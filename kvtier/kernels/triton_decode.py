@@ -26,7 +26,7 @@ from kvtier.kernels.base import AttentionBackend, AttentionOutput, PagedBatch, t
 from kvtier.kernels.triton_prefill import (LN2, LOG2E, PrefillConfig, check_page_size, dot_operand_dtype,
                                            MIN_DOT, fit_shared_memory,
                                            finish_rows, kernel_window, online_softmax_step, paged_prefill,
-                                           plan_prefill)
+                                           plan_prefill, scale_args, token_scales)
 
 
 @dataclass(frozen=True)
@@ -115,18 +115,19 @@ def plan_decode(batch: PagedBatch, num_qo_heads: int, num_kv_heads: int, head_di
 
 @triton.jit
 def _decode_split_kernel(
-    q, kv, kv_indptr, kv_indices, kv_last_page_len,
+    q, kv, scales, kv_indptr, kv_indices, kv_last_page_len,
     chunk_seq, chunk_page, chunk_split,
     out, lse, page_max,
     stride_qn, stride_qh,
     stride_slot, stride_kv, stride_p, stride_kh,
+    stride_ss, stride_skv, stride_sh,
     stride_os, stride_on, stride_oh,
     stride_ls, stride_ln,
     stride_pm,
     qk_scale, lse_scale, pages_per_split, window_left,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    WITH_PAGE_MAX: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    WITH_PAGE_MAX: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
 ):
     """One (chunk, kv head): out/lse rows ``[GROUP]`` of the chunk's sequence over its pages.
 
@@ -165,6 +166,7 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     k_base = kv + kvh * stride_kh
     v_base = k_base + stride_kv
+    ks_base = scales + kvh * stride_sh  # FP8 pages: the head's K scale of slot 0 (V: + stride_skv)
     for start in range(first, t_end, BLOCK_N):
         tok = start + offs_n  # [N]
         tok_ok = (tok < t1) & (tok >= lo)
@@ -174,6 +176,8 @@ def _decode_split_kernel(
         kv_mask = tok_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
         s = tl.dot(qt, tl.trans(k), input_precision=PRECISION) * qk_scale  # [G, N] log2 units
+        if SCALED:  # K = values * the page's scale, folded into the logits
+            s = s * token_scales(ks_base, slot * stride_ss, tok_ok)[None, :]
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         if WITH_PAGE_MAX:
             pm = tl.max(tl.reshape(s, [BLOCK_G, BLOCK_N // PAGE, PAGE]), axis=2)  # [G, NP]
@@ -182,6 +186,8 @@ def _decode_split_kernel(
             tl.store(pm_ptrs, pm * 0.6931471805599453, mask=g_ok[:, None] & (pg * PAGE < t_end)[None, :])
         p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)  # p [G, N]
         v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
+        if SCALED:  # V's scale on the probabilities (powers of two: exact)
+            p = p * token_scales(ks_base + stride_skv, slot * stride_ss, tok_ok)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(qt.dtype), v, input_precision=PRECISION)  # [G, D]
         m_i = m_new
 
@@ -229,7 +235,7 @@ def paged_decode(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, plan
                  return_page_max: bool = False) -> AttentionOutput:
     """Decode attention for one query row per sequence.
 
-    q ``[B, H, D]``, kv_pool ``[slots, 2, P, N_kv, D]``. Returns out ``[B, H, D]`` (q's dtype),
+    q ``[B, H, D]``, kv_pool ``[slots, 2, P, N_kv, D]`` (FP8: ``P + 1`` rows, dequantized in the kernel). Returns out ``[B, H, D]`` (q's dtype),
     lse ``[B, H]`` (natural log) and optionally page_max ``[nnz, H]`` (-inf outside the window).
     """
     n_q, heads, dim = q.shape
@@ -249,22 +255,24 @@ def paged_decode(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, plan
         part_out, part_lse = out.unsqueeze(0), lse.unsqueeze(0)  # [1, B, H, D], [1, B, H]
     else:
         part_out, part_lse = plan.part_out, plan.part_lse
+    scales, stride_ss, stride_skv, stride_sh, scaled = scale_args(kv_pool, batch.page_size)
     grid = (plan.chunk_seq.numel(), n_kv)
     _, stages = fit_shared_memory(block_g, plan.block_n, plan.config.num_stages, block_d,
                                   4 if dot_f32 else q.element_size(), plan.block_n)
     _decode_split_kernel[grid](
-        q, kv_pool, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
+        q, kv_pool, scales, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
         plan.chunk_seq, plan.chunk_page, plan.chunk_split,
         part_out, part_lse, page_max if return_page_max else part_lse,
         q.stride(0), q.stride(1),
         kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3),
+        stride_ss, stride_skv, stride_sh,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         heads,
         sm_scale * LOG2E, LN2 if single else 1.0, plan.pages_per_split, kernel_window(batch),
         GROUP=group, BLOCK_G=block_g, PAGE=batch.page_size, BLOCK_N=plan.block_n,
         HEAD_DIM=dim, BLOCK_D=block_d,
-        WITH_PAGE_MAX=return_page_max, DOT_F32=dot_f32, PRECISION=precision,
+        WITH_PAGE_MAX=return_page_max, DOT_F32=dot_f32, PRECISION=precision, SCALED=scaled,
         num_warps=plan.config.num_warps, num_stages=stages,
     )
     if not single:

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from kvtier.errors import ConfigError
 from kvtier.kernels.base import AttentionOutput, PagedBatch, to_device
+from kvtier.quant import is_scaled_pool, page_scales
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = math.log2(math.e)
@@ -50,6 +51,24 @@ def check_page_size(page_size: int) -> None:
 def kernel_window(batch: PagedBatch) -> int:
     """The kernels' ``window_left``: the batch's, or :data:`NO_WINDOW`."""
     return batch.window_left if batch.window_left >= 0 else NO_WINDOW
+
+
+def scale_args(kv_pool: torch.Tensor, page_size: int) -> tuple:
+    """The kernels' scale arguments: ``(scales, stride_slot, stride_kv, stride_head, SCALED)``.
+
+    FP8 pools (:mod:`kvtier.quant`) pass their fp32 scale view ``[slots, 2, N_kv]``; other pools pass
+    themselves as an unread placeholder.
+    """
+    if not is_scaled_pool(kv_pool, page_size):
+        return kv_pool, 0, 0, 0, False
+    scales = page_scales(kv_pool)  # [slots, 2, N_kv] fp32 view of the scale rows
+    return (scales, *scales.stride(), True)
+
+
+@triton.jit
+def token_scales(head_scales, slot, ok):
+    """Scale of each token's page ``[N]`` (``head_scales``: the kv head's K or V scale of slot 0; 1 where not ok)."""
+    return tl.load(head_scales + slot, mask=ok, other=1.0)
 
 
 @triton.jit
@@ -109,9 +128,9 @@ def plan_prefill(batch: PagedBatch, num_qo_heads: int, num_kv_heads: int,
 
 @triton.jit
 def _prefill_block(
-    acc, m_i, l_i, qt, k_base, v_base, kv_indices, page_max, seq_p0, start, kv_len, lo, limit, row_ok, head0,
-    stride_slot, stride_p, stride_pm, qk_scale,
-    MASKED: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    acc, m_i, l_i, qt, k_base, v_base, ks_base, vs_base, kv_indices, page_max, seq_p0, start, kv_len, lo, limit,
+    row_ok, head0, stride_slot, stride_p, stride_pm, stride_ss, qk_scale,
+    MASKED: tl.constexpr, SCALED: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     WITH_PAGE_MAX: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -126,6 +145,8 @@ def _prefill_block(
     kv_mask = tok_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
     s = tl.dot(qt, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N] log2 units
+    if SCALED:  # FP8 pages: K = values * the page's scale, folded into the logits
+        s = s * token_scales(ks_base, slot * stride_ss, tok_ok)[None, :]
     if MASKED:
         s = tl.where(tok_ok[None, :] & (tok[None, :] <= limit[:, None]) & (tok[None, :] >= lo[:, None]), s,
                      float("-inf"))
@@ -139,18 +160,21 @@ def _prefill_block(
         tl.atomic_max(pm_ptrs, pm * 0.6931471805599453, mask=(g < GROUP)[:, None] & (pg * PAGE < kv_len)[None, :])
     p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)  # p [M, N]
     v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
+    if SCALED:  # V's scale on the probabilities (powers of two: exact)
+        p = p * token_scales(vs_base, slot * stride_ss, tok_ok)[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(qt.dtype), v, input_precision=PRECISION)  # [M, D]
     return acc, m_new, l_i
 
 
 @triton.jit
 def _prefill_kernel(
-    q, kv, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, tile_seq, tile_q0,
+    q, kv, scales, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, tile_seq, tile_q0,
     out, lse, page_max,
     stride_qn, stride_qh, stride_slot, stride_kv, stride_p, stride_kh,
+    stride_ss, stride_skv, stride_sh,
     stride_on, stride_oh, stride_ln, stride_pm,
     qk_scale, window_left,
-    CAUSAL: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    CAUSAL: tl.constexpr, SCALED: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     WITH_PAGE_MAX: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -198,21 +222,23 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     k_base = kv + kvh * stride_kh
     v_base = k_base + stride_kv
+    ks_base = scales + kvh * stride_sh
+    vs_base = ks_base + stride_skv
     for start in range(first, win_end, BLOCK_N):  # where the window starts: masked
         acc, m_i, l_i = _prefill_block(
-            acc, m_i, l_i, qt, k_base, v_base, kv_indices, page_max, seq_p0, start, kv_len, lo, limit, row_ok,
-            kvh * GROUP, stride_slot, stride_p, stride_pm, qk_scale,
-            True, GROUP, G_PAD, BLOCK_Q, PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, WITH_PAGE_MAX, PRECISION)
+            acc, m_i, l_i, qt, k_base, v_base, ks_base, vs_base, kv_indices, page_max, seq_p0, start, kv_len, lo,
+            limit, row_ok, kvh * GROUP, stride_slot, stride_p, stride_pm, stride_ss, qk_scale,
+            True, SCALED, GROUP, G_PAD, BLOCK_Q, PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, WITH_PAGE_MAX, PRECISION)
     for start in range(win_end, full_end, BLOCK_N):  # every row sees the whole block
         acc, m_i, l_i = _prefill_block(
-            acc, m_i, l_i, qt, k_base, v_base, kv_indices, page_max, seq_p0, start, kv_len, lo, limit, row_ok,
-            kvh * GROUP, stride_slot, stride_p, stride_pm, qk_scale,
-            False, GROUP, G_PAD, BLOCK_Q, PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, WITH_PAGE_MAX, PRECISION)
+            acc, m_i, l_i, qt, k_base, v_base, ks_base, vs_base, kv_indices, page_max, seq_p0, start, kv_len, lo,
+            limit, row_ok, kvh * GROUP, stride_slot, stride_p, stride_pm, stride_ss, qk_scale,
+            False, SCALED, GROUP, G_PAD, BLOCK_Q, PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, WITH_PAGE_MAX, PRECISION)
     for start in range(tl.maximum(full_end, win_end), hi, BLOCK_N):  # the causal diagonal: masked
         acc, m_i, l_i = _prefill_block(
-            acc, m_i, l_i, qt, k_base, v_base, kv_indices, page_max, seq_p0, start, kv_len, lo, limit, row_ok,
-            kvh * GROUP, stride_slot, stride_p, stride_pm, qk_scale,
-            True, GROUP, G_PAD, BLOCK_Q, PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, WITH_PAGE_MAX, PRECISION)
+            acc, m_i, l_i, qt, k_base, v_base, ks_base, vs_base, kv_indices, page_max, seq_p0, start, kv_len, lo,
+            limit, row_ok, kvh * GROUP, stride_slot, stride_p, stride_pm, stride_ss, qk_scale,
+            True, SCALED, GROUP, G_PAD, BLOCK_Q, PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, WITH_PAGE_MAX, PRECISION)
 
     o, row_lse = finish_rows(acc, m_i, l_i, 0.6931471805599453)  # [M, D], [M] natural log
     o_rows = q_base + qi  # [M]
@@ -243,7 +269,8 @@ def fit_shared_memory(q_rows: int, block_n: int, num_stages: int, block_d: int, 
 
 def paged_prefill(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, plan: PrefillPlan, sm_scale: float,
                   return_page_max: bool = False) -> AttentionOutput:
-    """Chunked-prefill attention of ``q [Nq, H, D]`` over ``kv_pool [slots, 2, P, N_kv, D]``.
+    """Chunked-prefill attention of ``q [Nq, H, D]`` over ``kv_pool [slots, 2, P, N_kv, D]`` (FP8: ``P + 1``
+    rows, dequantized in the kernel).
 
     Returns out ``[Nq, H, D]`` (q's dtype), lse ``[Nq, H]`` (natural log; -inf for a row that
     attends nothing) and optionally page_max ``[nnz, H]`` (-inf for a page no row sees).
@@ -260,15 +287,17 @@ def paged_prefill(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, pla
     lse = torch.empty(n_q, heads, dtype=torch.float32, device=q.device)  # [Nq, H]
     page_max = (torch.full((batch.kv_indices.numel(), heads), float("-inf"), dtype=torch.float32, device=q.device)
                 if return_page_max else None)
+    scales, stride_ss, stride_skv, stride_sh, scaled = scale_args(kv_pool, batch.page_size)
     _prefill_kernel[(plan.tile_seq.numel(), n_kv)](
-        q, kv_pool, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
+        q, kv_pool, scales, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
         plan.tile_seq, plan.tile_q0,
         out, lse, page_max if return_page_max else lse,
         q.stride(0), q.stride(1),
         kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3),
+        stride_ss, stride_skv, stride_sh,
         out.stride(0), out.stride(1), lse.stride(0), heads,
         sm_scale * LOG2E, kernel_window(batch),
-        CAUSAL=batch.causal, GROUP=heads // n_kv, G_PAD=plan.group_pad, BLOCK_Q=plan.block_q,
+        CAUSAL=batch.causal, SCALED=scaled, GROUP=heads // n_kv, G_PAD=plan.group_pad, BLOCK_Q=plan.block_q,
         PAGE=batch.page_size, BLOCK_N=block_n, HEAD_DIM=dim, BLOCK_D=block_d,
         WITH_PAGE_MAX=return_page_max, DOT_F32=dot_f32, PRECISION=precision,
         num_warps=plan.config.num_warps, num_stages=num_stages,

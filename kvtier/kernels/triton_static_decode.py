@@ -29,6 +29,7 @@ import triton.language as tl
 from kvtier.kernels.triton_decode import DecodeConfig, default_decode_config, num_multiprocessors
 from kvtier.kernels.triton_prefill import (LN2, LOG2E, check_page_size, dot_operand_dtype, finish_rows,
                                            MIN_DOT, fit_shared_memory, online_softmax_step)
+from kvtier.quant import dequantize, is_scaled_pool
 
 
 MAX_SPLITS = 128  # most splits per sequence that plan_static_decode chooses
@@ -120,9 +121,12 @@ def _static_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_HOST: tl.constexpr, HAS_LIST: tl.constexpr, WITH_PAGE_MAX: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
 ):
     """One (sequence x split, kv head): rows ``[GROUP]`` of split ``c`` of sequence ``b``.
+
+    FP8 pages (``SCALED``): the head's K (V) scale sits at row ``PAGE`` of the same page, read as fp32
+    through the page's own pointer, so host pages bring theirs too.
 
     ``out [splits, B, H, D]`` / ``lse [splits, B, H]`` (log2 units times ``lse_scale``): fp32
     partials, or the final output when there is one split. ``page_max [B, n_listed, H]``: every
@@ -187,6 +191,9 @@ def _static_split_kernel(
         kv_mask = ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
         s = tl.dot(qt, tl.trans(k), input_precision=PRECISION) * qk_scale  # [G, N] log2 units
+        if SCALED:  # K = values * the page's scale, folded into the logits
+            scale_row = k_row + (PAGE - offs_n % PAGE) * stride_p  # [N] the page's scale row, this head
+            s = s * tl.load(scale_row.to(tl.pointer_type(tl.float32)), mask=ok, other=1.0)[None, :]
         s = tl.where(ok[None, :], s, float("-inf"))
         if WITH_PAGE_MAX:
             pm = tl.max(tl.reshape(s, [BLOCK_G, PPB, PAGE]), axis=2)  # [G, PPB]
@@ -195,6 +202,8 @@ def _static_split_kernel(
                      mask=g_ok[:, None] & (pidx < i1)[None, :])
         p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)  # p [G, N]
         v = tl.load(k_ptrs + stride_kv, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
+        if SCALED:  # V's scale on the probabilities (powers of two: exact)
+            p = p * tl.load((scale_row + stride_kv).to(tl.pointer_type(tl.float32)), mask=ok, other=1.0)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(qt.dtype), v, input_precision=PRECISION)  # [G, D]
         m_i = m_new
 
@@ -244,8 +253,8 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
                   page_max: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of ``q [B, H, D]`` over one layer's pools; no host sync, static shapes.
 
-    ``dev_pool [slots, 2, P, N_kv, D]``, ``host_pool [hslots, 2, P, N_kv, D]`` (pinned, same
-    strides and dtype) or None; ``block_table [B, max_pages]`` int32 (``x >= 0``: device slot,
+    ``dev_pool [slots, 2, P, N_kv, D]`` (FP8: ``P + 1`` rows, dequantized in the kernel),
+    ``host_pool [hslots, 2, P, N_kv, D]`` (pinned, same strides and dtype) or None; ``block_table [B, max_pages]`` int32 (``x >= 0``: device slot,
     ``x < 0``: host slot ``-x - 1``; entries past a sequence's pages are never read);
     ``seq_lens [B]`` int32 (0: an inactive row, out 0, lse -inf); ``page_list [B, K]`` int32
     logical pages to attend (-1 and pages past the sequence attend nothing), None for all pages;
@@ -254,7 +263,10 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
     Returns out ``[B, H, D]`` (q's dtype) and lse ``[B, H]`` (fp32, natural log).
     """
     n_q, heads, dim = q.shape
-    page, n_kv = dev_pool.shape[2], dev_pool.shape[3]
+    page, n_kv = plan.page_size, dev_pool.shape[3]
+    scaled = is_scaled_pool(dev_pool, page)  # FP8 pages: [slots, 2, P + 1, N_kv, D]
+    if dev_pool.shape[2] != page + scaled:
+        raise ValueError(f"pool pages {tuple(dev_pool.shape[1:])} do not match the plan's page size {page}")
     n_listed = plan.max_pages if page_list is None else page_list.shape[1]
     if (n_q, heads, dim, page, n_kv) != (plan.batch_size, plan.num_qo_heads, plan.head_dim, plan.page_size,
                                          plan.num_kv_heads):
@@ -294,7 +306,7 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
             GROUP=heads // n_kv, BLOCK_G=block_g, PAGE=page,
             BLOCK_N=plan.block_n, HEAD_DIM=dim, BLOCK_D=block_d,
             HAS_HOST=host_pool is not None, HAS_LIST=page_list is not None, WITH_PAGE_MAX=page_max is not None,
-            DOT_F32=dot_f32, PRECISION=precision,
+            DOT_F32=dot_f32, PRECISION=precision, SCALED=scaled,
             num_warps=plan.config.num_warps, num_stages=stages,
         )
         if not single:
@@ -322,7 +334,9 @@ def static_decode_reference(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: 
     drop-in signature and not needed.
     """
     n_q, heads, dim = q.shape
-    page, n_kv = dev_pool.shape[2], dev_pool.shape[3]
+    n_kv = dev_pool.shape[3]
+    page = dev_pool.shape[2] - (dev_pool.dtype == torch.float8_e4m3fn)  # FP8 pages hold a scale row
+    as_f32 = dequantize if is_scaled_pool(dev_pool, page) else torch.Tensor.float  # [n, 2, P, N_kv, D] fp32
     dev = q.device
     max_pages = block_table.shape[1]
     ids = (torch.arange(max_pages, device=dev).expand(n_q, -1) if page_list is None
@@ -336,12 +350,12 @@ def static_decode_reference(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: 
     need = ok.any(-1)  # [B, K] entries whose page is read
     pages = torch.zeros(n_q, n_listed, 2, page, n_kv, dim, dtype=torch.float32, device=dev)  # [B, K, 2, P, N_kv, D]
     on_dev = need & (loc >= 0)
-    pages[on_dev] = dev_pool[loc[on_dev].to(dev_pool.device)].to(dev, torch.float32)
+    pages[on_dev] = as_f32(dev_pool[loc[on_dev].to(dev_pool.device)]).to(dev)
     if host_pool is not None:
         on_host = need & (loc < 0)
-        pages[on_host] = host_pool[(-loc[on_host] - 1).to(host_pool.device)].to(dev, torch.float32)
+        pages[on_host] = as_f32(host_pool[(-loc[on_host] - 1).to(host_pool.device)]).to(dev)
     k = pages[:, :, 0].reshape(n_q, n_listed * page, n_kv, dim)  # [B, S, N_kv, D]
-    v = pages[:, :, 1].reshape(n_q, n_listed * page, n_kv, dim)
+    v = pages[:, :, 1].reshape(n_q, n_listed * page, n_kv, dim).masked_fill(~ok.view(n_q, -1, 1, 1), 0.0)  # stale rows
     qg = q.float().view(n_q, n_kv, heads // n_kv, dim)  # [B, N_kv, G, D]; head h = kv h // G
     logits = torch.einsum("bngd,bsnd->bngs", qg, k).reshape(n_q, heads, -1) * sm_scale  # [B, H, S]
     logits = logits.masked_fill(~ok.view(n_q, 1, -1), float("-inf"))

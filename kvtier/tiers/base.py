@@ -137,5 +137,5 @@ class Tier(ABC):
         want = (slots.numel(), *self.layout.page_shape)
         if tuple(pages.shape) != want:
             raise ValueError(f"tier '{self.name}': pages of shape {tuple(pages.shape)}, expected {want}")
-        if pages.dtype != self.layout.dtype:
-            raise ValueError(f"tier '{self.name}': pages of dtype {pages.dtype}, expected {self.layout.dtype}")
+        if pages.dtype != self.layout.kv_dtype:
+            raise ValueError(f"tier '{self.name}': pages of dtype {pages.dtype}, expected {self.layout.kv_dtype}")

@@ -88,8 +88,8 @@ def landing(layout: KVLayout, n: int, out: torch.Tensor | None) -> tuple[torch.T
     """
     want = (n, *layout.page_shape)
     fits = out is not None and out.device.type == "cpu" and out.is_contiguous() \
-        and out.dtype == layout.dtype and tuple(out.shape) == want
-    dst = out if fits else torch.empty(want, dtype=layout.dtype)
+        and out.dtype == layout.kv_dtype and tuple(out.shape) == want
+    dst = out if fits else torch.empty(want, dtype=layout.kv_dtype)
     return dst, dst.view(torch.uint8).numpy().reshape(n, -1)
 
 

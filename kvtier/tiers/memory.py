@@ -17,7 +17,7 @@ class MemoryTier(Tier):
         shape = (layout.num_layers, capacity, *layout.page_shape)
         self._device = torch.device(device)
         # zeros: attention multiplies a page's unwritten rows by probability 0, and fresh memory may hold NaN
-        self._pool = torch.zeros(shape, dtype=layout.dtype, device=self._device, pin_memory=pin_memory)
+        self._pool = torch.zeros(shape, dtype=layout.kv_dtype, device=self._device, pin_memory=pin_memory)
 
     @property
     def device(self) -> torch.device:
@@ -38,8 +38,9 @@ class MemoryTier(Tier):
 
     def write(self, layer, slots, pages):
         self._check_pages(slots, pages)
-        self._pool[layer].index_copy_(0, slots.to(self._device, non_blocking=True),
-                                      pages.to(self._device, non_blocking=True))
+        # as bytes: torch has no CPU index_copy_ for float8
+        self._pool[layer].view(torch.uint8).index_copy_(0, slots.to(self._device, non_blocking=True),
+                                                        pages.to(self._device, non_blocking=True).view(torch.uint8))
 
 
 def _default_device() -> torch.device:

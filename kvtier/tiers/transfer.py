@@ -160,7 +160,7 @@ class TransferEngine:
         (one launch per source tier between addressable pools), and the bytes read per link."""
         layout = self.table.layout
         tiers, slots = self.table.locate(layer, pids)
-        pool = torch.empty((pids.size, *layout.page_shape), dtype=layout.dtype, device=device)
+        pool = torch.empty((pids.size, *layout.page_shape), dtype=layout.kv_dtype, device=device)
         links: Counter[str] = Counter()
         for t in np.unique(tiers):
             sel = np.flatnonzero(tiers == t)
