@@ -22,9 +22,9 @@ from kvtier.paged_io import read_tokens, write_tokens  # noqa: E402
 from kvtier.quant import (FP8, FP8_MAX, dequantize, page_scales, page_values, pow2_scale,  # noqa: E402
                           quantize_pages, write_scaled)
 from kvtier.tiers import DeviceTier, HostTier, TransferEngine  # noqa: E402
-from kvtier.tiers import remote_server as proto  # noqa: E402
 from kvtier.tiers.disk import DiskTier  # noqa: E402
-from kvtier.tiers.remote import RemoteTier, start_local_server  # noqa: E402
+from kvtier.tiers.redis import RedisTier  # noqa: E402
+from kvtier.tiers.redis_server import LocalRedis  # noqa: E402
 from test_kernels_reference import rel_err  # noqa: E402
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="bfloat16", kv_dtype="fp8_e4m3")
@@ -97,15 +97,13 @@ def test_a_page_that_grows_rescales_its_earlier_tokens_exactly():
 # -- every tier path ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server():
-    proc, address = start_local_server(capacity_bytes=16 << 20)
-    yield address
-    proc.terminate()
-    proc.wait()
+    with LocalRedis() as srv:
+        yield srv.url
 
 
 def four_tier_table(tmp_path, server):
     tiers = [DeviceTier(LAYOUT, 16, device="cpu"), HostTier(LAYOUT, 16), DiskTier(LAYOUT, 16, tmp_path / "kv"),
-             RemoteTier(LAYOUT, 16, server)]
+             RedisTier(LAYOUT, 16, server)]
     return BlockTable(LAYOUT, tiers)
 
 
@@ -189,12 +187,15 @@ def test_corrupted_scale_on_disk_is_detected(tmp_path):
 
 
 def test_corrupted_scale_on_the_remote_store_is_detected(server):
-    tier = RemoteTier(LAYOUT, 8, server)
+    import redis
+
+    tier = RedisTier(LAYOUT, 8, server)
     pages = quantize_pages(torch.randn(8, 2, 4, 2, 8))
     tier.write(0, torch.arange(8), pages)
-    bad = raw(pages[2:3]).numpy().copy()
-    bad[0, scale_byte(LAYOUT, 0)] ^= 0x01
-    tier._request(proto.OP_PUT, 0, np.array([2]), payload=bad)  # the store's copy changes behind the tier's back
+    other = redis.Redis.from_url(server)  # the store's copy changes behind the tier's back
+    value = bytearray(other.get(tier.key(0, 2)))
+    value[scale_byte(LAYOUT, 0)] ^= 0x01
+    other.set(tier.key(0, 2), bytes(value))
     with pytest.raises(PageCorruptedError, match=r"slots \[2\] from .* crc32"):
         tier.read(0, torch.arange(8))
     tier.close()
