@@ -13,8 +13,8 @@ Protocols (``--protocol``):
 
 Configurations (``--configs``, names below): ``exact`` (scope all); ``<scope>:<policy>`` with
 scope ``resident`` (continuous eviction), ``once`` (compress once after the prefill, resident) or
-``topk`` (recall; the policy only places pages), and ``topk_head`` (Quest with per-head
-normalisation). Every budgeted run attends ``--sinks`` sink tokens and a recent window of
+``topk`` (recall; the policy only places pages), ``topk_head`` (Quest with per-head
+normalisation) and ``topk_perhead`` (each kv head its own Quest pages). Every budgeted run attends ``--sinks`` sink tokens and a recent window of
 ``--window`` tokens (StreamingLLM, ``resident:sink_window``: all of the rest).
 
     .venv/bin/python -m bench.policy_study --protocol ctx2k --fractions 0.2 \\
@@ -69,12 +69,13 @@ def cache_factory(layout, config: str, budget: int, args, context: int):
                                      POLICIES["lru"](), scope="all")
     scope, name = config.split(":")
     rank = "quest_head" if scope == "topk_head" else "quest"
+    per_head = scope == "topk_perhead"
     streaming = name == "sink_window" and scope in ("resident", "once")  # StreamingLLM: sinks + window only
     window = budget - args.sinks if streaming else args.window
     kw = dict(sinks=args.sinks, window=window)
     policy_kw = dict(sinks=args.sinks, window=window)
     mode = "once" if scope == "once" else "continuous"
-    cache_scope = {"once": "resident", "topk_head": "topk"}.get(scope, scope)
+    cache_scope = {"once": "resident", "topk_head": "topk", "topk_perhead": "topk"}.get(scope, scope)
     m = (budget - args.sinks - window) // PAGE
     # resident: the device holds the budget's pages (+ the partial sink/window pages and the next
     # token's page); topk and once: everything (what recall attends does not depend on where pages live)
@@ -83,7 +84,9 @@ def cache_factory(layout, config: str, budget: int, args, context: int):
     def make():
         policy = POLICIES[name](**policy_kw)
         return TieredKVCache(layout, [DeviceTier(layout, device, device="cpu"), HostTier(layout, total)], policy,
-                             scope=cache_scope, budget=budget, mode=mode, exact_prefill=True, rank=rank, **kw)
+                             scope=cache_scope, budget=budget, mode=mode, exact_prefill=True, rank=rank,
+                             per_head=per_head, query_rows=args.query_rows,
+                             policy_share=args.policy_share, **kw)
     return make
 
 
@@ -174,6 +177,8 @@ def main(argv=None):
     p.add_argument("--page", type=int, default=16, help="tokens per KV page")
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--window", type=int, default=64)
+    p.add_argument("--query-rows", type=int, default=1, help="topk: score pages by the last N decode queries")
+    p.add_argument("--policy-share", type=float, default=0.0, help="topk: share of the pages the policy picks")
     p.add_argument("--slices", type=int, default=3)
     p.add_argument("--text", default="opticks")
     p.add_argument("--length", type=int, default=4096)
