@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from kvtier.budget import TokenBudget
 from kvtier.cache import TieredKVCache
 from kvtier.engine import Engine
 from kvtier.eval import Needle, Passkey, Perplexity
@@ -76,10 +77,10 @@ def cache_factory(layout, config: str, budget: int, args, context: int):
     policy_kw = dict(sinks=args.sinks, window=window)
     mode = "once" if scope == "once" else "continuous"
     cache_scope = {"once": "resident", "topk_head": "topk", "topk_perhead": "topk"}.get(scope, scope)
-    m = (budget - args.sinks - window) // PAGE
-    # resident: the device holds the budget's pages (+ the partial sink/window pages and the next
-    # token's page); topk and once: everything (what recall attends does not depend on where pages live)
-    device = total if mode == "once" or cache_scope == "topk" else -(-args.sinks // PAGE) + m + window // PAGE + 3
+    # resident: the device holds what a step attends; topk and once: everything (what recall attends
+    # does not depend on where pages live)
+    device = total if mode == "once" or cache_scope == "topk" else \
+        TokenBudget(budget, args.sinks, window, PAGE).step_pages
 
     def make():
         policy = POLICIES[name](**policy_kw)

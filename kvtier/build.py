@@ -19,7 +19,8 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from kvtier.checks import budget_tokens, check_device_room, check_positions, check_stack, tier_pages
+from kvtier.budget import TokenBudget
+from kvtier.checks import budget_tokens, check_device_room, device_pages_needed, check_positions, check_stack, tier_pages
 from kvtier.errors import ConfigError
 from kvtier.hook import install
 from kvtier.kernels.registry import make_backend
@@ -111,6 +112,7 @@ def plan(cfg: DictConfig) -> Plan:
     context, pages = task.context_tokens, layout.pages_for(task.context_tokens + task.new_tokens)
     page_bytes = layout.num_layers * layout.page_bytes  # one page of every layer
     budget = budget_tokens(cfg.budget, context, -(-page_bytes // layout.page_size))
+    attended = attend_budget(cfg, budget, layout.page_size)
     stack = cfg.tiers.stack
     capacities = {}
     for i, (key, spec) in enumerate(stack.items()):
@@ -122,7 +124,9 @@ def plan(cfg: DictConfig) -> Plan:
         if i == 0 and (spec.get("fraction") is not None or spec.get("size") is not None):
             raise ConfigError(field, "the device tier's size is the budget: set budget.tokens, budget.size "
                                      "or budget.fraction")
-        capacities[key] = layout.pages_for(budget) if i == 0 else tier_pages(spec, key, pages, page_bytes)
+        chunk_room = device_pages_needed(policy, layout.page_size, min(prefill.chunk_size, context))
+        capacities[key] = tier_pages(spec, key, pages, page_bytes) if i else \
+            _device_pages(cfg, layout.pages_for(budget), attended, pages, chunk_room)
         if "path" in spec:  # a disk tier: relative paths live in the run folder
             check_folder(spec.path if Path(spec.path).is_absolute() else ".", f"{field}.path")
         if spec.get("address", LOCAL_STORE) != LOCAL_STORE:
@@ -134,6 +138,28 @@ def plan(cfg: DictConfig) -> Plan:
     labels = {"policy": label(cfg.policy), "scope": cfg.scope.value, "tiers": "_".join(stack),
               "kernel": label(cfg.kernel), "task": task.name, "model": label(cfg.model)}
     return Plan(labels, context, budget, capacities, layout)
+
+
+def _device_pages(cfg: DictConfig, budget_pages: int, attended: TokenBudget | None, context_pages: int,
+                  chunk_room: int) -> int:
+    """The device tier's pages: the budget's; under ``cache.attend_budget`` what a continuous
+    ``resident`` step attends (and at least the room a prefill chunk needs), else the whole context
+    (``topk`` recalls from any tier; ``once`` keeps what it compressed to)."""
+    if attended is None:
+        return budget_pages
+    if cfg.scope.value == "resident" and attended.mode == "continuous":
+        return max(attended.step_pages, chunk_room)
+    return context_pages
+
+
+def attend_budget(cfg: DictConfig, budget: int, page_size: int) -> TokenBudget | None:
+    """The token budget each decode step attends (``cache.attend_budget``), or None.
+
+    ``cache.window`` null: StreamingLLM's, every budget token after the sinks."""
+    c = cfg.cache
+    if not c.attend_budget:
+        return None
+    return TokenBudget(budget, c.sinks, budget - c.sinks if c.window is None else c.window, page_size, c.mode)
 
 
 def _model(cfg: DictConfig):
@@ -209,7 +235,10 @@ class CacheFactory:
         self._record_last()
         tiers = [self._tier(key, spec) for key, spec in self.cfg.tiers.stack.items()]
         topk = self.cfg.cache.topk_pages or next(iter(self.plan.capacities.values()))
-        self._last = build(self.cfg.cache, "cache", layout=self.layout, tiers=tiers,
+        attended = attend_budget(self.cfg, self.plan.budget_tokens, self.layout.page_size)
+        node = OmegaConf.masked_copy(self.cfg.cache, [k for k in self.cfg.cache if k not in ("attend_budget", "window")])
+        budget = {} if attended is None else {"budget": attended.tokens, "window": attended.window}
+        self._last = build(node, "cache", layout=self.layout, tiers=tiers, **budget,
                            policy=build(self.cfg.policy, "policy"),
                            scheduler=build(self.cfg.scheduler.placement, "scheduler.placement"),
                            backend=build(self.cfg.kernel, "kernel"), scope=self.cfg.scope.value, topk_pages=topk)

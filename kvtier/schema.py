@@ -49,11 +49,22 @@ class Scheduler:
 
 @dataclass
 class Cache:
+    """TieredKVCache's arguments; ``attend_budget`` makes the budget also the keys each decode step
+    attends (:mod:`kvtier.budget`: ``sinks`` + middle pages + a ``window``, null: the rest of it)."""
+
     _target_: str = "kvtier.cache.TieredKVCache"
     merge: bool = False
     topk_pages: Optional[int] = None
     sinks: int = 4
     fidelity: bool = True
+    attend_budget: bool = False
+    window: Optional[int] = 64
+    mode: str = "continuous"
+    exact_prefill: bool = False
+    rank: str = "quest"
+    per_head: bool = False
+    query_rows: int = 1
+    policy_share: float = 0.0
 
 
 @dataclass
