@@ -3,7 +3,8 @@
 Protocols (``--protocol``):
 
 - ``ctx2k``: exact prefill of a 2,048-token Opticks slice, then 256 teacher-forced tokens under the
-  budget; perplexity over the 256 (``--slices`` slices at offsets 0, 30k, 60k, ...; the ppl of the
+  budget; perplexity over the 256 (``--continuation``; ``--slices`` slices at offsets 0, 30k, 60k, ...,
+  or the token offsets ``--offsets``; the ppl of the
   pooled NLL). Budget = fraction x 2,048.
 - ``stream``: a ``--length``-token stream (``--text``) fed one token per step after a 256-token
   prefix (prefilled exactly); perplexity over the rest. Budget = fraction x length, or ``--tokens``.
@@ -50,7 +51,7 @@ PAGE = 16
 
 def make_task(args, protocol: str, offset: int = 0):
     if protocol == "ctx2k":
-        return Perplexity(text="opticks", length=2048 + 256, prefix=2048, offset=offset), 2048
+        return Perplexity(text="opticks", length=2048 + args.continuation, prefix=2048, offset=offset), 2048
     if protocol == "stream":
         return Perplexity(text=args.text, length=args.length, prefix=256), args.length
     if protocol.startswith("passkey"):
@@ -93,7 +94,9 @@ def cache_factory(layout, config: str, budget: int, args, context: int):
 
 def run_one(args, engine, tok, layout, protocol, config, fraction, tokens=None) -> dict:
     t0 = time.time()
-    offsets = [30000 * i for i in range(args.slices)] if protocol == "ctx2k" else [0]
+    offsets = [0]
+    if protocol == "ctx2k":
+        offsets = [int(o) for o in args.offsets.split(",")] if args.offsets else [30000 * i for i in range(args.slices)]
     results = []
     for off in offsets:
         task, context = make_task(args, protocol, off)
@@ -181,6 +184,8 @@ def main(argv=None):
     p.add_argument("--query-rows", type=int, default=1, help="topk: score pages by the last N decode queries")
     p.add_argument("--policy-share", type=float, default=0.0, help="topk: share of the pages the policy picks")
     p.add_argument("--slices", type=int, default=3)
+    p.add_argument("--offsets", default=None, help="ctx2k: token offsets of the slices (overrides --slices)")
+    p.add_argument("--continuation", type=int, default=256, help="ctx2k: tokens scored after the 2,048")
     p.add_argument("--text", default="opticks")
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--context", type=int, default=2048)
