@@ -20,7 +20,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from kvtier.budget import TokenBudget
-from kvtier.checks import budget_tokens, check_device_room, device_pages_needed, check_positions, check_stack, tier_pages
+from kvtier.checks import (budget_tokens, check_device_room, check_positions, check_stack, device_pages_needed,
+                           tier_pages)
 from kvtier.errors import ConfigError
 from kvtier.hook import install
 from kvtier.kernels.registry import make_backend
@@ -236,7 +237,8 @@ class CacheFactory:
         tiers = [self._tier(key, spec) for key, spec in self.cfg.tiers.stack.items()]
         topk = self.cfg.cache.topk_pages or next(iter(self.plan.capacities.values()))
         attended = attend_budget(self.cfg, self.plan.budget_tokens, self.layout.page_size)
-        node = OmegaConf.masked_copy(self.cfg.cache, [k for k in self.cfg.cache if k not in ("attend_budget", "window")])
+        node = OmegaConf.masked_copy(self.cfg.cache, [k for k in self.cfg.cache
+                                                      if k not in ("attend_budget", "window")])
         budget = {} if attended is None else {"budget": attended.tokens, "window": attended.window}
         self._last = build(node, "cache", layout=self.layout, tiers=tiers, **budget,
                            policy=build(self.cfg.policy, "policy"),

@@ -157,7 +157,8 @@ class TieredAttention:
                     self.stats.add_read(tier.name, pids.size * self.layout.page_bytes)
         spans = [w for w in (self.layout.window(layer), window) if w > 0]
         window_left = min(spans) - 1 if causal and spans else -1  # -1: no window (also for a global layer)
-        mask = None if head_masks is None else np.concatenate([m[p] for m, p in zip(head_masks, logical)])  # [nnz, N_kv]
+        mask = None if head_masks is None else \
+            np.concatenate([m[p] for m, p in zip(head_masks, logical)])  # [nnz, N_kv]
         batch = PagedBatch.from_host(np.arange(len(seqs) + 1) * q_len, kv_indptr, indices, last_len, P, causal,
                                      pool.device, window_left, mask)
         n_pages = np.diff(kv_indptr)
