@@ -80,6 +80,7 @@ def _curves(group: list[dict], metric: str, x: str, path: Path, title: str) -> P
     key, label = X_AXES[pick_x(group, x)]
     if any(r.get("config", {}).get("cache", {}).get("attend_budget") for r in group):
         label = label.replace("device budget", "budget: keys attended per decode step")
+        title = title.replace("device budget", "attended budget")
     several_scopes = len({r["scope"] for r in group}) > 1
     lines = defaultdict(list)
     for r in group:
