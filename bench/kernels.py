@@ -164,6 +164,7 @@ def check_backends(backends: dict, small: bool) -> list:
         top = 200 if small else 3000
         lens = torch.randint(1, top, (5,), generator=gen_lens).tolist()
         cases.append(("decode", dtype, heads, lens, [1] * 5, False))
+    cases.append(("decode_head_mask", torch.bfloat16, DECODE_HEADS[0], lens, [1] * 5, False))  # per-head pages
     if not small:  # many short sequences: one split each, the split kernel writes the output directly
         lens = torch.randint(1, 1200, (160,), generator=gen_lens).tolist()
         cases.append(("decode", torch.bfloat16, DECODE_HEADS[0], lens, [1] * 160, False))
@@ -185,11 +186,16 @@ def check_backends(backends: dict, small: bool) -> list:
             q = q.to(torch.bfloat16)
             spread = torch.exp2(torch.randint(-4, 5, (pool.shape[0], 2, 1, heads[1], 1), device=DEVICE).float())
             pool = quantize_pages(torch.randn(pool.shape, device=DEVICE) * spread)
+        if kind == "decode_head_mask":  # each kv head sees about half of the pages, every last page
+            batch.head_mask = torch.rand(batch.kv_indices.numel(), heads[1], device=DEVICE) < 0.5
+            batch.head_mask[batch.kv_indptr[1:].long() - 1] = True
         scale = heads[2] ** -0.5
         ref = paged_attention_reference(q, pool, batch, scale, return_page_max=True)
         for name, backend in backends.items():
             if dtype == FP8 and name == "flashinfer":
                 continue  # FlashInfer's FP8 path takes one scale per call: timed on its own pages below
+            if batch.head_mask is not None and not backend.supports_head_mask:
+                continue
             salience = backend.supports_salience
             try:
                 backend.plan(batch, heads[0], heads[1], heads[2])

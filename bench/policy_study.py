@@ -3,7 +3,8 @@
 Protocols (``--protocol``):
 
 - ``ctx2k``: exact prefill of a 2,048-token Opticks slice, then 256 teacher-forced tokens under the
-  budget; perplexity over the 256 (``--slices`` slices at offsets 0, 30k, 60k, ...; the ppl of the
+  budget; perplexity over the 256 (``--continuation``; ``--slices`` slices at offsets 0, 30k, 60k, ...,
+  or the token offsets ``--offsets``; the ppl of the
   pooled NLL). Budget = fraction x 2,048.
 - ``stream``: a ``--length``-token stream (``--text``) fed one token per step after a 256-token
   prefix (prefilled exactly); perplexity over the rest. Budget = fraction x length, or ``--tokens``.
@@ -13,8 +14,8 @@ Protocols (``--protocol``):
 
 Configurations (``--configs``, names below): ``exact`` (scope all); ``<scope>:<policy>`` with
 scope ``resident`` (continuous eviction), ``once`` (compress once after the prefill, resident) or
-``topk`` (recall; the policy only places pages), and ``topk_head`` (Quest with per-head
-normalisation). Every budgeted run attends ``--sinks`` sink tokens and a recent window of
+``topk`` (recall; the policy only places pages), ``topk_head`` (Quest with per-head
+normalisation) and ``topk_perhead`` (each kv head its own Quest pages). Every budgeted run attends ``--sinks`` sink tokens and a recent window of
 ``--window`` tokens (StreamingLLM, ``resident:sink_window``: all of the rest).
 
     .venv/bin/python -m bench.policy_study --protocol ctx2k --fractions 0.2 \\
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from kvtier.budget import TokenBudget
 from kvtier.cache import TieredKVCache
 from kvtier.engine import Engine
 from kvtier.eval import Needle, Passkey, Perplexity
@@ -49,7 +51,7 @@ PAGE = 16
 
 def make_task(args, protocol: str, offset: int = 0):
     if protocol == "ctx2k":
-        return Perplexity(text="opticks", length=2048 + 256, prefix=2048, offset=offset), 2048
+        return Perplexity(text="opticks", length=2048 + args.continuation, prefix=2048, offset=offset), 2048
     if protocol == "stream":
         return Perplexity(text=args.text, length=args.length, prefix=256), args.length
     if protocol.startswith("passkey"):
@@ -69,27 +71,32 @@ def cache_factory(layout, config: str, budget: int, args, context: int):
                                      POLICIES["lru"](), scope="all")
     scope, name = config.split(":")
     rank = "quest_head" if scope == "topk_head" else "quest"
+    per_head = scope == "topk_perhead"
     streaming = name == "sink_window" and scope in ("resident", "once")  # StreamingLLM: sinks + window only
     window = budget - args.sinks if streaming else args.window
     kw = dict(sinks=args.sinks, window=window)
     policy_kw = dict(sinks=args.sinks, window=window)
     mode = "once" if scope == "once" else "continuous"
-    cache_scope = {"once": "resident", "topk_head": "topk"}.get(scope, scope)
-    m = (budget - args.sinks - window) // PAGE
-    # resident: the device holds the budget's pages (+ the partial sink/window pages and the next
-    # token's page); topk and once: everything (what recall attends does not depend on where pages live)
-    device = total if mode == "once" or cache_scope == "topk" else -(-args.sinks // PAGE) + m + window // PAGE + 3
+    cache_scope = {"once": "resident", "topk_head": "topk", "topk_perhead": "topk"}.get(scope, scope)
+    # resident: the device holds what a step attends; topk and once: everything (what recall attends
+    # does not depend on where pages live)
+    device = total if mode == "once" or cache_scope == "topk" else \
+        TokenBudget(budget, args.sinks, window, PAGE).step_pages
 
     def make():
         policy = POLICIES[name](**policy_kw)
         return TieredKVCache(layout, [DeviceTier(layout, device, device="cpu"), HostTier(layout, total)], policy,
-                             scope=cache_scope, budget=budget, mode=mode, exact_prefill=True, rank=rank, **kw)
+                             scope=cache_scope, budget=budget, mode=mode, exact_prefill=True, rank=rank,
+                             per_head=per_head, query_rows=args.query_rows,
+                             policy_share=args.policy_share, **kw)
     return make
 
 
 def run_one(args, engine, tok, layout, protocol, config, fraction, tokens=None) -> dict:
     t0 = time.time()
-    offsets = [30000 * i for i in range(args.slices)] if protocol == "ctx2k" else [0]
+    offsets = [0]
+    if protocol == "ctx2k":
+        offsets = [int(o) for o in args.offsets.split(",")] if args.offsets else [30000 * i for i in range(args.slices)]
     results = []
     for off in offsets:
         task, context = make_task(args, protocol, off)
@@ -174,7 +181,11 @@ def main(argv=None):
     p.add_argument("--page", type=int, default=16, help="tokens per KV page")
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--window", type=int, default=64)
+    p.add_argument("--query-rows", type=int, default=1, help="topk: score pages by the last N decode queries")
+    p.add_argument("--policy-share", type=float, default=0.0, help="topk: share of the pages the policy picks")
     p.add_argument("--slices", type=int, default=3)
+    p.add_argument("--offsets", default=None, help="ctx2k: token offsets of the slices (overrides --slices)")
+    p.add_argument("--continuation", type=int, default=256, help="ctx2k: tokens scored after the 2,048")
     p.add_argument("--text", default="opticks")
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--context", type=int, default=2048)

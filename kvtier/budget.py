@@ -53,6 +53,13 @@ class TokenBudget:
     def window_tokens(self) -> int:
         return self.tokens - self.sinks - self.middle_pages * self.page_size
 
+    @property
+    def step_pages(self) -> int:
+        """Device pages a continuous ``resident`` step needs to attend the whole budget: the sink pages,
+        the middle pages, the window's pages (one more where it straddles) and the next token's page."""
+        P = self.page_size
+        return -(-self.sinks // P) + self.middle_pages + -(-self.window_tokens // P) + 2
+
     def view(self, n: int, win_start: int | None = None) -> "BudgetView | None":
         """The spans of a sequence of ``n`` tokens (None when it fits whole); ``win_start`` fixes the window."""
         if n <= self.tokens and win_start is None:

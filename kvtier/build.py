@@ -14,7 +14,9 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from kvtier.checks import check_device_room, check_positions, check_salience, check_stack, tier_pages
+from kvtier.budget import TokenBudget
+from kvtier.checks import (check_device_room, check_positions, check_salience, check_stack, device_pages_needed,
+                           tier_pages)
 from kvtier.errors import ConfigError
 from kvtier.hook import install
 from kvtier.layout import KVLayout
@@ -101,13 +103,18 @@ def plan(cfg: DictConfig) -> Plan:
     context, pages = task.context_tokens, layout.pages_for(task.context_tokens + task.new_tokens)
     page_bytes = layout.num_layers * layout.page_bytes  # one page of every layer
     budget = recipe.budget.tokens_for(context, -(-page_bytes // layout.page_size))
+    attended = attend_budget(cfg, budget, layout.page_size)
     capacities = {}
     for key, spec in cfg.tiers.stack.items():
         field = f"tiers.stack.{key}"
         build(_unsized(spec), field, call=False, layout=layout, capacity=1, name=key)
         if not capacities and any(spec.get(k) is not None for k in SIZING):
             raise ConfigError(field, f"the device's size is the budget: set {recipe.budget.key} instead")
-        capacities[key] = tier_pages(spec, field, pages, page_bytes) if capacities else layout.pages_for(budget)
+        if capacities:
+            capacities[key] = tier_pages(spec, field, pages, page_bytes)
+        else:
+            chunk_room = device_pages_needed(policy, layout.page_size, min(prefill.chunk_size, context))
+            capacities[key] = _device_pages(cfg, layout.pages_for(budget), attended, pages, chunk_room)
         if "path" in spec:  # a disk tier: relative paths live in the run folder
             check_folder(spec.path if Path(spec.path).is_absolute() else ".", f"{field}.path")
         if spec.get("url", LOCAL_STORE) != LOCAL_STORE:
@@ -123,6 +130,28 @@ def plan(cfg: DictConfig) -> Plan:
 def _unsized(spec: DictConfig) -> DictConfig:
     """A tier node without the size keys (they size it; its constructor takes a capacity in pages)."""
     return OmegaConf.create({k: v for k, v in OmegaConf.to_container(spec, resolve=True).items() if k not in SIZING})
+
+
+def _device_pages(cfg: DictConfig, budget_pages: int, attended: TokenBudget | None, context_pages: int,
+                  chunk_room: int) -> int:
+    """The device tier's pages: the budget's; under ``cache.attend_budget`` what a continuous
+    ``resident`` step attends (and at least the room a prefill chunk needs), else the whole context
+    (``topk`` recalls from any tier; ``once`` keeps what it compressed to)."""
+    if attended is None:
+        return budget_pages
+    if cfg.scope.value == "resident" and attended.mode == "continuous":
+        return max(attended.step_pages, chunk_room)
+    return context_pages
+
+
+def attend_budget(cfg: DictConfig, budget: int, page_size: int) -> TokenBudget | None:
+    """The token budget each decode step attends (``cache.attend_budget``), or None.
+
+    ``cache.window`` null: StreamingLLM's, every budget token after the sinks."""
+    c = cfg.cache
+    if not c.attend_budget:
+        return None
+    return TokenBudget(budget, c.sinks, budget - c.sinks if c.window is None else c.window, page_size, c.mode)
 
 
 _LOADED: dict = {}  # one loaded model, reused by the jobs of a multirun in this process
@@ -168,10 +197,13 @@ class CacheFactory:
                 node.path = str(self.run_dir / Path(spec.path).expanduser() / f"cache-{len(self.records)}")
             tiers.append(build(node, f"tiers.stack.{key}", layout=self.plan.layout, capacity=self.plan.capacities[key],
                                name=key))
-        c, node = self.cfg, self.cfg.cache.copy()
+        c = self.cfg
+        node = OmegaConf.masked_copy(c.cache, [k for k in c.cache if k not in ("attend_budget", "window")])
         node.topk_pages = node.topk_pages or next(iter(self.plan.capacities.values()))  # null: the budget's pages
-        self._last = build(node, "cache", layout=self.plan.layout, tiers=tiers, policy=build(c.policy, "policy"),
-                           scheduler=build(c.scheduler.placement, "scheduler.placement"),
+        attended = attend_budget(c, self.plan.budget_tokens, self.plan.layout.page_size)
+        budget = {} if attended is None else {"budget": attended.tokens, "window": attended.window}
+        self._last = build(node, "cache", layout=self.plan.layout, tiers=tiers, **budget,
+                           policy=build(c.policy, "policy"), scheduler=build(c.scheduler.placement, "scheduler.placement"),
                            backend=build(c.kernel, "kernel"), scope=c.scope.value)
         return self._last
 

@@ -75,7 +75,8 @@ class TieredKVCache(PagedCacheBase):
                  backend: AttentionBackend | None = None, scope: str = "all", merge: bool = False,
                  topk_pages: int | None = None, sinks: int = 4, batch_size: int = 1, fidelity: bool = False,
                  budget: int | None = None, window: int = 64, mode: str = "continuous", exact_prefill: bool = False,
-                 rank: str = "quest", dense_layers: int = 0):
+                 rank: str = "quest", dense_layers: int = 0, per_head: bool = False,
+                 query_rows: int = 1, policy_share: float = 0.0):
         if scope not in SCOPES:
             raise ConfigError("scope", f"unknown scope {scope!r}; use one of {list(SCOPES)}")
         self.budget = None if budget is None else TokenBudget(budget, sinks, window, layout.page_size, mode)
@@ -93,7 +94,10 @@ class TieredKVCache(PagedCacheBase):
         self.keys = KeyStats(layout, tiers[0].device) if scope == "topk" or "keys" in needs else None
         self.queries = QueryStats(layout.num_layers, max(1, getattr(policy, "query_rows", 32)), tiers[0].device) \
             if "queries" in needs else None
-        self.chooser = make_scope(scope, layout, topk_pages, sinks, self.keys, rank)
+        if per_head and (scope != "topk" or budget is None):
+            raise ConfigError("cache.per_head", "a per-head page choice needs scope 'topk' and a token budget")
+        self.chooser = make_scope(scope, layout, topk_pages, sinks, self.keys, rank, per_head, query_rows,
+                                  policy_share)
         super().__init__(layout)
         self.layout = layout
         self.table = BlockTable(layout, tiers)
@@ -218,8 +222,9 @@ class TieredKVCache(PagedCacheBase):
         q = query.transpose(1, 2).reshape(B * q_len, H, D)  # [B*q, H, D]
         scale = D ** -0.5 if scaling is None else scaling
         chosen = self.choose(layer, query)
-        tail_from, sinks, window = self._spans
-        parts = self.attention.parts(self.seqs, layer, chosen, q_len, tail_from, sinks=sinks, window=window)
+        tail_from, sinks, window, head_masks = self._spans
+        parts = self.attention.parts(self.seqs, layer, chosen, q_len, tail_from, sinks=sinks, window=window,
+                                     head_masks=head_masks)
         want_salience = self.policy.needs_salience
         results = self.attention.run(parts, q, scale, page_max=want_salience and q_len == 1)
         out, lse = merge_many([(o, l) for o, l, _ in results])  # [B*q, H, D], [B*q, H]
@@ -234,16 +239,17 @@ class TieredKVCache(PagedCacheBase):
 
     def choose(self, layer: int, query: torch.Tensor) -> list[np.ndarray]:
         """Per sequence, the logical pages attended in ``layer`` this step (sorted; the sink and
-        window pages of a token budget are attended in part). Its spans ``(tail_from, sinks, window)``
-        are kept for the attention call."""
+        window pages of a token budget are attended in part). Its spans ``(tail_from, sinks, window,
+        head_masks)`` are kept for the attention call."""
         chosen, *spans = self.plan_attention(layer, query)
         self._spans = tuple(spans)
         return chosen
 
-    def plan_attention(self, layer: int, query: torch.Tensor) -> tuple[list[np.ndarray], int, int, int]:
-        """``(chosen pages per sequence, tail_from, sink tokens, window tokens)`` of ``layer`` this step:
-        the scope's choice, or under an active token budget the sink span, the scope's middle pages
-        and the window span (0 sinks / 0 window: pages whole)."""
+    def plan_attention(self, layer: int, query: torch.Tensor):
+        """``(chosen pages per sequence, tail_from, sink tokens, window tokens, head masks)`` of ``layer``
+        this step: the scope's choice, or under an active token budget the sink span, the scope's
+        middle pages and the window span (0 sinks / 0 window: pages whole). Head masks: None, or per
+        sequence ``[num_pages, N_kv]`` bool, which kv heads see each logical page (a per-head choice)."""
         q_len = query.shape[2]
         first, tail_from = self._attended_range(layer)
         exact = self.exact_prefill and not self.prefilled
@@ -252,22 +258,29 @@ class TieredKVCache(PagedCacheBase):
             view = self.budget.view(self._start + 1, self._win_start)
         if view is None:
             if exact or (self.budget is not None and q_len == 1):  # exact prefill, or it fits the budget
-                return self._live(layer, every_page(self.table, self.seqs, first)), tail_from, 0, 0
+                return self._live(layer, every_page(self.table, self.seqs, first)), tail_from, 0, 0, None
             return self._live(layer, self.chooser.choose(self.table, self.seqs, layer, query, first, tail_from,
-                                                         q_len)), tail_from, 0, 0
+                                                         q_len)), tail_from, 0, 0, None
         tail_from = max(first, min(view.tail_from, tail_from))
         sinks = view.sinks if first == 0 else 0  # a sliding layer whose window left the sinks behind
-        chosen = []
+        chosen, masks = [], []
         for b, seq in enumerate(self.seqs):
             pids = self.table.pages(seq)
             live = self.table.tier_of[layer, pids] >= 0
             cand = view.candidates(live)
             cand = cand[(cand >= first) & (cand < tail_from)]
             k = cand.size if self._win_start is not None else self.budget.middle_pages
-            middle = self.chooser.middle(self.table, seq, b, layer, query, cand, k, self._rank)
+            middle, head_mask = self.chooser.middle(self.table, seq, b, layer, query, cand, k, self._rank)
             sink = np.arange(min(view.cand_lo, tail_from)) if sinks else np.zeros(0, np.int64)
             chosen.append(np.concatenate([sink, middle, np.arange(tail_from, pids.size)]).astype(np.int64))
-        return chosen, tail_from, sinks, self._start + 1 - view.win_start
+            masks.append((pids.size, middle, head_mask))
+        head_masks = None
+        if any(m is not None for _, _, m in masks):  # a per-head choice: which kv heads see each page
+            head_masks = [np.ones((n, self.layout.num_kv_heads), dtype=bool) for n, _, _ in masks]  # [pages, N_kv]
+            for full, (_, middle, m) in zip(head_masks, masks):
+                if m is not None:
+                    full[middle] = m
+        return chosen, tail_from, sinks, self._start + 1 - view.win_start, head_masks
 
     def _live(self, layer: int, chosen: list[np.ndarray]) -> list[np.ndarray]:
         """``chosen`` without dropped pages."""

@@ -20,10 +20,15 @@ def parse_bytes(value, field: str) -> int:
     return int(float(m[1]) * _UNITS[(m[2] or "").lower()])
 
 
+def device_pages_needed(policy, page_size: int, chunk_tokens: int, batch_size: int = 1) -> int:
+    """Device pages a step needs: per sequence, the policy's pins, the page being written and a chunk's new pages."""
+    return batch_size * (policy.pinned_pages(page_size) + 1 + -(-chunk_tokens // page_size))
+
+
 def check_device_room(capacity: int, policy, page_size: int, chunk_tokens: int, field: str,
                       batch_size: int = 1) -> None:
-    """The device holds, per sequence, the policy's pins, the page being written and a chunk's new pages."""
-    need = batch_size * (policy.pinned_pages(page_size) + 1 + -(-chunk_tokens // page_size))
+    """The device holds :func:`device_pages_needed`."""
+    need = device_pages_needed(policy, page_size, chunk_tokens, batch_size)
     if capacity < need:
         raise ConfigError(field, f"{capacity} device pages of {page_size} tokens cannot hold what policy "
                                  f"'{policy.name}' pins, the page being written and {chunk_tokens} more tokens; "

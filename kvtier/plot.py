@@ -2,7 +2,9 @@
 
 - ``quality_vs_budget-<task>.png``: the task's score against the device budget, one line per
   policy (and scope, when runs differ in scope); x is the budget fraction, or tokens when the runs
-  set ``budget.tokens``.
+  set ``budget.tokens`` (the keys each decode step attends when they set ``cache.attend_budget``).
+  Variants of a task get figures of their own (``perplexity-opticks``, ``passkey-question_after``);
+  exact runs (scope ``all``) are a dashed line.
 - ``recall_vs_budget-<task>.png``: the same axes for the attention-mass recall of runs that measured
   fidelity (``cache.fidelity``, scopes ``resident`` and ``topk``).
 - ``occupancy-<run>.png``: pages in use per tier (mean over layers) at every engine step of a run,
@@ -50,12 +52,19 @@ def pick_x(runs: list[dict], x: str) -> str:
     return "tokens" if any(r["config"]["budget"]["tokens"] is not None for r in runs) else "fraction"
 
 
+def task_label(run: dict) -> str:
+    """The task's name and what tells its variants apart: the text, a question asked after the context."""
+    task = run.get("config", {}).get("task", {})
+    parts = [run["task"]] + ([str(task["text"])] if "text" in task else [])
+    return "-".join(parts + (["question_after"] if task.get("question_at") == "after" else []))
+
+
 def quality_vs_budget(runs: list[dict], out: Path, x: str = "auto") -> list[Path]:
     """Per task: its score against budget (``quality_vs_budget-<task>.png``), and the attention-mass
     recall where runs measured it (``recall_vs_budget-<task>.png``); a line per policy (and scope)."""
     written = []
-    for task in sorted({r["task"] for r in runs}):
-        group = [r for r in runs if r["task"] == task]
+    for task in sorted({task_label(r) for r in runs}):
+        group = [r for r in runs if task_label(r) == task]
         for score in sorted({r["score_name"] for r in group}):
             written.append(_curves([r for r in group if r["score_name"] == score], score, x,
                                    out / f"quality_vs_budget-{task}.png", f"{task} task: {score} vs device budget"))
@@ -69,15 +78,23 @@ def quality_vs_budget(runs: list[dict], out: Path, x: str = "auto") -> list[Path
 def _curves(group: list[dict], metric: str, x: str, path: Path, title: str) -> Path:
     """``metric`` against budget, a line per policy (and scope, when the runs differ in scope)."""
     key, label = X_AXES[pick_x(group, x)]
+    if any(r.get("config", {}).get("cache", {}).get("attend_budget") for r in group):
+        label = label.replace("device budget", "budget: keys attended per decode step")
+        title = title.replace("device budget", "attended budget")
     several_scopes = len({r["scope"] for r in group}) > 1
     lines = defaultdict(list)
     for r in group:
         name = f"{r['policy']} ({r['scope']})" if several_scopes else r["policy"]
         lines[name].append((r[key], r[metric]))
+    exact = [r[metric] for r in group if r["scope"] == "all"]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for name, points in sorted(lines.items()):
+        if several_scopes and name.endswith("(all)"):
+            continue  # exact attention does not depend on the budget: the dashed line below
         xs, ys = zip(*sorted(points))
         ax.plot(xs, ys, marker="o", label=name)
+    if several_scopes and exact:
+        ax.axhline(sum(exact) / len(exact), color="k", linestyle="--", linewidth=1, label="exact (scope all)")
     better = "lower is better" if metric == "perplexity" else "higher is better"
     ax.set(xlabel=label, ylabel=f"{metric} ({better})", title=title)
     ax.grid(alpha=0.3)

@@ -146,7 +146,8 @@ def job_configs(argv: list[str]):
         parser = OverridesParser.create()
         fixed = [o.input_line for o in parser.parse_overrides(overrides) if not o.is_sweep_override()]
         head = compose(opts.config_name, overrides=fixed, return_hydra_config=True)
-        params = [f"{k}={v}" for k, v in (head.hydra.sweeper.get("params") or {}).items()]
+        given = {o.get_key_element() for o in parser.parse_overrides(overrides)}  # the command line wins
+        params = [f"{k}={v}" for k, v in (head.hydra.sweeper.get("params") or {}).items() if k not in given]
         multirun = opts.multirun or str(head.hydra.mode) == "RunMode.MULTIRUN"
         axes = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
                 else [o.input_line] for o in parser.parse_overrides((params if multirun else []) + overrides)]

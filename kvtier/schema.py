@@ -65,11 +65,22 @@ class Scheduler:
 
 @dataclass
 class Cache:
+    """TieredKVCache's arguments; ``attend_budget`` makes the budget also the keys each decode step
+    attends (:mod:`kvtier.budget`: ``sinks`` + middle pages + a ``window``, null: the rest of it)."""
+
     _target_: str = "kvtier.cache.TieredKVCache"
     merge: bool = False
     topk_pages: Optional[int] = None
     sinks: int = 4
     fidelity: bool = True
+    attend_budget: bool = False
+    window: Optional[int] = 64
+    mode: str = "continuous"
+    exact_prefill: bool = False
+    rank: str = "quest"
+    per_head: bool = False
+    query_rows: int = 1
+    policy_share: float = 0.0
 
     def __post_init__(self):
         if self.topk_pages is not None and self.topk_pages < 1 or self.sinks < 0:

@@ -32,7 +32,7 @@ class Part:
     pids: np.ndarray  # [nnz] pid of each listed page
     resident: bool  # the pages are read in place from the device tier
     logical: np.ndarray  # [nnz] logical page number of each listed page
-    tokens: int  # keys the newest query row of each sequence sees, summed over sequences
+    tokens: float  # keys the newest query row of each sequence sees (mean over kv heads), summed over sequences
 
 
 class TieredAttention:
@@ -44,13 +44,16 @@ class TieredAttention:
         self.device = table.tiers[0].device
 
     def parts(self, seqs: list[int], layer: int, chosen: list[np.ndarray], q_len: int, tail_from: int,
-              count: bool = True, sinks: int = 0, window: int = 0) -> list[Part]:
+              count: bool = True, sinks: int = 0, window: int = 0,
+              head_masks: list[np.ndarray] | None = None) -> list[Part]:
         """Split each sequence's ``chosen`` logical pages into calls. ``count=False`` (a fidelity
         pass) leaves the fetch and read counters alone.
 
         Token spans (a token budget, :mod:`kvtier.budget`): ``sinks > 0`` attends the first ``sinks``
         tokens in a call of their own (their last page truncated) instead of those pages whole;
         ``window > 0`` lets the tail call's queries see only their last ``window`` keys.
+        ``head_masks`` (a per-head choice): per sequence ``[num_pages, N_kv]`` bool, the kv heads that
+        see each logical page (the calls carry it as ``PagedBatch.head_mask``).
         """
         sink_pages = -(-sinks // self.layout.page_size)
         if sinks:
@@ -78,7 +81,7 @@ class TieredAttention:
             logical = [np.sort(np.concatenate(x)) if x else np.zeros(0, np.int64) for x in per_seq]
             if not any(x.size for x in logical):  # every page went to the tail's call: no empty launch
                 continue
-            parts.append(self._part(seqs, layer, key, logical, q_len, count, window))
+            parts.append(self._part(seqs, layer, key, logical, q_len, count, window, head_masks=head_masks))
         if window:
             logical = [np.arange(tail_from, self.table.num_pages(seq)) for seq in seqs]
             for seq, pages in zip(seqs, logical):
@@ -126,8 +129,9 @@ class TieredAttention:
         return out
 
     def _part(self, seqs, layer: int, key, logical: list[np.ndarray], q_len: int, count: bool, window: int = 0,
-              last_tokens: int = 0) -> Part:
-        """One call; ``last_tokens`` > 0: the listed pages are the first ``last_tokens`` tokens (sinks)."""
+              last_tokens: int = 0, head_masks: list[np.ndarray] | None = None) -> Part:
+        """One call; ``last_tokens`` > 0: the listed pages are the first ``last_tokens`` tokens (sinks);
+        ``head_masks``: per sequence ``[num_pages, N_kv]``, the kv heads that see each logical page."""
         P = self.layout.page_size
         all_pids, kv_indptr, last_len, causal = [], [0], [], False
         for b, seq in enumerate(seqs):
@@ -155,13 +159,21 @@ class TieredAttention:
                     self.stats.add_read(tier.name, pids.size * self.layout.page_bytes)
         spans = [w for w in (self.layout.window(layer), window) if w > 0]
         window_left = min(spans) - 1 if causal and spans else -1  # -1: no window (also for a global layer)
+        mask = None if head_masks is None else \
+            np.concatenate([m[p] for m, p in zip(head_masks, logical)])  # [nnz, N_kv]
         batch = PagedBatch.from_host(np.arange(len(seqs) + 1) * q_len, kv_indptr, indices, last_len, P, causal,
-                                     pool.device, window_left)
+                                     pool.device, window_left, mask)
         n_pages = np.diff(kv_indptr)
         seen = np.where(n_pages > 0, (n_pages - 1) * P + np.asarray(last_len), 0)  # keys per sequence
         if window_left >= 0:
             seen = np.minimum(seen, window_left + 1)
-        return Part(pool, batch, pids, key == 0, np.concatenate(logical).astype(np.int64), int(seen.sum()))
+        tokens = float(seen.sum())
+        if mask is not None and window_left < 0:  # each page's keys times the share of kv heads that see it
+            page_tokens = np.full(pids.size, P)  # [nnz]
+            ends = np.asarray(kv_indptr[1:])[n_pages > 0] - 1
+            page_tokens[ends] = np.asarray(last_len)[n_pages > 0]
+            tokens = float((page_tokens * mask.mean(axis=1)).sum())
+        return Part(pool, batch, pids, key == 0, np.concatenate(logical).astype(np.int64), tokens)
 
     def _fetch(self, layer: int, pids, count: bool) -> torch.Tensor:
         """Copy pages from their tiers into a temporary device pool ``[n, 2, P, N_kv, D]``."""

@@ -52,16 +52,17 @@ def random_paged_batch(kv_lens, q_lens, page_size, num_kv_heads, head_dim, num_q
     return q, pool, batch, keys, values
 
 
-def dense_attention(q, keys, values, q_lens, page_size, sm_scale, causal, window_left=-1):
+def dense_attention(q, keys, values, q_lens, page_size, sm_scale, causal, window_left=-1, head_masks=None):
     """Per sequence, float64 softmax attention on contiguous K/V (bottom-right aligned; a window of
-    ``window_left + 1`` keys per query when ``window_left >= 0``).
+    ``window_left + 1`` keys per query when ``window_left >= 0``; ``head_masks``: per sequence
+    ``[n_pages, N_kv]`` bool, the pages each kv head sees).
 
     Returns out ``[Nq, H, D]``, lse ``[Nq, H]`` and a list of per-sequence
     ``(probs [H, n, S], page_max [n_pages, H])``.
     """
     outs, lses, extras = [], [], []
     q0 = 0
-    for k, v, n in zip(keys, values, q_lens):
+    for b, (k, v, n) in enumerate(zip(keys, values, q_lens)):
         qb = q[q0:q0 + n].double()  # [n, H, D]
         q0 += n
         heads, s_len = qb.shape[1], k.shape[0]
@@ -74,6 +75,9 @@ def dense_attention(q, keys, values, q_lens, page_size, sm_scale, causal, window
         allowed = (key <= pos if causal else torch.ones(n, s_len, dtype=torch.bool)) & (
             key >= pos - window_left if window_left >= 0 else True)  # [n, S]
         logits = logits.masked_fill(~allowed, -math.inf)
+        if head_masks is not None:
+            seen = head_masks[b].repeat_interleave(page_size, 0)[:s_len].T.repeat_interleave(group, 0)  # [H, S]
+            logits = logits.masked_fill(~seen[:, None, :], -math.inf)
         lse = torch.logsumexp(logits, -1)  # [H, n]
         probs = torch.nan_to_num(torch.softmax(logits, -1))  # [H, n, S]; rows with no key -> 0
         outs.append(torch.einsum("hns,shd->nhd", probs, vh))
@@ -105,6 +109,32 @@ def test_reference_matches_dense(causal, group):
     assert rel_err(res.out, out) < 1e-5
     assert torch.allclose(res.lse.double(), lse, atol=1e-4)
     assert torch.allclose(res.page_max.double(), torch.cat([e[1] for e in extras]), atol=1e-4)
+
+
+def random_head_mask(batch, num_kv_heads, generator):
+    """A random per-head page choice ``[nnz, N_kv]`` (each sequence's last page seen by every head)
+    and its per-sequence split."""
+    mask = torch.rand(batch.kv_indices.numel(), num_kv_heads, generator=generator) < 0.5
+    indptr = batch.kv_indptr.long()
+    mask[indptr[1:][indptr[1:] > indptr[:-1]] - 1] = True
+    return mask, [mask[indptr[b]:indptr[b + 1]] for b in range(batch.batch_size)]
+
+
+@pytest.mark.parametrize("causal,q_lens", [(False, [1, 1, 1]), (True, [5, 16, 1])])
+def test_reference_head_mask_matches_dense(causal, q_lens):
+    """Per-head page choice: kv head h (and its query heads) sees only the listed pages given to it."""
+    gen = torch.Generator().manual_seed(300 + causal)
+    kv_lens = [37, 16, 50]
+    q, pool, batch, keys, values = random_paged_batch(kv_lens, q_lens, 8, 2, 16, 6, causal=causal, generator=gen)
+    batch.head_mask, per_seq = random_head_mask(batch, 2, gen)
+    assert not batch.head_mask.all()
+    res = paged_attention_reference(q, pool, batch, 0.25, return_page_max=True)
+    out, lse, extras = dense_attention(q, keys, values, q_lens, 8, 0.25, causal, head_masks=per_seq)
+    assert rel_err(res.out, out) < 1e-5 and torch.allclose(res.lse.double(), lse, atol=1e-4)
+    page_max = torch.cat([e[1] for e in extras])  # [nnz, H]
+    assert torch.equal(torch.isfinite(res.page_max), torch.isfinite(page_max))  # -inf: pages a head is not given
+    unmasked = dense_attention(q, keys, values, q_lens, 8, 0.25, causal)[0]
+    assert rel_err(unmasked, out) > 0.1  # the mask really changes the result
 
 
 @pytest.mark.parametrize("causal,window_left,q_lens", [

@@ -23,7 +23,7 @@ from kvtier.kernels.base import PagedBatch  # noqa: E402
 from kvtier.kernels.registry import make_backend  # noqa: E402
 from kvtier.kernels.triton_decode import DecodeConfig, TritonBackend, default_decode_config, plan_decode  # noqa: E402
 from kvtier.kernels.triton_prefill import PrefillConfig  # noqa: E402
-from test_kernels_reference import random_paged_batch, rel_err  # noqa: E402
+from test_kernels_reference import random_head_mask, random_paged_batch, rel_err  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -42,11 +42,13 @@ def device():
 
 
 def check_against_reference(backend, kv_lens, q_lens, group, num_kv_heads, head_dim, dtype, causal, seed,
-                            page_size=16, window_left=-1):
+                            page_size=16, window_left=-1, head_mask=False):
     gen = torch.Generator().manual_seed(seed)
     q, pool, batch, _, _ = random_paged_batch(kv_lens, q_lens, page_size, num_kv_heads, head_dim,
                                               group * num_kv_heads, dtype, causal, generator=gen,
                                               window_left=window_left)
+    if head_mask:
+        batch.head_mask = random_head_mask(batch, num_kv_heads, gen)[0]
     q, pool, batch = q.to(device()), pool.to(device()), batch.to(device())
     backend.plan(batch, group * num_kv_heads, num_kv_heads, head_dim)
     res = backend.run(q, pool, return_page_max=True)
@@ -88,6 +90,23 @@ def test_decode_sliding_window_matches_reference(group, num_kv, kv_lens, per_spl
     res = check_against_reference(backend, kv_lens, [1] * len(kv_lens), group, num_kv, 32, torch.float32, False,
                                   seed=sum(kv_lens) + window_left, window_left=window_left)
     assert torch.isneginf(res.page_max[0]).all()  # the first page is left of the window
+
+
+@pytest.mark.parametrize("group,num_kv,kv_lens,per_split", [
+    (3, 2, [70, 1, 37], 1),  # splits + merge, a one-token sequence
+    (2, 3, [48, 64], None),  # planner-sized splits
+])
+def test_decode_head_mask_matches_reference(group, num_kv, kv_lens, per_split):
+    """Per-head page choice: each kv head's program skips the pages it is not given."""
+    backend = TritonBackend(decode_config=DecodeConfig(block_n=16, pages_per_split=per_split))
+    res = check_against_reference(backend, kv_lens, [1] * len(kv_lens), group, num_kv, 32, torch.float32, False,
+                                  seed=400 + sum(kv_lens), head_mask=True)
+    assert torch.isneginf(res.page_max).any()  # some (page, head) hidden
+    gen = torch.Generator().manual_seed(401)
+    _, _, batch, _, _ = random_paged_batch([40], [6], 16, 2, 32, 4, causal=True, generator=gen)
+    batch.head_mask = torch.ones(batch.kv_indices.numel(), 2, dtype=torch.bool)
+    with pytest.raises(ConfigError):  # prefill: not taken
+        backend.plan(batch, 4, 2, 32)
 
 
 def test_decode_split_merge_is_used_and_single_split_writes_directly():

@@ -67,3 +67,16 @@ def test_python_dash_m_entry(sweep):
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert (sweep / "plots" / "quality_vs_budget-perplexity.png").read_bytes().startswith(PNG)
+
+
+def test_task_variants_get_their_own_figures(tmp_path):
+    for i, (question_at, scope, fraction) in enumerate([("inside", "topk", 0.2), ("after", "topk", 0.2),
+                                                         ("after", "topk", 0.5), ("after", "all", 1.0)]):
+        fake_run(tmp_path, f"r{i}", "sink_window", fraction, 0.5 + fraction / 2, task="passkey", scope=scope)
+        path = tmp_path / f"r{i}" / "metrics.json"
+        m = json.loads(path.read_text())
+        m["config"].update(task={"question_at": question_at}, cache={"attend_budget": scope != "all"})
+        path.write_text(json.dumps(m))
+    assert main([str(tmp_path)]) == 0
+    names = {p.name for p in (tmp_path / "plots").glob("quality_vs_budget-*.png")}
+    assert names == {"quality_vs_budget-passkey.png", "quality_vs_budget-passkey-question_after.png"}

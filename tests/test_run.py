@@ -177,7 +177,8 @@ def test_bad_config_raises_config_error_naming_the_field_and_writes_nothing(tmp_
 
 
 def recipe_options():
-    return [(g.name, f.stem) for g in sorted(RECIPES.iterdir()) if g.is_dir() for f in sorted(g.glob("*.yaml"))]
+    return [(g.name, f.relative_to(g).with_suffix("").as_posix()) for g in sorted(RECIPES.iterdir()) if g.is_dir()
+            for f in sorted(g.rglob("*.yaml"))]  # nested options too: task=study/opticks
 
 
 @pytest.mark.parametrize("group,option", recipe_options(), ids=[f"{g}={o}" for g, o in recipe_options()])

@@ -330,6 +330,9 @@ def test_compress_once_after_an_exact_prefill():
     (dict(scope="topk", topk_pages=4, rank="best"), "cache.rank"),
     (dict(scope="topk"), "topk_pages"),
     (dict(budget=32, window=8, dense_layers=2), "cache.dense_layers"),
+    (dict(budget=32, window=8, per_head=True), "cache.per_head"),  # resident: a per-head choice needs topk
+    (dict(scope="topk", budget=32, window=8, query_rows=0), "cache.query_rows"),
+    (dict(scope="topk", budget=32, window=8, policy_share=1.5), "cache.policy_share"),
 ])
 def test_bad_budget_configs(kw, field):
     with pytest.raises(ConfigError) as e:
@@ -379,3 +382,63 @@ def test_streaming_llm_token_exact_against_a_trimmed_hf_cache(smollm2):
     with torch.no_grad():
         exact = model(ids).logits[0, prompt - 1:full - 1]
     assert (exact[-1] - ref[-1]).abs().max() > 1e-2
+
+
+def test_topk_per_head_gives_each_kv_head_its_own_pages_within_the_budget():
+    """budget 16 = 4 sinks + 8 recent + 1 page: kv head 0 needs page 5, kv head 1 page 8; per head,
+    each gets its own (the step attends their union), checked against eager attention per head."""
+    torch.manual_seed(7)
+    S = 49
+    k, v, qs = torch.randn(1, N_KV, S, D), torch.randn(1, N_KV, S, D), torch.randn(S, 6, D)
+    k[:, 0, 21] = 6 * qs[S - 1, 0]  # page 5, kv head 0 (query heads 0-2)
+    k[:, 1, 33] = 6 * qs[S - 1, 3]  # page 8, kv head 1 (query heads 3-5)
+    shared = make_cache(LRU(), scope="topk", budget=16, sinks=4, window=8)
+    run_steps(shared, k, v, qs, prefill=48)
+    assert len(set(shared.choose(0, qs[S - 1][None, :, None])[0].tolist()) & {5, 8}) == 1  # one page for both
+    cache = make_cache(LRU(), scope="topk", budget=16, sinks=4, window=8, per_head=True)
+    out = run_steps(cache, k, v, qs, prefill=48)[-1]
+    chosen, *_, masks = cache.plan_attention(0, qs[S - 1][None, :, None])
+    assert {5, 8} <= set(chosen[0].tolist())
+    assert masks[0][5].tolist() == [True, False] and masks[0][8].tolist() == [False, True]
+    keep = torch.zeros(6, S, dtype=torch.bool)  # [H, S]
+    keep[:, :4] = keep[:, 41:] = True
+    keep[:3, 20:24] = keep[3:, 32:36] = True
+    want, _ = eager(qs[S - 1][None, :, None], k, v, keep)
+    assert torch.allclose(out[0, 0], want, atol=1e-5)
+    assert cache.stats.attended_per_step() == [16.0]  # each head attends the budget
+
+
+def test_topk_query_rows_keep_what_the_previous_queries_needed():
+    torch.manual_seed(8)
+    S = 49
+    k, v, qs = torch.randn(1, N_KV, S, D), torch.randn(1, N_KV, S, D), torch.randn(S, 6, D)
+    a = torch.randn(N_KV, D)
+    qs[S - 2] = a.repeat_interleave(3, dim=0)  # every head of the query before the last looks for page 5
+    k[:, :, 21] = 6 * a
+    qs[S - 1] = -qs[S - 2]  # the last query looks away from it
+    picks = {}
+    for rows in (1, 3):
+        cache = make_cache(LRU(), scope="topk", budget=16, sinks=4, window=8, query_rows=rows)
+        run_steps(cache, k, v, qs, prefill=47)  # decode steps 47 and 48
+        picks[rows] = cache.choose(0, qs[S - 1][None, :, None])[0].tolist()  # the last query again: 3 rows
+    assert 5 not in picks[1] and 5 in picks[3]
+
+
+def test_topk_policy_share_spends_pages_on_the_policy_ranking():
+    """share 1: the middle pages are H2O's heavy hitters of the prefill, whatever the query."""
+    torch.manual_seed(5)
+    S = 49
+    k, v, qs = torch.randn(1, N_KV, S, D), torch.randn(1, N_KV, S, D), torch.randn(S, 6, D)
+    u = torch.nn.functional.normalize(torch.randn(N_KV, D), dim=-1)
+    k[:, :, 30] = 5 * u  # token 30 (page 7) is what every prefill query looks for
+    q_prefill = torch.randn(48, 6, D) + 3 * u.repeat_interleave(3, dim=0)
+    chosen = {}
+    for share in (0.0, 1.0):
+        pol = H2O(sinks=4, window=8)
+        cache = make_cache(pol, scope="topk", budget=16, sinks=4, window=8, exact_prefill=True, policy_share=share)
+        cache.update(k[:, :, :48], v[:, :, :48], 0)
+        cache.attend(0, q_prefill.permute(1, 0, 2)[None])
+        cache.end_prefill()
+        cache.update(k[:, :, 48:], v[:, :, 48:], 0)
+        chosen[share] = cache.choose(0, -qs[S - 1][None, :, None])[0].tolist()  # a query that avoids page 7
+    assert 7 in chosen[1.0] and 7 not in chosen[0.0]

@@ -7,7 +7,9 @@ last, which holds ``kv_last_page_len[b]`` tokens. With ``causal`` the mask is bo
 aligned: query i of n_b attends key j iff ``j <= kv_len_b - n_b + i``. With ``window_left >= 0``
 (FlashInfer's ``window_left``; HF's ``sliding_window`` W is ``window_left = W - 1``) it also needs
 ``j >= kv_len_b - n_b + i - window_left``, causal or not: positions are the keys' order in the
-batch, so the cache lists a windowed layer's pages contiguously up to the newest.
+batch, so the cache lists a windowed layer's pages contiguously up to the newest. With ``head_mask``
+``[nnz, N_kv]`` (Quest-style per-head page choice over the union of the heads' pages) kv head h,
+and its group of query heads, sees listed page p only where ``head_mask[p, h]``.
 
 A batch built by :meth:`PagedBatch.from_host` keeps host copies of ``qo_indptr`` and ``kv_indptr``
 so that ``plan()`` reads them without a device-to-host sync, and its device arrays arrive in one
@@ -43,14 +45,18 @@ class PagedBatch:
     host_qo_indptr: np.ndarray | None = None  # [B+1] int64 copy on the host (from_host), or None
     host_kv_indptr: np.ndarray | None = None  # [B+1]
     window_left: int = -1  # keys left of each query's position it may see; -1: no window
+    head_mask: torch.Tensor | None = None  # [nnz, N_kv] bool: kv head h sees listed page p; None: all do
 
     @classmethod
     def from_host(cls, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size: int, causal: bool,
-                  device, window_left: int = -1) -> "PagedBatch":
-        """A batch on ``device`` from host int arrays, in one copy, keeping the indptrs on the host."""
+                  device, window_left: int = -1, head_mask: np.ndarray | None = None) -> "PagedBatch":
+        """A batch on ``device`` from host int arrays, in one copy, keeping the indptrs on the host;
+        ``head_mask [nnz, N_kv]`` bool or None."""
         qo, kv = np.asarray(qo_indptr, np.int64), np.asarray(kv_indptr, np.int64)
-        d_qo, d_kv, d_idx, d_last = to_device([qo, kv, kv_indices, kv_last_page_len], device)
-        return cls(d_qo, d_kv, d_idx, d_last, page_size, causal, qo, kv, window_left)
+        arrays = [qo, kv, kv_indices, kv_last_page_len] + ([] if head_mask is None else [head_mask])
+        d_qo, d_kv, d_idx, d_last, *mask = to_device(arrays, device)
+        mask = mask[0].view(-1, head_mask.shape[1]) != 0 if mask else None
+        return cls(d_qo, d_kv, d_idx, d_last, page_size, causal, qo, kv, window_left, mask)
 
     @property
     def batch_size(self) -> int:
@@ -81,7 +87,8 @@ class PagedBatch:
     def to(self, device) -> "PagedBatch":
         return PagedBatch(self.qo_indptr.to(device), self.kv_indptr.to(device), self.kv_indices.to(device),
                           self.kv_last_page_len.to(device), self.page_size, self.causal, self.host_qo_indptr,
-                          self.host_kv_indptr, self.window_left)
+                          self.host_kv_indptr, self.window_left,
+                          None if self.head_mask is None else self.head_mask.to(device))
 
 
 @dataclass
@@ -96,12 +103,16 @@ class AttentionBackend(ABC):
 
     name: str = "base"
     supports_salience: bool = True
+    supports_head_mask: bool = False  # takes PagedBatch.head_mask (per-head page choice)
 
     def plan(self, batch: PagedBatch, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              sm_scale: float | None = None) -> None:
         if num_qo_heads % num_kv_heads:
             raise ConfigError("model.num_attention_heads",
                               f"{num_qo_heads} query heads do not divide into {num_kv_heads} kv heads")
+        if batch.head_mask is not None and not self.supports_head_mask:
+            raise ConfigError("kernel", f"backend '{self.name}' does not take a per-head page choice "
+                                        "(head_mask); use kernel=torch or kernel=triton")
         self.batch = batch
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale

@@ -46,6 +46,10 @@ def paged_attention_reference(q: torch.Tensor, kv_pool: torch.Tensor, batch: Pag
             if batch.window_left >= 0:
                 allowed = allowed & (key >= pos - batch.window_left)  # [n, S]
             logits = logits.masked_fill(~allowed, float("-inf"))
+        if batch.head_mask is not None:  # kv head h sees only its pages
+            seen = batch.head_mask[p0:p1].repeat_interleave(page, dim=0)[:s_len]  # [S, N_kv]
+            logits = logits.view(n_kv, group, q1 - q0, s_len).masked_fill(
+                ~seen.T[:, None, None, :], float("-inf")).view(heads, q1 - q0, s_len)
         row_lse = torch.logsumexp(logits, dim=-1)  # [H, n]
         safe = torch.where(torch.isfinite(row_lse), row_lse, torch.zeros_like(row_lse))
         probs = torch.exp(logits - safe[..., None])  # [H, n, S]
@@ -64,6 +68,7 @@ class TorchBackend(AttentionBackend):
     """Reference backend (CPU and GPU)."""
 
     name = "torch"
+    supports_head_mask = True
 
     def run(self, q, kv_pool, return_page_max=False):
         return paged_attention_reference(q, kv_pool, self.batch, self.sm_scale, return_page_max)

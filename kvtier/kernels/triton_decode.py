@@ -1,7 +1,8 @@
 """Triton paged GQA decode attention (flash-decoding) and the ``triton`` backend.
 
 One query row per sequence, which sees the last ``window_left + 1`` keys with a window (blocks
-wholly left of it are skipped, the block it starts in is masked). ``plan`` cuts every sequence's
+wholly left of it are skipped, the block it starts in is masked), and with a ``head_mask`` only the
+pages its kv head is given (per-head page choice over the union of the heads' pages). ``plan`` cuts every sequence's
 page list into chunks of ``pages_per_split`` pages; one program per (chunk, kv head) attends the
 chunk with all query heads of the kv group packed as rows of one ``tl.dot`` tile (padded to 16
 rows), and writes a partial (out, lse). A merge kernel combines the partials of each sequence by
@@ -22,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvtier.errors import ConfigError
 from kvtier.kernels.base import AttentionBackend, AttentionOutput, PagedBatch, to_device
 from kvtier.kernels.triton_prefill import (LN2, LOG2E, PrefillConfig, check_page_size, dot_operand_dtype,
                                            MIN_DOT, fit_shared_memory,
@@ -115,7 +117,7 @@ def plan_decode(batch: PagedBatch, num_qo_heads: int, num_kv_heads: int, head_di
 
 @triton.jit
 def _decode_split_kernel(
-    q, kv, scales, kv_indptr, kv_indices, kv_last_page_len,
+    q, kv, scales, kv_indptr, kv_indices, kv_last_page_len, head_mask,
     chunk_seq, chunk_page, chunk_split,
     out, lse, page_max,
     stride_qn, stride_qh,
@@ -123,18 +125,20 @@ def _decode_split_kernel(
     stride_ss, stride_skv, stride_sh,
     stride_os, stride_on, stride_oh,
     stride_ls, stride_ln,
-    stride_pm,
+    stride_pm, stride_hm,
     qk_scale, lse_scale, pages_per_split, window_left,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     WITH_PAGE_MAX: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
+    HEAD_MASK: tl.constexpr,
 ):
     """One (chunk, kv head): out/lse rows ``[GROUP]`` of the chunk's sequence over its pages.
 
     ``out`` is ``[splits, B, H, D]`` (fp32 partials, or the final ``[1, B, H, D]`` output when
     there is a single split), ``lse`` ``[splits, B, H]`` (log2 units times ``lse_scale``),
     ``page_max [nnz, H]``: every page of a visited block is written, -inf where it holds no token
-    the query sees; blocks wholly left of the window (``window_left``) are skipped.
+    the query sees; blocks wholly left of the window (``window_left``) are skipped. With
+    ``HEAD_MASK``, ``head_mask [nnz, N_kv]`` (int8) hides the listed pages this kv head is not given.
     """
     c = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -170,6 +174,9 @@ def _decode_split_kernel(
     for start in range(first, t_end, BLOCK_N):
         tok = start + offs_n  # [N]
         tok_ok = (tok < t1) & (tok >= lo)
+        if HEAD_MASK:  # this kv head's pages only
+            given = tl.load(head_mask + (seq_p0 + tok // PAGE) * stride_hm + kvh, mask=tok_ok, other=0)
+            tok_ok = tok_ok & (given != 0)
         slot = tl.load(kv_indices + seq_p0 + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)  # [N]
         row_off = slot * stride_slot + (tok % PAGE) * stride_p  # [N]
         kv_off = row_off[:, None] + offs_d[None, :]  # [N, D]
@@ -256,11 +263,13 @@ def paged_decode(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, plan
     else:
         part_out, part_lse = plan.part_out, plan.part_lse
     scales, stride_ss, stride_skv, stride_sh, scaled = scale_args(kv_pool, batch.page_size)
+    head_mask = None if batch.head_mask is None else batch.head_mask.to(torch.int8)  # [nnz, N_kv]
     grid = (plan.chunk_seq.numel(), n_kv)
     _, stages = fit_shared_memory(block_g, plan.block_n, plan.config.num_stages, block_d,
                                   4 if dot_f32 else q.element_size(), plan.block_n)
     _decode_split_kernel[grid](
         q, kv_pool, scales, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
+        batch.kv_indices if head_mask is None else head_mask,
         plan.chunk_seq, plan.chunk_page, plan.chunk_split,
         part_out, part_lse, page_max if return_page_max else part_lse,
         q.stride(0), q.stride(1),
@@ -268,12 +277,12 @@ def paged_decode(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, plan
         stride_ss, stride_skv, stride_sh,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
-        heads,
+        heads, n_kv,
         sm_scale * LOG2E, LN2 if single else 1.0, plan.pages_per_split, kernel_window(batch),
         GROUP=group, BLOCK_G=block_g, PAGE=batch.page_size, BLOCK_N=plan.block_n,
         HEAD_DIM=dim, BLOCK_D=block_d,
         WITH_PAGE_MAX=return_page_max, DOT_F32=dot_f32, PRECISION=precision, SCALED=scaled,
-        num_warps=plan.config.num_warps, num_stages=stages,
+        HEAD_MASK=head_mask is not None, num_warps=plan.config.num_warps, num_stages=stages,
     )
     if not single:
         _merge_splits_kernel[(n_q, heads)](
@@ -290,6 +299,7 @@ class TritonBackend(AttentionBackend):
     """Triton paged attention: split-KV decode for one query row per sequence, else chunked prefill."""
 
     name = "triton"
+    supports_head_mask = True  # at decode steps
 
     def __init__(self, decode_config: DecodeConfig | None = None, prefill_config: PrefillConfig = PrefillConfig()):
         self.decode_config = decode_config  # None: default_decode_config(head_dim)
@@ -299,6 +309,9 @@ class TritonBackend(AttentionBackend):
              sm_scale: float | None = None) -> None:
         super().plan(batch, num_qo_heads, num_kv_heads, head_dim, sm_scale)
         self.is_decode = batch.is_decode()
+        if batch.head_mask is not None and not self.is_decode:
+            raise ConfigError("kernel", "the Triton prefill kernel does not take a per-head page choice "
+                                        "(head_mask): it is for decode steps; use kernel=torch")
         if self.is_decode:
             self.step_plan = plan_decode(batch, num_qo_heads, num_kv_heads, head_dim, self.decode_config)
         else:
