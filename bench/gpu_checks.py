@@ -7,8 +7,8 @@ bf16 and fp32. Prints the max relative logit error and greedy-token agreement; w
 The fast path (:class:`kvtier.fast.engine.FastEngine`: CUDA graph, static Triton kernel, host pages
 read in place) runs the same prompt and tokens with the same budget. ``--windows`` runs sliding-window
 models instead: Mistral-shaped (every layer sliding) and Gemma-3-shaped (5 sliding : 1 global, MQA,
-head_dim 256), window 256 over the 1k prompt, through every backend (FlashInfer's ``window_left`` too).
-Run on a GPU:  python -m bench.gpu_checks [--fast-only] [--windows]
+head_dim 256), window 256 over the 1k prompt, through every backend (``--flashinfer``: its ``window_left`` too).
+Run on a GPU:  python -m bench.gpu_checks [--fast-only] [--windows] [--flashinfer]
 """
 
 from __future__ import annotations
@@ -97,6 +97,7 @@ def main():
     ap.add_argument("--fast-only", action="store_true")
     ap.add_argument("--smollm2", default="", help="also the real SmolLM2 (converted folder) through the fast path")
     ap.add_argument("--windows", action="store_true", help="sliding-window models (Mistral, Gemma 3 shapes) instead")
+    ap.add_argument("--flashinfer", action="store_true", help="FlashInfer rows too (bf16; JIT-compiles minutes)")
     args = ap.parse_args()
     rows = []
     shapes = ("mistral-shape", "gemma3-shape") if args.windows else ("smollm2-shape",)
@@ -115,7 +116,7 @@ def main():
             ids = torch.randint(0, 49152, (1, 1024), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
         ref, tokens = hf_logits(model, ids, 16)
         runs = [] if args.fast_only or name == "smollm2" else [("torch", False), ("triton", False), ("triton", True)]
-        runs += [("flashinfer", False), ("flashinfer", True)] if args.windows and dtype == "bfloat16" else []
+        runs += [("flashinfer", False), ("flashinfer", True)] if args.flashinfer and dtype == "bfloat16" else []
         runs += [] if name == "gemma3-shape" else [("fast", False)]  # the fast runner is Llama-family only
         for kernel, merge in runs:
             if kernel == "fast":
