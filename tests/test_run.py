@@ -91,7 +91,7 @@ def test_multirun_three_policies_two_budgets_then_plot(tmp_path):
     assert all(off[p, 0.75] > off[p, 1.0] for p in ("lru", "sink_window", "aspe"))  # less room, more offloaded
     proc = kvtier("kvtier-plot", [str(sweep)], tmp_path)
     pngs = sorted((sweep / "plots").glob("*.png"))
-    assert [p.name for p in pngs if p.name.startswith("quality")] == ["quality_vs_budget-perplexity.png"]
+    assert [p.name for p in pngs if p.name.startswith("quality")] == ["quality_vs_budget-perplexity-opticks.png"]  # the task and its text
     assert len([p for p in pngs if p.name.startswith("occupancy")]) == 6
     assert all(p.read_bytes().startswith(PNG) and str(p) in proc.stdout for p in pngs)
 
