@@ -9,6 +9,7 @@ first page on; a request's last block is usually partial (``len(hash_ids) == cei
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from dataclasses import dataclass
@@ -32,15 +33,18 @@ class TraceRequest:
 
 
 def traces_dir() -> Path:
-    """``$KVTIER_TRACES``, else ``../shared/data/mooncake_traces`` beside the repository."""
+    """``$KVTIER_TRACES``, else the copies shipped with kvtier (``kvtier/traces``, gzipped; Apache-2.0,
+    attribution in their README)."""
     env = os.environ.get("KVTIER_TRACES")
-    return Path(env) if env else Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_traces"
+    return Path(env) if env else Path(__file__).resolve().parents[1] / "traces"
 
 
 def load_trace(name: str, time_scale: float = 1.0, start: int = 0, limit: int | None = None) -> list[TraceRequest]:
     """Requests ``start .. start + limit`` of trace ``name`` (``conversation``, ``synthetic`` or a .jsonl
     path); arrival times are divided by ``time_scale`` (2.0: twice the request rate) and start at 0."""
     path = Path(name) if name.endswith(".jsonl") else traces_dir() / f"{name}_trace.jsonl"
+    if not path.is_file() and path.with_suffix(".jsonl.gz").is_file():
+        path = path.with_suffix(".jsonl.gz")
     if not name.endswith(".jsonl") and name not in TRACES:
         raise ConfigError("trace", f"unknown trace {name!r}; use one of {list(TRACES)} or a .jsonl path")
     if not path.is_file():
@@ -48,7 +52,7 @@ def load_trace(name: str, time_scale: float = 1.0, start: int = 0, limit: int | 
     if not time_scale > 0:
         raise ConfigError("time_scale", f"must be > 0, got {time_scale!r}")
     out = []
-    with open(path) as f:
+    with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
         for i, line in enumerate(f):
             if i < start:
                 continue
