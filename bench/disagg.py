@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import time
 
 import torch
@@ -27,14 +26,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.common import MODELS, print_table, write_json
+from kvtier.loopback import free_port
 
 SMOKE_SHAPE = dict(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, vocab_size=256)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _sync() -> None:
@@ -138,7 +132,7 @@ def main():
         raise SystemExit(f"bench.disagg needs 2 GPUs, this host has {torch.cuda.device_count()}")
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(worker, args=(_free_port(), args, queue), nprocs=2, start_method="spawn")
+    mp.start_processes(worker, args=(free_port(), args, queue), nprocs=2, start_method="spawn")
     res = {r["rank"]: r for r in (queue.get(), queue.get())}
     p, d = res[0], res[1]
     hidden = 1 - (d["ttft_ms"] - p["prefill_alone_ms"]) / p["all_ms_formula"]

@@ -4,7 +4,6 @@ greedy tokens as one process doing both."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ from kvtier.cache import TieredKVCache
 from kvtier.disagg import StreamingPrefillCache, prefill_and_send, transfer_model
 from kvtier.engine import Engine
 from kvtier.errors import ConfigError
+from kvtier.loopback import free_port
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,11 +45,6 @@ DECODE_WORKER = textwrap.dedent(f'''
     dist.destroy_process_group()
 ''')
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_prefill_in_one_process_and_decode_in_another_match_one_process(smollm2):

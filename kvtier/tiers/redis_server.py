@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 from kvtier.errors import MissingDependencyError, TierIOError
+from kvtier.loopback import HOST, free_port
 
-HOST = "127.0.0.1"
 
 
 def redis_server_binary() -> str:
@@ -33,12 +33,6 @@ def redis_server_binary() -> str:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
 class LocalRedis:
     """A ``redis-server`` process on ``127.0.0.1:<free port>``; ``url`` is ``redis://127.0.0.1:PORT/0``.
 
@@ -50,7 +44,7 @@ class LocalRedis:
                  timeout_s: float = 20.0):
         self.binary = binary or redis_server_binary()
         self.maxmemory, self.policy, self.timeout_s = maxmemory, policy, timeout_s
-        self.port = _free_port()
+        self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="kvtier-redis-")
         self.start()
