@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvtier.metrics import percentile
 from kvtier.serve.scheduler import Request, RequestState, ServeScheduler
 from kvtier.serve.trace import BLOCK, TraceRequest, prompt_tokens
 
@@ -62,10 +63,6 @@ def replay(sched: ServeScheduler, requests: list[Request], slo: SLO = SLO(), pro
     return summarize(sched, slo, t0)
 
 
-def _pct(xs, q) -> float:
-    return float(np.percentile(xs, q)) if len(xs) else float("nan")
-
-
 def summarize(sched: ServeScheduler, slo: SLO, t0: float) -> dict:
     done = sched.done
     ttft = [s.first_token_s - s.req.arrival_s for s in done]
@@ -77,9 +74,9 @@ def summarize(sched: ServeScheduler, slo: SLO, t0: float) -> dict:
     tiers = sorted({t for _, occ, _ in st.occupancy for t in occ})
     return {
         "requests": len(done), "span_s": span,
-        "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
-        "itl_p50_s": _pct(itl, 50), "itl_p99_s": _pct(itl, 99),
-        "e2e_p50_s": _pct(e2e, 50), "e2e_p99_s": _pct(e2e, 99),
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
+        "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99),
         "slo_ttft_s": slo.ttft_s, "slo_itl_s": slo.itl_s,
         "goodput_rps": good / span if done else 0.0, "slo_met_fraction": good / len(done) if done else 0.0,
         "prefix_hit_tokens": st.cached_tokens / st.prompt_tokens if st.prompt_tokens else 0.0,
