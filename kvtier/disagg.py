@@ -9,7 +9,7 @@ the last layer and the first token have arrived.
 
 Wire order (both sides derive it from the header): header ``[prompt_len, chunk_size]`` (int64), then
 for each prefill chunk ``[a, b)`` and each layer the pages ``[a // P, ceil(b / P))`` of that layer
-(``[n, 2, P, N_kv, D]`` in the layout's dtype), then the first generated token (int64 ``[1]``).
+(``[n, 2, P, N_kv, D]`` stored pages in the layout's ``kv_dtype``, FP8 scale rows included), then the first generated token (int64 ``[1]``).
 Chunks other than the last must be whole pages, so no page is sent twice.
 
 The seed-001 transfer model: one layer's KV takes ``bytes_per_layer / link_bandwidth``;
@@ -143,7 +143,7 @@ def receive_prefill(cache: TieredKVCache, src: int, group=None, comm_device: tor
         for layer in range(L):
             rows, slots = _page_rows(cache, layer, a // P, -(-b // P))
             landing = rows if rows is not None else torch.empty((slots.size, *cache.layout.page_shape),
-                                                                 dtype=cache.layout.dtype, device=cache.device)
+                                                                 dtype=cache.layout.kv_dtype, device=cache.device)
             posted.append((layer, dist.irecv(landing, src, group=group), landing, None if rows is not None else slots))
     arrival = [0.0] * L
     nbytes = 0
