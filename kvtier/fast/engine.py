@@ -10,8 +10,9 @@ it runs ahead:
 1. take what step ``t - k`` produced (``k = lookahead``): the pages each layer's scope attended and,
    for salience policies, their salience; the policy hears them (``on_access``, ``on_salience``);
 2. grow every sequence by one token (a new page, in the device tier, every ``page_size`` steps);
-3. the scheduler plans (only when the device is short of room, or some page lives off the device and
-   the policy heard something since the last plan: pages appended, accessed, salience) and its moves run on the side stream without waiting for compute; a moved page is read at its
+3. the scheduler plans only when the device is short of room, or when some page lives off the device
+   and something changed since the last plan (pages appended, accesses or salience heard, a sequence
+   freed); its moves run on the side stream without waiting for compute; a moved page is read at its
    old place until its copy has landed, then the device table points at the new place (fenced
    moves, :mod:`kvtier.tiers.transfer`);
 4. copy the changed table rows, lengths and tokens to the device, replay the bucket's graph.
@@ -113,10 +114,16 @@ def _tally(table: torch.Tensor, lens: torch.Tensor, page_list: torch.Tensor | No
 
 
 def write_decode_kv(pool: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, key: torch.Tensor,
-                    value: torch.Tensor, page_size: int) -> None:
-    """Each row's new K/V ``[B, N_kv, 1, D]`` into its page ``table [B, M]`` at ``positions [B]`` of ``pool``."""
+                    value: torch.Tensor, page_size: int, scaled: bool) -> None:
+    """Each row's new K/V ``[B, N_kv, 1, D]`` into its page ``table [B, M]`` at ``positions [B]`` of ``pool``
+    (``scaled``: FP8 pages, quantized against their scales; each row writes its own page)."""
     slot = table.gather(1, (positions // page_size)[:, None])[:, 0].long()  # [B] device slots
-    pool[slot, :, positions % page_size] = torch.stack([key[:, :, 0], value[:, :, 0]], 1).to(pool.dtype)  # [B, 2, N_kv, D]
+    kv = torch.stack([key[:, :, 0], value[:, :, 0]], 1)  # [B, 2, N_kv, D]
+    if scaled:
+        write_scaled(pool, slot, torch.arange(slot.numel(), device=slot.device), positions.long() % page_size,
+                     kv.transpose(0, 1))
+    else:
+        pool[slot, :, positions % page_size] = kv.to(pool.dtype)
 
 
 class FastEngine:
@@ -168,7 +175,9 @@ class FastEngine:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self._forward = torch.compile(self.runner.forward, dynamic=False) if compiled else self.runner.forward
         self._tally = torch.compile(_tally, dynamic=False) if compiled else _tally
-        self._write_kv = torch.compile(write_decode_kv, dynamic=False) if compiled else write_decode_kv
+        # FP8 pages are written eagerly (their rescaling is not checked under torch.compile)
+        self._write_kv = torch.compile(write_decode_kv, dynamic=False) if compiled and not layout.scaled \
+            else write_decode_kv
         self.lookahead, self.topk_pages, self.sinks, self.margin = lookahead, topk_pages, sinks, margin
         self.max_batch = max_batch
         self.max_pages = layout.pages_for(max_context)
@@ -416,13 +425,8 @@ class FastEngine:
         if self.recall is not None:
             self.recall.overlay(layer, self.home[layer, :B], self.block_table[layer, :B])
         pos = self.positions[:B]  # [B]
-        if self.layout.scaled:  # each row writes its own page: no host work, capturable
-            slot = self.block_table[layer, :B].gather(1, (pos // P)[:, None])[:, 0].long()  # [B] device slots
-            kv = torch.stack([key[:, :, 0], value[:, :, 0]], 1)  # [B, 2, N_kv, D]
-            write_scaled(self.table.tiers[0].pool(layer), slot, torch.arange(B, device=slot.device), pos.long() % P,
-                         kv.transpose(0, 1))
-        else:
-            self._write_kv(self.table.tiers[0].pool(layer), self.block_table[layer, :B], pos, key, value, P)
+        self._write_kv(self.table.tiers[0].pool(layer), self.block_table[layer, :B], pos, key, value, P,
+                       self.layout.scaled)
         if self.bounds is not None:
             self.bounds.add_decode(layer, key[:, :, 0], pos)
 
