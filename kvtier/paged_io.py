@@ -55,7 +55,7 @@ def _store(scaled: bool, pool: torch.Tensor, pages: np.ndarray, inv: np.ndarray,
 
 
 def read_tokens(table: BlockTable, layer: int, seq: int, device=None) -> torch.Tensor:
-    """All tokens of ``seq`` in ``layer``: ``[2, S, N_kv, D]`` in the model's dtype (for tests and debugging)."""
+    """All tokens of ``seq`` in ``layer``: ``[2, S, N_kv, D]`` in the model's dtype (a swapped-out request, tests)."""
     pids = table.pages(seq)
     tiers, slots = table.locate(layer, pids)
     L = table.layout

@@ -32,6 +32,7 @@ import torch
 
 from kvtier.errors import ConfigError, TierFullError
 from kvtier.fast.engine import FastEngine
+from kvtier.paged_io import read_tokens
 from kvtier.serve.radix import PrefixMatch, RadixCache
 
 PREEMPT_MODES = ("auto", "recompute")
@@ -262,9 +263,7 @@ class ServeScheduler:
         pids = eng.table.pages(seq)
         for layer in range(eng.layout.num_layers):
             eng.transfer.wait(layer, pids)
-            pages, _ = eng.transfer.gather(layer, pids, eng.device)  # [n_pages, 2, P, N_kv, D]
-            kv = pages.transpose(0, 1).reshape(2, -1, *pages.shape[3:])[:, :n]  # [2, n, N_kv, D]
-            out.append(kv.to("cpu", non_blocking=False))
+            out.append(read_tokens(eng.table, layer, seq, device="cpu")[:, :n])  # FP8 pages come back dequantized
         return out
 
     def _release(self, state: RequestState, keep: bool) -> None:
