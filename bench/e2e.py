@@ -175,14 +175,14 @@ def main():
                         xfer_ms = r["MB_moved_per_step"] * 1e6 / (link["h2d_GBps"] * 1e9) * 1e3
                         slow = r["tpot_p50_ms"] - all_hbm
                         r["hidden"] = float(np.clip(1 - slow / xfer_ms, 0, 1)) if xfer_ms > 0 else None
+            write_json(args.json, {"gpu": torch.cuda.get_device_name(), "hbm_read_GBps": hbm, "link": link,
+                                    "args": vars(args), "rows": rows})  # after each shape: a cut-off run keeps its rows
         del model
         free_device_memory()
     print_table(f"decode TPOT, bf16, page 16, steps={args.steps}; HBM read {hbm:.0f} GB/s, pinned h2d "
                 f"{link['h2d_GBps']:.1f} GB/s", rows,
                 ["model", "B", "S", "system", "budget", "scope", "lookahead", "tpot_p50_ms", "tpot_p99_ms", "x_limit",
                  "x_allhbm", "tok_s", "hit_rate", "MB_moved_per_step", "host_wait_ms", "hidden", "offloaded"])
-    write_json(args.json, {"gpu": torch.cuda.get_device_name(), "hbm_read_GBps": hbm, "link": link,
-                            "args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":
