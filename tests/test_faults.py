@@ -88,7 +88,7 @@ def test_flipped_byte_is_detected_and_never_returned(written):
         f.seek(5 * pb + 17)
         f.write(bytes([byte ^ 0x01]))
     out = torch.ones_like(pages)
-    with pytest.raises(PageCorruptedError, match=r"disk tier 'disk' layer 0: slots \[5\] failed their crc32"):
+    with pytest.raises(PageCorruptedError, match=r"disk tier 'disk' layer 0: slots \[5\] failed their checksum"):
         tier.read(0, torch.arange(8), out=out)
     assert (raw(out)[5] == 0).all()  # the corrupted page's bytes did not reach the caller
     good = torch.tensor([7, 0, 1, 2, 3, 4, 6])
@@ -338,7 +338,7 @@ def test_silent_peer_times_out_at_construction():
 
 def test_page_overwritten_behind_kvtiers_back_is_detected():
     """Another client rewrites keys: with different bytes of the right size, with a self-consistent
-    page (its own crc correct) from another slot, and with a short value. None comes back as data."""
+    page (its own checksum correct) from another slot, and with a short value. None comes back as data."""
     with LocalRedis() as server:
         layout = layout_of(torch.float16)
         tier = RedisTier(layout, 16, server.url)
@@ -351,7 +351,7 @@ def test_page_overwritten_behind_kvtiers_back_is_detected():
         other.set(tier.key(0, 11), other.get(tier.key(0, 9)))  # a valid page, but not this slot's
         other.set(tier.key(0, 7), value[:100])  # truncated
         out = torch.ones_like(pages)
-        with pytest.raises(PageCorruptedError, match=r"layer 0: slots \[14, 11, 7\] from .* crc32 .*behind kvtier"):
+        with pytest.raises(PageCorruptedError, match=r"layer 0: slots \[14, 11, 7\] from .* checksum .*behind kvtier"):
             tier.read(0, slots, out=out)
         assert (raw(out)[[2, 5, 6]] == 0).all()
         good = [0, 1, 3, 4]

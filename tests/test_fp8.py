@@ -180,7 +180,7 @@ def test_corrupted_scale_on_disk_is_detected(tmp_path):
         byte = f.read(1)[0]
         f.seek(off)
         f.write(bytes([byte ^ 0x01]))  # the scale doubles or halves: every V value of the head is wrong
-    with pytest.raises(PageCorruptedError, match=r"slots \[5\] failed their crc32"):
+    with pytest.raises(PageCorruptedError, match=r"slots \[5\] failed their checksum"):
         tier.read(0, torch.arange(8))
     assert torch.equal(raw(tier.read(0, torch.tensor([4, 6]))), raw(pages[[4, 6]]))
     tier.close()
@@ -196,7 +196,7 @@ def test_corrupted_scale_on_the_remote_store_is_detected(server):
     value = bytearray(other.get(tier.key(0, 2)))
     value[scale_byte(LAYOUT, 0)] ^= 0x01
     other.set(tier.key(0, 2), bytes(value))
-    with pytest.raises(PageCorruptedError, match=r"slots \[2\] from .* crc32"):
+    with pytest.raises(PageCorruptedError, match=r"slots \[2\] from .* checksum"):
         tier.read(0, torch.arange(8))
     tier.close()
 

@@ -1,13 +1,13 @@
 """RedisTier: pages in any Redis-protocol server (Redis, Valkey) by URL, through redis-py + hiredis.
 
 Packing: one key per page, ``kvtier:{<namespace>:<layer>}:<slot>``, whose value is the page's bytes
-followed by their crc32 (4 bytes, little-endian). The namespace is random per tier object (so two
+followed by their checksum (:func:`kvtier.tiers.disk.page_checksums`, 4 bytes, little-endian). The namespace is random per tier object (so two
 caches, or two runs, on one server never collide). A batch is one ``MGET`` (reads) or one pipeline
 of ``SET``s (writes): one round trip per call, never one per page. One server per URL (Redis,
 Valkey); Redis Cluster is not supported yet, though the ``{...}`` hash tag already keeps a layer's
 pages in one cluster slot, where a batch's MGET would have to go.
 
-A page comes back only if it has the right length, its own crc32 matches and it matches the crc32
+A page comes back only if it has the right length, its own checksum matches and it matches the checksum
 this tier recorded when it wrote it (a page overwritten behind kvtier's back fails that). A key the
 server dropped (eviction under ``maxmemory``, a ``ttl_s`` expiry, a restart) raises
 ``PageEvictedError``; an unreachable or silent server raises ``TierIOError``.
@@ -24,10 +24,10 @@ import torch
 from kvtier.errors import ConfigError, MissingDependencyError, PageCorruptedError, PageEvictedError, TierIOError
 from kvtier.layout import KVLayout
 from kvtier.tiers.base import Tier, TierSpec
-from kvtier.tiers.disk import landing, page_bytes_view, page_crcs, slot_array
+from kvtier.tiers.disk import landing, page_bytes_view, page_checksums, slot_array
 
 _DEFAULT_SPEC = TierSpec(bandwidth_gbps=1.0, latency_s=50e-6)  # loopback Redis, pipelined (bench/redis_tier.py)
-_CRC = np.dtype("<u4")
+_SUM = np.dtype("<u4")  # the page checksum stored after its bytes
 
 
 def _redis():
@@ -85,10 +85,10 @@ class RedisTier(Tier):
         self._db = self._call(lambda: redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=reconnect_once,
             single_connection_client=True))  # connects now
-        self._crc = np.zeros((layout.num_layers, capacity), dtype=np.uint32)  # [L, cap]
+        self._sum = np.zeros((layout.num_layers, capacity), dtype=np.uint32)  # [L, cap] checksums written
         self._valid = np.zeros((layout.num_layers, capacity), dtype=bool)  # [L, cap]
         info = self._call(lambda: self._db.info("memory"))
-        need = layout.num_layers * capacity * (layout.page_bytes + _CRC.itemsize)
+        need = layout.num_layers * capacity * (layout.page_bytes + _SUM.itemsize)
         room = info["maxmemory"] - info["used_memory"]
         if info["maxmemory"] and info.get("maxmemory_policy") == "noeviction" and room < need:
             self.close()
@@ -114,16 +114,18 @@ class RedisTier(Tier):
                 "(never written, freed, or their write failed); rewrite them before reading")
         dst, buf = landing(self.layout, s.size, out)  # buf: uint8 [n, page_bytes]
         values = self._call(lambda: self._db.mget([self.key(layer, int(i)) for i in s])) if s.size else []
-        pb = self.layout.page_bytes
-        gone = np.array([v is None for v in values], dtype=bool)
-        short = np.array([v is not None and len(v) != pb + _CRC.itemsize for v in values], dtype=bool)
+        pb, width = self.layout.page_bytes, self.layout.page_bytes + _SUM.itemsize
+        gone, short = np.zeros(s.size, dtype=bool), np.zeros(s.size, dtype=bool)
         stored = np.zeros(s.size, dtype=np.uint32)
+        rows = memoryview(buf).cast("B")  # buf's bytes, flat: each value lands straight in its row
         for i, v in enumerate(values):
-            if not (gone[i] or short[i]):
-                buf[i] = np.frombuffer(v, dtype=np.uint8, count=pb)
-                stored[i] = np.frombuffer(v, dtype=_CRC, offset=pb)[0]
-        crcs = page_crcs(buf)
-        corrupt = short | (~gone & ((crcs != stored) | (crcs != self._crc[layer, s])))
+            if v is None or len(v) != width:
+                gone[i], short[i] = v is None, v is not None
+                continue
+            rows[i * pb:(i + 1) * pb] = memoryview(v)[:pb]
+            stored[i] = int.from_bytes(v[pb:], "little")
+        sums = page_checksums(buf)
+        corrupt = short | (~gone & ((sums != stored) | (sums != self._sum[layer, s])))
         if gone.any() or corrupt.any():
             buf[gone | corrupt] = 0
             self._valid[layer, s[gone]] = False
@@ -134,18 +136,18 @@ class RedisTier(Tier):
                     "the server more memory or a longer ttl")
             raise PageCorruptedError(
                 f"remote tier '{self.name}' layer {layer}: slots {s[corrupt].tolist()} from {self.url} failed "
-                "their crc32 check (overwritten behind kvtier's back, or corrupted); rewrite them")
+                "their checksum (overwritten behind kvtier's back, or corrupted); rewrite them")
         return dst if out is None or out is dst else out.copy_(dst)
 
     def write(self, layer, slots, pages):
         self._check_pages(slots, pages)
         s = slot_array(self, slots)
         buf = page_bytes_view(pages)  # [n, page_bytes]
-        crcs = page_crcs(buf)
+        sums = page_checksums(buf)
         pb = self.layout.page_bytes
-        values = np.empty((s.size, pb + _CRC.itemsize), dtype=np.uint8)  # [n, page_bytes + 4]: page, crc32
+        values = np.empty((s.size, pb + _SUM.itemsize), dtype=np.uint8)  # [n, page_bytes + 4]: page, checksum
         values[:, :pb] = buf
-        values[:, pb:] = crcs.astype(_CRC).view(np.uint8).reshape(-1, _CRC.itemsize)
+        values[:, pb:] = sums.astype(_SUM).view(np.uint8).reshape(-1, _SUM.itemsize)
         self._valid[layer, s] = False
         ttl_ms = None if self.ttl_s is None else max(1, round(self.ttl_s * 1000))
 
@@ -161,7 +163,7 @@ class RedisTier(Tier):
             raise TierIOError(f"remote tier '{self.name}' layer {layer}: the Redis server at {self.url} refused "
                               f"{len(failed)} of {s.size} pages ({failed[0]}); raise its maxmemory or lower "
                               f"tiers.{self.name}.capacity")
-        self._crc[layer, s] = crcs
+        self._sum[layer, s] = sums
         self._valid[layer, s] = True
 
     def free(self, layer, slots):
