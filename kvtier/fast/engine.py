@@ -19,6 +19,10 @@ it runs ahead:
 
 So the pages that step ``t`` picked are promoted during step ``t + 1`` and resident from step
 ``t + k`` on (``lookahead=0``: nothing is fed back; misses are read in place from host memory).
+With the recall cache (``recall_slots > 0``, scope ``topk``) the captured step copies its own misses
+into HBM slots, resident from step ``t + 1``, and the picks are not fed back: ``lookahead`` then only
+bounds how many steps the host runs ahead of the GPU (bench/RESULTS.md, session 5: the same hit rate
+at k = 0, 1, 2).
 
 Prefill runs eagerly, one sequence and chunk at a time, over all of the sequence's pages gathered
 from their tiers (exact). Sequences join (:meth:`add`) and finish (:meth:`finish`) between steps;
