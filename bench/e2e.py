@@ -85,7 +85,8 @@ def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope
     # bytes that crossed the link: migrations, copies into recall slots, misses read in place from the host
     moved = sum(engine.transfer.bytes_moved.values()) - moved0 + (copied + attended - on_device) * layout.page_bytes
     tpot = np.array([events[i - 1].elapsed_time(events[i]) for i in range(WARMUP + 1, len(events))])  # ms
-    row = {"budget": budget, "scope": scope, "lookahead": lookahead, "tpot_p50_ms": float(np.percentile(tpot, 50)),
+    row = {"budget": budget, "scope": scope, "lookahead": lookahead, "recall": recall_slots > 0,
+           "tpot_p50_ms": float(np.percentile(tpot, 50)),
            "tpot_p99_ms": float(np.percentile(tpot, 99)), "wall_ms": wall / steps * 1e3,
            "hit_rate": engine.stats.hit_rate(),
            "MB_moved_per_step": moved / steps / 1e6, "recall_slots": recall_slots,
@@ -116,7 +117,8 @@ def main():
     ap.add_argument("--shapes", default="1x32768,16x8192,16x32768")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--lookahead", type=int, default=2)
-    ap.add_argument("--lookaheads", default="", help="extra topk-20%% rows (B=1 shapes) at these lookaheads, e.g. 0,1")
+    ap.add_argument("--lookaheads", default="", help="extra topk-20%% rows (B=1 shapes) without the recall cache "
+                    "(LRU over the picks, where k is the promotion distance) at these lookaheads, e.g. 0,1,2")
     ap.add_argument("--json", default="e2e.json")
     ap.add_argument("--tiered", default=TIERED, help="tiered rows, HBM fraction:scope, comma-separated")
     ap.add_argument("--no-recall", action="store_true", help="topk rows without the recall cache (LRU over picks)")
@@ -154,14 +156,15 @@ def main():
                                  "compile_s": r.get("compile_s")})
                     print(rows[-1], f"({time.time() - t0:.0f}s)", flush=True)
                     free_device_memory()
-            grid = [(1.0, "all", args.lookahead)]
+            grid = [(1.0, "all", args.lookahead, False)]
             if batch * context <= args.tiered_max_tokens:
-                grid += [(float(b), s, args.lookahead) for b, s in (x.split(":") for x in args.tiered.split(",") if x)]
-                if batch == 1:
-                    grid += [(0.2, "topk", int(k)) for k in args.lookaheads.split(",") if k]
-            for budget, scope, k in grid:
+                grid += [(float(b), s, args.lookahead, not args.no_recall)
+                         for b, s in (x.split(":") for x in args.tiered.split(",") if x)]
+                if batch == 1:  # with the recall cache k only bounds the host's run-ahead: these rows go without it
+                    grid += [(0.2, "topk", int(k), False) for k in args.lookaheads.split(",") if k]
+            for budget, scope, k, recall in grid:
                 t0 = time.time()
-                r = kvtier_row(model, batch, context, args.steps, budget, scope, k, prompts, not args.no_recall)
+                r = kvtier_row(model, batch, context, args.steps, budget, scope, k, prompts, recall)
                 rows.append({**base, "system": "kvtier", **r})
                 print(rows[-1], f"({time.time() - t0:.0f}s)", flush=True)
             all_hbm = next(r["tpot_p50_ms"] for r in rows if r.get("system") == "kvtier" and r["budget"] == 1.0
@@ -181,7 +184,7 @@ def main():
         free_device_memory()
     print_table(f"decode TPOT, bf16, page 16, steps={args.steps}; HBM read {hbm:.0f} GB/s, pinned h2d "
                 f"{link['h2d_GBps']:.1f} GB/s", rows,
-                ["model", "B", "S", "system", "budget", "scope", "lookahead", "tpot_p50_ms", "tpot_p99_ms", "x_limit",
+                ["model", "B", "S", "system", "budget", "scope", "lookahead", "recall", "tpot_p50_ms", "tpot_p99_ms", "x_limit",
                  "x_allhbm", "tok_s", "hit_rate", "MB_moved_per_step", "host_wait_ms", "hidden", "offloaded"])
 
 
