@@ -18,7 +18,7 @@ from kvtier.budget import TokenBudget
 from kvtier.checks import (check_device_room, check_positions, check_salience, check_stack, device_pages_needed,
                            tier_pages)
 from kvtier.errors import ConfigError
-from kvtier.hook import install
+from kvtier.hook import use_hook
 from kvtier.layout import KVLayout
 from kvtier.models import check_load_args, kv_layout_for, load_config
 from kvtier.report import CacheRecord
@@ -164,7 +164,7 @@ def build_model(cfg: DictConfig):
         _LOADED.clear()
         _LOADED[key] = build(cfg.model, "model")
     model, tokenizer = _LOADED[key]
-    model.set_attn_implementation(install())
+    use_hook(model)
     return model, tokenizer
 
 

@@ -118,6 +118,7 @@ class TieredKVCache(PagedCacheBase):
         self.stats = CacheStats()
         self.attention = TieredAttention(self.table, self.transfer, self.backend, merge, self.stats)
         self.step = -1
+        self._attended = -1
         self.next_reserve = 1  # device pages to keep free for the next step, per sequence
         self._q_len = 0
         self._salience: list[tuple[int, np.ndarray, torch.Tensor]] = []
@@ -137,6 +138,10 @@ class TieredKVCache(PagedCacheBase):
             raise ConfigError("batch_size", f"cache built for {len(self.seqs)} sequences, got a batch of {B}")
         if layer_idx == 0:
             self._begin_step(q_len)
+        elif self._attended != layer_idx - 1:  # the layer before wrote its K/V, then attended without kvtier
+            raise ConfigError("attn_implementation", "the model's attention does not go through kvtier, so it "
+                                                     "would read only the new tokens' K/V: call "
+                                                     "kvtier.hook.use_hook(model) (kvtier.Engine does)")
         kv = torch.stack([key_states, value_states]).transpose(2, 3)  # [2, B, q, N_kv, D]
         for b, seq in enumerate(self.seqs):
             write_tokens(self.table, layer_idx, seq, kv[:, b], self._start)
@@ -157,6 +162,7 @@ class TieredKVCache(PagedCacheBase):
             self.end_prefill()
         self.step += 1
         self._q_len = q_len
+        self._attended = -1  # the last layer this step attended through the hook
         self._start = self.get_seq_length()
         self.policy.on_step(self.step)
         need = self.layout.pages_for(self._start % self.layout.page_size + q_len) * len(self.seqs)
@@ -219,6 +225,7 @@ class TieredKVCache(PagedCacheBase):
     def attend(self, layer: int, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
         """Paged attention of ``query [B, H, q, D]`` for ``layer`` under the scope: ``[B, q, H, D]``."""
         B, H, q_len, D = query.shape
+        self._attended = layer
         q = query.transpose(1, 2).reshape(B * q_len, H, D)  # [B*q, H, D]
         scale = D ** -0.5 if scaling is None else scaling
         chosen = self.choose(layer, query)

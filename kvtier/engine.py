@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.cache import TieredKVCache
+from kvtier.hook import use_hook
 from kvtier.metrics import percentile, synchronize
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 
@@ -31,7 +32,8 @@ class Engine:
 
     @torch.no_grad()
     def forward(self, cache: TieredKVCache, ids: torch.Tensor) -> torch.Tensor:
-        """One step: ``ids [B, q]`` -> logits ``[B, q, V]`` (float32)."""
+        """One step: ``ids [B, q]`` -> logits ``[B, q, V]`` (float32), the model's attention through the hook."""
+        use_hook(self.model)
         cache.next_reserve = 1
         out = self.model(input_ids=ids.to(self.device), past_key_values=cache, use_cache=True)
         return out.logits.float()

@@ -40,3 +40,10 @@ def install() -> str:
     """Register the hook with transformers; returns the ``attn_implementation`` name."""
     register_attention(kvtier_attention, kvtier_mask)
     return ATTN_NAME
+
+
+def use_hook(model) -> None:
+    """Route ``model``'s attention through the kvtier hook (registering it first); nothing to do when it
+    already is."""
+    if model.config._attn_implementation != ATTN_NAME:
+        model.set_attn_implementation(install())

@@ -87,6 +87,24 @@ def test_padding_is_refused(smollm2):
     model.set_attn_implementation("sdpa")
 
 
+def test_a_model_not_routed_through_the_hook_is_refused_and_engine_routes_it(smollm2):
+    """With sdpa the layers would attend only the new tokens' K/V: the cache refuses at layer 1; the
+    Engine switches the model to the hook itself."""
+    model, _ = smollm2
+    model.set_attn_implementation("sdpa")
+    layout = kv_layout_for(model.config, page_size=16, dtype=torch.float32)
+    cache = TieredKVCache(layout, [DeviceTier(layout, 8, device="cpu")], LRU())
+    with pytest.raises(ConfigError) as e:
+        model(torch.tensor([[1, 2, 3, 4]]), past_key_values=cache)
+    assert e.value.field == "attn_implementation"
+    cache = TieredKVCache(layout, [DeviceTier(layout, 8, device="cpu")], LRU())
+    logits = Engine(model).run_prefill(cache, torch.tensor([[1, 2, 3, 4]]))
+    assert model.config._attn_implementation == install()
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        assert rel_err(logits, model(torch.tensor([[1, 2, 3, 4]])).logits.float()) < 1e-4
+
+
 def test_salience_equals_eager_max_probability():
     """Salience from per-page max logits and the merged LSE vs an eager softmax over all keys."""
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.hook import install
+from kvtier.hook import use_hook
 
 # Families whose base model is embed -> rotary -> decoder layers -> norm -> head, with no extra
 # per-layer inputs (Gemma scales embeddings, GPT-OSS adds sinks: those use the hook path).
@@ -32,7 +32,6 @@ class LlamaRunner:
 
     def __init__(self, model):
         check_fast_model(model)
-        self.attn_name = install()
         self.model = model
         self.base = model.model
         self.num_layers = len(self.base.layers)
@@ -46,8 +45,7 @@ class LlamaRunner:
 
         ``kv`` is the object the decoder layers see as ``past_key_values`` (its ``update`` stores K/V).
         """
-        if self.model.config._attn_implementation != self.attn_name:  # another user switched it
-            self.model.set_attn_implementation(self.attn_name)
+        use_hook(self.model)  # another user may have switched it
         hidden = self.base.embed_tokens(ids)  # [B, q, hidden]
         rope = self.base.rotary_emb(hidden, positions)  # (cos, sin) [B, q, D]
         for layer in self.base.layers:
