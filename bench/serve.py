@@ -1,22 +1,40 @@
 """Serving bench (H200, Llama-8B shape, random bf16 weights) through kvtier.serve on FastEngine.
 
+Each part first runs, untimed, every path it then times: a Triton kernel compiles at its first launch of a
+shape, a decode bucket captures its CUDA graph at its first step.
+
 1. TTFT of an 8k prompt whose prefix is fully cached in the radix tree vs the same prompt cold
    (target: cached <= 10% of cold); anchor: the prompt's compute-bound limit, 2 * params * S / peak.
-2. Decode ITL p99 of 16 running requests while 2k-token prefill chunks of long prompts run in the
-   same iterations (target: < 12 ms); anchors: the same decode with no prefill, and the compute-bound
-   limit of one iteration's 2k + 16 tokens.
-3. Goodput vs request rate of long-context sessions (8k prompt, 32 new tokens) for an all-HBM engine
-   and a tiered one with the same HBM plus host DRAM (each session ~20% in HBM: sink + window pinned,
-   scope resident; 16 rows): SLO-met requests/s (TTFT < 250 ms, ITL p99 < 12 ms), TTFT / ITL p99 and the peak
-   of sessions decoding at once (target: tiered >= 3x the sessions of all-HBM before the SLOs break).
+   Warm-up: another prompt cold, then its hit (a 1-token prefill over 512 shared pages runs Triton's
+   split-KV decode kernels, which neither a cold prefill nor the decode graph launches).
+2. Decode ITL p50 / p99 of 16 running requests (2k contexts) while four 8k prompts are prefilled in 2k
+   chunks (token budget 16 + 2k; target: p99 < 12 ms), then in 256-token chunks (budget 16 + 256);
+   anchors: the same decode with no prefill, and per chunk size the compute-bound limit of one iteration's
+   chunk + 16 tokens. Warm-up: one 8k prompt at each chunk size.
+3. Goodput vs request rate of long-context sessions (8k prompt, 32 new tokens, token budget 512) for an
+   all-HBM engine and a tiered one with the same HBM plus host DRAM (each session ~20% in HBM: sink +
+   window pinned, scope resident; 16 rows), 10 requests per rate on one Poisson arrival pattern (gaps
+   rescaled to mean 1 / rate: the rate is exact) for every rate and both systems. Per rate: goodput and
+   SLO-met share under the seed SLOs (TTFT < 250 ms, ITL p99 < 12 ms) and under SLOs scaled to this model
+   and shape, measured in the run on the idle all-HBM engine (one session served alone): TTFT < 3x its
+   TTFT, ITL p99 < 5x its decode ITL (p50); TTFT / ITL p99, peak of sessions decoding at once,
+   preemptions. Sustained: per system the highest rate whose scaled-SLO share is >= 0.9 and the sessions
+   decoding at once then (peak), and their ratio tiered / all-HBM (target >= 3x). Warm-up, per engine: 16
+   short requests whose batch shrinks through every decode bucket, then one session more than the HBM
+   holds, at once.
 
-    PYTHONPATH=. python3 -m bench.serve            # table + $OUT/serve.json, about 3 minutes
+    PYTHONPATH=. python3 -m bench.serve           # tables + $OUT/serve.json, 3-4 minutes on an H200
+    PYTHONPATH=. python3 -m bench.serve --smoke   # CPU check of the whole script: tiny fp32 model, tiny sizes,
+                                                  # about 15 s (writes serve_smoke.json)
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
+from dataclasses import asdict, dataclass, replace
+from functools import partial
 
 import numpy as np
 import torch
@@ -27,23 +45,64 @@ from kvtier.models import kv_layout_for, random_llama
 from kvtier.policies import LRU, SinkWindow
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 from kvtier.serve.replay import SLO, replay
-from kvtier.serve.scheduler import Request, ServeScheduler
+from kvtier.serve.scheduler import Request, RequestState, ServeScheduler
 from kvtier.tiers import DeviceTier, HostTier
 
 PAGE = 16
+TTFT_X, ITL_X = 3.0, 5.0  # scaled SLOs: multiples of an idle session's TTFT and decode ITL, measured in the run
+SYSTEMS = (("all-HBM", False), ("tiered 20% HBM + host", True))  # (name, tiered); all-HBM first: it sets the SLO
+SMOKE_MODEL = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, vocab_size=256)
+RIDS = itertools.count()
+COLUMNS = {"ttft": ["part", "system", "ttft_ms", "x_cold", "cached_tokens"],
+           "itl": ["part", "system", "itl_p50_ms", "itl_p99_ms"],
+           "goodput": ["part", "system", "rate_rps", "ttft_ms", "itl_p50_ms", "ttft_p99_ms", "itl_p99_ms",
+                       "goodput_rps", "slo_met", "scaled_goodput_rps", "scaled_slo_met", "peak_running", "preempted",
+                       "wall_s"]}
 
 
-def peak_tflops() -> float:
-    """bf16 matmul TFLOP/s measured now (the compute ceiling)."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = bench_ms(lambda: a @ a, warmup=5, rep=20)
-    return 2 * 8192 ** 3 / ms / 1e9
+@dataclass(frozen=True)
+class Sizes:
+    long: int = 8192  # tokens of a long prompt: the TTFT prompt, the ITL part's prefills, every goodput session
+    ctx: int = 2048  # ITL part: context of each decoding request
+    batch: int = 16  # ITL part: decoding requests; goodput: rows of each engine
+    chunks: tuple[int, ...] = (2048, 256)  # ITL part: prefill chunk sizes, one row each
+    budget: int = 512  # goodput: token budget of an iteration
+    new: int = 32  # goodput: output tokens of a session
+
+
+SMOKE = Sizes(long=128, ctx=32, batch=4, chunks=(64, 16), budget=48, new=8)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def release_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch._C._host_emptyCache()
+
+
+def peak_tflops(device: torch.device, dtype: torch.dtype) -> float:
+    """Matmul TFLOP/s in ``dtype`` measured now (the compute ceiling)."""
+    n = 8192 if device.type == "cuda" else 256
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    if device.type == "cuda":
+        ms = bench_ms(lambda: a @ a, warmup=5, rep=20)
+    else:
+        a @ a
+        t = time.perf_counter()
+        a @ a
+        ms = (time.perf_counter() - t) * 1e3
+    return 2 * n ** 3 / ms / 1e9
 
 
 def engine_for(model, hbm_pages: int, host_pages: int, max_batch: int, max_context: int,
                window: int | None = None) -> FastEngine:
-    layout = kv_layout_for(model.config, page_size=PAGE, dtype=torch.bfloat16)
-    tiers = [DeviceTier(layout, hbm_pages)] + ([HostTier(layout, host_pages)] if host_pages else [])
+    layout = kv_layout_for(model.config, page_size=PAGE, dtype=model.dtype)
+    tiers = [DeviceTier(layout, hbm_pages, device=model.device)] + \
+        ([HostTier(layout, host_pages)] if host_pages else [])
     policy = SinkWindow(sinks=4, window=window) if window else LRU()
     # no torch.compile: a serving batch visits every bucket, and compiling each would take minutes
     return FastEngine(model, layout, tiers, policy, scope="resident" if window else "all", max_batch=max_batch,
@@ -54,119 +113,201 @@ def prompt(rng: np.random.Generator, n: int, vocab: int) -> np.ndarray:
     return rng.integers(0, vocab, n, dtype=np.int64)
 
 
-def serve_alone(sched: ServeScheduler, ids: np.ndarray, new: int):
-    """One request through an otherwise idle scheduler; its state."""
-    torch.cuda.synchronize()
-    state = sched.submit(Request(len(sched.done), ids, new, sched.clock()))
+def serve_now(sched: ServeScheduler, requests: list[tuple[np.ndarray, int]]) -> list[RequestState]:
+    """``requests`` (prompt, new tokens) arriving now at an idle scheduler, served to the end; their states."""
+    sync()
+    states = [sched.submit(Request(next(RIDS), ids, new, sched.clock())) for ids, new in requests]
     while not sched.idle:
         sched.iterate()
-    torch.cuda.synchronize()
-    return state
+    sync()
+    return states
 
 
-def ttft_rows(model, rng, flops, S: int = 8192) -> list[dict]:
+def prefill_beside(sched: ServeScheduler, prompts: list[np.ndarray]) -> None:
+    """Prefill ``prompts`` (one output token each) in the budget the running decoders leave, to the last."""
+    for ids in prompts:
+        sched.submit(Request(next(RIDS), ids, 1, sched.clock()))
+    while any(not s.decoding for s in sched.active) or sched.waiting:
+        sched.iterate()
+
+
+def ttft_rows(model, rng, flops, S: int) -> list[dict]:
     V = model.config.vocab_size
     eng = engine_for(model, hbm_pages=4 * S // PAGE, host_pages=0, max_batch=2, max_context=S + 64)
     sched = ServeScheduler(eng, token_budget=S + 64, prefix_cache=True)
-    serve_alone(sched, prompt(rng, S + 1, V), 2)  # warm-up: kernels, the decode graph
+    warm = prompt(rng, S + 1, V)
+    for _ in range(2):  # warm-up: the cold path, then the hit on its cached prefix
+        serve_now(sched, [(warm, 2)])
     ids = prompt(rng, S + 1, V)
-    cold = serve_alone(sched, ids, 2)
-    cached = serve_alone(sched, ids, 2)
+    cold = serve_now(sched, [(ids, 2)])[0]
+    hit = serve_now(sched, [(ids, 2)])[0]
     t_cold = cold.first_token_s - cold.req.arrival_s
-    t_hit = cached.first_token_s - cached.req.arrival_s
+    t_hit = hit.first_token_s - hit.req.arrival_s
     limit = 2 * flops["params"] * S / (flops["tflops"] * 1e12)
     eng.close()
-    return [{"part": "ttft 8k", "system": "limit (compute)", "ttft_ms": limit * 1e3},
-            {"part": "ttft 8k", "system": "cold", "ttft_ms": t_cold * 1e3, "cached_tokens": cold.cached_tokens},
-            {"part": "ttft 8k", "system": "radix hit", "ttft_ms": t_hit * 1e3, "cached_tokens": cached.cached_tokens,
+    part = f"ttft {S}"
+    return [{"part": part, "system": "limit (compute)", "ttft_ms": limit * 1e3},
+            {"part": part, "system": "cold", "ttft_ms": t_cold * 1e3, "cached_tokens": cold.cached_tokens},
+            {"part": part, "system": "radix hit", "ttft_ms": t_hit * 1e3, "cached_tokens": hit.cached_tokens,
              "x_cold": t_hit / t_cold}]
 
 
-def itl_rows(model, rng, flops, B: int = 16, ctx: int = 2048, chunk: int = 2048, long: int = 8192) -> list[dict]:
-    V = model.config.vocab_size
-    new = 24 + 4 * (-(-long // chunk)) + 32  # decoding through the warm-up, the baseline and the chunks
-    eng = engine_for(model, hbm_pages=(B * (ctx + new + PAGE) + 4 * long) // PAGE + 64, host_pages=0,
-                     max_batch=B + 2, max_context=max(long, ctx + new) + 64)
-    sched = ServeScheduler(eng, token_budget=B + chunk, prefix_cache=False)
-    decoders = [sched.submit(Request(i, prompt(rng, ctx, V), new, sched.clock())) for i in range(B)]
+def itl_rows(model, rng, flops, sz: Sizes) -> list[dict]:
+    V, B, long = model.config.vocab_size, sz.batch, sz.long
+    mixed = sum(5 * -(-long // c) for c in sz.chunks)  # iterations: a warm-up and 4 timed prompts per chunk size
+    new = 8 + 16 + mixed + 32  # decoding through the warm-up, the baseline and every chunk
+    eng = engine_for(model, hbm_pages=(B * (sz.ctx + new + PAGE) + 4 * long) // PAGE + 64, host_pages=0,
+                     max_batch=B + 2, max_context=max(long, sz.ctx + new) + 64)
+    sched = ServeScheduler(eng, token_budget=B + max(sz.chunks), prefix_cache=False)
+    decoders = [sched.submit(Request(next(RIDS), prompt(rng, sz.ctx, V), new, sched.clock())) for _ in range(B)]
     while not all(s.decoding for s in decoders):
         sched.iterate()
-    for _ in range(8):  # warm-up and decode-only ITL
+    for _ in range(8):  # warm-up
         sched.iterate()
-    torch.cuda.synchronize()
+    sync()
+
+    def itl(a: float, b: float) -> dict:  # p50 / p99 of the decoders' inter-token gaps within [a, b]
+        g = np.concatenate([np.diff([t for t in s.token_s if a <= t <= b]) for s in decoders])
+        return {"itl_p50_ms": float(np.percentile(g, 50)) * 1e3, "itl_p99_ms": float(np.percentile(g, 99)) * 1e3}
+
+    part = f"itl B={B}"
     t0 = sched.clock()
     for _ in range(16):
         sched.iterate()
-    t1 = sched.clock()
-    for i in range(4):
-        sched.submit(Request(B + i, prompt(rng, long, V), 1, sched.clock()))
-    while any(not s.decoding for s in sched.active) or sched.waiting:
-        sched.iterate()
-    t2 = sched.clock()
-    gaps = lambda a, b: np.concatenate([np.diff([t for t in s.token_s if a <= t <= b]) for s in decoders])  # noqa: E731
-    alone, mixed = gaps(t0, t1), gaps(t1, t2)
-    limit = 2 * flops["params"] * (chunk + B) / (flops["tflops"] * 1e12)
+    rows = [{"part": part, "system": "decode only", **itl(t0, sched.clock())}]
+    for chunk in sz.chunks:
+        sched.budget = B + chunk
+        prefill_beside(sched, [prompt(rng, long, V)])  # warm-up: every chunk of a long prompt, beside decode
+        t1 = sched.clock()
+        prefill_beside(sched, [prompt(rng, long, V) for _ in range(4)])
+        limit = 2 * flops["params"] * (chunk + B) / (flops["tflops"] * 1e12)
+        rows += [{"part": part, "system": f"limit ({chunk}+{B} tokens, compute)", "itl_p99_ms": limit * 1e3},
+                 {"part": part, "system": f"decode + {chunk}-token chunks", **itl(t1, sched.clock())}]
     eng.close()
-    return [{"part": "itl B=16", "system": "limit (2k+16 tokens, compute)", "itl_p99_ms": limit * 1e3},
-            {"part": "itl B=16", "system": "decode only", "itl_p50_ms": float(np.percentile(alone, 50)) * 1e3,
-             "itl_p99_ms": float(np.percentile(alone, 99)) * 1e3},
-            {"part": "itl B=16", "system": "decode + 2k chunks", "itl_p50_ms": float(np.percentile(mixed, 50)) * 1e3,
-             "itl_p99_ms": float(np.percentile(mixed, 99)) * 1e3}]
+    return rows
 
 
-def goodput_rows(model, rng, rates, n_requests, sessions_hbm, S: int = 8192, new: int = 32) -> list[dict]:
-    V = model.config.vocab_size
-    per_session = (S + new) // PAGE + 2
-    hbm = sessions_hbm * per_session
+def unit_arrivals(rng, n: int) -> np.ndarray:
+    """``[n]`` Poisson arrival times at rate 1 from 0, the gaps rescaled to mean 1: divided by a rate r, the
+    requests arrive at exactly r per second on average (n - 1 gaps over (n - 1) / r seconds)."""
+    gaps = rng.exponential(1.0, n - 1)
+    return np.concatenate([[0.0], np.cumsum(gaps / gaps.mean())])
+
+
+def warm_up(sched: ServeScheduler, rng, vocab: int, S: int, new: int, sessions: int) -> None:
+    """Untimed, the shapes a replay meets: ``max_batch`` short requests at once, each ending a token before the
+    one admitted before it (the batch shrinks through every decode bucket), then ``sessions`` S-token requests
+    at once (chunked prefills beside decode; on a tiered engine, pages moved to the host and read back)."""
+    rows = sched.engine.max_batch
+    serve_now(sched, [(prompt(rng, PAGE, vocab), rows + 2 - i) for i in range(rows)])
+    serve_now(sched, [(prompt(rng, S, vocab), new) for _ in range(sessions)])
+
+
+def scaled_slo(sched: ServeScheduler, ids: np.ndarray, new: int) -> tuple[SLO, list[dict]]:
+    """SLOs scaled to this model and shape: ``ids`` served alone by an idle ``sched``; TTFT < TTFT_X x its TTFT,
+    ITL p99 < ITL_X x its decode ITL (p50, one session decoding). The SLO and its rows."""
+    alone = serve_now(sched, [(ids, new)])[0]
+    ttft = alone.first_token_s - alone.req.arrival_s
+    itl = float(np.median(np.diff(alone.token_s)))
+    slo = SLO(TTFT_X * ttft, ITL_X * itl)
+    return slo, [{"part": "goodput", "system": "1 session alone (idle all-HBM)", "ttft_ms": ttft * 1e3,
+                  "itl_p50_ms": itl * 1e3},
+                 {"part": "goodput", "system": f"scaled SLO ({TTFT_X:g}x, {ITL_X:g}x alone)",
+                  "ttft_ms": slo.ttft_s * 1e3, "itl_p99_ms": slo.itl_s * 1e3}]
+
+
+def goodput_rows(model, rng, sz: Sizes, rates: list[float], n_requests: int, sessions_hbm: int) -> list[dict]:
+    V, S, new = model.config.vocab_size, sz.long, sz.new
+    hbm = sessions_hbm * ((S + new) // PAGE + 2)
+    unit = unit_arrivals(rng, n_requests)  # one pattern, every rate and both systems
+    workload = {rate: [Request(next(RIDS), prompt(rng, S, V), new, float(t / rate)) for t in unit] for rate in rates}
     rows = []
-    for system, host, window in (("all-HBM", 0, None), ("tiered 20% HBM + host", 4 * hbm, S // 5)):
-        for rate in rates:
-            eng = engine_for(model, hbm, host, max_batch=16, max_context=S + new + 16, window=window)
-            sched = ServeScheduler(eng, token_budget=S + 32, prefix_cache=False, preempt="recompute")
-            gaps = rng.exponential(1 / rate, n_requests)
-            reqs = [Request(i, prompt(rng, S, V), new, float(t)) for i, t in enumerate(np.cumsum(gaps) - gaps[0])]
-            serve_alone(sched, prompt(rng, 256, V), 4)  # warm-up
-            sched.done.clear()
+    for system, tiered in SYSTEMS:
+        eng = engine_for(model, hbm, 4 * hbm if tiered else 0, max_batch=sz.batch, max_context=S + new + 16,
+                         window=S // 5 if tiered else None)
+        scheduler = partial(ServeScheduler, eng, token_budget=sz.budget, prefix_cache=False, preempt="recompute")
+        warm_up(scheduler(), rng, V, S, new, sessions_hbm + 1)
+        if not tiered:
+            slo, slo_rows = scaled_slo(scheduler(), prompt(rng, S, V), new)
+            rows += slo_rows
+        for rate, reqs in workload.items():
+            sched = scheduler()
             t = time.perf_counter()
             out = replay(sched, reqs, SLO())
+            scaled_rps, scaled_met = slo.goodput(sched.done)
             rows.append({"part": "goodput", "system": system, "rate_rps": rate, "hbm_sessions": sessions_hbm,
                          "goodput_rps": out["goodput_rps"], "slo_met": out["slo_met_fraction"],
+                         "scaled_goodput_rps": scaled_rps, "scaled_slo_met": scaled_met,
                          "ttft_p99_ms": out["ttft_p99_s"] * 1e3, "itl_p99_ms": out["itl_p99_s"] * 1e3,
                          "peak_running": out["peak_running"], "preempted": out["preemptions"]["recompute"],
                          "wall_s": time.perf_counter() - t})
             print(rows[-1], flush=True)
-            eng.close()
-            del eng, sched
-            torch.cuda.empty_cache()
-            torch._C._host_emptyCache()
-    return rows
+        eng.close()
+        del eng, scheduler, sched
+        release_memory()
+    return rows + sustained_rows(rows)
+
+
+def sustained_rows(rows: list[dict]) -> list[dict]:
+    """Per system, the highest rate whose scaled-SLO share is >= 0.9 (None: no rate) and the sessions decoding
+    at once then (peak)."""
+    out = []
+    for system, _ in SYSTEMS:
+        ok = [r for r in rows if r["system"] == system and r["scaled_slo_met"] >= 0.9]
+        best = max(ok, key=lambda r: r["rate_rps"], default={"rate_rps": None, "peak_running": 0})
+        out.append({"part": "sustained", "system": system, "rate_rps": best["rate_rps"],
+                    "peak_running": best["peak_running"]})
+    return out
+
+
+def sessions_ratio(rows: list[dict]) -> float:
+    """Sessions sustained, tiered / all-HBM (NaN when all-HBM sustains none)."""
+    all_hbm, tiered = (r["peak_running"] for r in rows if r["part"] == "sustained")
+    return tiered / all_hbm if all_hbm else float("nan")
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rates", default="1,2,4")
-    ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--hbm-sessions", type=int, default=4, help="HBM of both engines, in whole 8k sessions")
+    ap.add_argument("--rates", default=None, help="goodput: requests/s (default 0.25,0.5,1,2; --smoke: 2,20)")
+    ap.add_argument("--requests", type=int, default=10, help="goodput: requests per rate (>= 2)")
+    ap.add_argument("--new-tokens", type=int, default=None, help=f"goodput: output tokens of a session, >= 2 "
+                                                                 f"(default {Sizes.new}; --smoke: {SMOKE.new})")
+    ap.add_argument("--hbm-sessions", type=int, default=4, help="HBM of both goodput engines, in whole sessions")
     ap.add_argument("--parts", default="ttft,itl,goodput")
-    ap.add_argument("--json", default="serve.json")
+    ap.add_argument("--smoke", action="store_true", help="CPU check of the whole script: tiny fp32 model, tiny sizes")
+    ap.add_argument("--json", default=None, help="output file name (default serve.json; --smoke: serve_smoke.json)")
     args = ap.parse_args()
-    rng = np.random.default_rng(0)
-    model = random_llama(**MODELS["llama8b-shape"], device="cuda", dtype="bfloat16")
-    flops = {"params": sum(p.numel() for p in model.parameters()), "tflops": peak_tflops()}
-    rows = []
+    base = SMOKE if args.smoke else Sizes()
+    sz = replace(base, new=base.new if args.new_tokens is None else args.new_tokens)
     parts = args.parts.split(",")
-    if "ttft" in parts:
-        rows += ttft_rows(model, rng, flops)
-        print(rows[-3:], flush=True)
-    if "itl" in parts:
-        rows += itl_rows(model, rng, flops)
-        print(rows[-3:], flush=True)
-    if "goodput" in parts:
-        rows += goodput_rows(model, rng, [float(r) for r in args.rates.split(",")], args.requests, args.hbm_sessions)
-    print_table(f"serving, Llama-8B shape bf16, page {PAGE}; bf16 peak {flops['tflops']:.0f} TFLOP/s", rows,
-                ["part", "system", "rate_rps", "ttft_ms", "x_cold", "cached_tokens", "itl_p50_ms", "itl_p99_ms",
-                 "goodput_rps", "slo_met", "ttft_p99_ms", "peak_running", "preempted", "wall_s"])
-    write_json(args.json, {"gpu": torch.cuda.get_device_name(), **flops, "args": vars(args), "rows": rows})
+    if sz.new < 2 or args.requests < 2 or not set(parts) <= set(COLUMNS):
+        ap.error(f"--new-tokens >= 2 (the scaled ITL SLO needs a decode gap), --requests >= 2 (a gap between "
+                 f"arrivals), --parts among {list(COLUMNS)}")
+    rates = [float(r) for r in (args.rates or ("2,20" if args.smoke else "0.25,0.5,1,2")).split(",")]
+    rng = np.random.default_rng(0)
+    if args.smoke:
+        torch.set_num_threads(1)  # a tiny model: more threads only contend for the cores
+        model = random_llama(**SMOKE_MODEL, device="cpu", dtype="float32")
+    else:
+        model = random_llama(**MODELS["llama8b-shape"], device="cuda", dtype="bfloat16")
+    flops = {"params": sum(p.numel() for p in model.parameters()), "tflops": peak_tflops(model.device, model.dtype)}
+    device = torch.cuda.get_device_name() if model.device.type == "cuda" else "cpu"
+    shape = "tiny fp32 (smoke)" if args.smoke else "Llama-8B shape bf16"
+    runs = {"ttft": lambda: ttft_rows(model, rng, flops, sz.long),
+            "itl": lambda: itl_rows(model, rng, flops, sz),
+            "goodput": lambda: goodput_rows(model, rng, sz, rates, args.requests, args.hbm_sessions)}
+    result = {"device": device, **flops, "args": vars(args), "sizes": asdict(sz), "rows": []}
+    for part in parts:  # each part's table and the JSON so far as soon as it ends (a cut-off run keeps them)
+        t = time.perf_counter()
+        rows = runs[part]()
+        print_table(f"{part} ({time.perf_counter() - t:.0f} s): serving on {device}, {shape}, page {PAGE}; "
+                    f"matmul peak {flops['tflops']:.3g} TFLOP/s", rows, COLUMNS[part])
+        result["rows"] += rows
+        if part == "goodput":
+            result["sustained_ratio"] = sessions_ratio(rows)
+            print(f"sessions decoding at the highest rate meeting the scaled SLOs, tiered / all-HBM: "
+                  f"{result['sustained_ratio']:.2f}x (target >= 3x)", flush=True)
+        write_json(args.json or ("serve_smoke.json" if args.smoke else "serve.json"), result)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,30 @@ def test_batched_decode_matches_hf_while_sequences_join_finish_and_pages_move(ti
     assert engine.stats.hit_rate() < 1  # some pages were read in place from host memory
 
 
+@pytest.mark.parametrize("on_host", [False, True])
+def test_prefill_on_a_shared_prefix_computes_its_tail_and_copies_no_device_page(tiny, on_host):
+    """A prompt opened on another sequence's 4 full pages (a radix hit) computes only its last token: exact
+    against HF over the whole prompt. Its attention reads device pages in place (no copy of the prefix);
+    only a prefix with pages on the host is gathered into a temporary pool."""
+    model, layout = tiny
+    prompt = torch.randint(0, 256, (33,), generator=torch.Generator().manual_seed(3))
+    ref = hf_greedy(model, prompt, 0)[0]
+    engine = FastEngine(model, layout, [DeviceTier(layout, 16, device="cpu"), HostTier(layout, 16)], LRU(),
+                        max_batch=2, max_context=64)
+    first, _ = engine.add(prompt)
+    prefix = engine.table.pages(first)[:4]  # tokens 0..31
+    if on_host:
+        engine.transfer.migrate_many([(layer, prefix, 1) for layer in range(layout.num_layers)])
+    gathered = []
+    gather = engine.transfer.gather
+    engine.transfer.gather = lambda layer, pids, device: gathered.append(layer) or gather(layer, pids, device)
+    seq = engine.open(33, prefix, 32)
+    logits = engine.prefill_chunk(seq, prompt[32:])
+    assert rel_err(logits[-1], ref) < 1e-4
+    assert gathered == (list(range(layout.num_layers)) if on_host else [])
+    model.set_attn_implementation("sdpa")
+
+
 def test_fast_path_matches_hf_on_smollm2(smollm2):
     model, tok = smollm2
     layout = kv_layout_for(model.config, page_size=16, dtype=torch.float32)

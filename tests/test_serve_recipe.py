@@ -51,3 +51,4 @@ def test_goodput_counts_requests_meeting_both_slos():
     out = summarize(SimpleNamespace(done=states, stats=ServeStats(prompt_tokens=16, cached_tokens=4)), SLO(), 0.0)
     assert out["slo_met_fraction"] == 0.5 and out["goodput_rps"] == pytest.approx(2 / 1.2)
     assert out["ttft_p50_s"] == pytest.approx(0.15) and out["prefix_hit_tokens"] == 0.25
+    assert SLO(ttft_s=0.35, itl_s=0.2).goodput(states) == (pytest.approx(4 / 1.2), 1.0)  # a looser SLO, same span

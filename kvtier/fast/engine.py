@@ -24,9 +24,10 @@ into HBM slots, resident from step ``t + 1``, and the picks are not fed back: ``
 bounds how many steps the host runs ahead of the GPU (bench/RESULTS.md, session 5: the same hit rate
 at k = 0, 1, 2).
 
-Prefill runs eagerly, one sequence and chunk at a time, over all of the sequence's pages gathered
-from their tiers (exact). Sequences join (:meth:`add`) and finish (:meth:`finish`) between steps;
-a bucket's graph is captured once and serves every batch that fits it.
+Prefill runs eagerly, one sequence and chunk at a time, over all of the sequence's pages (exact): read
+in place when they are all in the device pool, else gathered from their tiers into one temporary pool.
+Sequences join (:meth:`add`) and finish (:meth:`finish`) between steps; a bucket's graph is captured once
+and serves every batch that fits it.
 """
 
 from __future__ import annotations
@@ -446,9 +447,13 @@ class FastEngine:
         seq, _, _, q_len = self._prefill
         pids = self.table.pages(seq)
         self.transfer.wait(layer, pids)
-        pool, _ = self.transfer.gather(layer, pids, self.device)  # [n, 2, P, N_kv, D]
+        tiers, slots = self.table.locate(layer, pids)
+        if (tiers == 0).all():  # read in place: no copy of the (cached) prefix
+            pool, indices = self.table.tiers[0].pool(layer), slots
+        else:  # some pages on the host: copies of them all in one temporary pool [n, 2, P, N_kv, D]
+            pool, indices = self.transfer.gather(layer, pids, self.device)[0], np.arange(pids.size)
         last = (self.table.seq_len(seq) - 1) % self.layout.page_size + 1
-        batch = PagedBatch.from_host([0, q_len], [0, pids.size], np.arange(pids.size), [last],
+        batch = PagedBatch.from_host([0, q_len], [0, pids.size], indices, [last],
                                      self.layout.page_size, True, self.device, window_left=self._window_left(layer))
         _, H, _, D = query.shape
         self.backend.plan(batch, H, self.layout.num_kv_heads, D, scale)

@@ -24,6 +24,18 @@ class SLO:
         return state.first_token_s - state.req.arrival_s < self.ttft_s and \
             (itl.size == 0 or float(np.percentile(itl, 99)) < self.itl_s)
 
+    def goodput(self, done: list[RequestState]) -> tuple[float, float]:
+        """(requests/s meeting this SLO over ``done``'s span, their share of ``done``); (0, 0) if none."""
+        if not done:
+            return 0.0, 0.0
+        good = sum(self.met(s) for s in done)
+        return good / span_s(done), good / len(done)
+
+
+def span_s(done: list[RequestState]) -> float:
+    """Seconds from the first arrival to the last finish of ``done`` (NaN if empty)."""
+    return max(s.finish_s for s in done) - min(s.req.arrival_s for s in done) if done else float("nan")
+
 
 def trace_requests(trace: list[TraceRequest], vocab: int, block_tokens: int = BLOCK,
                    max_context: int | None = None) -> list[Request]:
@@ -68,17 +80,16 @@ def summarize(sched: ServeScheduler, slo: SLO, t0: float) -> dict:
     ttft = [s.first_token_s - s.req.arrival_s for s in done]
     itl = [float(x) for s in done for x in np.diff(s.token_s)]
     e2e = [s.finish_s - s.req.arrival_s for s in done]
-    span = max(s.finish_s for s in done) - min(s.req.arrival_s for s in done) if done else float("nan")
-    good = sum(slo.met(s) for s in done)
+    goodput, met = slo.goodput(done)
     st = sched.stats
     tiers = sorted({t for _, occ, _ in st.occupancy for t in occ})
     return {
-        "requests": len(done), "span_s": span,
+        "requests": len(done), "span_s": span_s(done),
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
         "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99),
         "slo_ttft_s": slo.ttft_s, "slo_itl_s": slo.itl_s,
-        "goodput_rps": good / span if done else 0.0, "slo_met_fraction": good / len(done) if done else 0.0,
+        "goodput_rps": goodput, "slo_met_fraction": met,
         "prefix_hit_tokens": st.cached_tokens / st.prompt_tokens if st.prompt_tokens else 0.0,
         "preemptions": {"swap": st.swaps, "recompute": st.recomputes},
         "iterations": st.iterations, "peak_running": st.peak_running,
