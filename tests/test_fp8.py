@@ -204,7 +204,8 @@ def test_corrupted_scale_on_the_remote_store_is_detected(server):
 
 
 # -- kernels on FP8 pools ------------------------------------------------------------------------
-def fp8_batch(kv_lens, q_lens, num_kv, group, dim, causal, seed, page=16, window_left=-1, spare=3, exponents=(-6, 6)):
+def fp8_batch(kv_lens, q_lens, num_kv, group, dim, causal, seed, page=16, window_left=-1, spare=3,
+              exponents=(-6, 6)):
     """Random q ``[Nq, H, D]`` and an FP8 pool of fresh random pages in shuffled slots (outliers included),
     each (page, K/V, head) scaled by ``2^e``, ``e`` drawn from ``exponents``."""
     g = torch.Generator().manual_seed(seed)

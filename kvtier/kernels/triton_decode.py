@@ -142,7 +142,8 @@ def warp_token_order(BLOCK_N: tl.constexpr, NUM_WARPS: tl.constexpr, WARP_ORDER:
 @triton.jit
 def page_maxima(s, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_WARPS: tl.constexpr,
                 WARP_ORDER: tl.constexpr):
-    """Max of the logits ``s [G, N]`` (columns in :func:`warp_token_order`) over each page of the block ``[G, N / PAGE]``."""
+    """Max of the logits ``s [G, N]`` (columns in :func:`warp_token_order`) over each page of the block:
+    ``[G, N / PAGE]``."""
     if WARP_ORDER:  # back to token order: reshapes and a permute of the layout, no data movement
         s = tl.reshape(tl.permute(tl.reshape(s, [BLOCK_G, BLOCK_N // (8 * NUM_WARPS), NUM_WARPS, 8]), (0, 2, 1, 3)),
                        [BLOCK_G, BLOCK_N])
