@@ -307,10 +307,12 @@ def paged_decode(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, plan
     dot_f32, precision = dot_operand_dtype(q.dtype)
     page_max = None
     if return_page_max:  # the kernel writes every page of every sequence
-        page_max = torch.empty(batch.kv_indices.numel(), heads, device=q.device)  # [nnz, H]
+        nnz = batch.kv_indices.numel()
+        page_max = torch.empty(nnz, heads, device=q.device)  # [nnz, H]
         listed_lo, listed_hi = plan.listed
-        page_max[:listed_lo] = float("-inf")  # entries no sequence lists
-        page_max[listed_hi:] = float("-inf")
+        if listed_lo > 0 or listed_hi < nnz:  # entries no sequence lists (host ints: no sync, and no launch if none)
+            page_max[:listed_lo] = float("-inf")
+            page_max[listed_hi:] = float("-inf")
     single = plan.max_splits == 1
     out = torch.empty(n_q, heads, dim, dtype=q.dtype, device=q.device)  # [B, H, D]
     lse = torch.empty(n_q, heads, dtype=torch.float32, device=q.device)  # [B, H]
