@@ -1,12 +1,16 @@
 """Paged attention kernels on one GPU: ceilings, correctness of every backend, decode/prefill timings.
 
     PYTHONPATH=. python bench/kernels.py [--quick] [--tune]     # from the repository root, on a GPU
+    PYTHONPATH=. python bench/kernels.py --tune-only            # sections (1)-(3), FP8 tuning only
     PYTHONPATH=. python bench/kernels.py --smoke                # CPU: tiny shapes, Triton interpreter
 
 Sections, in order: (1) the device's copy ceiling (device-to-device copy, read+write bytes) and
 read ceiling (``x.sum()`` over 4 GiB), (2) every backend (torch reference, triton with page_max,
 flashinfer when importable) against the reference on fresh random inputs, bf16/fp16 and FP8 pages,
-(3) ``--tune`` only: a sweep of Triton launch configurations on representative shapes, (4) the
+(3) ``--tune`` only: sweeps of Triton launch configurations: FP8 decode (a handful, B=64 8k 32/8
+D=128 and B=16 32k 9/3 D=64), page_max on/off and FP8 / bf16 speed there with the default configs
+(also capped at 128 registers), then bf16 decode and chunked prefill (not with ``--tune-only``,
+which ends here), (4) the
 decode grid: B in 1, 8, 16, 64, 256 x context 1k, 8k, 32k, 128k x heads 32/8 D=128 and 9/3 D=64,
 page 16, bf16 and FP8 pages (cells whose bf16 KV exceeds ``KV_LIMIT_BYTES`` are skipped and listed).
 Each cell times Triton, Triton with page_max and FlashInfer with both ``use_tensor_cores`` settings
@@ -21,6 +25,7 @@ read ceiling, Triton / FlashInfer-best speed, page_max overhead and FP8 / bf16 s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -45,8 +50,13 @@ def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller sweep")
     ap.add_argument("--tune", action="store_true", help="also sweep Triton launch configurations")
+    ap.add_argument("--tune-only", action="store_true",
+                    help="ceilings, checks (torch and triton) and the FP8 decode / page_max tuning only: no "
+                         "FlashInfer, bf16 and prefill sweeps, decode grid or prefill timings (a short GPU call)")
     ap.add_argument("--smoke", action="store_true", help="CPU run of the whole script on tiny shapes (interpreter)")
-    return ap.parse_args()
+    args = ap.parse_args()
+    args.tune = args.tune or args.tune_only
+    return args
 
 
 ARGS = parse_args()
@@ -58,7 +68,7 @@ import triton  # noqa: E402
 from kvtier.kernels.base import PagedBatch  # noqa: E402
 from kvtier.kernels.flashinfer import FlashInferBackend  # noqa: E402
 from kvtier.kernels.reference import TorchBackend, paged_attention_reference  # noqa: E402
-from kvtier.kernels.triton_decode import DecodeConfig, TritonBackend  # noqa: E402
+from kvtier.kernels.triton_decode import DecodeConfig, TritonBackend, default_decode_config  # noqa: E402
 from kvtier.kernels.triton_prefill import PrefillConfig  # noqa: E402
 from kvtier.quant import FP8, page_scales, quantize_pages  # noqa: E402
 
@@ -220,6 +230,11 @@ def check_backends(backends: dict, small: bool) -> list:
     return rows
 
 
+def page_rows(heads, batch_size, ctx) -> int:
+    """Page rows x N_kv x D of a decode cell's pool (16-token pages)."""
+    return batch_size * -(-ctx // 16) * heads[1] * heads[2] * 2
+
+
 def kv_bytes(batch_size, ctx, heads, dtype) -> float:
     return batch_size * ctx * heads[1] * heads[2] * 2 * torch.finfo(dtype).bits / 8
 
@@ -369,44 +384,111 @@ def sweep(buffer, fi, quick, smoke, timings: list, save) -> None:
         save()
 
 
-def tune(buffer, smoke) -> list:
-    """Time Triton launch configurations on representative shapes; print the best five of each."""
-    results = []
+def tune_cases(smoke: bool) -> dict:
+    """The tuned shapes: bf16 decode and chunked prefill (``--tune``), FP8 decode (also ``--tune-only``)."""
     if smoke:
-        decode_cases = [((4, 2, 32), 2, 128)]
-        decode_grid = [DecodeConfig(block_n=n, num_warps=2, num_stages=1) for n in (16, 32)]
-        prefill_cases = [((4, 2, 32), 32, 32)]
-        prefill_grid = [PrefillConfig(block_m=m, block_n=16, num_warps=2, num_stages=1) for m in (16, 32)]
-    else:
-        decode_cases = [((32, 8, 128), 64, 8192), ((32, 8, 128), 1, 32768), ((32, 8, 128), 256, 8192),
-                        ((9, 3, 64), 64, 32768)]
-        decode_grid = [DecodeConfig(block_n=n, num_warps=w, num_stages=st, ctas_per_sm=c)
-                       for n, w, st in [(64, 4, 3), (64, 4, 5), (64, 4, 7), (32, 4, 6), (32, 4, 7), (32, 2, 6),
-                                        (64, 8, 5), (128, 8, 5), (128, 4, 5)]
-                       for c in (2, 4, 8)]
-        prefill_cases = [(PREFILL_HEADS, 2048, 32768), (PREFILL_HEADS, 512, 8192)]
-        prefill_grid = [PrefillConfig(block_m=m, block_n=n, num_warps=w, num_stages=st)
-                        for m, n, w, st in [(128, 64, 8, 3), (128, 64, 8, 5), (128, 64, 4, 5), (128, 128, 8, 3),
-                                            (128, 128, 8, 4), (128, 32, 8, 5), (64, 64, 4, 5), (64, 128, 4, 4)]]
-    for heads, b, s in decode_cases:
-        q, pool, batch = paged_problem([s] * b, [1] * b, heads, 16, torch.bfloat16, False, buffer)
+        return {"decode": [((4, 2, 32), 2, 128)], "fp8": [((4, 2, 32), 2, 128), ((3, 1, 16), 1, 200)],
+                "prefill": [((4, 2, 32), 32, 32)]}
+    return {"decode": [((32, 8, 128), 64, 8192), ((32, 8, 128), 1, 32768), ((32, 8, 128), 256, 8192),
+                       ((9, 3, 64), 64, 32768)],
+            "fp8": [((32, 8, 128), 64, 8192), ((9, 3, 64), 16, 32768)],
+            "prefill": [(PREFILL_HEADS, 2048, 32768), (PREFILL_HEADS, 512, 8192)]}
+
+
+def tune_grids(smoke: bool) -> dict:
+    """Launch configurations per sweep: bf16 decode, FP8 decode (a handful), chunked prefill."""
+    if smoke:
+        return {"decode": [DecodeConfig(block_n=n, num_warps=2, num_stages=1) for n in (16, 32)],
+                "fp8": [DecodeConfig(block_n=n, num_warps=2, num_stages=1) for n in (16, 32)],
+                "prefill": [PrefillConfig(block_m=m, block_n=16, num_warps=2, num_stages=1) for m in (16, 32)]}
+    return {
+        "decode": [DecodeConfig(block_n=n, num_warps=w, num_stages=st, ctas_per_sm=c)
+                   for n, w, st in [(64, 4, 3), (64, 4, 5), (64, 4, 7), (32, 4, 6), (32, 4, 7), (32, 2, 6),
+                                    (64, 8, 5), (128, 8, 5), (128, 4, 5)]
+                   for c in (2, 4, 8)],
+        "fp8": [DecodeConfig(block_n=64), DecodeConfig(block_n=128), DecodeConfig(block_n=128, maxnreg=168),
+                DecodeConfig(block_n=128, num_warps=8), DecodeConfig(block_n=128, num_stages=5, ctas_per_sm=2),
+                DecodeConfig(block_n=256, num_stages=5, ctas_per_sm=2)],
+        "prefill": [PrefillConfig(block_m=m, block_n=n, num_warps=w, num_stages=st)
+                    for m, n, w, st in [(128, 64, 8, 3), (128, 64, 8, 5), (128, 64, 4, 5), (128, 128, 8, 3),
+                                        (128, 128, 8, 4), (128, 32, 8, 5), (64, 64, 4, 5), (64, 128, 4, 4)]],
+    }
+
+
+def decode_problem(buffers: dict, heads, b, s, kv: str):
+    """q ``[B, H, D]``, the pool (a view of ``buffers[kv]``; FP8: kvtier's pages) and the batch of one decode cell."""
+    q, pool, batch = paged_problem([s] * b, [1] * b, heads, 16, torch.bfloat16, False, buffers["bf16"])
+    return q, pool if kv == "bf16" else fp8_pools(buffers["fp8"], pool.shape[0], heads)[0], batch
+
+
+def time_decode(config, heads, q, pool, batch, page_max=False) -> float | None:
+    """Milliseconds of Triton decode with ``config`` (None: the default), or None (printed) if it fails."""
+    backend = TritonBackend(decode_config=config)
+    try:
+        backend.plan(batch, *heads)
+        return time_ms(lambda: backend.run(q, pool, return_page_max=page_max))
+    except Exception as err:
+        print(f"tune decode {config}: {type(err).__name__}: {str(err)[:200]}", flush=True)
+        return None
+
+
+def tune_decode(buffers: dict, cases: list, grid: list, kv: str, top: int = 5) -> list:
+    """Time every config of ``grid`` on each decode case with ``kv`` pages; print the ``top`` fastest of each."""
+    results = []
+    for heads, b, s in cases:
+        q, pool, batch = decode_problem(buffers, heads, b, s, kv)
         rows = []
-        for cfg in decode_grid:
-            backend = TritonBackend(decode_config=cfg)
-            try:
-                backend.plan(batch, *heads)
-                ms = time_ms(lambda: backend.run(q, pool))
-            except Exception as err:
-                print(f"tune decode {cfg}: {type(err).__name__}: {str(err)[:200]}", flush=True)
-                continue
-            rows.append({"kind": "decode", "shape": f"B={b} S={s} {heads}", "config": vars(cfg), "ms": ms,
-                         "kv_gbps": kv_bytes(b, s, heads, torch.bfloat16) / ms / 1e6})
-        report_tuning(rows)
+        for cfg in grid:
+            ms = time_decode(cfg, heads, q, pool, batch)
+            if ms is not None:
+                rows.append({"kind": "decode", "kv": kv, "shape": f"B={b} S={s} {heads} {kv}", "config": vars(cfg),
+                             "ms": ms, "kv_gbps": kv_bytes(b, s, heads, FP8 if kv == "fp8" else torch.bfloat16)
+                             / ms / 1e6})
+        report_tuning(rows, top)
         results += rows
-    for heads, chunk, prefix in prefill_cases:
-        q, pool, batch = paged_problem([prefix + chunk], [chunk], heads, 16, torch.bfloat16, True, buffer)
+    return results
+
+
+def tune_page_max(buffers: dict, cases: list) -> list:
+    """Triton decode with and without page_max, and FP8 over bf16 pages, on each case: the default config and
+    the same with registers capped at 128 per thread (four programs of four warps per multiprocessor)."""
+    results = []
+    for heads, b, s in cases:
+        ms = {}
+        for kv in ("bf16", "fp8"):
+            q, pool, batch = decode_problem(buffers, heads, b, s, kv)
+            default = default_decode_config(heads[2], 1 if kv == "fp8" else 2)
+            for cap in (None, 128):
+                cfg = dataclasses.replace(default, maxnreg=cap)
+                off, on = (time_decode(cfg, heads, q, pool, batch, page_max) for page_max in (False, True))
+                ms[kv, cap] = off
+                row = {"kind": "decode_page_max", "kv": kv, "shape": f"B={b} S={s} {heads} {kv}",
+                       "config": vars(cfg), "ms": off, "page_max_ms": on,
+                       "page_max_overhead": on / off - 1 if off and on else None}
+                results.append(row)
+                overhead = f"{row['page_max_overhead']:+.1%}" if row["page_max_overhead"] is not None else "-"
+                print(f"tune page_max B={b} S={s} {heads} {kv} maxnreg={cap}: {off and round(off, 4)} ms, "
+                      f"with page_max {on and round(on, 4)} ms ({overhead})", flush=True)
+        for cap in (None, 128):
+            if ms["bf16", cap] and ms["fp8", cap]:
+                print(f"tune fp8 / bf16 speed B={b} S={s} {heads} maxnreg={cap}: "
+                      f"{ms['bf16', cap] / ms['fp8', cap]:.2f}x", flush=True)
+    return results
+
+
+def tune(buffers: dict, smoke: bool, fp8_only: bool) -> list:
+    """Time Triton launch configurations on representative shapes and print the best five of each: FP8
+    decode and page_max on/off; with ``fp8_only`` False also bf16 decode and chunked prefill."""
+    cases, grids = tune_cases(smoke), tune_grids(smoke)
+    results = tune_decode(buffers, cases["fp8"], grids["fp8"], "fp8", top=len(grids["fp8"]))
+    results += tune_page_max(buffers, cases["fp8"])
+    if fp8_only:
+        return results
+    results += tune_decode(buffers, cases["decode"], grids["decode"], "bf16")
+    for heads, chunk, prefix in cases["prefill"]:
+        q, pool, batch = paged_problem([prefix + chunk], [chunk], heads, 16, torch.bfloat16, True, buffers["bf16"])
         rows = []
-        for cfg in prefill_grid:
+        for cfg in grids["prefill"]:
             backend = TritonBackend(prefill_config=cfg)
             try:
                 backend.plan(batch, *heads)
@@ -421,8 +503,8 @@ def tune(buffer, smoke) -> list:
     return results
 
 
-def report_tuning(rows):
-    for r in sorted(rows, key=lambda r: r["ms"])[:5]:
+def report_tuning(rows, top: int = 5):
+    for r in sorted(rows, key=lambda r: r["ms"])[:top]:
         print(f"tune {r['kind']} {r['shape']}: {r['ms']:.4f} ms {r['config']}", flush=True)
 
 
@@ -492,25 +574,33 @@ def main():
 
     result["ceilings"] = measure_ceilings(0.01 if ARGS.smoke else 4.0)
     print("ceilings", result["ceilings"], flush=True)
-    fi = flashinfer_or_none()
+    fi = None if ARGS.tune_only else flashinfer_or_none()  # (its first calls may compile)
     backends = {"torch": TorchBackend(), "triton": TritonBackend()}
     if fi is not None:
         backends["flashinfer"] = fi
     result["checks"] = check_backends(backends, small=ARGS.smoke)
     save()
-    cells, skipped = decode_cells(ARGS.quick, ARGS.smoke)
-    pages = [b * -(-s // 16) * h[1] * h[2] * 2 for h, b, s in cells]  # page rows x N_kv x D of each pool
-    pooled = [p * 16 for p in pages] + [-(-(c + p) // 16) * 16 * h[1] * h[2] * 2
-                                        for h, c, p in prefill_shapes(ARGS.quick, ARGS.smoke)]
+    tuned = tune_cases(ARGS.smoke) if ARGS.tune else {}
+    cells, skipped = ([], []) if ARGS.tune_only else decode_cells(ARGS.quick, ARGS.smoke)
+    fp8_cells = cells + tuned.get("fp8", [])
+    bf16_cells = fp8_cells + ([] if ARGS.tune_only else tuned.get("decode", []))
+    prefills = [] if ARGS.tune_only else prefill_shapes(ARGS.quick, ARGS.smoke) + tuned.get("prefill", [])
+    pooled = [page_rows(*c) * 16 for c in bf16_cells] + [-(-(c + p) // 16) * 16 * h[1] * h[2] * 2
+                                                         for h, c, p in prefills]
     buffer = torch.randn(max(pooled), dtype=torch.bfloat16, device=DEVICE)  # every bf16 pool is a view of this
-    fp8 = torch.empty(max(pages) * 17, dtype=torch.uint8, device=DEVICE).random_(0, 0x7E).view(FP8)  # finite E4M3
+    fp8 = torch.empty(max(page_rows(*c) for c in fp8_cells) * 17, dtype=torch.uint8,
+                      device=DEVICE).random_(0, 0x7E).view(FP8)  # finite E4M3; every FP8 pool is a view of this
+    buffers = {"bf16": buffer, "fp8": fp8}
     if ARGS.tune:
-        result["tuning"] = tune(buffer, ARGS.smoke)
+        result["tuning"] = tune(buffers, ARGS.smoke, fp8_only=ARGS.tune_only)
         save()
+    if ARGS.tune_only:
+        report_checks(result["checks"])
+        return
     decoders = [FlashInferDecode(fi.workspace, tc) for tc in (False, True)] if fi is not None else []
     result["decode_grid"], result["skipped_cells"] = [], skipped
-    decode_grid({"bf16": buffer, "fp8": fp8}, decoders, cells, result["decode_grid"], save)
-    del fp8
+    decode_grid(buffers, decoders, cells, result["decode_grid"], save)
+    del fp8, buffers
     result["timings"] = []
     sweep(buffer, fi, ARGS.quick, ARGS.smoke, result["timings"], save)
     print_table(result["timings"], result["ceilings"])
@@ -522,8 +612,12 @@ def main():
         print(f"chunked prefill 2048 over 32k: triton {prefill['triton']:.3f} ms / FlashInfer "
               f"{prefill['flashinfer']:.3f} ms = {prefill['triton'] / prefill['flashinfer']:.2f}x (target <= 1.15x)")
     save()
-    failed = [c for c in result["checks"] if not c["ok"]]
-    print(f"\ncorrectness: {len(result['checks']) - len(failed)}/{len(result['checks'])} ok"
+    report_checks(result["checks"])
+
+
+def report_checks(checks: list) -> None:
+    failed = [c for c in checks if not c["ok"]]
+    print(f"\ncorrectness: {len(checks) - len(failed)}/{len(checks)} ok"
           + "".join(f"\n  FAIL {c['kind']} {c['dtype']} {c['backend']} out {c['out_rel_err']:.2e}" for c in failed))
 
 

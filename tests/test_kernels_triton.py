@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 
 
+import contextlib  # noqa: E402
 import math  # noqa: E402
+from unittest import mock  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -22,6 +24,7 @@ from kvtier.kernels.reference import paged_attention_reference  # noqa: E402
 from kvtier.kernels.base import PagedBatch  # noqa: E402
 from kvtier.kernels.registry import make_backend  # noqa: E402
 from kvtier.kernels.triton_decode import DecodeConfig, TritonBackend, default_decode_config, plan_decode  # noqa: E402
+from kvtier.quant import quantize_pages  # noqa: E402
 from kvtier.kernels.triton_prefill import PrefillConfig  # noqa: E402
 from test_kernels_reference import random_head_mask, random_paged_batch, rel_err  # noqa: E402
 
@@ -41,6 +44,26 @@ def device():
     return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 
 
+@contextlib.contextmanager
+def nan_empty():
+    """``torch.empty`` fills floating tensors with NaN meanwhile: an output element a kernel leaves unwritten shows."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(math.nan) if t.is_floating_point() else t
+
+    with mock.patch.object(torch, "empty", poisoned):
+        yield
+
+
+def assert_page_max(got, want, atol):
+    """Finite where the reference is (and close there), exactly -inf elsewhere (not NaN, not unwritten)."""
+    fin = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), fin) and torch.isneginf(got[~fin]).all()
+    assert torch.allclose(got[fin], want[fin], atol=atol)
+
+
 def check_against_reference(backend, kv_lens, q_lens, group, num_kv_heads, head_dim, dtype, causal, seed,
                             page_size=16, window_left=-1, head_mask=False):
     gen = torch.Generator().manual_seed(seed)
@@ -51,16 +74,15 @@ def check_against_reference(backend, kv_lens, q_lens, group, num_kv_heads, head_
         batch.head_mask = random_head_mask(batch, num_kv_heads, gen)[0]
     q, pool, batch = q.to(device()), pool.to(device()), batch.to(device())
     backend.plan(batch, group * num_kv_heads, num_kv_heads, head_dim)
-    res = backend.run(q, pool, return_page_max=True)
+    with nan_empty():
+        res = backend.run(q, pool, return_page_max=True)
     ref = paged_attention_reference(q, pool, batch, backend.sm_scale, return_page_max=True)
     assert res.out.dtype == q.dtype and res.out.shape == q.shape
     assert rel_err(res.out.cpu(), ref.out.cpu()) < TOL[dtype]
     fin = torch.isfinite(ref.lse)
     assert torch.equal(torch.isfinite(res.lse), fin)
     assert torch.allclose(res.lse[fin], ref.lse[fin], atol=20 * TOL[dtype])
-    pm_fin = torch.isfinite(ref.page_max)
-    assert torch.equal(torch.isfinite(res.page_max), pm_fin)
-    assert torch.allclose(res.page_max[pm_fin], ref.page_max[pm_fin], atol=20 * TOL[dtype])
+    assert_page_max(res.page_max, ref.page_max, 20 * TOL[dtype])
     return res
 
 
@@ -107,6 +129,53 @@ def test_decode_head_mask_matches_reference(group, num_kv, kv_lens, per_split):
     batch.head_mask = torch.ones(batch.kv_indices.numel(), 2, dtype=torch.bool)
     with pytest.raises(ConfigError):  # prefill: not taken
         backend.plan(batch, 4, 2, 32)
+
+
+@pytest.mark.parametrize("page,block_n,num_warps,kv_lens,per_split,window_left,head_mask", [
+    (16, 64, 4, [150, 3, 77], 4, -1, False),  # a warp per 16-token page
+    (8, 64, 2, [130, 40], None, 50, True),  # two 8-token pages per warp, a window, per-head pages
+    (32, 64, 4, [100, 64], 2, 40, False),  # a page across two warps
+    (4, 32, 4, [45, 9], 3, 20, True),  # two 4-token pages per warp, a window inside a page
+    (16, 128, 8, [200, 33], None, -1, True),
+])
+def test_decode_page_max_in_warp_token_order(page, block_n, num_warps, kv_lens, per_split, window_left, head_mask):
+    """Blocks whose columns hold tokens in warp order (block_n a multiple of 8 x num_warps): page_max
+    regroups them by page; pages of splits left of the window and hidden pages are -inf."""
+    config = DecodeConfig(block_n=block_n, num_warps=num_warps, pages_per_split=per_split)
+    check_against_reference(TritonBackend(decode_config=config), kv_lens, [1] * len(kv_lens), 3, 2, 32,
+                            torch.float32, False, seed=page + block_n + sum(kv_lens), page_size=page,
+                            window_left=window_left, head_mask=head_mask)
+
+
+def test_decode_page_max_of_unlisted_entries_is_neg_inf():
+    """page_max has a row per kv_indices entry; entries outside ``kv_indptr[0]:kv_indptr[-1]`` attend nothing."""
+    gen = torch.Generator().manual_seed(11)
+    q, pool, batch, _, _ = random_paged_batch([40, 20], [1, 1], 16, 1, 32, 2, generator=gen)
+    extra = torch.tensor([0, 1], dtype=torch.int32)
+    batch = PagedBatch(batch.qo_indptr, batch.kv_indptr + 2, torch.cat([extra, batch.kv_indices, extra]),
+                       batch.kv_last_page_len, 16)  # two unlisted entries before and after
+    backend = TritonBackend(decode_config=DecodeConfig(block_n=16))
+    backend.plan(batch, 2, 1, 32)
+    with nan_empty():
+        res = backend.run(q, pool, return_page_max=True)
+    ref = paged_attention_reference(q, pool, batch, backend.sm_scale, return_page_max=True)
+    assert torch.isneginf(res.page_max[[0, 1, -2, -1]]).all() and rel_err(res.out, ref.out) < 1e-5
+    assert_page_max(res.page_max, ref.page_max, 1e-4)
+
+
+def test_decode_plan_follows_the_pool_dtype():
+    """FP8 pages take their own default config (D=128: twice the tokens per step), planned at the first run."""
+    assert default_decode_config(128, kv_bytes=1).block_n == 2 * default_decode_config(128).block_n
+    gen = torch.Generator().manual_seed(12)
+    q, pool, batch, _, _ = random_paged_batch([300, 20], [1, 1], 16, 1, 128, 2, generator=gen)
+    backend = TritonBackend()
+    backend.plan(batch, 2, 1, 128)
+    assert backend.decode_plans == {}
+    for kv in (pool, quantize_pages(pool)):
+        res = backend.run(q, kv)
+        assert rel_err(res.out, paged_attention_reference(q, kv, batch, backend.sm_scale).out) < 1e-5
+    assert {k: p.config for k, p in backend.decode_plans.items()} == {4: default_decode_config(128),
+                                                                      1: default_decode_config(128, 1)}
 
 
 def test_decode_split_merge_is_used_and_single_split_writes_directly():

@@ -187,6 +187,9 @@ def run_case(seq_lens, max_pages, page, n_kv, group, dim, dtype, host_frac, list
     ([300, 150], 20, 16, 1, 2, 64, torch.float32, 0.5, None, -1, DecodeConfig(block_n=16, pages_per_split=1)),
     # the default launch config (128-token blocks of 8 pages) and planner, a window
     ([150, 0, 77], 10, 16, 2, 4, 64, torch.float16, 0.5, None, 60, None),
+    # columns in warp token order (block_n a multiple of 8 x num_warps): one 8-token page per warp, a list, a window
+    ([64, 57], 8, 8, 1, 4, 64, torch.float32, 0.5, [[0, 1, 2, 4, 5, 6, 7, -1], [0, 2, 3, 4, 5, 6, 7, -1]], 9,
+     DecodeConfig(block_n=32, pages_per_split=4)),
     # head_dim 256
     ([20, 9], 2, 16, 1, 3, 256, torch.float32, 0.5, None, -1, DecodeConfig(block_n=16)),
 ])

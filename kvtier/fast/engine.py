@@ -506,7 +506,8 @@ class FastEngine:
 
         if B not in self._plans:
             self._plans[B] = plan_static_decode(B, self.max_pages, H, self.layout.num_kv_heads, D,
-                                                self.layout.page_size, self.device)
+                                                self.layout.page_size, self.device,
+                                                kv_bytes=self.layout.kv_dtype.itemsize)
         return self._plans[B]
 
     # -- host bookkeeping ----------------------------------------------------------------------

@@ -25,10 +25,10 @@ import triton.language as tl
 
 from kvtier.errors import ConfigError
 from kvtier.kernels.base import AttentionBackend, AttentionOutput, PagedBatch, to_device
-from kvtier.kernels.triton_prefill import (LN2, LOG2E, PrefillConfig, check_page_size, dot_operand_dtype,
-                                           MIN_DOT, fit_shared_memory,
-                                           finish_rows, kernel_window, online_softmax_step, paged_prefill,
-                                           plan_prefill, scale_args, token_scales)
+from kvtier.kernels.triton_prefill import (LN2, LOG2E, PrefillConfig, check_page_size, convert_where_loaded,
+                                           dot_operand_dtype, MIN_DOT, fit_shared_memory, finish_rows, fp16_query,
+                                           kernel_window, online_softmax_step, paged_prefill, plan_prefill,
+                                           scale_args, token_scales)
 
 
 @dataclass(frozen=True)
@@ -41,17 +41,24 @@ class DecodeConfig:
     ctas_per_sm: int = 4  # target programs per multiprocessor when sizing the splits
     min_split_tokens: int = 256  # shortest split worth a partial write and a merge
     pages_per_split: int | None = None
+    maxnreg: int | None = None  # registers per thread the compiler may use (None: its choice)
 
 
-def default_decode_config(head_dim: int) -> DecodeConfig:
-    """Best mean over the tuned shapes on an H200 with Triton 3.6 (bench/kernels.py --tune).
+def default_decode_config(head_dim: int, kv_bytes: int = 2) -> DecodeConfig:
+    """Launch shape for ``head_dim`` and pages of ``kv_bytes`` per value (1: FP8).
 
-    D=128: 64-token steps, 3 stages. Small heads: 128-token steps (the bytes of 64 tokens at D=128)
-    with 5 stages, since the page-index load takes a pipeline stage of its own (Triton 3.7's
-    pipeliner double-buffers K/V only from 5 stages on; re-tune when Triton changes).
+    16-bit pages, the best mean over the tuned shapes on an H200 with Triton 3.6 (bench/kernels.py
+    --tune): D=128, 64-token steps, 3 stages; small heads, 128-token steps (the bytes of 64 tokens
+    at D=128) with 5 stages, since the page-index load takes a pipeline stage of its own (Triton's
+    pipeliner double-buffers K/V only from 5 stages on; re-tune when Triton changes). FP8 pages,
+    from the kernels compiled for sm_90 (``--tune`` times them): D=128 takes 128-token steps, the
+    bytes of bf16's 64; small heads keep 128, as 256 would leave registers for two programs per
+    multiprocessor instead of four.
     """
     if head_dim <= 64:
         return DecodeConfig(block_n=128, num_warps=4, num_stages=5, ctas_per_sm=2)
+    if kv_bytes == 1:
+        return DecodeConfig(block_n=128)
     return DecodeConfig()
 
 
@@ -69,6 +76,7 @@ class DecodePlan:
     config: DecodeConfig
     part_out: torch.Tensor | None  # [splits, B, H, D] fp32, reused by every layer (one stream); None: 1 split
     part_lse: torch.Tensor | None  # [splits, B, H] fp32 (log2 units)
+    listed: tuple[int, int]  # the listed pages the sequences cover: kv_indptr[0], kv_indptr[-1]
 
 
 def num_multiprocessors(device: torch.device) -> int:
@@ -79,14 +87,15 @@ def num_multiprocessors(device: torch.device) -> int:
 
 
 def plan_decode(batch: PagedBatch, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                config: DecodeConfig | None = None) -> DecodePlan:
+                config: DecodeConfig | None = None, kv_bytes: int = 2) -> DecodePlan:
     """Cut each sequence's pages into splits so that chunks x kv heads fills the GPU.
 
     Host work on the batch's host ``kv_indptr`` (no sync for a batch from ``PagedBatch.from_host``),
-    then one non-blocking copy of the chunk list.
+    then one non-blocking copy of the chunk list. ``kv_bytes``: the pool's bytes per value (1 for
+    FP8 pages), which picks the default config.
     """
     check_page_size(batch.page_size)
-    config = default_decode_config(head_dim) if config is None else config
+    config = default_decode_config(head_dim, kv_bytes) if config is None else config
     page = batch.page_size
     block_n = max(config.block_n, page, MIN_DOT)
     pages_per_block = block_n // page
@@ -112,7 +121,33 @@ def plan_decode(batch: PagedBatch, num_qo_heads: int, num_kv_heads: int, head_di
         part_out = torch.empty(max_splits, npages.size, num_qo_heads, head_dim, dtype=torch.float32, device=dev)
         part_lse = torch.empty(max_splits, npages.size, num_qo_heads, dtype=torch.float32, device=dev)
     return DecodePlan(*to_device([seq, page0, split, splits], dev), per_split, max_splits, block_n, config,
-                      part_out, part_lse)
+                      part_out, part_lse, (int(kv_indptr[0]), int(kv_indptr[-1])))
+
+
+@triton.jit
+def warp_token_order(BLOCK_N: tl.constexpr, NUM_WARPS: tl.constexpr, WARP_ORDER: tl.constexpr):
+    """Token of each column of a key block ``[N]``: a permutation of ``0..N-1``, the identity unless ``WARP_ORDER``.
+
+    The logits ``[16, N]`` of ``tl.dot`` (mma v2, one 16-row tile) deal their columns to the warps in
+    8-column groups, round robin: in column order a 16-token page spans two warps, and its max takes
+    a reduction through shared memory. This order gives each warp ``N / NUM_WARPS`` consecutive tokens
+    (``WARP_ORDER`` needs ``N % (8 * NUM_WARPS) == 0``), so a page up to that size stays in one warp.
+    """
+    c = tl.arange(0, BLOCK_N)
+    if WARP_ORDER:
+        c = (c // 8 % NUM_WARPS) * (BLOCK_N // NUM_WARPS) + c // (8 * NUM_WARPS) * 8 + c % 8
+    return c
+
+
+@triton.jit
+def page_maxima(s, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_WARPS: tl.constexpr,
+                WARP_ORDER: tl.constexpr):
+    """Max of the logits ``s [G, N]`` (columns in :func:`warp_token_order`) over each page of the block:
+    ``[G, N / PAGE]``."""
+    if WARP_ORDER:  # back to token order: reshapes and a permute of the layout, no data movement
+        s = tl.reshape(tl.permute(tl.reshape(s, [BLOCK_G, BLOCK_N // (8 * NUM_WARPS), NUM_WARPS, 8]), (0, 2, 1, 3)),
+                       [BLOCK_G, BLOCK_N])
+    return tl.max(tl.reshape(s, [BLOCK_G, BLOCK_N // PAGE, PAGE]), axis=2)
 
 
 @triton.jit
@@ -128,18 +163,21 @@ def _decode_split_kernel(
     stride_pm, stride_hm,
     qk_scale, lse_scale, pages_per_split, window_left,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    WITH_PAGE_MAX: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
-    HEAD_MASK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_WARPS: tl.constexpr,
+    WITH_PAGE_MAX: tl.constexpr, DOT_F32: tl.constexpr, FP8_HALF: tl.constexpr, PRECISION: tl.constexpr,
+    SCALED: tl.constexpr, HEAD_MASK: tl.constexpr,
 ):
     """One (chunk, kv head): out/lse rows ``[GROUP]`` of the chunk's sequence over its pages.
 
     ``out`` is ``[splits, B, H, D]`` (fp32 partials, or the final ``[1, B, H, D]`` output when
     there is a single split), ``lse`` ``[splits, B, H]`` (log2 units times ``lse_scale``),
-    ``page_max [nnz, H]``: every page of a visited block is written, -inf where it holds no token
-    the query sees; blocks wholly left of the window (``window_left``) are skipped. With
+    ``page_max [nnz, H]``: every page of the chunk is written, -inf where it holds no token the
+    query sees; blocks wholly left of the window (``window_left``) are skipped. With
     ``HEAD_MASK``, ``head_mask [nnz, N_kv]`` (int8) hides the listed pages this kv head is not given.
+    Dot operands: fp32 with ``DOT_F32``; with ``FP8_HALF`` (FP8 pages, 16-bit queries) fp16 for Q K^T
+    and bf16 for P V (fp32 under the interpreter); else q's dtype.
     """
+    WARP_ORDER: tl.constexpr = WITH_PAGE_MAX and BLOCK_N % (8 * NUM_WARPS) == 0
     c = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.load(chunk_seq + c)
@@ -156,15 +194,25 @@ def _decode_split_kernel(
 
     offs_g = tl.arange(0, BLOCK_G)  # [G] query head within the group
     offs_d = tl.arange(0, BLOCK_D)  # [D]
-    offs_n = tl.arange(0, BLOCK_N)  # [N]
+    order = warp_token_order(BLOCK_N, NUM_WARPS, WARP_ORDER)  # [N] token of each column
     g_ok = offs_g < GROUP
     d_ok = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g  # [G]
     q_ptrs = q + b * stride_qn + heads[:, None] * stride_qh + offs_d[None, :]  # [G, D]
     qt = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-    if DOT_F32:
+    if FP8_HALF:  # FP8 pages, 16-bit queries: fp16 operands for Q K^T
+        qt, q_scale = fp16_query(qt)
+        qk_scale = qk_scale * q_scale
+    elif DOT_F32:
         qt = qt.to(tl.float32)
 
+    if WITH_PAGE_MAX:  # the chunk's pages before its first visited block hold no key of the window
+        skip_end = tl.minimum(first, t_end)
+        for start in range(t0, skip_end, BLOCK_N):
+            pg = start // PAGE + tl.arange(0, BLOCK_N // PAGE)  # [NP] local page
+            tl.store(page_max + (seq_p0 + pg)[None, :] * stride_pm + heads[:, None],
+                     tl.full([BLOCK_G, BLOCK_N // PAGE], float("-inf"), tl.float32),
+                     mask=g_ok[:, None] & (pg * PAGE < skip_end)[None, :])
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -172,7 +220,7 @@ def _decode_split_kernel(
     v_base = k_base + stride_kv
     ks_base = scales + kvh * stride_sh  # FP8 pages: the head's K scale of slot 0 (V: + stride_skv)
     for start in range(first, t_end, BLOCK_N):
-        tok = start + offs_n  # [N]
+        tok = start + order  # [N]
         tok_ok = (tok < t1) & (tok >= lo)
         if HEAD_MASK:  # this kv head's pages only
             given = tl.load(head_mask + (seq_p0 + tok // PAGE) * stride_hm + kvh, mask=tok_ok, other=0)
@@ -187,15 +235,19 @@ def _decode_split_kernel(
             s = s * token_scales(ks_base, slot * stride_ss, tok_ok)[None, :]
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         if WITH_PAGE_MAX:
-            pm = tl.max(tl.reshape(s, [BLOCK_G, BLOCK_N // PAGE, PAGE]), axis=2)  # [G, NP]
-            pg = start // PAGE + tl.arange(0, BLOCK_N // PAGE)  # [NP] local page
-            pm_ptrs = page_max + (seq_p0 + pg)[None, :] * stride_pm + heads[:, None]  # [G, NP]
-            tl.store(pm_ptrs, pm * 0.6931471805599453, mask=g_ok[:, None] & (pg * PAGE < t_end)[None, :])
+            pm = page_maxima(s, BLOCK_G, BLOCK_N, PAGE, NUM_WARPS, WARP_ORDER)  # [G, NP]
+            pg = tl.arange(0, BLOCK_N // PAGE)  # [NP] page within the block
+            pm_ptrs = page_max + (seq_p0 + start // PAGE) * stride_pm + pg[None, :] * stride_pm + heads[:, None]
+            tl.store(pm_ptrs, pm * 0.6931471805599453, mask=g_ok[:, None] & (start + pg * PAGE < t_end)[None, :])
         p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)  # p [G, N]
-        v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
+        v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)  # [N, D]
+        if FP8_HALF:  # bf16 (fp32 under the interpreter): V's scales, on P, span more than fp16's range
+            v = convert_where_loaded(v, tl.float32 if DOT_F32 else tl.bfloat16)
+        else:
+            v = v.to(qt.dtype)
         if SCALED:  # V's scale on the probabilities (powers of two: exact)
             p = p * token_scales(ks_base + stride_skv, slot * stride_ss, tok_ok)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(qt.dtype), v, input_precision=PRECISION)  # [G, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)  # [G, D]
         m_i = m_new
 
     o, row_lse = finish_rows(acc, m_i, l_i, lse_scale)  # [G, D], [G]
@@ -253,8 +305,14 @@ def paged_decode(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, plan
     block_d = triton.next_power_of_2(dim)
     block_g = max(16, triton.next_power_of_2(group))
     dot_f32, precision = dot_operand_dtype(q.dtype)
-    nnz = batch.kv_indices.numel()
-    page_max = torch.full((nnz, heads), float("-inf"), device=q.device) if return_page_max else None  # [nnz, H]
+    page_max = None
+    if return_page_max:  # the kernel writes every page of every sequence
+        nnz = batch.kv_indices.numel()
+        page_max = torch.empty(nnz, heads, device=q.device)  # [nnz, H]
+        listed_lo, listed_hi = plan.listed
+        if listed_lo > 0 or listed_hi < nnz:  # entries no sequence lists (host ints: no sync, and no launch if none)
+            page_max[:listed_lo] = float("-inf")
+            page_max[listed_hi:] = float("-inf")
     single = plan.max_splits == 1
     out = torch.empty(n_q, heads, dim, dtype=q.dtype, device=q.device)  # [B, H, D]
     lse = torch.empty(n_q, heads, dtype=torch.float32, device=q.device)  # [B, H]
@@ -263,10 +321,11 @@ def paged_decode(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, plan
     else:
         part_out, part_lse = plan.part_out, plan.part_lse
     scales, stride_ss, stride_skv, stride_sh, scaled = scale_args(kv_pool, batch.page_size)
+    fp8_half = scaled and q.dtype != torch.float32  # FP8 pages, 16-bit queries (fp32 ones: fp32 operands)
     head_mask = None if batch.head_mask is None else batch.head_mask.to(torch.int8)  # [nnz, N_kv]
     grid = (plan.chunk_seq.numel(), n_kv)
     _, stages = fit_shared_memory(block_g, plan.block_n, plan.config.num_stages, block_d,
-                                  4 if dot_f32 else q.element_size(), plan.block_n)
+                                  4 if dot_f32 else q.element_size(), plan.block_n, kv_pool.element_size())
     _decode_split_kernel[grid](
         q, kv_pool, scales, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
         batch.kv_indices if head_mask is None else head_mask,
@@ -280,9 +339,10 @@ def paged_decode(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, plan
         heads, n_kv,
         sm_scale * LOG2E, LN2 if single else 1.0, plan.pages_per_split, kernel_window(batch),
         GROUP=group, BLOCK_G=block_g, PAGE=batch.page_size, BLOCK_N=plan.block_n,
-        HEAD_DIM=dim, BLOCK_D=block_d,
-        WITH_PAGE_MAX=return_page_max, DOT_F32=dot_f32, PRECISION=precision, SCALED=scaled,
+        HEAD_DIM=dim, BLOCK_D=block_d, NUM_WARPS=plan.config.num_warps,
+        WITH_PAGE_MAX=return_page_max, DOT_F32=dot_f32, FP8_HALF=fp8_half, PRECISION=precision, SCALED=scaled,
         HEAD_MASK=head_mask is not None, num_warps=plan.config.num_warps, num_stages=stages,
+        maxnreg=plan.config.maxnreg,
     )
     if not single:
         _merge_splits_kernel[(n_q, heads)](
@@ -302,22 +362,28 @@ class TritonBackend(AttentionBackend):
     supports_head_mask = True  # at decode steps
 
     def __init__(self, decode_config: DecodeConfig | None = None, prefill_config: PrefillConfig = PrefillConfig()):
-        self.decode_config = decode_config  # None: default_decode_config(head_dim)
+        self.decode_config = decode_config  # None: default_decode_config(head_dim, the pool's bytes per value)
         self.prefill_config = prefill_config
 
     def plan(self, batch: PagedBatch, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              sm_scale: float | None = None) -> None:
+        """Prefill: plans the query tiles. Decode: the splits depend on the pool's dtype, which only
+        ``run`` sees, so they are planned on the first ``run`` per pool dtype after each ``plan``."""
         super().plan(batch, num_qo_heads, num_kv_heads, head_dim, sm_scale)
+        check_page_size(batch.page_size)
         self.is_decode = batch.is_decode()
         if batch.head_mask is not None and not self.is_decode:
             raise ConfigError("kernel", "the Triton prefill kernel does not take a per-head page choice "
                                         "(head_mask): it is for decode steps; use kernel=torch")
-        if self.is_decode:
-            self.step_plan = plan_decode(batch, num_qo_heads, num_kv_heads, head_dim, self.decode_config)
-        else:
-            self.step_plan = plan_prefill(batch, num_qo_heads, num_kv_heads, self.prefill_config)
+        self.decode_plans: dict[int, DecodePlan] = {}  # bytes per value of the pool -> plan
+        self.prefill_plan = None if self.is_decode else plan_prefill(batch, num_qo_heads, num_kv_heads,
+                                                                     self.prefill_config)
 
     def run(self, q: torch.Tensor, kv_pool: torch.Tensor, return_page_max: bool = False) -> AttentionOutput:
-        if self.is_decode:
-            return paged_decode(q, kv_pool, self.batch, self.step_plan, self.sm_scale, return_page_max)
-        return paged_prefill(q, kv_pool, self.batch, self.step_plan, self.sm_scale, return_page_max)
+        if not self.is_decode:
+            return paged_prefill(q, kv_pool, self.batch, self.prefill_plan, self.sm_scale, return_page_max)
+        kv_bytes = kv_pool.element_size()
+        if kv_bytes not in self.decode_plans:
+            self.decode_plans[kv_bytes] = plan_decode(self.batch, self.num_qo_heads, self.num_kv_heads, self.head_dim,
+                                                      self.decode_config, kv_bytes)
+        return paged_decode(q, kv_pool, self.batch, self.decode_plans[kv_bytes], self.sm_scale, return_page_max)

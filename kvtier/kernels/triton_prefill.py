@@ -27,6 +27,7 @@ from kvtier.kernels.base import AttentionOutput, PagedBatch, to_device
 from kvtier.quant import is_scaled_pool, page_scales
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = tl.constexpr(INTERPRET)  # the same, readable in kernels
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 NO_WINDOW = 1 << 30  # the kernels' window_left without a window: longer than any sequence
@@ -69,6 +70,42 @@ def scale_args(kv_pool: torch.Tensor, page_size: int) -> tuple:
 def token_scales(head_scales, slot, ok):
     """Scale of each token's page ``[N]`` (``head_scales``: the kv head's K or V scale of slot 0; 1 where not ok)."""
     return tl.load(head_scales + slot, mask=ok, other=1.0)
+
+
+@triton.jit
+def fp16_query(q):
+    """A query tile ``q [R, D]`` as fp16 dot operands for FP8 keys, and the power of two ``[]`` to multiply
+    the logits by.
+
+    E4M3 -> fp16 is exact and one native instruction per two values (E4M3 -> bf16 takes that and one
+    more per value), so FP8 keys meet fp16 queries. bf16 -> fp16 keeps bf16's 8 significant bits but
+    not its range, so the tile is scaled by ``2^-k`` that puts its largest magnitude in
+    ``[2^14, 2^15)``, below fp16's 65504: exact (a power of two, folded into the logits' scale), and
+    only values ``2^-28`` below the largest fall into fp16's subnormals, where they keep an absolute
+    error under ``2^-39`` of it: far below what the fp32 sum over D loses anyway.
+    """
+    qf = q.to(tl.float32)
+    e = ((tl.max(tl.abs(qf)).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # exponent of the largest magnitude
+    k = tl.minimum(tl.maximum(e - 14, -100), 100)  # (an all-zero tile: -100)
+    down = ((127 - k) << 23).to(tl.float32, bitcast=True)  # 2^-k
+    return (qf * down).to(tl.float16), ((127 + k) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def convert_where_loaded(x, dtype: tl.constexpr):
+    """A tile ``x`` (FP8) as ``dtype`` (16-bit, or fp32 under the interpreter), converted in the layout it was
+    loaded in.
+
+    For the operand of a dot that contracts over the tile's rows (V in ``P @ V``): left alone, Triton
+    moves the conversion past the operand's shared-memory load, and reads the transposed 8-bit
+    operand one byte per instruction. A non-pure inline-asm identity, which Triton does not move,
+    keeps the conversion here: the operand goes through shared memory as 16-bit values, read with
+    ``ldmatrix.trans``. The interpreter has no inline asm (and no layouts).
+    """
+    x = x.to(dtype)
+    if not _INTERPRET:
+        x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
+    return x
 
 
 @triton.jit
@@ -252,12 +289,18 @@ SHARED_MEMORY_BUDGET = 200 << 10  # bytes per block; Hopper allows 227 KiB, Trit
 
 
 def fit_shared_memory(q_rows: int, block_n: int, num_stages: int, block_d: int, operand_bytes: int,
-                      min_block_n: int) -> tuple[int, int]:
+                      min_block_n: int, kv_bytes: int | None = None) -> tuple[int, int]:
     """``(block_n, num_stages)`` whose query tile ``[q_rows, block_d]`` and pipelined K/V tiles fit in
     shared memory: large heads (D=256) or fp32 operands take fewer stages, then smaller key blocks
-    (never below ``min_block_n``)."""
-    q_tile = q_rows * block_d * operand_bytes
-    while q_tile + num_stages * 2 * block_n * block_d * operand_bytes > SHARED_MEMORY_BUDGET:
+    (never below ``min_block_n``). K/V tiles hold ``kv_bytes`` per value (the pool's; default the
+    operands'); a pool narrower than the operands (FP8) also takes one converted V tile."""
+    kv_bytes = operand_bytes if kv_bytes is None else kv_bytes
+
+    def need(n: int, stages: int) -> int:
+        converted = n * block_d * operand_bytes if kv_bytes < operand_bytes else 0
+        return q_rows * block_d * operand_bytes + stages * 2 * n * block_d * kv_bytes + converted
+
+    while need(block_n, num_stages) > SHARED_MEMORY_BUDGET:
         if num_stages > 2:
             num_stages -= 1
         elif block_n > min_block_n:

@@ -26,9 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kvtier.kernels.triton_decode import DecodeConfig, default_decode_config, num_multiprocessors
-from kvtier.kernels.triton_prefill import (LN2, LOG2E, check_page_size, dot_operand_dtype, finish_rows,
-                                           MIN_DOT, fit_shared_memory, online_softmax_step)
+from kvtier.kernels.triton_decode import (DecodeConfig, default_decode_config, num_multiprocessors, page_maxima,
+                                          warp_token_order)
+from kvtier.kernels.triton_prefill import (LN2, LOG2E, check_page_size, convert_where_loaded, dot_operand_dtype,
+                                           finish_rows, fp16_query, MIN_DOT, fit_shared_memory, online_softmax_step)
 from kvtier.quant import dequantize, is_scaled_pool
 
 
@@ -56,14 +57,15 @@ class StaticDecodePlan:
 
 def plan_static_decode(batch_size: int, max_pages: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                        page_size: int, device, max_listed: int | None = None,
-                       config: DecodeConfig | None = None) -> StaticDecodePlan:
+                       config: DecodeConfig | None = None, kv_bytes: int = 2) -> StaticDecodePlan:
     """Size the splits so that ``B x splits x N_kv`` programs fill the GPU at the bucket's longest context.
 
     ``max_listed`` is the page_list width (None: every sequence attends all its ``max_pages``
-    pages). Host work on static numbers only; allocates the partials when there is more than one split.
+    pages); ``kv_bytes`` the pools' bytes per value (1 for FP8 pages), which picks the default
+    config. Host work on static numbers only; allocates the partials when there is more than one split.
     """
     check_page_size(page_size)
-    config = default_decode_config(head_dim) if config is None else config
+    config = default_decode_config(head_dim, kv_bytes) if config is None else config
     listed = max_pages if max_listed is None else max_listed
     block_n = max(config.block_n, page_size, MIN_DOT)
     pages_per_block = block_n // page_size
@@ -119,20 +121,22 @@ def _static_split_kernel(
     qk_scale, lse_scale, window_left, n_listed,
     SPLITS: tl.constexpr, PPS: tl.constexpr, SCAN: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_WARPS: tl.constexpr,
     HAS_HOST: tl.constexpr, HAS_LIST: tl.constexpr, WITH_PAGE_MAX: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
+    DOT_F32: tl.constexpr, FP8_HALF: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
 ):
     """One (sequence x split, kv head): rows ``[GROUP]`` of split ``c`` of sequence ``b``.
 
     FP8 pages (``SCALED``): the head's K (V) scale sits at row ``PAGE`` of the same page, read as fp32
-    through the page's own pointer, so host pages bring theirs too.
+    through the page's own pointer, so host pages bring theirs too. Dot operands as in
+    :func:`kvtier.kernels.triton_decode._decode_split_kernel`.
 
     ``out [splits, B, H, D]`` / ``lse [splits, B, H]`` (log2 units times ``lse_scale``): fp32
     partials, or the final output when there is one split. ``page_max [B, n_listed, H]``: every
     listed entry of the split is written, -inf where no key counts.
     """
     PPB: tl.constexpr = BLOCK_N // PAGE  # pages per block
+    WARP_ORDER: tl.constexpr = WITH_PAGE_MAX and BLOCK_N % (8 * NUM_WARPS) == 0
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     b = pid // SPLITS
@@ -149,13 +153,16 @@ def _static_split_kernel(
 
     offs_g = tl.arange(0, BLOCK_G)  # [G] query head within the group
     offs_d = tl.arange(0, BLOCK_D)  # [D]
-    offs_n = tl.arange(0, BLOCK_N)  # [N]
+    order = warp_token_order(BLOCK_N, NUM_WARPS, WARP_ORDER)  # [N] token of each column
     g_ok = offs_g < GROUP
     d_ok = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g  # [G]
     qt = tl.load(q + b * stride_qn + heads[:, None] * stride_qh + offs_d[None, :],
                  mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [G, D]
-    if DOT_F32:
+    if FP8_HALF:
+        qt, q_scale = fp16_query(qt)
+        qk_scale = qk_scale * q_scale
+    elif DOT_F32:
         qt = qt.to(tl.float32)
     pm_row = page_max + b * stride_pb
     if WITH_PAGE_MAX:  # entries of the split outside the walked blocks attend nothing
@@ -171,16 +178,16 @@ def _static_split_kernel(
     head_off = kvh * stride_kh
     bt_row = block_table + b * stride_bt
     for i in range(blk_lo, blk_hi, PPB):
-        li = i + offs_n // PAGE  # [N] listed index of each token
+        li = i + order // PAGE  # [N] listed index of each token
         in_split = li < i1
         if HAS_LIST:
             pg = tl.load(list_row + li, mask=in_split, other=-1)  # [N] logical page
         else:
             pg = li
-        tok = pg * PAGE + offs_n % PAGE  # [N] key position in the sequence
+        tok = pg * PAGE + order % PAGE  # [N] key position in the sequence
         ok = in_split & (tok >= win_lo) & (tok < seq_len)
         loc = tl.load(bt_row + pg, mask=ok, other=0)  # [N]
-        row = (offs_n % PAGE) * stride_p + head_off  # [N]
+        row = (order % PAGE) * stride_p + head_off  # [N]
         dev_row = dev_kv + (tl.maximum(loc, 0).to(tl.int64) * stride_slot + row)  # [N] pointers
         if HAS_HOST:  # one load per element: a host page's pointer is its mapped address
             host_row = host_kv + (tl.maximum(-loc - 1, 0).to(tl.int64) * stride_slot + row)
@@ -192,19 +199,23 @@ def _static_split_kernel(
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
         s = tl.dot(qt, tl.trans(k), input_precision=PRECISION) * qk_scale  # [G, N] log2 units
         if SCALED:  # K = values * the page's scale, folded into the logits
-            scale_row = k_row + (PAGE - offs_n % PAGE) * stride_p  # [N] the page's scale row, this head
+            scale_row = k_row + (PAGE - order % PAGE) * stride_p  # [N] the page's scale row, this head
             s = s * tl.load(scale_row.to(tl.pointer_type(tl.float32)), mask=ok, other=1.0)[None, :]
         s = tl.where(ok[None, :], s, float("-inf"))
         if WITH_PAGE_MAX:
-            pm = tl.max(tl.reshape(s, [BLOCK_G, PPB, PAGE]), axis=2)  # [G, PPB]
+            pm = page_maxima(s, BLOCK_G, BLOCK_N, PAGE, NUM_WARPS, WARP_ORDER)  # [G, PPB]
             pidx = i + tl.arange(0, PPB)  # [PPB] listed index
             tl.store(pm_row + pidx[None, :] * stride_pk + heads[:, None] * stride_ph, pm * 0.6931471805599453,
                      mask=g_ok[:, None] & (pidx < i1)[None, :])
         p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)  # p [G, N]
-        v = tl.load(k_ptrs + stride_kv, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
+        v = tl.load(k_ptrs + stride_kv, mask=kv_mask, other=0.0)  # [N, D]
+        if FP8_HALF:  # bf16 (fp32 under the interpreter): V's scales, on P, span more than fp16's range
+            v = convert_where_loaded(v, tl.float32 if DOT_F32 else tl.bfloat16)
+        else:
+            v = v.to(qt.dtype)
         if SCALED:  # V's scale on the probabilities (powers of two: exact)
             p = p * tl.load((scale_row + stride_kv).to(tl.pointer_type(tl.float32)), mask=ok, other=1.0)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(qt.dtype), v, input_precision=PRECISION)  # [G, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)  # [G, D]
         m_i = m_new
 
     o, row_lse = finish_rows(acc, m_i, l_i, lse_scale)  # [G, D], [G]
@@ -290,7 +301,7 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
     scan = min(triton.next_power_of_2(plan.pages_per_split), 256)  # listed entries per vector scan
     block_g = max(16, triton.next_power_of_2(heads // n_kv))
     _, stages = fit_shared_memory(block_g, plan.block_n, plan.config.num_stages, block_d,
-                                  4 if dot_f32 else q.element_size(), plan.block_n)
+                                  4 if dot_f32 else q.element_size(), plan.block_n, dev_pool.element_size())
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _static_split_kernel[(n_q * plan.num_splits, n_kv)](
             q, dev_pool, host_pool if host_pool is not None else dev_pool, block_table, seq_lens, pl,
@@ -304,10 +315,10 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
             sm_scale * LOG2E, LN2 if single else 1.0, window_left, n_listed,
             SPLITS=plan.num_splits, PPS=plan.pages_per_split, SCAN=scan,
             GROUP=heads // n_kv, BLOCK_G=block_g, PAGE=page,
-            BLOCK_N=plan.block_n, HEAD_DIM=dim, BLOCK_D=block_d,
+            BLOCK_N=plan.block_n, HEAD_DIM=dim, BLOCK_D=block_d, NUM_WARPS=plan.config.num_warps,
             HAS_HOST=host_pool is not None, HAS_LIST=page_list is not None, WITH_PAGE_MAX=page_max is not None,
-            DOT_F32=dot_f32, PRECISION=precision, SCALED=scaled,
-            num_warps=plan.config.num_warps, num_stages=stages,
+            DOT_F32=dot_f32, FP8_HALF=scaled and q.dtype != torch.float32, PRECISION=precision, SCALED=scaled,
+            num_warps=plan.config.num_warps, num_stages=stages, maxnreg=plan.config.maxnreg,
         )
         if not single:
             block_s = triton.next_power_of_2(plan.num_splits)
