@@ -45,21 +45,21 @@ class DecodeConfig:
 
 
 def default_decode_config(head_dim: int, kv_bytes: int = 2) -> DecodeConfig:
-    """Launch shape for ``head_dim`` and pages of ``kv_bytes`` per value (1: FP8).
+    """Launch shape for ``head_dim`` and pages of ``kv_bytes`` per value (1: FP8), tuned on an H200 with
+    Triton 3.6 (``bench/kernels.py --tune``; re-tune when Triton changes).
 
-    16-bit pages, the best mean over the tuned shapes on an H200 with Triton 3.6 (bench/kernels.py
-    --tune): D=128, 64-token steps, 3 stages; small heads, 128-token steps (the bytes of 64 tokens
-    at D=128) with 5 stages, since the page-index load takes a pipeline stage of its own (Triton's
-    pipeliner double-buffers K/V only from 5 stages on; re-tune when Triton changes). FP8 pages,
-    from the kernels compiled for sm_90 (``--tune`` times them): D=128 takes 128-token steps, the
-    bytes of bf16's 64; small heads keep 128, as 256 would leave registers for two programs per
-    multiprocessor instead of four.
+    16-bit pages: D=128, 64-token steps, 3 stages, registers capped at 128 so that four programs fit a
+    multiprocessor (same time without ``page_max``; with it +3.4% instead of +10.7% at B=64 x 8k, session 5);
+    small heads, 128-token steps (the bytes of 64 tokens at D=128) with 5 stages, since the page-index
+    load takes a pipeline stage of its own. FP8 pages: D=128, 128-token steps (the bytes of bf16's 64)
+    capped at 128 registers (0.470 against 0.532 ms uncapped at B=64 x 8k); small heads, 64-token steps
+    with 3 stages (0.139 against 0.145 ms for the 16-bit shape at B=16 x 32k).
     """
     if head_dim <= 64:
+        if kv_bytes == 1:
+            return DecodeConfig(block_n=64, num_warps=4, num_stages=3, ctas_per_sm=4)
         return DecodeConfig(block_n=128, num_warps=4, num_stages=5, ctas_per_sm=2)
-    if kv_bytes == 1:
-        return DecodeConfig(block_n=128)
-    return DecodeConfig()
+    return DecodeConfig(block_n=128 if kv_bytes == 1 else 64, maxnreg=128)
 
 
 @dataclass
