@@ -25,10 +25,10 @@ import triton.language as tl
 
 from kvtier.errors import ConfigError
 from kvtier.kernels.base import AttentionBackend, AttentionOutput, PagedBatch, to_device
-from kvtier.kernels.triton_prefill import (LN2, LOG2E, PrefillConfig, check_page_size, convert_where_loaded,
-                                           dot_operand_dtype, MIN_DOT, fit_shared_memory, finish_rows, fp16_query,
-                                           kernel_window, online_softmax_step, paged_prefill, plan_prefill,
-                                           scale_args, token_scales)
+from kvtier.kernels.triton_prefill import (LN2, LOG2E, PrefillConfig, check_page_size, dot_operand_dtype, MIN_DOT,
+                                           fit_shared_memory, finish_rows, kernel_window, online_softmax_step,
+                                           paged_prefill, plan_prefill, query_operand, scale_args, token_scales,
+                                           value_operand)
 
 
 @dataclass(frozen=True)
@@ -200,11 +200,7 @@ def _decode_split_kernel(
     heads = kvh * GROUP + offs_g  # [G]
     q_ptrs = q + b * stride_qn + heads[:, None] * stride_qh + offs_d[None, :]  # [G, D]
     qt = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-    if FP8_HALF:  # FP8 pages, 16-bit queries: fp16 operands for Q K^T
-        qt, q_scale = fp16_query(qt)
-        qk_scale = qk_scale * q_scale
-    elif DOT_F32:
-        qt = qt.to(tl.float32)
+    qt, qk_scale = query_operand(qt, qk_scale, FP8_HALF, DOT_F32)
 
     if WITH_PAGE_MAX:  # the chunk's pages before its first visited block hold no key of the window
         skip_end = tl.minimum(first, t_end)
@@ -241,10 +237,7 @@ def _decode_split_kernel(
             tl.store(pm_ptrs, pm * 0.6931471805599453, mask=g_ok[:, None] & (start + pg * PAGE < t_end)[None, :])
         p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)  # p [G, N]
         v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)  # [N, D]
-        if FP8_HALF:  # bf16 (fp32 under the interpreter): V's scales, on P, span more than fp16's range
-            v = convert_where_loaded(v, tl.float32 if DOT_F32 else tl.bfloat16)
-        else:
-            v = v.to(qt.dtype)
+        v = value_operand(v, qt, FP8_HALF, DOT_F32)
         if SCALED:  # V's scale on the probabilities (powers of two: exact)
             p = p * token_scales(ks_base + stride_skv, slot * stride_ss, tok_ok)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)  # [G, D]

@@ -109,6 +109,29 @@ def convert_where_loaded(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def query_operand(qt, qk_scale, FP8_HALF: tl.constexpr, DOT_F32: tl.constexpr):
+    """The query tile ``qt [G, D]`` as the Q K^T operand, and the logits' scale to go with it: fp16 (scaled
+    by :func:`fp16_query`) for FP8 pages with 16-bit queries, fp32 with ``DOT_F32``, else as loaded."""
+    if FP8_HALF:
+        qt, q_scale = fp16_query(qt)
+        qk_scale = qk_scale * q_scale
+    elif DOT_F32:
+        qt = qt.to(tl.float32)
+    return qt, qk_scale
+
+
+@triton.jit
+def value_operand(v, qt, FP8_HALF: tl.constexpr, DOT_F32: tl.constexpr):
+    """A loaded V tile ``[N, D]`` as the P V operand: FP8 pages with 16-bit queries in bf16 (fp32 under the
+    interpreter; V's scales, on P, span more than fp16's range), converted where loaded; else ``qt``'s dtype."""
+    if FP8_HALF:
+        v = convert_where_loaded(v, tl.float32 if DOT_F32 else tl.bfloat16)
+    else:
+        v = v.to(qt.dtype)
+    return v
+
+
+@triton.jit
 def online_softmax_step(s, m_i, l_i):
     """Fold a block of logits ``s [R, N]`` (log2 units) into the running row max ``m_i [R]`` and sum
     ``l_i [R]``: ``(p [R, N], alpha [R] to rescale the accumulator by, new max, new sum)``."""

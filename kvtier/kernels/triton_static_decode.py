@@ -28,8 +28,8 @@ import triton.language as tl
 
 from kvtier.kernels.triton_decode import (DecodeConfig, default_decode_config, num_multiprocessors, page_maxima,
                                           warp_token_order)
-from kvtier.kernels.triton_prefill import (LN2, LOG2E, check_page_size, convert_where_loaded, dot_operand_dtype,
-                                           finish_rows, fp16_query, MIN_DOT, fit_shared_memory, online_softmax_step)
+from kvtier.kernels.triton_prefill import (LN2, LOG2E, check_page_size, dot_operand_dtype, finish_rows, MIN_DOT,
+                                           fit_shared_memory, online_softmax_step, query_operand, value_operand)
 from kvtier.quant import dequantize, is_scaled_pool
 
 
@@ -159,11 +159,7 @@ def _static_split_kernel(
     heads = kvh * GROUP + offs_g  # [G]
     qt = tl.load(q + b * stride_qn + heads[:, None] * stride_qh + offs_d[None, :],
                  mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [G, D]
-    if FP8_HALF:
-        qt, q_scale = fp16_query(qt)
-        qk_scale = qk_scale * q_scale
-    elif DOT_F32:
-        qt = qt.to(tl.float32)
+    qt, qk_scale = query_operand(qt, qk_scale, FP8_HALF, DOT_F32)
     pm_row = page_max + b * stride_pb
     if WITH_PAGE_MAX:  # entries of the split outside the walked blocks attend nothing
         for j in range(i0, i1, SCAN):
@@ -209,10 +205,7 @@ def _static_split_kernel(
                      mask=g_ok[:, None] & (pidx < i1)[None, :])
         p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)  # p [G, N]
         v = tl.load(k_ptrs + stride_kv, mask=kv_mask, other=0.0)  # [N, D]
-        if FP8_HALF:  # bf16 (fp32 under the interpreter): V's scales, on P, span more than fp16's range
-            v = convert_where_loaded(v, tl.float32 if DOT_F32 else tl.bfloat16)
-        else:
-            v = v.to(qt.dtype)
+        v = value_operand(v, qt, FP8_HALF, DOT_F32)
         if SCALED:  # V's scale on the probabilities (powers of two: exact)
             p = p * tl.load((scale_row + stride_kv).to(tl.pointer_type(tl.float32)), mask=ok, other=1.0)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)  # [G, D]
