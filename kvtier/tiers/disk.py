@@ -39,7 +39,7 @@ def _runs(slots: np.ndarray) -> list[tuple[int, int]]:
 
 def page_checksums(buf: np.ndarray) -> np.ndarray:
     """Checksum of each row of a uint8 ``[n, page_bytes]`` buffer: uint32 ``[n]``, the low 32 bits of
-    the row's xxh3-64 hash (~17 GB/s on one core, 4x zlib's crc32; faster than an NVMe drive or a
+    the row's xxh3-64 hash (17-33 GB/s on one core here, 4-8x zlib's crc32; faster than an NVMe drive or a
     loopback Redis, so checking every page costs a few percent of a read)."""
     return np.fromiter((xxhash.xxh3_64_intdigest(row) & 0xFFFFFFFF for row in buf), dtype=np.uint32,
                        count=buf.shape[0])
