@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.cache import ACTIVE_CACHE
+from kvtier.cache_base import ACTIVE_CACHE
 from kvtier.compat import ATTN_NAME, register_attention
 from kvtier.errors import ConfigError
 from kvtier.support import check_attention_call

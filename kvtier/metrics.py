@@ -26,6 +26,8 @@ class CacheStats:
     compressed_pages: int = 0  # (layer, page)s dropped by a compression once the prefill ended
     attended_tokens: dict = field(default_factory=dict)  # decode step -> keys attended, summed over layers
     attention_calls: dict = field(default_factory=dict)  # decode step -> attention calls (layers)
+    steps: int = 0  # decode steps
+    host_wait_s: float = 0.0  # host blocked on the GPU (lookahead bound, room for new pages)
 
     def add_attended_tokens(self, step: int, tokens: float) -> None:
         """One decode call attended ``tokens`` keys (per sequence)."""

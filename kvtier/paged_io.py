@@ -1,4 +1,4 @@
-"""Token-level reads and writes of a sequence's pages, wherever each page lives."""
+"""The K/V write (bf16 and FP8 pages), for prefill chunks and decode rows, and token-level reads."""
 
 from __future__ import annotations
 
@@ -68,3 +68,16 @@ def read_tokens(table: BlockTable, layer: int, seq: int, device=None) -> torch.T
         pages = dequantize(pages).to(L.dtype)  # [n, 2, P, N_kv, D]
     S = table.seq_len(seq)
     return pages.transpose(0, 1).reshape(2, -1, L.num_kv_heads, L.head_dim)[:, :S]  # [2, S, N_kv, D]
+
+
+def write_decode(pool: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, page_size: int, scaled: bool) -> None:
+    """Each row's new K/V ``[B, N_kv, 1, D]`` into its page ``table [B, M]`` at ``positions [B]`` of the device
+    ``pool`` (``scaled``: FP8 pages, quantized against their scales); static shapes, no host work."""
+    slot = table.gather(1, (positions // page_size)[:, None])[:, 0].long()  # [B] device slots
+    kv = torch.stack([key[:, :, 0], value[:, :, 0]], 1)  # [B, 2, N_kv, D]
+    if scaled:
+        write_scaled(pool, slot, torch.arange(slot.numel(), device=slot.device), positions.long() % page_size,
+                     kv.transpose(0, 1))
+    else:
+        pool[slot, :, positions % page_size] = kv.to(pool.dtype)

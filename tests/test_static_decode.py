@@ -22,9 +22,10 @@ import triton.language as tl  # noqa: E402
 from kvtier.kernels.base import PagedBatch  # noqa: E402
 from kvtier.kernels.reference import paged_attention_reference  # noqa: E402
 from kvtier.kernels.triton_decode import DecodeConfig  # noqa: E402
-import kvtier.kernels.triton_static_decode as static_module  # noqa: E402
-from kvtier.kernels.triton_static_decode import (MAX_SPLITS, _listed_range, plan_static_decode,  # noqa: E402
-                                                 static_decode, static_decode_reference)
+from kvtier.kernels.reference import static_decode_reference  # noqa: E402
+import kvtier.kernels.triton_decode as static_module  # noqa: E402
+from kvtier.kernels.triton_decode import (MAX_SPLITS, _listed_range, plan_static_decode,  # noqa: E402
+                                         static_decode)
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -311,3 +312,77 @@ def test_a_wider_page_list_than_planned_is_refused():
     bt, lens = torch.zeros(1, 8, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="listed pages exceed"):
         static_decode(q, pool, None, bt, lens, plan, 1.0)  # all 8 pages, planned for 2
+
+
+def span_oracle(q, keys, values, seq_lens, lists, spans, window_left, page, sm_scale):
+    """Float64 token by token, per kv head's own list, with a token budget's spans: out, lse, page_max and
+    page_lse ``[B, K, H]``."""
+    batch, heads, dim = q.shape
+    n_kv = keys.shape[2]
+    group = heads // n_kv
+    K = lists.shape[-1]
+    out = torch.zeros(batch, heads, dim, dtype=torch.float64)
+    lse = torch.full((batch, heads), -math.inf, dtype=torch.float64)
+    pmax = torch.full((batch, K, heads), -math.inf, dtype=torch.float64)
+    plse = torch.full((batch, K, heads), -math.inf, dtype=torch.float64)
+    for b, n in enumerate(seq_lens):
+        sinks, win = spans[b]
+        lo = max(n - 1 - window_left, 0) if window_left >= 0 else 0
+        for g in range(n_kv):
+            row = lists[b, g if lists.shape[1] > 1 else 0].tolist()
+            toks = []
+            for i, p in enumerate(row):
+                for t in range(p * page, (p + 1) * page) if p >= 0 else ():
+                    visible = (t >= win) if p >= win // page else (p >= -(-sinks // page) or t < sinks)
+                    if lo <= t < n and visible:
+                        toks.append((i, t))
+            if not toks:
+                continue
+            rows = torch.tensor([t for _, t in toks])
+            owner = torch.tensor([i for i, _ in toks])
+            hs = slice(g * group, (g + 1) * group)
+            logits = torch.einsum("hd,sd->hs", q[b, hs].double(), keys[b, rows, g].double()) * sm_scale  # [G, S]
+            lse[b, hs] = torch.logsumexp(logits, -1)
+            out[b, hs] = torch.softmax(logits, -1) @ values[b, rows, g].double()
+            for i in owner.unique().tolist():
+                pmax[b, i, hs] = logits[:, owner == i].amax(-1)
+                plse[b, i, hs] = torch.logsumexp(logits[:, owner == i], -1)
+    return out, lse, pmax, plse
+
+
+@pytest.mark.parametrize("per_head,window", [(False, -1), (True, -1), (True, 30)])
+def test_spans_per_head_lists_page_lse_and_a_staging_pool(per_head, window):
+    """A token budget's spans (sinks cut mid-page, the window's first page cut), per-kv-head page lists,
+    per-page LSE and pages in a third (staging) pool: kernel and reference against a float64 oracle."""
+    gen = torch.Generator().manual_seed(11 + window)
+    seq_lens, max_pages, page, n_kv, group, dim = [70, 53, 20], 9, 8, 2, 2, 32
+    q, keys, values, dev_pool, host_pool, table = random_case(seq_lens, max_pages, page, n_kv, group, dim,
+                                                              torch.float32, 0.4, gen)
+    stage_pool = torch.randn(5, *dev_pool.shape[1:], generator=gen)
+    for b, p, s in ((0, 2, 1), (1, 3, 4), (2, 0, 0)):  # move three pages to the staging pool
+        stage_pool[s] = torch.stack([keys[b, p * page:(p + 1) * page], values[b, p * page:(p + 1) * page]])
+        table[b, p] = -(1 << 30) - s
+    K = 5
+    lists = torch.full((len(seq_lens), n_kv if per_head else 1, K), -1, dtype=torch.int32)
+    for b, n in enumerate(seq_lens):
+        for h in range(lists.shape[1]):
+            pages = torch.randperm(-(-n // page), generator=gen)[:K]
+            lists[b, h, :pages.numel()] = pages.int()
+    spans = torch.tensor([[4, 61], [3, 41], [0, 0]], dtype=torch.int32)  # row 2: no budget
+    heads = n_kv * group
+    plan = plan_static_decode(len(seq_lens), max_pages, heads, n_kv, dim, page, device(), K,
+                              DecodeConfig(block_n=16, pages_per_split=2))
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    page_list = lists if per_head else lists[:, 0].contiguous()
+    to = lambda x: x.to(device())  # noqa: E731
+    pm, pl = (torch.empty(len(seq_lens), K, heads, device=device()) for _ in range(2))
+    out, lse = static_decode(to(q), to(dev_pool), host(host_pool), to(table), to(lens), plan, dim ** -0.5,
+                             to(page_list), window, pm, pl, to(spans), host(stage_pool))
+    pm_r, pl_r = torch.empty(len(seq_lens), K, heads), torch.empty(len(seq_lens), K, heads)
+    ref = static_decode_reference(q, dev_pool, host_pool, table, lens, plan, dim ** -0.5, page_list, window,
+                                  pm_r, pl_r, spans, stage_pool)
+    o_out, o_lse, o_pm, o_pl = span_oracle(q, keys, values, seq_lens, lists, spans.tolist(), window, page, dim ** -0.5)
+    for got in ((out, lse, pm), (*ref, pm_r)):
+        assert_close(got, (o_out, o_lse, o_pm), torch.float32, "page_max")
+    for got in (pl, pl_r):
+        assert_close((out, lse, got), (o_out, o_lse, o_pl), torch.float32, "page_lse")

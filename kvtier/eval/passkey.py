@@ -23,8 +23,8 @@ from kvtier.checks import check_positions
 from kvtier.errors import ConfigError, Interrupted
 from kvtier.eval.perplexity import check_int, progress_task
 
-if TYPE_CHECKING:  # the cache imports kvtier.eval.fidelity
-    from kvtier.cache import TieredKVCache
+if TYPE_CHECKING:  # the engine imports kvtier.eval.fidelity
+    from kvtier.engine import Engine
 
 FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
 _PLACEHOLDER = "\x00HAYSTACK\x00"
@@ -131,20 +131,19 @@ class RetrievalTask:
         raise NotImplementedError
 
     @torch.no_grad()
-    def run(self, engine, make_cache: Callable[[], TieredKVCache], tokenizer, progress=None) -> dict:
-        check_positions(self, engine.model.config)
+    def run(self, make_engine: Callable[[], Engine], tokenizer, progress=None) -> dict:
         rng = np.random.default_rng(self.seed)
         advance = progress_task(progress, f"{self.name} ({self.context_tokens} tok)", len(self.depths) * self.samples)
         records = []
         try:
             for depth, ids, expected, info in self.cases(tokenizer, rng):
-                cache = make_cache()
+                engine = make_engine()
+                check_positions(self, engine.model.config)
                 try:
-                    out = engine.greedy(cache, ids[None], self.max_new_tokens,
-                                        prefill_tokens=ids.numel() - self.question_tokens)[0]
-                    hit_rate = cache.stats.tier1_hit_rate
+                    out = greedy(engine, ids, self.max_new_tokens, prefill_tokens=ids.numel() - self.question_tokens)
+                    hit_rate = engine.hit_rate()
                 finally:
-                    cache.close()
+                    engine.close()
                 text = tokenizer.decode(out, skip_special_tokens=True)
                 records.append({"depth": depth, "expected": expected, "output": text,
                                 "correct": self.score(text, expected), "prompt_tokens": int(ids.numel()),
@@ -163,6 +162,25 @@ class RetrievalTask:
         return {"task": self.name, "accuracy": mean([r["correct"] for r in records]), "samples": len(records),
                 "context_tokens": mean([r["prompt_tokens"] for r in records]), "per_depth": per_depth,
                 "tier1_hit_rate": mean([r["tier1_hit_rate"] for r in records]), "records": records}
+
+
+def greedy(engine, ids: torch.Tensor, max_new_tokens: int, prefill_tokens: int | None = None) -> list[int]:
+    """Greedy continuation of the prompt ``ids [S]`` (``max_new_tokens`` ids). With ``prefill_tokens`` only the first
+    that many are prefilled; the rest (a question asked after the context was compressed) are fed one
+    decode step each, under the engine's budget."""
+    S = int(ids.numel())
+    n = S if prefill_tokens is None else prefill_tokens
+    seq = engine.open(S + max_new_tokens)
+    logits = engine.prefill_sequence(seq, ids[:n])[-1]  # [V]
+    engine.start_decode(seq, ids[n] if n < S else logits.argmax())
+    row = engine.row_seq.index(seq)
+    for i in range(n, S):
+        logits = engine.step({seq: int(ids[i])})[row]
+    out = [int(logits.argmax())]
+    for _ in range(max_new_tokens - 1):
+        out.append(int(engine.step({seq: out[-1]})[row].argmax()))
+    engine.feedback.take(upto=engine.step_idx)
+    return out
 
 
 @dataclass

@@ -15,8 +15,8 @@ from kvtier.data import TEXTS, token_stream
 from kvtier.checks import check_positions
 from kvtier.errors import ConfigError, Interrupted
 
-if TYPE_CHECKING:  # the cache imports kvtier.eval.fidelity
-    from kvtier.cache import TieredKVCache
+if TYPE_CHECKING:  # the engine imports kvtier.eval.fidelity
+    from kvtier.engine import Engine
 
 
 def check_int(field: str, value, low: int, high: int | None = None) -> None:
@@ -66,39 +66,42 @@ class Perplexity:
         check_int("offset", self.offset, 0)
 
     @torch.no_grad()
-    def run(self, engine, make_cache: Callable[[], TieredKVCache], tokenizer, progress=None) -> dict:
+    def run(self, make_engine: Callable[[], Engine], tokenizer, progress=None) -> dict:
         """The perplexity result; on Ctrl-C, :class:`Interrupted` carrying the tokens scored so far."""
+        engine = make_engine()
         check_positions(self, engine.model.config)
         ids = token_stream(tokenizer, self.text, self.offset + self.length)[self.offset:]  # [length]
         advance = progress_task(progress, f"perplexity {self.text} ({self.length} tok)", self.length - self.prefix)
-        cache = make_cache()
         nll = torch.empty(self.length - self.prefix, dtype=torch.float64)
-        steps_before, done = len(engine.tpot_s), 0
+        done = 0
         try:
-            logits = engine.run_prefill(cache, ids[None, : self.prefix])[:, -1]  # [1, V]
+            seq = engine.open(self.length)
+            logits = engine.prefill_sequence(seq, ids[: self.prefix])[-1:]  # [1, V]
             nll[0] = _nll(logits, ids[self.prefix])
             done = 1
             advance()
+            engine.start_decode(seq, ids[self.prefix])
+            row = engine.row_seq.index(seq)
             for i in range(self.prefix, self.length - 1):
-                logits = engine.decode_step(cache, ids[None, i : i + 1])  # [1, V]
+                logits = engine.step({seq: int(ids[i])})[row:row + 1]  # [1, V]
                 nll[i + 1 - self.prefix] = _nll(logits, ids[i + 1])
                 done += 1
                 advance()
-            cache.finish_step()
+            engine.feedback.take(upto=engine.step_idx)
         except KeyboardInterrupt:
-            raise Interrupted(self._result(nll[:done], engine.tpot_s[steps_before:], cache)) from None
+            raise Interrupted(self._result(nll[:done], engine.tpot_s, engine)) from None
         finally:
-            cache.close()
-        return self._result(nll, engine.tpot_s[steps_before:], cache)
+            engine.close()
+        return self._result(nll, engine.tpot_s, engine)
 
-    def _result(self, nll: torch.Tensor, tpot: list, cache) -> dict:
+    def _result(self, nll: torch.Tensor, tpot: list, engine) -> dict:
         mean = float(nll.mean()) if nll.numel() else float("nan")
         tpot = sorted(tpot)
         return {"task": self.name, "perplexity": math.exp(mean), "nll_mean": mean, "samples": 1,
                 "context_tokens": self.length, "scored_tokens": int(nll.numel()), "text": self.text,
                 "prefix": self.prefix, "nll_blocks": [float(b.mean()) for b in nll.split(self.block_tokens)],
-                "block_tokens": self.block_tokens, "tier1_hit_rate": cache.stats.tier1_hit_rate,
-                "offset": self.offset, "attended_tokens": cache.stats.attended_tokens_mean,
+                "block_tokens": self.block_tokens, "tier1_hit_rate": engine.hit_rate(),
+                "offset": self.offset, "attended_tokens": engine.stats.attended_tokens_mean,
                 "tpot_p50_s": tpot[len(tpot) // 2] if tpot else float("nan")}
 
 

@@ -72,3 +72,72 @@ class TorchBackend(AttentionBackend):
 
     def run(self, q, kv_pool, return_page_max=False):
         return paged_attention_reference(q, kv_pool, self.batch, self.sm_scale, return_page_max)
+
+    def decode(self, *args, **kwargs):
+        """The engine's decode step: :func:`static_decode_reference`."""
+        return static_decode_reference(*args, **kwargs)
+
+
+def static_decode_reference(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tensor | None,
+                            block_table: torch.Tensor, seq_lens: torch.Tensor, plan, sm_scale: float,
+                            page_list: torch.Tensor | None = None, window_left: int = -1,
+                            page_max: torch.Tensor | None = None, page_lse: torch.Tensor | None = None,
+                            spans: torch.Tensor | None = None,
+                            stage_pool: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contract of :func:`kvtier.kernels.triton_decode.static_decode` in fp32 torch, vectorised over the
+    batch and pages: the engine's decode step on the CPU and the kernel's oracle.
+
+    The pools may live on different devices (host and staged pages are gathered on their pool's device).
+    ``plan`` is accepted for a drop-in signature and not needed.
+    """
+    n_q, heads, dim = q.shape
+    n_kv = dev_pool.shape[3]
+    page = dev_pool.shape[2] - (dev_pool.dtype == torch.float8_e4m3fn)  # FP8 pages hold a scale row
+    as_f32 = dequantize if is_scaled_pool(dev_pool, page) else torch.Tensor.float  # [n, 2, P, N_kv, D] fp32
+    dev = q.device
+    max_pages = block_table.shape[1]
+    lists = torch.arange(max_pages, device=dev).expand(n_q, 1, -1) if page_list is None else \
+        page_list.to(dev, torch.long).view(n_q, -1, page_list.shape[-1])  # [B, 1 or N_kv, K]
+    n_lists, n_listed = lists.shape[1:]
+    lens = seq_lens.to(dev, torch.long)[:, None, None, None]  # [B, 1, 1, 1]
+    lo = (lens - 1 - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(lens)
+    pg = lists[..., None]  # [B, h, K, 1]
+    tok = pg * page + torch.arange(page, device=dev)  # [B, h, K, P] key position
+    ok = (tok >= lo) & (tok < lens)  # a -1 entry has negative positions
+    if spans is not None:  # a token budget: sinks of the sink pages, the window's tokens of its pages
+        sinks, win = (x.to(dev, torch.long)[:, None, None, None] for x in spans.unbind(1))
+        ok &= torch.where(pg >= win // page, tok >= win, (pg >= -(-sinks // page)) | (tok < sinks))
+    loc = block_table.to(dev, torch.long).gather(1, lists.clamp(0, max_pages - 1).flatten(1)).view(lists.shape)
+    need = ok.any(-1)  # [B, h, K] entries whose page is read
+    pages = torch.zeros(*lists.shape, 2, page, n_kv, dim, dtype=torch.float32, device=dev)  # [B, h, K, 2, P, N_kv, D]
+    staged = -(1 << 30)
+    for pool, sel, slot in ((dev_pool, need & (loc >= 0), loc), (host_pool, need & (loc < 0) & (loc > staged), -loc - 1),
+                            (stage_pool, need & (loc <= staged), -loc + staged)):
+        if pool is not None and bool(sel.any()):
+            pages[sel] = as_f32(pool[slot[sel].to(pool.device)]).to(dev)
+    k = pages[:, :, :, 0].reshape(n_q, n_lists, n_listed * page, n_kv, dim)  # [B, h, S, N_kv, D]
+    v = pages[:, :, :, 1].reshape(n_q, n_lists, n_listed * page, n_kv, dim)
+    ok = ok.view(n_q, n_lists, -1)  # [B, h, S]
+    group = heads // n_kv
+    qg = q.float().view(n_q, n_kv, group, dim)  # [B, N_kv, G, D]; head h = kv h // G
+    heads_kv = torch.arange(n_kv, device=dev)
+    lists_of = heads_kv if n_lists > 1 else torch.zeros_like(heads_kv)  # each kv head's list
+    k, v = (x.transpose(2, 3)[:, lists_of, heads_kv] for x in (k, v))  # [B, N_kv, S, D]
+    seen = ok[:, lists_of]  # [B, N_kv, S]
+    logits = torch.einsum("bngd,bnsd->bngs", qg, k) * sm_scale  # [B, N_kv, G, S]
+    logits = logits.masked_fill(~seen[:, :, None], float("-inf"))
+    out, lse = _softmax_rows(logits, v.masked_fill(~seen[..., None], 0.0))  # stale rows never count
+    per_page = logits.view(n_q, n_kv, group, n_listed, page)
+    if page_max is not None:
+        page_max.copy_(per_page.amax(-1).reshape(n_q, heads, n_listed).transpose(1, 2))  # [B, K, H]
+    if page_lse is not None:
+        page_lse.copy_(torch.logsumexp(per_page, -1).reshape(n_q, heads, n_listed).transpose(1, 2))
+    return out.reshape(n_q, heads, dim).to(q.dtype), lse.reshape(n_q, heads)
+
+
+def _softmax_rows(logits: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax of ``logits [..., S]`` (-inf: masked) times ``v [..., S, D]`` broadcast over the rows before S:
+    ``(out [..., D], lse [...])``; a row with no key gives 0 and -inf."""
+    lse = torch.logsumexp(logits, dim=-1)
+    probs = torch.exp(logits - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    return torch.einsum("...gs,...sd->...gd", probs, v), lse

@@ -1,22 +1,35 @@
-"""Triton paged GQA decode attention (flash-decoding) and the ``triton`` backend.
+"""Paged decode attention, one kernel for every caller: static shapes, graph-capturable, tiers read in place.
 
-One query row per sequence, which sees the last ``window_left + 1`` keys with a window (blocks
-wholly left of it are skipped, the block it starts in is masked), and with a ``head_mask`` only the
-pages its kv head is given (per-head page choice over the union of the heads' pages). ``plan`` cuts every sequence's
-page list into chunks of ``pages_per_split`` pages; one program per (chunk, kv head) attends the
-chunk with all query heads of the kv group packed as rows of one ``tl.dot`` tile (padded to 16
-rows), and writes a partial (out, lse). A merge kernel combines the partials of each sequence by
-their LSE. When every sequence fits one chunk the split kernel writes the final output directly
-and no merge runs.
+One query row per sequence. Every input has a shape fixed by the batch bucket, and the launch
+needs no host work or sync, so a model step that uses it can be captured once in a CUDA graph and
+replayed every token while sequences grow, join and finish (only tensor contents change).
 
-Pages are NHD ``[slots, 2, P, N_kv, D]``; see :mod:`kvtier.kernels.base` for the batch convention.
-Softmax runs in base 2 (``exp2``) with fp32 accumulation; LSE and ``page_max`` are returned in
+A sequence's page ``p`` lives at ``block_table[b, p]``: ``x >= 0`` is slot ``x`` of the device
+pool, ``-STAGED < x < 0`` slot ``-x - 1`` of the pinned host pool, ``x <= -STAGED`` slot
+``-x - STAGED`` of the pinned staging pool (disk and remote pages copied there before the step);
+host memory is read in place through its mapped (UVA) address (see :mod:`kvtier.tiers.copy_kernel`):
+a miss costs PCIe bandwidth, not a sync. The sequence attends its listed pages (``page_list[b]``, one
+list per sequence or per (sequence, kv head), or all its logical pages), keys ``j < seq_len``, with a
+window ``j >= seq_len - 1 - window_left`` (FlashInfer semantics), and with a token budget's spans
+only the sinks of the sink pages and the window's tokens of the window's pages.
+
+The grid is static: ``(B * num_splits, N_kv)``. Split ``c`` of sequence ``b`` covers listed
+indices ``[c * pps, (c + 1) * pps)`` and walks only the blocks that hold a counted key (a 32k
+sequence with a 4k window reads ~4k tokens); all query heads of a kv group are the rows of one
+``tl.dot`` tile (padded to 16 rows). A merge kernel combines the splits by their LSE, or the split
+kernel writes the output directly when ``num_splits == 1``. Per listed page the kernel can also
+write the max (salience) and the log-sum-exp (attention mass) of its scaled logits.
+
+:class:`TritonBackend` runs this kernel for :class:`~kvtier.kernels.base.PagedBatch` decode calls (their
+page lists turned into a block table) and :mod:`kvtier.kernels.triton_prefill` for prefill calls.
+Softmax runs in base 2 (``exp2``) with fp32 accumulation; LSE and page statistics are returned in
 natural-log units.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -25,10 +38,13 @@ import triton.language as tl
 
 from kvtier.errors import ConfigError
 from kvtier.kernels.base import AttentionBackend, AttentionOutput, PagedBatch, to_device
-from kvtier.kernels.triton_prefill import (LN2, LOG2E, PrefillConfig, check_page_size, dot_operand_dtype, MIN_DOT,
-                                           fit_shared_memory, finish_rows, kernel_window, online_softmax_step,
-                                           paged_prefill, plan_prefill, query_operand, scale_args, token_scales,
-                                           value_operand)
+from kvtier.kernels.triton_prefill import (LN2, LOG2E, PrefillConfig, check_page_size, dot_operand_dtype, finish_rows,
+                                           MIN_DOT, fit_shared_memory, online_softmax_step,
+                                           paged_prefill, plan_prefill, query_operand, value_operand)
+from kvtier.quant import is_scaled_pool
+
+MAX_SPLITS = 128  # most splits per sequence that plan_static_decode chooses
+STAGED = tl.constexpr(1 << 30)  # block-table values <= -STAGED are slots of the staging pool
 
 
 @dataclass(frozen=True)
@@ -62,66 +78,11 @@ def default_decode_config(head_dim: int, kv_bytes: int = 2) -> DecodeConfig:
     return DecodeConfig(block_n=128 if kv_bytes == 1 else 64, maxnreg=128)
 
 
-@dataclass
-class DecodePlan:
-    """Chunk list of one decode step (int32 on the batch's device) and the partials' buffers."""
-
-    chunk_seq: torch.Tensor  # [C] sequence of each chunk
-    chunk_page: torch.Tensor  # [C] first listed page of each chunk (index into kv_indices)
-    chunk_split: torch.Tensor  # [C] split index of the chunk within its sequence
-    seq_splits: torch.Tensor  # [B] chunks per sequence (>= 1; an empty sequence has one empty chunk)
-    pages_per_split: int
-    max_splits: int
-    block_n: int
-    config: DecodeConfig
-    part_out: torch.Tensor | None  # [splits, B, H, D] fp32, reused by every layer (one stream); None: 1 split
-    part_lse: torch.Tensor | None  # [splits, B, H] fp32 (log2 units)
-    listed: tuple[int, int]  # the listed pages the sequences cover: kv_indptr[0], kv_indptr[-1]
-
-
 def num_multiprocessors(device: torch.device) -> int:
     """SM count of a CUDA device (4 under the interpreter, where it only sizes the splits)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
-
-
-def plan_decode(batch: PagedBatch, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                config: DecodeConfig | None = None, kv_bytes: int = 2) -> DecodePlan:
-    """Cut each sequence's pages into splits so that chunks x kv heads fills the GPU.
-
-    Host work on the batch's host ``kv_indptr`` (no sync for a batch from ``PagedBatch.from_host``),
-    then one non-blocking copy of the chunk list. ``kv_bytes``: the pool's bytes per value (1 for
-    FP8 pages), which picks the default config.
-    """
-    check_page_size(batch.page_size)
-    config = default_decode_config(head_dim, kv_bytes) if config is None else config
-    page = batch.page_size
-    block_n = max(config.block_n, page, MIN_DOT)
-    pages_per_block = block_n // page
-    kv_indptr = batch.kv_indptr_host()  # [B+1]
-    npages = np.diff(kv_indptr)  # [B]
-    if config.pages_per_split is not None:
-        per_split = config.pages_per_split
-    else:
-        target = num_multiprocessors(batch.kv_indptr.device) * config.ctas_per_sm
-        per_split = max(-(-int(npages.sum()) * num_kv_heads // target), -(-config.min_split_tokens // page), 1)
-        longest = max(int(npages.max()), 1) if npages.size else 1
-        per_split = -(-longest // -(-longest // per_split))  # even splits of the longest sequence
-    per_split = -(-per_split // pages_per_block) * pages_per_block  # whole loop iterations
-    splits = np.maximum(-(-npages // per_split), 1)  # [B]
-    seq = np.repeat(np.arange(npages.size), splits)  # [C]
-    first = np.cumsum(splits) - splits  # [B] first chunk of each sequence
-    split = np.arange(seq.size) - first[seq]  # [C]
-    page0 = kv_indptr[:-1][seq] + split * per_split  # [C]
-    dev = batch.kv_indptr.device
-    max_splits = int(splits.max()) if splits.size else 1
-    part_out = part_lse = None
-    if max_splits > 1:
-        part_out = torch.empty(max_splits, npages.size, num_qo_heads, head_dim, dtype=torch.float32, device=dev)
-        part_lse = torch.empty(max_splits, npages.size, num_qo_heads, dtype=torch.float32, device=dev)
-    return DecodePlan(*to_device([seq, page0, split, splits], dev), per_split, max_splits, block_n, config,
-                      part_out, part_lse, (int(kv_indptr[0]), int(kv_indptr[-1])))
 
 
 @triton.jit
@@ -141,56 +102,147 @@ def warp_token_order(BLOCK_N: tl.constexpr, NUM_WARPS: tl.constexpr, WARP_ORDER:
 
 @triton.jit
 def page_maxima(s, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_WARPS: tl.constexpr,
-                WARP_ORDER: tl.constexpr):
-    """Max of the logits ``s [G, N]`` (columns in :func:`warp_token_order`) over each page of the block:
-    ``[G, N / PAGE]``."""
+                WARP_ORDER: tl.constexpr, WITH_LSE: tl.constexpr):
+    """Max and (``WITH_LSE``) log-sum-exp of the logits ``s [G, N]`` (log2 units, columns in
+    :func:`warp_token_order`) over each page of the block: ``([G, N / PAGE], [G, N / PAGE])``."""
     if WARP_ORDER:  # back to token order: reshapes and a permute of the layout, no data movement
         s = tl.reshape(tl.permute(tl.reshape(s, [BLOCK_G, BLOCK_N // (8 * NUM_WARPS), NUM_WARPS, 8]), (0, 2, 1, 3)),
                        [BLOCK_G, BLOCK_N])
-    return tl.max(tl.reshape(s, [BLOCK_G, BLOCK_N // PAGE, PAGE]), axis=2)
+    pages = tl.reshape(s, [BLOCK_G, BLOCK_N // PAGE, PAGE])
+    pm = tl.max(pages, axis=2)
+    if WITH_LSE:
+        safe = tl.where(pm == float("-inf"), 0.0, pm)
+        pl = safe + tl.log2(tl.sum(tl.exp2(pages - safe[:, :, None]), axis=2))  # -inf for a page of no key
+    else:
+        pl = pm
+    return pm, pl
+
+
+@dataclass(frozen=True, eq=False)
+class StaticDecodePlan:
+    """Launch shape of one batch bucket, fixed at capture time from shapes only, and the partials' buffers."""
+
+    batch_size: int
+    max_pages: int  # block_table width
+    max_listed: int  # listed pages the splits cover (page_list width, or max_pages)
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    num_splits: int  # splits per sequence
+    pages_per_split: int  # a multiple of block_n // page_size
+    block_n: int
+    config: DecodeConfig
+    part_out: torch.Tensor | None = field(repr=False)  # [splits, B, H, D] fp32; None: one split
+    part_lse: torch.Tensor | None = field(repr=False)  # [splits, B, H] fp32 (log2 units)
+
+
+def plan_static_decode(batch_size: int, max_pages: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                       page_size: int, device, max_listed: int | None = None,
+                       config: DecodeConfig | None = None, kv_bytes: int = 2) -> StaticDecodePlan:
+    """Size the splits so that ``B x splits x N_kv`` programs fill the GPU at the bucket's longest context.
+
+    ``max_listed`` is the page_list width (None: every sequence attends all its ``max_pages``
+    pages); ``kv_bytes`` the pools' bytes per value (1 for FP8 pages), which picks the default
+    config. Host work on static numbers only; allocates the partials when there is more than one split.
+    """
+    check_page_size(page_size)
+    config = default_decode_config(head_dim, kv_bytes) if config is None else config
+    listed = max_pages if max_listed is None else max_listed
+    block_n = max(config.block_n, page_size, MIN_DOT)
+    pages_per_block = block_n // page_size
+    if config.pages_per_split is not None:
+        per_split = config.pages_per_split
+    else:
+        target = num_multiprocessors(torch.device(device)) * config.ctas_per_sm
+        per_split = max(-(-batch_size * listed * num_kv_heads // target), -(-config.min_split_tokens // page_size), 1)
+        per_split = max(per_split, -(-listed // MAX_SPLITS))  # a merge reads every split of its row
+        per_split = -(-listed // max(-(-listed // per_split), 1))  # even splits of the longest list
+    per_split = -(-max(per_split, 1) // pages_per_block) * pages_per_block  # whole loop iterations
+    splits = max(-(-listed // per_split), 1)
+    part_out = part_lse = None
+    if splits > 1:
+        part_out = torch.empty(splits, batch_size, num_qo_heads, head_dim, dtype=torch.float32, device=device)
+        part_lse = torch.empty(splits, batch_size, num_qo_heads, dtype=torch.float32, device=device)
+    return StaticDecodePlan(batch_size, max_pages, listed, num_qo_heads, num_kv_heads, head_dim, page_size, splits,
+                            per_split, block_n, config, part_out, part_lse)
 
 
 @triton.jit
-def _decode_split_kernel(
-    q, kv, scales, kv_indptr, kv_indices, kv_last_page_len, head_mask,
-    chunk_seq, chunk_page, chunk_split,
-    out, lse, page_max,
+def _listed_range(list_row, i0, i1, first_page, n_pages, HAS_LIST: tl.constexpr, SCAN: tl.constexpr):
+    """``[lo, hi)``: the span of listed indices in ``[i0, i1)`` whose page may hold a counted key.
+
+    A page counts when ``first_page <= page < n_pages`` (``first_page``: the window's first page);
+    ``lo >= hi`` when none does. With a page list, one vector scan of the split's entries.
+    """
+    if HAS_LIST:
+        lo = i1
+        hi = i0
+        for j in range(i0, i1, SCAN):
+            idx = j + tl.arange(0, SCAN)  # [SCAN]
+            pg = tl.load(list_row + idx, mask=idx < i1, other=-1)
+            useful = (pg >= first_page) & (pg < n_pages) & (idx < i1)
+            lo = tl.minimum(lo, tl.min(tl.where(useful, idx, i1)))
+            hi = tl.maximum(hi, tl.max(tl.where(useful, idx + 1, i0)))
+    else:
+        lo = tl.maximum(i0, first_page)
+        hi = tl.minimum(i1, n_pages)
+    return lo, hi
+
+
+@triton.jit
+def _static_split_kernel(
+    q, dev_kv, host_kv, stage_kv, block_table, seq_lens, page_list, spans,
+    out, lse, page_max, page_lse,
     stride_qn, stride_qh,
     stride_slot, stride_kv, stride_p, stride_kh,
-    stride_ss, stride_skv, stride_sh,
+    stride_bt, stride_pl, stride_plh,
     stride_os, stride_on, stride_oh,
     stride_ls, stride_ln,
-    stride_pm, stride_hm,
-    qk_scale, lse_scale, pages_per_split, window_left,
+    stride_pb, stride_pk, stride_ph,
+    qk_scale, lse_scale, window_left, n_listed,
+    SPLITS: tl.constexpr, PPS: tl.constexpr, SCAN: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_WARPS: tl.constexpr,
-    WITH_PAGE_MAX: tl.constexpr, DOT_F32: tl.constexpr, FP8_HALF: tl.constexpr, PRECISION: tl.constexpr,
-    SCALED: tl.constexpr, HEAD_MASK: tl.constexpr,
+    HAS_HOST: tl.constexpr, HAS_STAGE: tl.constexpr, HAS_LIST: tl.constexpr, HAS_SPANS: tl.constexpr,
+    WITH_PAGE_MAX: tl.constexpr, WITH_PAGE_LSE: tl.constexpr,
+    DOT_F32: tl.constexpr, FP8_HALF: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
 ):
-    """One (chunk, kv head): out/lse rows ``[GROUP]`` of the chunk's sequence over its pages.
+    """One (sequence x split, kv head): rows ``[GROUP]`` of split ``c`` of sequence ``b``.
 
-    ``out`` is ``[splits, B, H, D]`` (fp32 partials, or the final ``[1, B, H, D]`` output when
-    there is a single split), ``lse`` ``[splits, B, H]`` (log2 units times ``lse_scale``),
-    ``page_max [nnz, H]``: every page of the chunk is written, -inf where it holds no token the
-    query sees; blocks wholly left of the window (``window_left``) are skipped. With
-    ``HEAD_MASK``, ``head_mask [nnz, N_kv]`` (int8) hides the listed pages this kv head is not given.
-    Dot operands: fp32 with ``DOT_F32``; with ``FP8_HALF`` (FP8 pages, 16-bit queries) fp16 for Q K^T
-    and bf16 for P V (fp32 under the interpreter); else q's dtype.
+    FP8 pages (``SCALED``): the head's K (V) scale sits at row ``PAGE`` of the same page, read as fp32
+    through the page's own pointer, so host pages bring theirs too. Dot operands: fp32 with ``DOT_F32``;
+    with ``FP8_HALF`` (FP8 pages, 16-bit queries) fp16 for Q K^T and bf16 for P V; else q's dtype.
+    ``page_list`` rows are per sequence (``stride_plh = 0``) or per (sequence, kv head). ``spans [B, 2]``
+    (``HAS_SPANS``): a token budget's ``(sinks, win_start)``, see :func:`static_decode`.
+
+    ``out [splits, B, H, D]`` / ``lse [splits, B, H]`` (log2 units times ``lse_scale``): fp32
+    partials, or the final output when there is one split. ``page_max [B, n_listed, H]``: every
+    listed entry of the split is written, -inf where no key counts; ``page_lse`` (``WITH_PAGE_LSE``, same
+    shape) the log-sum-exp of each listed page's scaled logits.
     """
-    WARP_ORDER: tl.constexpr = WITH_PAGE_MAX and BLOCK_N % (8 * NUM_WARPS) == 0
-    c = tl.program_id(0)
+    PPB: tl.constexpr = BLOCK_N // PAGE  # pages per block
+    PAGE_STATS: tl.constexpr = WITH_PAGE_MAX or WITH_PAGE_LSE
+    WARP_ORDER: tl.constexpr = PAGE_STATS and BLOCK_N % (8 * NUM_WARPS) == 0
+    pid = tl.program_id(0)
     kvh = tl.program_id(1)
-    b = tl.load(chunk_seq + c)
-    page0 = tl.load(chunk_page + c)
-    split = tl.load(chunk_split + c)
-    seq_p0 = tl.load(kv_indptr + b)
-    n_pages = tl.load(kv_indptr + b + 1) - seq_p0
-    kv_len = tl.where(n_pages > 0, (n_pages - 1) * PAGE + tl.load(kv_last_page_len + b), 0)
-    t0 = (page0 - seq_p0) * PAGE  # first token of the chunk, local to the sequence
-    t_end = tl.minimum(t0 + pages_per_split * PAGE, n_pages * PAGE)  # end of the chunk's pages
-    t1 = tl.minimum(t_end, kv_len)  # end of its tokens
-    lo = kv_len - 1 - window_left  # first key in the query's window
-    first = t0 + tl.maximum(lo - t0, 0) // BLOCK_N * BLOCK_N  # first block holding a key of the window
+    b = pid // SPLITS
+    c = pid % SPLITS
+    seq_len = tl.load(seq_lens + b)
+    n_pages = (seq_len + PAGE - 1) // PAGE
+    win_lo = tl.where(window_left >= 0, tl.maximum(seq_len - 1 - window_left, 0), 0)  # first visible key
+    i0 = c * PPS  # listed indices of the split: [i0, i1)
+    i1 = tl.minimum(i0 + PPS, n_listed)
+    list_row = page_list + b * stride_pl + kvh * stride_plh
+    if HAS_SPANS:  # a token budget: the sink tokens of the sink pages, the window's tokens of its pages
+        sinks = tl.load(spans + b * 2)
+        win_start = tl.load(spans + b * 2 + 1)
+    else:
+        sinks = 0
+        win_start = 0
+    lo, hi = _listed_range(list_row, i0, i1, win_lo // PAGE, n_pages, HAS_LIST, SCAN)
+    blk_lo = (lo // PPB) * PPB  # i0 is a multiple of PPB: blocks stay aligned to the split
+    blk_hi = tl.where(lo < hi, blk_lo + tl.cdiv(hi - blk_lo, PPB) * PPB, blk_lo)  # end of the walked blocks
 
     offs_g = tl.arange(0, BLOCK_G)  # [G] query head within the group
     offs_d = tl.arange(0, BLOCK_D)  # [D]
@@ -198,158 +250,228 @@ def _decode_split_kernel(
     g_ok = offs_g < GROUP
     d_ok = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g  # [G]
-    q_ptrs = q + b * stride_qn + heads[:, None] * stride_qh + offs_d[None, :]  # [G, D]
-    qt = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    qt = tl.load(q + b * stride_qn + heads[:, None] * stride_qh + offs_d[None, :],
+                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [G, D]
     qt, qk_scale = query_operand(qt, qk_scale, FP8_HALF, DOT_F32)
+    pm_row = page_max + b * stride_pb
+    pl_row = page_lse + b * stride_pb
+    if PAGE_STATS:  # entries of the split outside the walked blocks attend nothing
+        for j in range(i0, i1, SCAN):
+            idx = j + tl.arange(0, SCAN)  # [SCAN]
+            skip = (idx < i1) & ((idx < blk_lo) | (idx >= blk_hi))
+            none = tl.full([BLOCK_G, SCAN], float("-inf"), tl.float32)
+            where = idx[None, :] * stride_pk + heads[:, None] * stride_ph
+            if WITH_PAGE_MAX:
+                tl.store(pm_row + where, none, mask=g_ok[:, None] & skip[None, :])
+            if WITH_PAGE_LSE:
+                tl.store(pl_row + where, none, mask=g_ok[:, None] & skip[None, :])
 
-    if WITH_PAGE_MAX:  # the chunk's pages before its first visited block hold no key of the window
-        skip_end = tl.minimum(first, t_end)
-        for start in range(t0, skip_end, BLOCK_N):
-            pg = start // PAGE + tl.arange(0, BLOCK_N // PAGE)  # [NP] local page
-            tl.store(page_max + (seq_p0 + pg)[None, :] * stride_pm + heads[:, None],
-                     tl.full([BLOCK_G, BLOCK_N // PAGE], float("-inf"), tl.float32),
-                     mask=g_ok[:, None] & (pg * PAGE < skip_end)[None, :])
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    k_base = kv + kvh * stride_kh
-    v_base = k_base + stride_kv
-    ks_base = scales + kvh * stride_sh  # FP8 pages: the head's K scale of slot 0 (V: + stride_skv)
-    for start in range(first, t_end, BLOCK_N):
-        tok = start + order  # [N]
-        tok_ok = (tok < t1) & (tok >= lo)
-        if HEAD_MASK:  # this kv head's pages only
-            given = tl.load(head_mask + (seq_p0 + tok // PAGE) * stride_hm + kvh, mask=tok_ok, other=0)
-            tok_ok = tok_ok & (given != 0)
-        slot = tl.load(kv_indices + seq_p0 + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)  # [N]
-        row_off = slot * stride_slot + (tok % PAGE) * stride_p  # [N]
-        kv_off = row_off[:, None] + offs_d[None, :]  # [N, D]
-        kv_mask = tok_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
+    head_off = kvh * stride_kh
+    bt_row = block_table + b * stride_bt
+    for i in range(blk_lo, blk_hi, PPB):
+        li = i + order // PAGE  # [N] listed index of each token
+        in_split = li < i1
+        if HAS_LIST:
+            pg = tl.load(list_row + li, mask=in_split, other=-1)  # [N] logical page
+        else:
+            pg = li
+        tok = pg * PAGE + order % PAGE  # [N] key position in the sequence
+        ok = in_split & (tok >= win_lo) & (tok < seq_len)
+        if HAS_SPANS:  # pages from the window's first: its tokens; sink pages: the sinks; between: whole
+            ok = ok & tl.where(pg >= win_start // PAGE, tok >= win_start,
+                               (pg >= (sinks + PAGE - 1) // PAGE) | (tok < sinks))
+        loc = tl.load(bt_row + pg, mask=ok, other=0)  # [N]
+        row = (order % PAGE) * stride_p + head_off  # [N]
+        dev_row = dev_kv + (tl.maximum(loc, 0).to(tl.int64) * stride_slot + row)  # [N] pointers
+        k_row = dev_row
+        if HAS_HOST:  # one load per element: a host page's pointer is its mapped address
+            host_row = host_kv + (tl.maximum(-loc - 1, 0).to(tl.int64) * stride_slot + row)
+            k_row = tl.where(loc >= 0, dev_row, host_row)  # [N]
+        if HAS_STAGE:  # a disk or remote page staged in pinned memory
+            stage_row = stage_kv + (tl.maximum(-loc - STAGED, 0).to(tl.int64) * stride_slot + row)
+            k_row = tl.where(loc <= -STAGED, stage_row, k_row)
+        k_ptrs = k_row[:, None] + offs_d[None, :]  # [N, D]
+        kv_mask = ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
         s = tl.dot(qt, tl.trans(k), input_precision=PRECISION) * qk_scale  # [G, N] log2 units
         if SCALED:  # K = values * the page's scale, folded into the logits
-            s = s * token_scales(ks_base, slot * stride_ss, tok_ok)[None, :]
-        s = tl.where(tok_ok[None, :], s, float("-inf"))
-        if WITH_PAGE_MAX:
-            pm = page_maxima(s, BLOCK_G, BLOCK_N, PAGE, NUM_WARPS, WARP_ORDER)  # [G, NP]
-            pg = tl.arange(0, BLOCK_N // PAGE)  # [NP] page within the block
-            pm_ptrs = page_max + (seq_p0 + start // PAGE) * stride_pm + pg[None, :] * stride_pm + heads[:, None]
-            tl.store(pm_ptrs, pm * 0.6931471805599453, mask=g_ok[:, None] & (start + pg * PAGE < t_end)[None, :])
+            scale_row = k_row + (PAGE - order % PAGE) * stride_p  # [N] the page's scale row, this head
+            s = s * tl.load(scale_row.to(tl.pointer_type(tl.float32)), mask=ok, other=1.0)[None, :]
+        s = tl.where(ok[None, :], s, float("-inf"))
+        if PAGE_STATS:
+            pm, pl = page_maxima(s, BLOCK_G, BLOCK_N, PAGE, NUM_WARPS, WARP_ORDER, WITH_PAGE_LSE)  # [G, PPB]
+            pidx = i + tl.arange(0, PPB)  # [PPB] listed index
+            where = pidx[None, :] * stride_pk + heads[:, None] * stride_ph
+            if WITH_PAGE_MAX:
+                tl.store(pm_row + where, pm * 0.6931471805599453, mask=g_ok[:, None] & (pidx < i1)[None, :])
+            if WITH_PAGE_LSE:
+                tl.store(pl_row + where, pl * 0.6931471805599453, mask=g_ok[:, None] & (pidx < i1)[None, :])
         p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)  # p [G, N]
-        v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)  # [N, D]
+        v = tl.load(k_ptrs + stride_kv, mask=kv_mask, other=0.0)  # [N, D]
         v = value_operand(v, qt, FP8_HALF, DOT_F32)
         if SCALED:  # V's scale on the probabilities (powers of two: exact)
-            p = p * token_scales(ks_base + stride_skv, slot * stride_ss, tok_ok)[None, :]
+            p = p * tl.load((scale_row + stride_kv).to(tl.pointer_type(tl.float32)), mask=ok, other=1.0)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)  # [G, D]
         m_i = m_new
 
     o, row_lse = finish_rows(acc, m_i, l_i, lse_scale)  # [G, D], [G]
-    o_ptrs = out + split * stride_os + b * stride_on + heads[:, None] * stride_oh + offs_d[None, :]
+    o_ptrs = out + c * stride_os + b * stride_on + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
-    tl.store(lse + split * stride_ls + b * stride_ln + heads, row_lse, mask=g_ok)
+    tl.store(lse + c * stride_ls + b * stride_ln + heads, row_lse, mask=g_ok)
 
 
 @triton.jit
-def _merge_splits_kernel(
-    part_out, part_lse, seq_splits, out, lse,
+def _merge_static_kernel(
+    part_out, part_lse, out, lse,
     stride_ps, stride_pn, stride_ph,
     stride_ls, stride_ln,
     stride_on, stride_oh, stride_lo,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    """One (row, head): softmax-weighted sum of the row's partials ``[splits, B, H, D]`` (log2 LSE)."""
+    """One (row, head): softmax-weighted sum of its ``SPLITS`` partials (log2 LSE), ``CHUNK`` splits per load."""
     row = tl.program_id(0)
     h = tl.program_id(1)
-    n = tl.load(seq_splits + row)
-    offs_d = tl.arange(0, BLOCK_D)
+    lse_row = part_lse + row * stride_ln + h
+    offs_s = tl.arange(0, BLOCK_S)  # [S]
+    offs_d = tl.arange(0, BLOCK_D)  # [D]
     d_ok = offs_d < HEAD_DIM
-    m = tl.full([], float("-inf"), tl.float32)
-    l = tl.zeros([], tl.float32)
+    m = tl.max(tl.load(lse_row + offs_s * stride_ls, mask=offs_s < SPLITS, other=float("-inf")), axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for s in range(n):
-        lse_s = tl.load(part_lse + s * stride_ls + row * stride_ln + h)
-        o_s = tl.load(part_out + s * stride_ps + row * stride_pn + h * stride_ph + offs_d, mask=d_ok, other=0.0)
-        m_new = tl.maximum(m, lse_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        w = tl.exp2(lse_s - m_safe)
-        acc = acc * alpha + w * o_s  # [D]
-        l = l * alpha + w
-        m = m_new
-    has = l > 0
-    o = acc / tl.where(has, l, 1.0)
+    for s0 in range(0, SPLITS, CHUNK):
+        offs_c = s0 + tl.arange(0, CHUNK)  # [C]
+        w = tl.exp2(tl.load(lse_row + offs_c * stride_ls, mask=offs_c < SPLITS, other=float("-inf")) - m_safe)  # [C]
+        o_s = tl.load(part_out + offs_c[:, None] * stride_ps + row * stride_pn + h * stride_ph + offs_d[None, :],
+                      mask=(w > 0)[:, None] & d_ok[None, :], other=0.0)  # [C, D]; empty splits are not read
+        acc += tl.sum(w[:, None] * o_s, axis=0)
+        total += tl.sum(w, axis=0)
+    has = total > 0
+    o = acc / tl.where(has, total, 1.0)  # [D]
     tl.store(out + row * stride_on + h * stride_oh + offs_d, o.to(out.dtype.element_ty), mask=d_ok)
-    tl.store(lse + row * stride_lo + h, tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453,
-                                                 float("-inf")))
+    tl.store(lse + row * stride_lo + h,
+             tl.where(has, (m + tl.log2(tl.where(has, total, 1.0))) * 0.6931471805599453, float("-inf")))
 
 
-def paged_decode(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, plan: DecodePlan, sm_scale: float,
-                 return_page_max: bool = False) -> AttentionOutput:
-    """Decode attention for one query row per sequence.
+def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tensor | None,
+                  block_table: torch.Tensor, seq_lens: torch.Tensor, plan: StaticDecodePlan, sm_scale: float,
+                  page_list: torch.Tensor | None = None, window_left: int = -1,
+                  page_max: torch.Tensor | None = None, page_lse: torch.Tensor | None = None,
+                  spans: torch.Tensor | None = None,
+                  stage_pool: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention of ``q [B, H, D]`` over one layer's pools; no host sync, static shapes.
 
-    q ``[B, H, D]``, kv_pool ``[slots, 2, P, N_kv, D]`` (FP8: ``P + 1`` rows, dequantized in the kernel). Returns out ``[B, H, D]`` (q's dtype),
-    lse ``[B, H]`` (natural log) and optionally page_max ``[nnz, H]`` (-inf outside the window).
+    ``dev_pool [slots, 2, P, N_kv, D]`` (FP8: ``P + 1`` rows, dequantized in the kernel),
+    ``host_pool`` / ``stage_pool`` ``[hslots, 2, P, N_kv, D]`` (pinned, same strides and dtype) or None;
+    ``block_table [B, max_pages]`` int32 (module docstring; entries past a sequence's pages are never
+    read); ``seq_lens [B]`` int32 (0: an inactive row, out 0, lse -inf); ``page_list [B, K]`` or
+    ``[B, N_kv, K]`` int32 logical pages to attend (-1 and pages past the sequence attend nothing), None
+    for all pages; ``window_left`` (-1: none); ``spans [B, 2]`` int32 ``(sinks, win_start)``: pages from
+    ``win_start // P`` on show only keys ``>= win_start``, pages before ``ceil(sinks / P)`` only keys
+    ``< sinks`` (``(0, 0)``: no budget); ``page_max`` / ``page_lse`` optional fp32 ``[B, K or max_pages, H]``
+    filled with the max / log-sum-exp of each listed entry's scaled logits (natural log), -inf where no key
+    counts (per-head lists: entry k of head h's kv group). Returns out ``[B, H, D]`` (q's dtype) and lse
+    ``[B, H]`` (fp32, natural log).
     """
     n_q, heads, dim = q.shape
-    n_kv = kv_pool.shape[3]
-    group = heads // n_kv
-    if q.stride(-1) != 1 or kv_pool.stride(-1) != 1:
-        raise ValueError("q and kv_pool need a contiguous head dimension")
+    page, n_kv = plan.page_size, dev_pool.shape[3]
+    scaled = is_scaled_pool(dev_pool, page)  # FP8 pages: [slots, 2, P + 1, N_kv, D]
+    if dev_pool.shape[2] != page + scaled:
+        raise ValueError(f"pool pages {tuple(dev_pool.shape[1:])} do not match the plan's page size {page}")
+    n_listed = plan.max_pages if page_list is None else page_list.shape[-1]
+    if (n_q, heads, dim, page, n_kv) != (plan.batch_size, plan.num_qo_heads, plan.head_dim, plan.page_size,
+                                         plan.num_kv_heads):
+        raise ValueError(f"q {tuple(q.shape)} / pool {tuple(dev_pool.shape)} do not match the plan {plan}")
+    if tuple(block_table.shape) != (n_q, plan.max_pages) or n_listed > plan.max_listed:
+        raise ValueError(f"block_table {tuple(block_table.shape)} or {n_listed} listed pages exceed the plan {plan}")
+    if page_list is not None and page_list.dim() == 3 and page_list.shape[1] != n_kv:
+        raise ValueError(f"a per-head page list needs [B, {n_kv}, K], got {tuple(page_list.shape)}")
+    for stat in (page_max, page_lse):
+        if stat is not None and (tuple(stat.shape) != (n_q, n_listed, heads) or stat.dtype != torch.float32):
+            raise ValueError(f"page statistics need fp32 [{n_q}, {n_listed}, {heads}], got {tuple(stat.shape)}")
+    if q.stride(-1) != 1 or dev_pool.stride(-1) != 1:
+        raise ValueError("q and dev_pool need a contiguous head dimension")
+    for other in (host_pool, stage_pool):
+        if other is not None and (other.stride() != dev_pool.stride() or other.dtype != dev_pool.dtype):
+            raise ValueError("host and staging pools need dev_pool's strides and dtype")
     block_d = triton.next_power_of_2(dim)
-    block_g = max(16, triton.next_power_of_2(group))
     dot_f32, precision = dot_operand_dtype(q.dtype)
-    page_max = None
-    if return_page_max:  # the kernel writes every page of every sequence
-        nnz = batch.kv_indices.numel()
-        page_max = torch.empty(nnz, heads, device=q.device)  # [nnz, H]
-        listed_lo, listed_hi = plan.listed
-        if listed_lo > 0 or listed_hi < nnz:  # entries no sequence lists (host ints: no sync, and no launch if none)
-            page_max[:listed_lo] = float("-inf")
-            page_max[listed_hi:] = float("-inf")
-    single = plan.max_splits == 1
     out = torch.empty(n_q, heads, dim, dtype=q.dtype, device=q.device)  # [B, H, D]
     lse = torch.empty(n_q, heads, dtype=torch.float32, device=q.device)  # [B, H]
-    if single:
-        part_out, part_lse = out.unsqueeze(0), lse.unsqueeze(0)  # [1, B, H, D], [1, B, H]
-    else:
-        part_out, part_lse = plan.part_out, plan.part_lse
-    scales, stride_ss, stride_skv, stride_sh, scaled = scale_args(kv_pool, batch.page_size)
-    fp8_half = scaled and q.dtype != torch.float32  # FP8 pages, 16-bit queries (fp32 ones: fp32 operands)
-    head_mask = None if batch.head_mask is None else batch.head_mask.to(torch.int8)  # [nnz, N_kv]
-    grid = (plan.chunk_seq.numel(), n_kv)
+    single = plan.num_splits == 1
+    part_out, part_lse = (out.unsqueeze(0), lse.unsqueeze(0)) if single else (plan.part_out, plan.part_lse)
+    pm = page_max if page_max is not None else lse.unsqueeze(1)  # placeholder pointers when off
+    plse = page_lse if page_lse is not None else pm
+    pl = page_list if page_list is not None else block_table
+    per_head = pl.dim() == 3
+    scan = min(triton.next_power_of_2(plan.pages_per_split), 256)  # listed entries per vector scan
+    block_g = max(16, triton.next_power_of_2(heads // n_kv))
     _, stages = fit_shared_memory(block_g, plan.block_n, plan.config.num_stages, block_d,
-                                  4 if dot_f32 else q.element_size(), plan.block_n, kv_pool.element_size())
-    _decode_split_kernel[grid](
-        q, kv_pool, scales, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
-        batch.kv_indices if head_mask is None else head_mask,
-        plan.chunk_seq, plan.chunk_page, plan.chunk_split,
-        part_out, part_lse, page_max if return_page_max else part_lse,
-        q.stride(0), q.stride(1),
-        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3),
-        stride_ss, stride_skv, stride_sh,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        heads, n_kv,
-        sm_scale * LOG2E, LN2 if single else 1.0, plan.pages_per_split, kernel_window(batch),
-        GROUP=group, BLOCK_G=block_g, PAGE=batch.page_size, BLOCK_N=plan.block_n,
-        HEAD_DIM=dim, BLOCK_D=block_d, NUM_WARPS=plan.config.num_warps,
-        WITH_PAGE_MAX=return_page_max, DOT_F32=dot_f32, FP8_HALF=fp8_half, PRECISION=precision, SCALED=scaled,
-        HEAD_MASK=head_mask is not None, num_warps=plan.config.num_warps, num_stages=stages,
-        maxnreg=plan.config.maxnreg,
-    )
-    if not single:
-        _merge_splits_kernel[(n_q, heads)](
-            part_out, part_lse, plan.seq_splits, out, lse,
+                                  4 if dot_f32 else q.element_size(), plan.block_n, dev_pool.element_size())
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _static_split_kernel[(n_q * plan.num_splits, n_kv)](
+            q, dev_pool, host_pool if host_pool is not None else dev_pool,
+            stage_pool if stage_pool is not None else dev_pool, block_table, seq_lens, pl,
+            spans if spans is not None else seq_lens,
+            part_out, part_lse, pm, plse,
+            q.stride(0), q.stride(1),
+            dev_pool.stride(0), dev_pool.stride(1), dev_pool.stride(2), dev_pool.stride(3),
+            block_table.stride(0), pl.stride(0), pl.stride(1) if per_head else 0,
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
             part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0),
-            HEAD_DIM=dim, BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 2,
+            pm.stride(0), pm.stride(1), pm.stride(2),
+            sm_scale * LOG2E, LN2 if single else 1.0, window_left, n_listed,
+            SPLITS=plan.num_splits, PPS=plan.pages_per_split, SCAN=scan,
+            GROUP=heads // n_kv, BLOCK_G=block_g, PAGE=page,
+            BLOCK_N=plan.block_n, HEAD_DIM=dim, BLOCK_D=block_d, NUM_WARPS=plan.config.num_warps,
+            HAS_HOST=host_pool is not None, HAS_STAGE=stage_pool is not None, HAS_LIST=page_list is not None,
+            HAS_SPANS=spans is not None, WITH_PAGE_MAX=page_max is not None, WITH_PAGE_LSE=page_lse is not None,
+            DOT_F32=dot_f32, FP8_HALF=scaled and q.dtype != torch.float32, PRECISION=precision, SCALED=scaled,
+            num_warps=plan.config.num_warps, num_stages=stages, maxnreg=plan.config.maxnreg,
         )
-    return AttentionOutput(out, lse, page_max)
+        if not single:
+            block_s = triton.next_power_of_2(plan.num_splits)
+            chunk = min(block_s, 16)
+            _merge_static_kernel[(n_q, heads)](
+                part_out, part_lse, out, lse,
+                part_out.stride(0), part_out.stride(1), part_out.stride(2),
+                part_lse.stride(0), part_lse.stride(1),
+                out.stride(0), out.stride(1), lse.stride(0),
+                SPLITS=plan.num_splits, BLOCK_S=block_s, CHUNK=chunk, HEAD_DIM=dim, BLOCK_D=block_d,
+                num_warps=max(chunk * block_d // 1024, 1),  # <= 8 partial values per thread and load
+            )
+    return out, lse
+
+
+
+
+def as_block_table(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray]:
+    """A decode batch's page lists as the kernel's ``block_table [B, max_pages]`` (and, for a ``head_mask``,
+    per-head page lists ``[B, N_kv, max_pages]``), plus each listed page's ``(b, entry)`` as flat indices
+    ``[nnz]`` into ``[B, max_pages]``. Host work on the host indptr; one copy of the index arrays."""
+    indptr = batch.kv_indptr_host()
+    npages = np.diff(indptr)  # [B]
+    width = max(int(npages.max(initial=0)), 1)
+    entry = np.arange(width)[None, :]  # [1, W]
+    flat = np.where(entry < npages[:, None], indptr[:-1, None] + entry, 0)  # [B, W] index into kv_indices
+    listed = np.flatnonzero((entry < npages[:, None]).reshape(-1))  # [nnz] flat (b, entry) of each listed page
+    gather, where = to_device([flat, listed], batch.kv_indices.device, torch.int64)
+    table = batch.kv_indices.long()[gather.view(-1, width)].to(torch.int32)  # [B, W]
+    per_head = None
+    if batch.head_mask is not None:  # [nnz, N_kv] -> per head: the entry, or -1 where the head is not given it
+        seen = batch.head_mask[gather.view(-1, width)] & (torch.as_tensor(entry < npages[:, None],
+                                                                          device=table.device))[..., None]
+        per_head = torch.where(seen, torch.arange(width, device=table.device)[None, :, None], -1)
+        per_head = per_head.permute(0, 2, 1).to(torch.int32).contiguous()  # [B, N_kv, W]
+    return table, per_head, where
 
 
 class TritonBackend(AttentionBackend):
-    """Triton paged attention: split-KV decode for one query row per sequence, else chunked prefill."""
+    """Triton paged attention: :func:`static_decode` for one query row per sequence, else chunked prefill."""
 
     name = "triton"
     supports_head_mask = True  # at decode steps
@@ -360,23 +482,39 @@ class TritonBackend(AttentionBackend):
 
     def plan(self, batch: PagedBatch, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              sm_scale: float | None = None) -> None:
-        """Prefill: plans the query tiles. Decode: the splits depend on the pool's dtype, which only
-        ``run`` sees, so they are planned on the first ``run`` per pool dtype after each ``plan``."""
+        """Prefill: plans the query tiles. Decode: the block table; the splits depend on the pool's dtype,
+        which only ``run`` sees, so they are planned on the first ``run`` per pool dtype."""
         super().plan(batch, num_qo_heads, num_kv_heads, head_dim, sm_scale)
         check_page_size(batch.page_size)
         self.is_decode = batch.is_decode()
         if batch.head_mask is not None and not self.is_decode:
             raise ConfigError("kernel", "the Triton prefill kernel does not take a per-head page choice "
                                         "(head_mask): it is for decode steps; use kernel=torch")
-        self.decode_plans: dict[int, DecodePlan] = {}  # bytes per value of the pool -> plan
+        self.decode_plans: dict[int, StaticDecodePlan] = {}  # bytes per value of the pool -> plan
         self.prefill_plan = None if self.is_decode else plan_prefill(batch, num_qo_heads, num_kv_heads,
                                                                      self.prefill_config)
+        self.table = as_block_table(batch) if self.is_decode else None
 
     def run(self, q: torch.Tensor, kv_pool: torch.Tensor, return_page_max: bool = False) -> AttentionOutput:
         if not self.is_decode:
             return paged_prefill(q, kv_pool, self.batch, self.prefill_plan, self.sm_scale, return_page_max)
-        kv_bytes = kv_pool.element_size()
+        table, per_head, where = self.table
+        plan = self.decode_plan(table.shape[1], kv_pool.element_size())
+        page_max = torch.empty(q.shape[0], table.shape[1], q.shape[1], device=q.device) if return_page_max else None
+        out, lse = static_decode(q, kv_pool, None, table, self.batch.kv_lens().to(torch.int32), plan, self.sm_scale,
+                                 page_list=per_head, window_left=self.batch.window_left, page_max=page_max)
+        if page_max is not None:
+            page_max = page_max.view(-1, q.shape[1])[where]  # [nnz, H] in the batch's page order
+        return AttentionOutput(out, lse, page_max)
+
+    def decode(self, *args, **kwargs):
+        """The engine's decode step: :func:`static_decode`."""
+        return static_decode(*args, **kwargs)
+
+    def decode_plan(self, max_pages: int, kv_bytes: int) -> StaticDecodePlan:
         if kv_bytes not in self.decode_plans:
-            self.decode_plans[kv_bytes] = plan_decode(self.batch, self.num_qo_heads, self.num_kv_heads, self.head_dim,
-                                                      self.decode_config, kv_bytes)
-        return paged_decode(q, kv_pool, self.batch, self.decode_plans[kv_bytes], self.sm_scale, return_page_max)
+            b = self.batch
+            self.decode_plans[kv_bytes] = plan_static_decode(
+                b.batch_size, max_pages, self.num_qo_heads, self.num_kv_heads, self.head_dim, b.page_size,
+                b.kv_indptr.device, config=self.decode_config, kv_bytes=kv_bytes)
+        return self.decode_plans[kv_bytes]

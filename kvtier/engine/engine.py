@@ -1,0 +1,941 @@
+"""Engine: the one data plane. Every caller (recipes, ``generate`` through :class:`~kvtier.cache.TieredKVCache`,
+serving, disaggregation, benches) drives the same step over the same block table, tiers and policy.
+
+A step is **plan -> run -> feedback**:
+
+1. plan (host): the policy hears what step ``t - lookahead`` produced (:mod:`kvtier.engine.feedback`);
+   pages left of every sliding window are dropped; the scheduler plans and the mover issues its copies
+   (on a GPU on a side stream, fenced: a moved page is read at its old place until its copy has
+   landed); rows grow (new pages in the device tier); the token budget's spans and the policy's ranks
+   are computed; the changed block-table rows, lengths, positions and tokens are copied to the step's
+   static device buffers (:class:`~kvtier.scopes.base.StepView` reads them).
+2. run: the model forward (:mod:`kvtier.engine.runner`), eager or one CUDA-graph replay per batch
+   bucket. Per layer the attention module calls :meth:`Engine.store` (the K/V write,
+   :mod:`kvtier.paged_io`) and :meth:`Engine.attend`: the scope picks pages on the device, one decode
+   kernel (:func:`~kvtier.kernels.triton_decode.static_decode`, or its torch oracle) reads them where
+   they live (device, pinned host, or disk/remote pages staged into pinned memory before the step) and
+   writes the statistics the policy needs into device buffers.
+3. feedback: those buffers are copied to pinned host memory and an event marks the step's end; the
+   host goes on with the next step and takes them when the lookahead bound says so.
+
+Prefill chunks run eagerly through the same store/attend (:mod:`kvtier.engine.prefill`). The step's
+research semantics live here once: the token budget (sinks, the policy-ranked or Quest-chosen middle,
+the recent window), compress-once when the prompt is in (``budget.mode == "once"``), sliding windows
+with their dropped pages, every scorer's statistics, fidelity as an observer of the step's
+``(out, lse)`` against an uncounted exact pass.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from kvtier.budget import TokenBudget
+from kvtier.cache_base import ACTIVE_CACHE, PassCache
+from kvtier.checks import check_device_room
+from kvtier.engine.config import EngineConfig
+from kvtier.engine.feedback import Feedback
+from kvtier.engine.prefill import PrefillAttention
+from kvtier.engine.runner import make_runner
+from kvtier.engine.stats import KeyStats, QueryStats
+from kvtier.errors import ConfigError, KVTierError, TierFullError
+from kvtier.eval.fidelity import FidelityStats, attention_fidelity
+from kvtier.kernels.reference import TorchBackend
+from kvtier.layout import KVLayout
+from kvtier.metrics import CacheStats, synchronize
+from kvtier.paged_io import write_decode, write_tokens
+from kvtier.policies.base import Policy
+from kvtier.policies.stats import NEEDS
+from kvtier.scheduler.base import Scheduler
+from kvtier.scheduler.chunked_prefill import ChunkedPrefill
+from kvtier.scheduler.lookahead import LookaheadScheduler, page_info
+from kvtier.scopes import All, Resident, Scope, StepView, make_scope
+from kvtier.scopes.base import DROPPED_LOC
+from kvtier.scopes.recall import RecallCache
+from kvtier.table import BlockTable
+from kvtier.tiers.base import Tier
+from kvtier.tiers.transfer import TransferEngine
+from kvtier.window import attended_range, out_of_window
+
+STAGED = 1 << 30  # block-table values <= -STAGED: slots of the staging pool (kvtier.kernels.triton_decode)
+
+
+def tally(table: torch.Tensor, lens: torch.Tensor, page_list: torch.Tensor | None, page_size: int) -> torch.Tensor:
+    """``[2]``: pages one layer attends for ``table [B, M]`` / ``lens [B]`` / ``page_list [B, (N_kv,) K]``
+    (None: all), and how many of them are in the device pool."""
+    n_pages = (lens.long() + page_size - 1) // page_size  # [B]
+    if page_list is None:
+        listed = torch.arange(table.shape[-1], device=table.device) < n_pages[:, None]  # [B, M]
+        on_dev = listed & (table >= 0)
+    else:
+        lists = page_list.view(page_list.shape[0], -1)  # [B, N_kv * K]
+        listed = (lists >= 0) & (lists < n_pages[:, None])
+        on_dev = listed & (table.gather(-1, lists.clamp(min=0).long()) >= 0)
+    return torch.stack([listed.sum(), on_dev.sum()])
+
+
+class Engine:
+    """Batched, tiered, paged attention for ``model`` over ``tiers`` with ``policy`` and ``scope``.
+
+    ``model`` may be None when the forward is driven from outside (``generate`` through
+    :class:`~kvtier.cache.TieredKVCache`). ``budget``: the keys each decode step attends
+    (:class:`~kvtier.budget.TokenBudget`, None: the scope's own choice); ``exact_prefill``: prefill chunks
+    attend every page until the prompt is in; ``dense_layers``: the first layers attend every page;
+    ``fidelity``: measure each decode call against exact attention (an uncounted second pass).
+    """
+
+    def __init__(self, model, layout: KVLayout, tiers: list[Tier], policy: Policy, scope: Scope | str = "all",
+                 scheduler: Scheduler | None = None, kernel=None, prefill: ChunkedPrefill | None = None,
+                 budget: TokenBudget | None = None, exact_prefill: bool = False, dense_layers: int = 0,
+                 fidelity: bool = False, config: EngineConfig | None = None):
+        if not isinstance(policy, Policy):
+            raise ConfigError("policy", f"must be a kvtier.policies.Policy, got {type(policy).__name__} "
+                                        f"{policy!r}; e.g. kvtier.policies.SinkWindow()")
+        self.config = config = config or EngineConfig()
+        self.scope = make_scope(scope)
+        self.layout, self.policy, self.budget = layout, policy, budget
+        self.exact_prefill = exact_prefill or (budget is not None and budget.mode == "once")
+        if isinstance(self.scope, All) and budget is not None and budget.mode == "continuous":
+            raise ConfigError("cache.attend_budget", "scope 'all' attends every page; a continuous budget needs "
+                                                     "scope resident or topk (or cache.mode once)")
+        if not isinstance(dense_layers, int) or isinstance(dense_layers, bool) or \
+                not 0 <= dense_layers <= layout.num_layers:
+            raise ConfigError("cache.dense_layers", f"must be an integer in [0, {layout.num_layers}], got "
+                                                    f"{dense_layers!r}")
+        self.dense_layers = dense_layers
+        self.scheduler = scheduler or LookaheadScheduler()
+        self.table = BlockTable(layout, tiers)
+        self.transfer = TransferEngine(self.table)
+        self.device = tiers[0].device
+        self.kernel = kernel or TorchBackend()
+        self.prefill = prefill or ChunkedPrefill()
+        self.stats = CacheStats()
+        self._check_feedback()
+        self.host = tiers[1] if len(tiers) > 1 and tiers[1].pool(0) is not None else None
+        if self.device.type == "cuda" and self.host is not None and not self.host.pool(0).is_pinned():
+            raise ConfigError(f"tiers.{self.host.name}", "the engine reads host pages through their mapped "
+                                                         "address: the host tier must be pinned (pin_memory=True)")
+        R = config.max_batch
+        check_device_room(tiers[0].capacity - 1, policy, layout.page_size, 0, f"tiers.{tiers[0].name}.capacity", R)
+        held = sum(t.capacity for t in tiers)
+        self.max_pages = min(layout.pages_for(config.max_context), held) if config.max_context else held
+        L, M = layout.num_layers, self.max_pages
+        self.model = model
+        self.runner = make_runner(model, config.runner) if model is not None else None
+        on_gpu = self.device.type == "cuda"
+        self.fidelity = FidelityStats() if fidelity and not isinstance(self.scope, All) else None
+        if config.graphs and self.fidelity is not None:
+            raise ConfigError("engine.graphs", "cache.fidelity times an uncounted exact pass per call, which a "
+                                               "captured step cannot leave out of TPOT: set engine.graphs=false")
+        self.graphs = (on_gpu and self.fidelity is None and model is not None) if config.graphs is None \
+            else config.graphs
+        compiled = on_gpu if config.compile is None else config.compile
+        if compiled:  # each engine and bucket is one more specialisation; dynamo's default of 8 runs out
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self._forward = self.runner.forward if self.runner is not None else None
+        if compiled and self.runner is not None:
+            self._forward = torch.compile(self.runner.forward, dynamic=False)
+        self._tally = torch.compile(tally, dynamic=False) if compiled else tally
+        self.buckets = config.buckets or tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < R} | {R}))
+        self.lookahead = config.lookahead
+        # one device slot per layer that idle rows write into and nothing reads
+        self.scratch = np.array([int(tiers[0].alloc(layer, 1)[0]) for layer in range(L)], dtype=np.int32)
+        self.mirror = np.repeat(self.scratch[:, None, None], R, 1).repeat(M, 2)  # [L, R, M] host copy of locations
+        self.pid_mirror = np.full((R, M), -1, dtype=np.int32)  # [R, M] pid of each logical page
+        dev = self.device
+        self.home = torch.from_numpy(self.mirror).to(dev)  # [L, R, M] int32: where the host placed each page
+        self.block_table = self.home  # [L, R, M] what attention reads (the recall overlay writes its own)
+        self.pid_table = torch.from_numpy(self.pid_mirror).to(dev)  # [R, M]
+        self.seq_lens = torch.zeros(R, dtype=torch.int32, device=dev)  # [R] tokens incl. the one being fed
+        self.positions = torch.zeros(R, dtype=torch.int64, device=dev)  # [R] position of the token fed
+        self.tokens = torch.zeros(R, dtype=torch.int64, device=dev)  # [R] input, then the greedy next token
+        self.span_host = np.zeros((R, 2), dtype=np.int32)  # [R] (sinks, win_start) of the budget
+        self.spans = torch.zeros(R, 2, dtype=torch.int32, device=dev)
+        self.rank = torch.zeros(L, R, M, dtype=torch.int32, device=dev) if self.scope.needs_rank(budget) else None
+        self.counts = torch.zeros(2, dtype=torch.int64, device=dev)  # attended pages, of which on the device
+        self.row_seq: list[int | None] = [None] * R
+        self.lens = np.zeros(R, dtype=np.int64)  # host copy of seq_lens
+        self.win_start: dict[int, int] = {}  # sequence -> the window's start fixed by compress-once
+        needs = policy.needs
+        self.keys = KeyStats(layout, _pid_capacity(held), dev) if self.scope.needs_keys or "keys" in needs else None
+        self.queries = None  # QueryStats, made once the heads are known (the first attention call)
+        policy.reset(L)
+        policy.bind(self.keys, None)
+        self.staging = _Staging(self) if any(t.pool(0) is None for t in tiers[1:]) or len(tiers) > 2 else None
+        self.scope.bind(self)
+        self.recall = None
+        if getattr(self.scope, "recall_slots", 0):
+            if self.host is None:
+                raise ConfigError("scope.recall_slots", "the recall cache holds pages picked from the host tier: "
+                                                        "add a host tier")
+            slots = np.stack([tiers[0].alloc(layer, self.scope.recall_slots).numpy() for layer in range(L)])  # [L, C]
+            self.recall = RecallCache(slots, M, self.scratch, dev, compile=compiled)
+            self.block_table = self.home.clone()  # the overlay's output, never the host's copy
+        self.width = self.scope.width(budget, budget is not None and budget.mode == "once", M)
+        self.feedback = Feedback(self)
+        self.prefill_attention = PrefillAttention(self.table, self.transfer, self.kernel, self.stats)
+        self.kv = PassCache(self)
+        self.step_idx = -1
+        self.dropped_any = False
+        self.ttft_s: list[float] = []
+        self.tpot_s: list[float] = []
+        self._next_seq = 0
+        self._to_free: list[tuple[int, object]] = []  # (sequence, event of the last step that used it)
+        self._plans: dict[tuple, object] = {}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._last_event = None
+        self._mode = "idle"  # idle | prefill | decode
+        self._B = R
+        self._dirty: set[int] = set()  # rows whose table entries changed since the last upload
+        self._prefilling: set[int] = set()  # rows opened and not yet decoding (their table row: scratch)
+        self._prefill_rows: list = []  # (seq, row, start, q) of the chunk being computed
+
+    # -- construction checks -------------------------------------------------------------------
+    def _check_feedback(self) -> None:
+        """Every statistic the policy needs must come from the step: named errors here, never zeros later."""
+        needs = set(self.policy.needs)
+        unknown = needs - NEEDS
+        if unknown:
+            raise ConfigError("policy", f"needs unknown statistics {sorted(unknown)}; the engine gives {sorted(NEEDS)}")
+        if self.config.lookahead == 0 and (needs or self.policy.hears_access):
+            raise ConfigError("engine.lookahead", f"0 feeds nothing back, and policy '{self.policy.name}' hears "
+                                                  f"{sorted(needs) or ['accesses']}: use lookahead >= 1")
+        page_stats = needs & {"attention", "salience"}
+        missing = page_stats - set(self.scope.gives)
+        if missing:
+            raise ConfigError("scope", f"policy '{self.policy.name}' needs {sorted(missing)}, which scope "
+                                       f"'{self.scope.name}' does not give (it gives {sorted(self.scope.gives)}); "
+                                       "pick a policy that needs less or a scope that gives it")
+        if page_stats and not self.kernel.supports_salience:
+            raise ConfigError("kernel", f"policy '{self.policy.name}' needs {sorted(page_stats)} per page, which "
+                                        f"backend '{self.kernel.name}' does not give; use kernel=triton or kernel=torch")
+
+    # -- sequences -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def add(self, prompt: torch.Tensor, all_logits: bool = False) -> tuple[int, torch.Tensor]:
+        """Prefill ``prompt [S]`` as a new sequence and start decoding it: ``(sequence id, logits [S or 1, V])``.
+        The greedy next token becomes its input of the next :meth:`step`."""
+        seq = self.open(int(prompt.numel()))
+        logits = self.prefill_sequence(seq, prompt, all_logits)
+        self.start_decode(seq, logits[-1].argmax())
+        return seq, logits
+
+    def prefill_sequence(self, seq: int, prompt: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """All chunks of ``prompt [S]`` for an opened ``seq`` (timed as TTFT): logits ``[S or 1, V]``."""
+        self._sync()
+        t0, measuring = time.perf_counter(), self.stats.fidelity_s
+        out = [self.prefill_chunk(seq, prompt[a:b], all_logits) for a, b in self.prefill.chunks(int(prompt.numel()))]
+        self._sync()
+        self.ttft_s.append(time.perf_counter() - t0 - (self.stats.fidelity_s - measuring))
+        return torch.cat(out) if all_logits else out[-1]
+
+    def open(self, n_tokens: int, prefix_pids=(), prefix_len: int = 0) -> int:
+        """A new sequence of up to ``n_tokens`` prompt tokens on a free row, decoded from :meth:`start_decode`
+        on; it shares the pages ``prefix_pids`` holding its first ``prefix_len`` tokens (a radix-cache match)."""
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, (int, np.integer)) or n_tokens < 1 or \
+                n_tokens + 1 > self.max_pages * self.layout.page_size:
+            raise ConfigError("prompt", f"{n_tokens!r} tokens do not fit max_context="
+                                        f"{self.max_pages * self.layout.page_size}")
+        row = next((r for r, s in enumerate(self.row_seq) if s is None), None)
+        if row is None:
+            raise KVTierError(f"all {self.config.max_batch} rows are busy; finish a sequence or raise max_batch")
+        self._free_finished(block=True)
+        seq = self._next_seq
+        self._next_seq += 1
+        self.table.add_sequence(seq, prefix_pids, prefix_len)
+        self.row_seq[row] = seq
+        self._prefilling.add(row)  # its table row stays the scratch slot until start_decode
+        self.pid_mirror[row] = -1
+        if self.recall is not None:
+            self.recall.forget_row(row)
+        self.scope.reset_row(row)
+        return seq
+
+    @torch.no_grad()
+    def prefill_chunk(self, seq: int, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """Compute the next prompt tokens ``ids [q]`` of an opened ``seq``: logits ``[q or 1, V]``."""
+        ids = self._check_ids(ids)
+        row = self._prefilling_row(seq)
+        start, q = self.table.seq_len(seq), int(ids.numel())
+        self.begin_prefill([seq], q)
+        pos = torch.arange(start, start + q, device=self.device)[None]  # [1, q]
+        token = ACTIVE_CACHE.set(self.kv)
+        try:
+            out = self._forward_eager(ids.view(1, q).to(self.device), pos, last_only=not all_logits)[0]
+        finally:
+            ACTIVE_CACHE.reset(token)
+            self._mode = "idle"
+        del row
+        return out
+
+    def begin_prefill(self, seqs: list[int], q_len: int) -> None:
+        """Open a step in which each of ``seqs`` (opened, not decoding) grows by ``q_len`` prompt tokens;
+        its layers are then written and attended by :meth:`store` / :meth:`attend` (any driver)."""
+        rows = [self._prefilling_row(s) for s in seqs]
+        starts = [self.table.seq_len(s) for s in seqs]
+        self._open_step(rows, q_len)
+        self._prefill_rows = [(s, r, a, q_len) for s, r, a in zip(seqs, rows, starts)]
+        self._mode = "prefill"
+
+    def start_decode(self, seq: int, next_token) -> None:
+        """``seq``'s prompt is in its pages: (compress it once, under such a budget) and decode it from the next
+        :meth:`step`, fed ``next_token``."""
+        row = self._prefilling_row(seq)
+        self.end_prefill([seq])
+        self._prefilling.discard(row)
+        self._place_row(row, seq)
+        self.tokens[row] = int(next_token)
+
+    def end_prefill(self, seqs: list[int]) -> None:
+        """The prompts of ``seqs`` are in: the policy hears the last chunk; with ``budget.mode == "once"`` the
+        middle pages it ranks below the budget are dropped for good (as kvpress presses do)."""
+        self.feedback.take(upto=self.step_idx)
+        if self.budget is None or self.budget.mode != "once":
+            return
+        prio = self._priority()
+        for seq in seqs:
+            n = self.table.seq_len(seq)
+            view = self.budget.view(n + 1)  # the first decode token's spans
+            if view is None:
+                continue
+            self.win_start[seq] = view.win_start
+            pids = self.table.pages(seq)
+            for layer in range(self.layout.num_layers):
+                cand = view.candidates(self.table.tier_of[layer, pids] >= 0)
+                keep = np.argsort(-prio(layer, pids[cand]), kind="stable")[:self.budget.middle_pages]
+                drop = pids[np.delete(cand, keep)]
+                self.transfer.wait(layer, drop)
+                self.stats.compressed_pages += self.table.drop(layer, drop).size
+                self.dropped_any = True
+
+    def _prefilling_row(self, seq: int) -> int:
+        row = self.row_seq.index(seq) if seq in self.row_seq else None
+        if row is None or row not in self._prefilling:
+            raise KVTierError(f"sequence {seq} is not being prefilled: open() it first")
+        return row
+
+    def _check_ids(self, ids) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32) or ids.numel() < 1:
+            raise ConfigError("prompt", f"token ids must be a non-empty integer tensor, got "
+                                        f"{getattr(ids, 'dtype', type(ids).__name__)}")
+        return ids.long()
+
+    @torch.no_grad()
+    def add_written(self, n_tokens: int, kv_of, next_token: int = 0) -> int:
+        """A new sequence whose first ``n_tokens`` K/V are given, not computed: ``kv_of(layer, start, end)``
+        returns ``[2, end - start, N_kv, D]`` (stored KV, or synthetic context for benchmarks)."""
+        seq = self.open(n_tokens)
+        for a, b in self.prefill.chunks(n_tokens):
+            self.begin_prefill([seq], b - a)
+            for layer in range(self.layout.num_layers):
+                kv = kv_of(layer, a, b).transpose(1, 2)[:, None]  # [2, 1, N_kv, q, D]
+                self.store(layer, kv[0], kv[1])
+            self._mode = "idle"
+        self.start_decode(seq, next_token)
+        return seq
+
+    def finish(self, seq: int) -> None:
+        """Drop ``seq``: its row goes idle now, its pages are freed once no queued step can use them."""
+        if seq not in self.row_seq:
+            raise KVTierError(f"finish of unknown sequence {seq!r}; running: {[s for s in self.row_seq if s is not None]}")
+        row = self.row_seq.index(seq)
+        self.row_seq[row] = None
+        self._prefilling.discard(row)
+        self.lens[row] = 0
+        self.mirror[:, row] = self.scratch[:, None]
+        self.pid_mirror[row] = -1
+        self.span_host[row] = 0
+        self.win_start.pop(seq, None)
+        self._dirty.add(row)
+        self._to_free.append((seq, self._last_event))
+
+    def reclaim(self) -> None:
+        """Free the pages of finished sequences now (waiting for the queued steps that read them)."""
+        self._free_finished(block=True)
+
+    @property
+    def running(self) -> list[int]:
+        """Sequences decoding now."""
+        return [s for r, s in enumerate(self.row_seq) if s is not None and r not in self._prefilling]
+
+    # -- decode --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, tokens: dict[int, int] | None = None) -> torch.Tensor:
+        """One decode token for every running sequence: logits ``[rows of the bucket, V]`` (device).
+
+        Each sequence's input is its greedy token from the last step (or prefill), unless ``tokens``
+        (sequence -> token id) forces it. Row r of the result is ``self.row_seq[r]``.
+        """
+        if self.runner is None:
+            raise ConfigError("model", "this engine has no model to run; drive it through TieredKVCache")
+        self._sync()
+        t0, measuring = time.perf_counter(), self.stats.fidelity_s
+        B = self.begin_decode(tokens)
+        if self.graphs:
+            self._replay(B)
+        else:
+            self._decode(B)
+        self.end_decode()
+        self._sync()
+        self.tpot_s.append(time.perf_counter() - t0 - (self.stats.fidelity_s - measuring))
+        return self.logits[:B]
+
+    def begin_decode(self, tokens: dict[int, int] | None = None) -> int:
+        """Plan a decode step for every running sequence (host work, uploads); the bucket's row count."""
+        active = [r for r, s in enumerate(self.row_seq) if s is not None and r not in self._prefilling]
+        if not active:
+            raise KVTierError("no running sequence: add() one first")
+        B = next(b for b in self.buckets if b > max(active))
+        self._open_step(active, 1)
+        self._switch_landed()
+        self._ensure_tails(active)
+        for r in active:
+            self.span_host[r] = self._spans(self.row_seq[r], int(self.lens[r]))
+        if tokens:
+            for seq, tok in tokens.items():
+                if seq not in self.row_seq:
+                    raise KVTierError(f"token for unknown sequence {seq!r}")
+                self.tokens[self.row_seq.index(seq)] = int(tok)
+        if self.rank is not None:
+            self._upload_rank(active)
+        self._upload()
+        self._B = B
+        self._mode = "decode"
+        return B
+
+    def end_decode(self) -> None:
+        """The step's statistics towards the host, and the event that marks its end."""
+        self.feedback.record(self._B)
+        self._mode = "idle"
+        self.stats.steps += 1
+
+    def _decode(self, B: int) -> None:
+        """The captured work: ``tokens[:B]`` -> ``logits[:B]``, greedy next tokens into ``tokens[:B]``."""
+        token = ACTIVE_CACHE.set(self.kv)
+        try:
+            logits = self._forward(self.tokens[:B, None], self.positions[:B, None], self.kv, last_only=True)
+        finally:
+            ACTIVE_CACHE.reset(token)
+        self.logits[:B] = logits[:, 0]
+        self.tokens[:B] = logits[:, 0].argmax(-1)
+        if self.recall is not None:
+            self.recall.next_step()
+
+    def _replay(self, B: int) -> None:
+        graph = self._graphs.get(B)
+        if graph is None:
+            saved = [t.clone() for t in self._step_state()]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._decode(B)  # warm-up: Triton compiles, cuBLAS picks kernels
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._decode(B)
+            self._graphs[B] = graph
+            for t, before in zip(self._step_state(), saved):  # the warm-up step did not happen
+                t.copy_(before)
+        graph.replay()
+
+    def _step_state(self) -> list[torch.Tensor]:
+        """Device state a step advances besides the pages: input tokens, counters, statistics, the recall cache."""
+        state = [self.tokens, self.counts, *self.feedback.state()]
+        if self.keys is not None:
+            state += [getattr(self.keys, name) for name in KeyStats.FILL]
+        if self.queries is not None:
+            state += [self.queries.ring, self.queries.seen]
+        if getattr(self.scope, "recent", None) is not None:
+            state += [self.scope.recent, self.scope.seen]
+        if self.recall is not None:
+            state += [self.recall.page, self.recall.stamp, self.recall.step, self.recall.copied]
+        return state
+
+    def _forward_eager(self, ids, pos, last_only: bool) -> torch.Tensor:
+        if self.runner is None:
+            raise ConfigError("model", "this engine has no model to run; drive it through TieredKVCache")
+        return self.runner.forward(ids, pos, self.kv, last_only)
+
+    @property
+    def logits(self) -> torch.Tensor:
+        if not hasattr(self, "_logits"):
+            self._logits = torch.zeros(self.config.max_batch, self.model.config.vocab_size, device=self.device)
+        return self._logits
+
+    # -- what the attention modules call (left out of torch.compile: host logic, Triton launches) --
+    @torch.compiler.disable
+    def store(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Write the step's K/V ``[B, N_kv, q, D]`` of ``layer`` into its pages."""
+        if self._mode == "prefill":
+            for b, (seq, row, start, q) in enumerate(self._prefill_rows):
+                kv = torch.stack([key[b], value[b]]).transpose(1, 2)  # [2, q, N_kv, D]
+                write_tokens(self.table, layer, seq, kv, start)
+                if self.keys is not None:
+                    pids = self.table.pages(seq)[np.arange(start, start + q) // self.layout.page_size]
+                    self.keys.add(layer, torch.from_numpy(pids).to(self.device), kv[0].to(self.device))
+            return
+        B = self._B
+        if self.recall is not None:
+            self.recall.overlay(layer, self.home[layer, :B], self.block_table[layer, :B])
+        pos = self.positions[:B]  # [B]
+        write_decode(self.table.tiers[0].pool(layer), self.block_table[layer, :B], pos, key, value,
+                     self.layout.page_size, self.layout.scaled)
+        if self.keys is not None:
+            pids = self.pid_table[:B].gather(1, (pos // self.layout.page_size)[:, None])[:, 0].long()  # [B]
+            self.keys.add(layer, pids.clamp(min=0), key[:, :, 0])
+
+    @torch.compiler.disable
+    def attend(self, layer: int, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
+        """Attention of ``query [B, H, q, D]`` of ``layer``: ``[B, q, H, D]``."""
+        if self.queries is None and "queries" in self.policy.needs:
+            self.queries = QueryStats(self.layout.num_layers, max(1, self.policy.query_rows), query.shape[1],
+                                      query.shape[-1], self.device)
+            self.policy.bind(self.keys, self.queries)
+        if query.shape[-1] != self.layout.head_dim:
+            raise ConfigError("layout.head_dim", f"the model's heads have {query.shape[-1]} dims, the layout "
+                                                 f"{self.layout.head_dim}: build the layout with kv_layout_for(model.config)")
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        if self.queries is not None:
+            self.queries.add(layer, query[0, :, -self.queries.rows:].transpose(0, 1))
+        if self._mode == "prefill":
+            return self._attend_prefill(layer, query, scale)
+        if self._mode != "decode":
+            raise KVTierError("attend outside a step: the model's attention must run inside Engine.step or a "
+                              "TieredKVCache")
+        return self._attend_decode(layer, query, scale)
+
+    def _attend_prefill(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+        outs = []
+        want = self.feedback.wants
+        for b, (seq, row, start, q_len) in enumerate(self._prefill_rows):
+            P = self.layout.page_size
+            first, tail_from = attended_range(start, q_len, P, self.layout.window(layer))
+            pids = self.table.pages(seq)
+            live = self.table.tier_of[layer, pids] >= 0
+            chosen = np.flatnonzero(live[first:]) + first
+            exact = self.exact_prefill and row in self._prefilling
+            if self.scope.prefill_device_only and not exact:
+                on_dev = self.table.tier_of[layer, pids] == 0
+                chosen = chosen[on_dev[chosen] | (chosen >= tail_from)]
+            calls = self.prefill_attention.calls(seq, layer, chosen, q_len, tail_from)
+            q = query[b].transpose(0, 1).contiguous()  # [q, H, D]
+            out, lse = self.prefill_attention.run(calls, q, scale)
+            outs.append(out)
+            attended = np.concatenate([c.pids for c in calls])
+            self.stats.attended_pages += attended.size
+            self.stats.resident_pages += int(sum(c.resident.sum() for c in calls))
+            self.policy.on_access(layer, attended, self.step_idx)
+            if "salience" in want:
+                for pids_, sal in self.prefill_attention.salience(calls, q[-1:], lse[-1:], scale):
+                    self.feedback.prefill_salience(layer, pids_, sal)
+            rows = self.policy.attention_rows
+            if "attention" in want and rows != 0:  # one row of the policy's window per query row, all calls' pages
+                r = q_len if rows is None else min(rows, q_len)
+                pos = torch.arange(start + q_len - r, start + q_len, device=q.device)
+                parts = self.prefill_attention.mass(calls, q[q_len - r:], lse[q_len - r:], pos, scale, layer)
+                self.feedback.prefill_attention(layer, np.concatenate([p for p, _ in parts]),
+                                                torch.cat([m for _, m in parts], 1))
+        return torch.stack(outs)  # [B, q, H, D]
+
+    def _attend_decode(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+        B, H, _, D = query.shape
+        q = query[:, :, 0].contiguous()  # [B, H, D]
+        table, lens = self.block_table[layer, :B], self.seq_lens[:B]  # [B, M], [B]
+        view = self.view(B)
+        picks = self.scope.pick(layer, q, view)  # [B, (N_kv,) K] or None
+        host = self.host.pool(layer) if self.host is not None else None
+        stage = self.staging.pool(layer) if self.staging is not None else None
+        budgeted = self.budget is not None and layer >= self.dense_layers
+        stats = self.feedback.buffers(B, picks, H)
+        out, lse = self.kernel.decode(q, self.table.tiers[0].pool(layer), host, table, lens,
+                                      self._plan(B, H, D, None if picks is None else picks.shape[-1]), scale,
+                                      page_list=picks, window_left=self._window_left(layer),
+                                      spans=self.spans[:B] if budgeted else None, stage_pool=stage, **stats)
+        self.feedback.observe(layer, B, picks, lse)
+        if self.recall is not None:
+            self.recall.admit(layer, picks, table, self.table.tiers[0].pool(layer), host)
+        self.counts += self._tally(table, lens, picks, self.layout.page_size)
+        if self.fidelity is not None:
+            self._measure_fidelity(layer, q, out, lse, scale, view)
+        return out[:, None]  # [B, 1, H, D]
+
+    def visible_tokens(self, layer: int, B: int, picks: torch.Tensor | None) -> torch.Tensor:
+        """Keys the step's query of each row sees in ``layer``, mean over rows (and kv-head lists): a scalar."""
+        P = self.layout.page_size
+        lens = self.seq_lens[:B].long()[:, None]  # [B, 1]
+        if picks is None:
+            window = self.layout.window(layer)
+            seen = lens[:, 0].clamp(max=window) if window else lens[:, 0]
+            return seen.float().mean()
+        lists = picks.view(B, -1).long()  # [B, (N_kv *) K]
+        lo = torch.zeros_like(lens)
+        if self.layout.window(layer):
+            lo = (lens - self.layout.window(layer)).clamp(min=0)
+        start, end = lists * P, torch.minimum(lists * P + P, lens)
+        if self.budget is not None and layer >= self.dense_layers:
+            sinks, win = self.spans[:B].long().unbind(1)
+            sinks, win = sinks[:, None], win[:, None]
+            in_win = lists >= win // P
+            start = torch.where(in_win, torch.maximum(start, win), start)
+            end = torch.where(~in_win & (lists < -(-sinks // P)), torch.minimum(end, sinks), end)
+        count = (end - torch.maximum(start, lo)).clamp(min=0) * (lists >= 0)
+        return count.sum(1).float().mean() / (picks.shape[1] if picks.dim() == 3 else 1)
+
+    def view(self, B: int) -> StepView:
+        once = self.budget is not None and self.budget.mode == "once"
+        return StepView(self.block_table, self.seq_lens, self.spans, self.pid_table, self.rank, B,
+                        self.layout.page_size, self.budget, once, self.dense_layers, self.layout.sliding_windows)
+
+    def _measure_fidelity(self, layer, q, out, lse, scale, view) -> None:
+        """Attend every live page (uncounted) and record the scope's recall and error; its time goes to
+        ``stats.fidelity_s`` so that TPOT leaves it out."""
+        self._sync()
+        t0 = time.perf_counter()
+        B = q.shape[0]
+        every = All()
+        every.engine = self
+        picks = every.pick(layer, q, StepView(*[getattr(view, f) for f in ("table", "lens", "spans", "pids", "rank")],
+                                              B, view.page_size, None, False, 0, view.windows))
+        host = self.host.pool(layer) if self.host is not None else None
+        stage = self.staging.pool(layer) if self.staging is not None else None
+        out_all, lse_all = self.kernel.decode(q, self.table.tiers[0].pool(layer), host, self.block_table[layer, :B],
+                                              self.seq_lens[:B], self._plan(B, q.shape[1], q.shape[2],
+                                              None if picks is None else picks.shape[-1]), scale, page_list=picks,
+                                              window_left=self._window_left(layer), stage_pool=stage)
+        self.fidelity.add(layer, *attention_fidelity(out, lse, out_all, lse_all))
+        self._sync()
+        self.stats.fidelity_s += time.perf_counter() - t0
+
+    def _window_left(self, layer: int) -> int:
+        """FlashInfer's ``window_left`` of ``layer`` (HF's sliding window W is W - 1; -1: global)."""
+        return self.layout.window(layer) - 1 if self.layout.window(layer) else -1
+
+    def _plan(self, B: int, H: int, D: int, listed: int | None):
+        from kvtier.kernels.triton_decode import plan_static_decode
+
+        key = (B, H, listed)
+        if key not in self._plans:
+            self._plans[key] = plan_static_decode(B, self.max_pages, H, self.layout.num_kv_heads, D,
+                                                  self.layout.page_size, self.device, max_listed=listed,
+                                                  kv_bytes=self.layout.kv_dtype.itemsize)
+        return self._plans[key]
+
+    # -- host bookkeeping ----------------------------------------------------------------------
+    def _open_step(self, rows: list[int], q_len: int) -> None:
+        """Plan: the policy hears the past, pages leave sliding windows, the scheduler moves pages, rows grow."""
+        self.feedback.take(upto=self.step_idx + 1 - self.lookahead if self.lookahead else None)
+        self._free_finished(block=False)
+        self._drop_out_of_window()
+        self._schedule(reserve=self._reserve(rows), after_compute=False)
+        self.step_idx += 1
+        self.policy.on_step(self.step_idx)
+        for r in rows:
+            self._grow(self.row_seq[r], r, q_len)
+        self.stats.observe_occupancy(self.step_idx, self.table)
+
+    def _reserve(self, rows: list[int]) -> int:
+        """Device pages kept free for the rows' next pages: one each when the host waits for every step
+        (lookahead <= 1), else those the next ``lookahead + 2`` steps append."""
+        if self.lookahead <= 1:
+            return len(rows)
+        P, ahead = self.layout.page_size, self.lookahead + 2
+        active = self.lens[[s is not None for s in self.row_seq]]
+        return int(((active + ahead) // P - active // P).sum())
+
+    def _grow(self, seq: int, row: int, n: int) -> None:
+        """Append ``n`` tokens to ``seq`` (room made on the device first) and point the table at new pages."""
+        P = self.layout.page_size
+        need = self.layout.pages_for(self.table.seq_len(seq) + n) - self.table.num_pages(seq)
+        if need and self._device_free() < need:
+            self._schedule(reserve=need, after_compute=True)
+            if self._device_free() < need:
+                self._wait_room()
+        first = self.table.num_pages(seq)
+        new, cow = self.table.append(seq, n)
+        for old, fresh in cow:
+            if self.keys is not None:
+                self.keys.on_copy(old, fresh)
+        if new:
+            pids = np.asarray(new, dtype=np.int64)
+            if self.keys is not None:
+                self.keys.on_append(pids)
+            self.policy.on_append(pids, self.step_idx)
+            self.pid_mirror[row, first:first + pids.size] = pids
+            if row not in self._prefilling:
+                for layer in range(self.layout.num_layers):
+                    self.mirror[layer, row, first:first + pids.size] = self._encode(layer, pids)
+            self._dirty.add(row)
+        length = self.table.seq_len(seq)
+        if row not in self._prefilling:
+            self.lens[row] = length
+        if length > self.max_pages * P:
+            raise KVTierError(f"sequence {seq} outgrew max_context={self.max_pages * P}")
+
+    def _place_row(self, row: int, seq: int) -> None:
+        """Point ``row``'s table at ``seq``'s pages (a sequence that starts decoding)."""
+        pids = self.table.pages(seq)
+        for layer in range(self.layout.num_layers):
+            self.transfer.wait(layer, pids)  # pages moved while it prefilled are read at their new place
+            self.mirror[layer, row, :pids.size] = self._encode(layer, pids)
+        self.pid_mirror[row, :pids.size] = pids
+        self.lens[row] = self.table.seq_len(seq)
+        self._dirty.add(row)
+
+    def _encode(self, layer: int, pids: np.ndarray) -> np.ndarray:
+        """Block-table values of ``pids`` in ``layer``: device slot, host slot ``-s - 1``, staged slot, or dropped."""
+        tiers, slots = self.table.locate(layer, pids)
+        loc = np.where(tiers == 0, slots, -slots - 1)
+        if self.host is None:
+            loc = np.where(tiers == 0, slots, DROPPED_LOC)
+        far = (tiers >= 1) & ((tiers > 1) | (self.host is None))
+        if far.any():
+            loc[far] = self.staging.encode(layer, pids[far]) if self.staging is not None else DROPPED_LOC
+        return np.where(tiers < 0, DROPPED_LOC, loc).astype(np.int32)
+
+    def _spans(self, seq: int, n: int) -> tuple[int, int]:
+        """The budget's ``(sinks, win_start)`` for a sequence of ``n`` tokens (``(0, 0)``: attended whole)."""
+        if self.budget is None:
+            return 0, 0
+        view = self.budget.view(n, self.win_start.get(seq))
+        return (0, 0) if view is None else (view.sinks, view.win_start)
+
+    def _priority(self):
+        """``rank(layer, pids) -> [n]``: the policy's priority of pages, computed once."""
+        info = page_info(self.table, self.step_idx)
+        prio = np.broadcast_to(self.policy.priority(info), (self.layout.num_layers, info.pids.size))
+        col = np.full(int(info.pids.max(initial=-1)) + 1, -1, dtype=np.int64)
+        col[info.pids] = np.arange(info.pids.size)
+        return lambda layer, pids: prio[layer, col[pids]]
+
+    def _upload_rank(self, rows: list[int]) -> None:
+        """Per (layer, row, logical page) the place of the page in the policy's order (0 best; ties: the
+        earlier page), for scopes that choose by the policy."""
+        prio = self._priority()
+        L, M = self.layout.num_layers, self.max_pages
+        rank = np.full((L, len(rows), M), M, dtype=np.int32)
+        for i, r in enumerate(rows):
+            pids = self.table.pages(self.row_seq[r])
+            for layer in range(L):
+                order = np.argsort(-prio(layer, pids), kind="stable")
+                rank[layer, i, order] = np.arange(pids.size)
+        self.rank[:, rows] = torch.from_numpy(rank).to(self.device, non_blocking=True)
+
+    def _device_free(self) -> int:
+        return min(self.table.tiers[0].num_free(layer) for layer in range(self.layout.num_layers))
+
+    def _schedule(self, reserve: int, after_compute: bool) -> None:
+        """Plan and issue moves (every step: a policy's priorities follow its statistics, the positions, the
+        queries); the device keeps ``reserve`` slots free per layer."""
+        if len(self.table.tiers) < 2:
+            return
+        self._switch_landed()  # landed moves give their source slots back once their fence passes
+        self._pin_unsettled(True)
+        try:
+            plan = self.scheduler.plan(self.table, self.policy, max(self.step_idx, 0), reserve=reserve)
+        except TierFullError:  # slots of moves still in flight: wait for their fences, once
+            self._wait_room()
+            plan = self.scheduler.plan(self.table, self.policy, max(self.step_idx, 0), reserve=reserve)
+        finally:
+            self._pin_unsettled(False)
+        self.stats.planned_pages += plan.num_pages()
+        self.transfer.migrate_many([(m.layer, m.pids, m.dst) for m in plan.demote], after_compute=after_compute,
+                                   fenced=True)
+        free = {m.layer: self.table.tiers[0].num_free(m.layer) - reserve for m in plan.promote}
+        promote = [(m.layer, m.pids[:max(free[m.layer], 0)], m.dst) for m in plan.promote]
+        self.transfer.migrate_many(promote, after_compute=after_compute, fenced=True)
+        self._switch_landed()
+
+    def _pin_unsettled(self, pinned: bool) -> None:
+        """Each row's page before the newest may still be written by a queued step (the host runs ahead of the
+        GPU when lookahead >= 2): not movable."""
+        if self.lookahead < 2:
+            return
+        prev = [self.table.seqs[s].pids[-2] for s in self.row_seq if s is not None and self.table.num_pages(s) > 1]
+        if prev:
+            self.table.set_pinned(prev, pinned)
+
+    def _switch_landed(self) -> None:
+        """Point the table at the new place of every move that has landed (and not moved on)."""
+        landed = self.transfer.take_landed(fence=self._last_event)
+        if not landed:
+            return
+        rows = [(r, self.table.pages(seq)) for r, seq in enumerate(self.row_seq)
+                if seq is not None and r not in self._prefilling]
+        if not rows:
+            return
+        held = np.concatenate([pages for _, pages in rows])  # [N] every row's pages (a shared page: each holder)
+        row_of = np.concatenate([np.full(pages.size, r) for r, pages in rows])  # [N]
+        logical = np.concatenate([np.arange(pages.size) for _, pages in rows])  # [N]
+        for layer, pids in landed:
+            pids = pids[~self.transfer.in_flight(layer, pids)]  # a later move switches those
+            hit = np.isin(held, pids)  # [N]
+            if hit.any():
+                self.mirror[layer, row_of[hit], logical[hit]] = self._encode(layer, held[hit])
+                self._dirty.update(np.unique(row_of[hit]).tolist())
+
+    def _ensure_tails(self, active: list[int]) -> None:
+        """The page each row writes this step must be in the device pool, its copy landed."""
+        P = self.layout.page_size
+        tails = (self.lens[active] - 1) // P  # [A]
+        off = (self.mirror[:, active, tails] < 0).any(0)  # [A]
+        if not off.any():
+            return
+        missing = [(active[i], tails[i]) for i in np.flatnonzero(off)]
+        self._schedule(reserve=0, after_compute=True)
+        self._wait_room()
+        for r, page in missing:
+            pid = self.table.pages(self.row_seq[r])[page]
+            for layer in np.flatnonzero(self.mirror[:, r, page] < 0):
+                if self.table.tier_of[layer, pid] != 0:
+                    raise KVTierError(f"layer {layer}: no device room for the page being written; the policy "
+                                      "pins more pages than the device tier holds")
+                self.mirror[layer, r, page] = self._encode(int(layer), np.array([pid]))[0]
+            self._dirty.add(r)
+
+    def _wait_room(self) -> None:
+        """Block until fenced moves release their device slots."""
+        self._switch_landed()
+        if self._last_event is not None:
+            self._last_event.synchronize()
+        self.transfer.synchronize()
+        self._switch_landed()
+
+    def _drop_out_of_window(self) -> None:
+        """On each sliding layer, free the pages no sequence's next query can see (never read again)."""
+        P = self.layout.page_size
+        for window in set(self.layout.sliding_windows) - {0}:
+            pids = out_of_window(self.table.seqs, P, window)
+            for layer in range(self.layout.num_layers):
+                if pids.size and self.layout.window(layer) == window:
+                    self.transfer.wait(layer, pids)
+                    n = self.table.drop(layer, pids).size
+                    self.stats.dropped_pages += n
+                    self.stats.dropped_bytes += n * self.layout.page_bytes
+
+    def _upload(self) -> None:
+        """Lengths, positions and spans every step; the block-table rows that changed."""
+        lens = torch.from_numpy(self.lens)
+        self.seq_lens.copy_(lens, non_blocking=True)
+        self.positions.copy_((lens - 1).clamp(min=0), non_blocking=True)
+        self.spans.copy_(torch.from_numpy(self.span_host), non_blocking=True)
+        if 2 * len(self._dirty) > self.config.max_batch:
+            self.home.copy_(torch.from_numpy(self.mirror), non_blocking=True)
+            self.pid_table.copy_(torch.from_numpy(self.pid_mirror), non_blocking=True)
+        else:
+            for r in self._dirty:
+                self.home[:, r].copy_(torch.from_numpy(self.mirror[:, r]), non_blocking=True)
+                self.pid_table[r].copy_(torch.from_numpy(self.pid_mirror[r]), non_blocking=True)
+        if self.recall is None and self.block_table is not self.home:
+            self.block_table.copy_(self.home)
+        self._dirty.clear()
+
+    def _free_finished(self, block: bool) -> None:
+        still = []
+        for seq, event in self._to_free:
+            if event is None or block or event.query():
+                if event is not None:
+                    event.synchronize()
+                freed = self.table.free(seq)
+                if self.staging is not None:
+                    self.staging.forget(freed)
+            else:
+                still.append((seq, event))
+        self._to_free = still
+
+    def _sync(self) -> None:
+        if self.config.sync_timing:
+            synchronize(self.device)
+
+    def hit_rate(self) -> float:
+        """Attended pages read from the device tier / attended pages (one host sync)."""
+        attended, resident = self.counts.tolist()
+        attended += self.stats.attended_pages
+        resident += self.stats.resident_pages
+        return resident / attended if attended else 1.0
+
+    def reset(self) -> None:
+        """Forget every sequence and statistic (a fresh cache for the next sample); tiers and graphs stay."""
+        for seq in [s for s in self.row_seq if s is not None]:
+            self.finish(seq)
+        self.feedback.take(upto=None)
+        self._free_finished(block=True)
+        self.transfer.synchronize()
+        self.policy.reset(self.layout.num_layers)
+        self.policy.bind(self.keys, self.queries)
+        self.stats = CacheStats()
+        self.prefill_attention.stats = self.stats
+        self.counts.zero_()
+        self.ttft_s, self.tpot_s = [], []
+        self.fidelity = FidelityStats() if self.fidelity is not None else None
+        self.step_idx = -1
+
+    def close(self) -> None:
+        self.feedback.take(upto=None)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.transfer.take_landed()
+        self.transfer.synchronize()
+        for t in self.table.tiers:
+            t.close()
+
+
+def _pid_capacity(pages: int) -> int:
+    """Pids a table holding ``pages`` pages per layer may name (its free list grows by doubling from 64)."""
+    cap = 64
+    while cap < pages:
+        cap *= 2
+    return cap
+
+
+class _Staging:
+    """Pinned copies of disk and remote pages that a step may read, kept until the page moves or goes:
+    ``pool(layer)`` ``[slots, 2, P, N_kv, D]``, addressed in the block table as ``-(STAGED + slot)``."""
+
+    def __init__(self, engine: Engine):
+        layout, tiers = engine.layout, engine.table.tiers
+        far = [t for i, t in enumerate(tiers) if i > 0 and not (i == 1 and engine.host is not None)]
+        self.capacity = min(sum(t.capacity for t in far), engine.config.max_batch * engine.max_pages)
+        pin = engine.device.type == "cuda"
+        self.pools = torch.zeros((layout.num_layers, self.capacity, *layout.page_shape), dtype=layout.kv_dtype,
+                                 pin_memory=pin)
+        self.where = [dict() for _ in range(layout.num_layers)]  # pid -> (slot, tier, tier slot)
+        self.free = [list(range(self.capacity - 1, -1, -1)) for _ in range(layout.num_layers)]
+        self.table = engine.table
+        self.bytes = 0
+
+    def pool(self, layer: int) -> torch.Tensor:
+        return self.pools[layer]
+
+    def encode(self, layer: int, pids: np.ndarray) -> np.ndarray:
+        """Staged slots of ``pids`` (read from their tier now where not staged at their current place)."""
+        tiers, slots = self.table.locate(layer, pids)
+        where, out, todo = self.where[layer], np.empty(pids.size, dtype=np.int64), []
+        for i, (pid, t, s) in enumerate(zip(pids.tolist(), tiers.tolist(), slots.tolist())):
+            got = where.get(pid)
+            if got is not None and got[1:] == (t, s):
+                out[i] = got[0]
+                continue
+            if got is not None:
+                self.free[layer].append(got[0])
+            if not self.free[layer]:
+                raise KVTierError(f"layer {layer}: the staging pool holds {self.capacity} disk/remote pages; a step "
+                                  "lists more: raise engine.max_batch's pages or keep fewer pages far away")
+            slot = self.free[layer].pop()
+            where[pid] = (slot, t, s)
+            out[i] = slot
+            todo.append((i, t, s, slot))
+        for t in {x[1] for x in todo}:
+            mine = [x for x in todo if x[1] == t]
+            pages = self.table.tiers[t].read(layer, torch.tensor([x[2] for x in mine]))
+            self.pools[layer][torch.tensor([x[3] for x in mine])] = pages.to(self.pools.device)
+            self.bytes += pages.numel() * pages.element_size()
+        return -(STAGED + out)
+
+    def forget(self, pids) -> None:
+        for layer, where in enumerate(self.where):
+            for pid in pids:
+                got = where.pop(int(pid), None)
+                if got is not None:
+                    self.free[layer].append(got[0])

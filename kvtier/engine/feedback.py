@@ -1,0 +1,233 @@
+"""Feedback: what a step produced (pages attended, their salience and attention mass, keys attended) from
+device buffers to the policy, under the lookahead bound.
+
+During a decode step each layer's kernel writes per listed page its max and log-sum-exp of the scaled
+logits into buffers allocated once (static addresses: a captured step writes the same memory every
+replay); :meth:`Feedback.observe` turns them into salience ``[B, K, N_kv]`` (max probability over the kv
+group) and attention mass (mean probability mass over the group) with the step's final LSE. After the
+step, :meth:`record` copies them to pinned host memory (no sync) and records an event; :meth:`take`
+waits for the steps the lookahead bound says are due and hands the policy ``on_access``,
+``on_salience`` and ``on_attention`` per layer, with pids in each row's page order. A prefill chunk
+(eager) hands its statistics over directly, delivered with the same timing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvtier.window import attended_range
+
+
+@dataclass
+class Produced:
+    """One step's statistics on their way to the host."""
+
+    step: int
+    event: object  # torch.cuda.Event, or None on the CPU
+    rows: list  # row -> (sequence id, length) at that step, or None (idle)
+    picks: dict = field(default_factory=dict)  # width -> [L, B, (N_kv,) K] pinned copies (width None: all pages)
+    salience: dict = field(default_factory=dict)  # width -> [L, B, K, N_kv]
+    mass: dict = field(default_factory=dict)  # width -> [L, B, K, N_kv]
+    layer_width: list = field(default_factory=list)  # per layer, the width its lists had
+    tokens: torch.Tensor | None = None  # [L] keys attended per row (mean)
+    prefill: list = field(default_factory=list)  # (kind, layer, pids, values) of a prefill chunk
+
+
+class Feedback:
+    def __init__(self, engine):
+        self.engine = engine
+        policy = engine.policy
+        self.wants = set(policy.needs) & {"salience", "attention"}
+        if policy.attention_rows == 0:
+            self.wants.discard("attention")
+        self.hears_access = policy.hears_access
+        self._buffers: dict = {}  # width -> dict of device buffers [L, R, ...]
+        self._layer_width: list = [None] * engine.layout.num_layers
+        self.tokens = torch.zeros(engine.layout.num_layers, device=engine.device)  # [L] keys attended per row
+        self._produced: list[Produced] = []
+        self._prefill: list = []
+
+    def state(self) -> list[torch.Tensor]:
+        return [self.tokens]
+
+    def _bufs(self, width: int, per_head: bool) -> dict:
+        key = (width, per_head)
+        if key not in self._buffers:
+            e = self.engine
+            L, R, n_kv = e.layout.num_layers, e.config.max_batch, e.layout.num_kv_heads
+            b = {"picks": torch.full((L, R, n_kv, width) if per_head else (L, R, width), -1, dtype=torch.int32,
+                                     device=e.device)}
+            for name in self.wants:
+                b[name] = torch.zeros(L, R, width, n_kv, device=e.device)
+            self._buffers[key] = b
+        return self._buffers[key]
+
+    def buffers(self, B: int, picks: torch.Tensor | None, heads: int) -> dict:
+        """The kernel's page-statistics outputs (``page_max``/``page_lse`` ``[B, K, H]``)."""
+        if not self.wants:
+            return {}
+        e = self.engine
+        width = e.max_pages if picks is None else picks.shape[-1]
+        out = {}
+        if "salience" in self.wants:
+            out["page_max"] = self._scratch("page_max", B, width, heads)
+        if "attention" in self.wants:
+            out["page_lse"] = self._scratch("page_lse", B, width, heads)
+        return out
+
+    def _scratch(self, name: str, B: int, width: int, heads: int) -> torch.Tensor:
+        key = ("scratch", name, width)
+        if key not in self._buffers:
+            e = self.engine
+            self._buffers[key] = torch.empty(e.config.max_batch, width, heads, device=e.device)
+        return self._buffers[key][:B]
+
+    def observe(self, layer: int, B: int, picks: torch.Tensor | None, lse: torch.Tensor) -> None:
+        """After a layer's decode call: its page list and per-page statistics into the step's buffers."""
+        e = self.engine
+        width = e.max_pages if picks is None else picks.shape[-1]
+        per_head = picks is not None and picks.dim() == 3
+        self._layer_width[layer] = (None if picks is None else width, per_head)
+        self.tokens[layer] = e.visible_tokens(layer, B, picks)
+        if not self.wants and not self.hears_access:
+            return
+        bufs = self._bufs(width, per_head)
+        if picks is not None:
+            bufs["picks"][layer, :B] = picks
+        n_kv = e.layout.num_kv_heads
+        H = lse.shape[1]
+        if "salience" in self.wants:
+            pm = self._buffers[("scratch", "page_max", width)][:B]  # [B, K, H]
+            bufs["salience"][layer, :B] = torch.exp(pm - lse[:, None, :]).view(B, width, n_kv, H // n_kv).amax(-1)
+        if "attention" in self.wants:
+            pl = self._buffers[("scratch", "page_lse", width)][:B]
+            bufs["attention"][layer, :B] = torch.exp(pl - lse[:, None, :]).view(B, width, n_kv, H // n_kv).mean(-1)
+
+    def prefill_salience(self, layer: int, pids: np.ndarray, salience: torch.Tensor) -> None:
+        self._prefill.append(("salience", layer, pids, salience))
+
+    def prefill_attention(self, layer: int, pids: np.ndarray, mass: torch.Tensor) -> None:
+        self._prefill.append(("attention", layer, pids, mass))
+
+    def record(self, B: int) -> None:
+        """After a decode step: its buffers towards the host, and the step's end event."""
+        e = self.engine
+        p = Produced(e.step_idx, None, [None if r in e._prefilling or s is None else (s, int(e.lens[r]))
+                                        for r, s in enumerate(e.row_seq[:B])])
+        p.layer_width = list(self._layer_width)
+        p.tokens = _to_host(self.tokens, e.device)
+        if self.wants or self.hears_access:
+            for (width, per_head) in set(self._layer_width):
+                if width is None and not self.wants:
+                    continue
+                bufs = self._bufs(e.max_pages if width is None else width, per_head)
+                key = (width, per_head)
+                if width is not None:
+                    p.picks[key] = _to_host(bufs["picks"][:, :B], e.device)
+                for name in self.wants:
+                    getattr(p, "salience" if name == "salience" else "mass")[key] = _to_host(bufs[name][:, :B],
+                                                                                            e.device)
+        if e.device.type == "cuda":
+            p.event = torch.cuda.Event()
+            p.event.record()
+        e._last_event = p.event
+        self._produced.append(p)
+
+    def take(self, upto: int | None) -> None:
+        """Hand the policy what steps ``<= upto`` produced (waiting for them) and any prefill chunk's; at most
+        ``lookahead`` steps stay in flight. ``upto=None``: only wait (nothing is fed back)."""
+        e = self.engine
+        if self._prefill:
+            self._feed_prefill()
+        keep = []
+        bound = e.step_idx - max(e.lookahead, 1) + 1  # steps older than this are waited for
+        for p in self._produced:
+            if (upto is None or p.step > upto) and p.step >= bound:
+                keep.append(p)
+                continue
+            if p.event is not None and not p.event.query():
+                t0 = time.perf_counter()
+                p.event.synchronize()
+                e.stats.host_wait_s += time.perf_counter() - t0
+            if upto is not None:
+                self._feed(p)
+        self._produced = keep
+
+    def _feed_prefill(self) -> None:
+        e = self.engine
+        step = e.step_idx
+        for kind, layer, pids, values in self._prefill:
+            values = values.float().cpu().numpy()
+            if kind == "salience":
+                e.policy.on_salience(layer, pids, values, step)
+            else:
+                e.policy.on_attention(layer, pids, values, step)
+        self._prefill.clear()
+
+    def _feed(self, p: Produced) -> None:
+        """The policy hears the pages step ``p`` attended and their statistics, per layer."""
+        e = self.engine
+        rows = [(r, e.table.pages(s)[:e.layout.pages_for(n)]) for r, x in enumerate(p.rows) if x is not None
+                for s, n in [x] if s in e.table.seqs]
+        if not rows:
+            return
+        for layer in range(e.layout.num_layers):
+            e.stats.add_attended_tokens(p.step, float(p.tokens[layer]))
+        if not self.wants and not self.hears_access:
+            return
+        for layer, (width, per_head) in enumerate(p.layer_width):
+            key = (width, per_head)
+            pids, cols = [], []
+            for r, pages in rows:
+                if width is None:  # every live page the layer's window shows
+                    first = attended_range(int(p.rows[r][1]) - 1, 1, e.layout.page_size, e.layout.window(layer))[0]
+                    logical = np.arange(first, pages.size)
+                    logical = logical[e.table.tier_of[layer, pages[logical]] >= 0]
+                    lists = None
+                else:
+                    lists = p.picks[key][layer, r].numpy().reshape(-1, width)  # [1 or N_kv, K]
+                    logical = np.unique(lists[(lists >= 0) & (lists < pages.size)])
+                pids.append(pages[logical])
+                cols.append((r, lists, logical))
+            pids = np.concatenate(pids)
+            if e.policy.hears_access:
+                e.policy.on_access(layer, pids, p.step)
+            for name, store in (("salience", p.salience), ("attention", p.mass)):
+                if name not in self.wants:
+                    continue
+                vals = np.concatenate([self._per_page(store[key][layer, r].numpy(), lists, logical, width)
+                                       for r, lists, logical in cols])
+                if name == "salience":
+                    e.policy.on_salience(layer, pids, vals, p.step)
+                else:
+                    e.policy.on_attention(layer, pids, vals[None], p.step)
+
+    @staticmethod
+    def _per_page(values: np.ndarray, lists: np.ndarray, logical: np.ndarray, width: int | None) -> np.ndarray:
+        """Per attended logical page ``[n, N_kv]`` from per-entry statistics ``values [K, N_kv]``: a per-head
+        list gives each kv head the value of its own entry for the page (0 where it did not list it)."""
+        n_kv = values.shape[-1]
+        if width is None:
+            return values[logical]
+        out = np.zeros((logical.size, n_kv), dtype=np.float32)
+        index = {int(x): i for i, x in enumerate(logical)}
+        for h, row in enumerate(lists):
+            heads = range(n_kv) if lists.shape[0] == 1 else [h]
+            for k, page in enumerate(row):
+                i = index.get(int(page))
+                if i is not None:
+                    for g in heads:
+                        out[i, g] = values[k, g]
+        return out
+
+
+def _to_host(x: torch.Tensor, device) -> torch.Tensor:
+    if device.type != "cuda":
+        return x.clone()
+    out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    out.copy_(x, non_blocking=True)
+    return out

@@ -1,0 +1,70 @@
+"""The model side of a step: the forward pass that drives the engine's attention.
+
+Attention goes through the kvtier hook (``attn_implementation="kvtier"``): each attention module calls
+``past_key_values.update`` (the engine writes the K/V) and then ``kvtier_attention``, which asks the
+active engine to attend. Two drivers of the same step:
+
+- :class:`HFRunner`: the model's own forward (any architecture the hook accepts), given explicit
+  positions, so that nothing in it depends on host state and a decode step can be captured.
+- :class:`LlamaRunner`: a compact forward for the Llama family (embed -> rotary -> decoder layers ->
+  norm -> head, the HF model's own modules, so its numerics are HF's), with no model-level overhead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.errors import ConfigError
+from kvtier.hook import use_hook
+
+# Families whose base model is embed -> rotary -> decoder layers -> norm -> head, with no extra
+# per-layer inputs (Gemma scales embeddings, GPT-OSS adds sinks: those take the HF forward).
+FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+RUNNERS = ("auto", "hf", "llama")
+
+
+class HFRunner:
+    """The HF model's own forward over kvtier pages."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv, last_only: bool) -> torch.Tensor:
+        """``ids [B, q]`` at ``positions [B, q]`` -> logits ``[B, q or 1, V]`` (float32); ``kv`` is what the
+        attention modules see as ``past_key_values``."""
+        use_hook(self.model)
+        out = self.model(input_ids=ids, position_ids=positions, cache_position=positions[0], past_key_values=kv,
+                         use_cache=True, logits_to_keep=1 if last_only else 0)
+        return out.logits.float()
+
+
+class LlamaRunner:
+    """Runs ``model`` (a HF causal LM of :data:`FAST_FAMILIES`) over kvtier pages."""
+
+    def __init__(self, model):
+        kind = getattr(model.config, "model_type", None)
+        if kind not in FAST_FAMILIES:
+            raise ConfigError("engine.runner", f"the compact runner runs {', '.join(FAST_FAMILIES)} models, not "
+                                               f"{kind!r}; use engine.runner=hf (the model's own forward)")
+        self.model = model
+        self.base = model.model
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv, last_only: bool) -> torch.Tensor:
+        use_hook(self.model)  # another user may have switched it
+        hidden = self.base.embed_tokens(ids)  # [B, q, hidden]
+        rope = self.base.rotary_emb(hidden, positions)  # (cos, sin) [B, q, D]
+        for layer in self.base.layers:
+            hidden = layer(hidden, attention_mask=None, position_ids=positions, past_key_values=kv,
+                           use_cache=True, position_embeddings=rope)
+        if last_only:
+            hidden = hidden[:, -1:]
+        return self.model.lm_head(self.base.norm(hidden)).float()
+
+
+def make_runner(model, name: str = "auto"):
+    """``auto``: the compact runner for the Llama family, else the model's own forward."""
+    if name not in RUNNERS:
+        raise ConfigError("engine.runner", f"unknown runner {name!r}; use one of {list(RUNNERS)}")
+    if name == "llama" or (name == "auto" and getattr(model.config, "model_type", None) in FAST_FAMILIES):
+        return LlamaRunner(model)
+    return HFRunner(model)

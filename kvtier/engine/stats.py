@@ -1,0 +1,112 @@
+"""Statistics the step gathers for scopes and scorers, on the engine's device, in static buffers.
+
+- :class:`KeyStats`: per (layer, pid, kv head) key min / max (Quest's bounds), key sum, squared-key sum,
+  key-norm sum and token count, updated as keys are written (prefill chunks and decode rows alike).
+- :class:`QueryStats`: the last ``rows`` queries of every layer of the first row (TOVA/Quest read the
+  newest, Expected Attention their mean and variance).
+- :func:`page_mass`: the attention probability mass each listed page gets from chosen query rows of a
+  prefill chunk (decode rows get theirs from the kernel's per-page LSE).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class KeyStats:
+    """Key statistics per (layer, pid, kv head): ``key_min``/``key_max``/``key_sum``/``key_sq`` are
+    ``[L, pids, N_kv, D]``, ``norm_sum`` ``[L, pids, N_kv]``, ``count`` ``[L, pids]`` (float32), allocated
+    once for ``capacity`` pids (the table never names more pages than its tiers hold)."""
+
+    FILL = {"key_min": float("inf"), "key_max": float("-inf"), "key_sum": 0.0, "key_sq": 0.0, "norm_sum": 0.0,
+            "count": 0.0}
+
+    def __init__(self, layout, capacity: int, device):
+        self.layout, self.device = layout, device
+        L, N, D = layout.num_layers, layout.num_kv_heads, layout.head_dim
+        shapes = {"key_min": (L, capacity, N, D), "key_max": (L, capacity, N, D), "key_sum": (L, capacity, N, D),
+                  "key_sq": (L, capacity, N, D), "norm_sum": (L, capacity, N), "count": (L, capacity)}
+        for name, shape in shapes.items():
+            setattr(self, name, torch.full(shape, self.FILL[name], device=device))
+
+    def on_append(self, pids: np.ndarray) -> None:
+        """Fresh pages (a recycled pid forgets its keys)."""
+        idx = torch.from_numpy(np.asarray(pids, dtype=np.int64)).to(self.device)
+        for name, fill in self.FILL.items():
+            getattr(self, name)[:, idx] = fill
+
+    def on_copy(self, src: int, dst: int) -> None:
+        for name in self.FILL:
+            t = getattr(self, name)
+            t[:, dst] = t[:, src]
+
+    def add(self, layer: int, pids: torch.Tensor, keys: torch.Tensor) -> None:
+        """Keys ``[n, N_kv, D]`` written into pages ``pids [n]`` (device int64; repeats allowed)."""
+        k = keys.float()
+        idx = pids[:, None, None].expand_as(k)
+        self.key_min[layer].scatter_reduce_(0, idx, k, reduce="amin")
+        self.key_max[layer].scatter_reduce_(0, idx, k, reduce="amax")
+        self.key_sum[layer].index_add_(0, pids, k)
+        self.key_sq[layer].index_add_(0, pids, k * k)
+        self.norm_sum[layer].index_add_(0, pids, k.norm(dim=-1))
+        self.count[layer].index_add_(0, pids, torch.ones_like(pids, dtype=torch.float32))
+
+
+class QueryStats:
+    """The last ``rows`` queries per layer: ``ring [rows, L, H, D]`` float32 (NaN: none yet), ``seen [L]``
+    on the device (so that captured steps count too)."""
+
+    def __init__(self, num_layers: int, rows: int, num_heads: int, head_dim: int, device):
+        self.rows, self.num_layers, self.device = rows, num_layers, device
+        self.ring = torch.full((rows, num_layers, num_heads, head_dim), float("nan"), device=device)
+        self.seen = torch.zeros(num_layers, dtype=torch.int64, device=device)
+
+    def add(self, layer: int, q: torch.Tensor) -> None:
+        """The newest query rows ``q [r, H, D]`` of ``layer`` (oldest first)."""
+        for row in q:
+            self.ring[self.seen[layer] % self.rows, layer] = row.float()
+            self.seen[layer] += 1
+
+    def last(self) -> torch.Tensor | None:
+        """The newest query of every layer ``[L, H, D]`` (None before any)."""
+        if not bool((self.seen > 0).any()):
+            return None
+        return self.ring[(self.seen - 1) % self.rows, torch.arange(self.num_layers, device=self.device)]
+
+    def moments(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Mean and variance of the stored queries ``[L, H, D]`` each (None before any)."""
+        if not bool((self.seen > 0).any()):
+            return None
+        seen = ~torch.isnan(self.ring)
+        n = seen.sum(0).clamp_min(1)
+        x = torch.where(seen, self.ring, 0.0)
+        mean = x.sum(0) / n
+        var = (torch.where(seen, (self.ring - mean) ** 2, 0.0)).sum(0) / n
+        return mean, var
+
+
+def page_mass(keys: torch.Tensor, logical: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor, lse: torch.Tensor,
+              q_pos: torch.Tensor, scale: float, num_kv_heads: int, window_left: int) -> torch.Tensor:
+    """Attention probability mass per (query row, page, kv head) ``[r, n, N_kv]`` for one sequence.
+
+    ``keys [n, P, N_kv, D]`` of the attended pages, their ``logical`` page numbers ``[n]`` and counted
+    tokens ``[n]``; ``q [r, H, D]`` the chosen query rows, ``lse [r, H]`` their final LSE, ``q_pos [r]``
+    their positions. Causal, ``window_left`` as the kernels apply them; mass is the sum over the page's
+    tokens, mean over the kv group's query heads.
+    """
+    n, P = keys.shape[:2]
+    H = q.shape[1]
+    G = H // num_kv_heads
+    if n == 0:
+        return torch.zeros(q.shape[0], 0, num_kv_heads, device=q.device)
+    kk = keys.float().repeat_interleave(G, dim=2)  # [n, P, H, D]
+    logits = torch.einsum("rhd,nphd->nrhp", q.float(), kk) * scale  # [n, r, H, P]
+    key_pos = logical[:, None] * P + torch.arange(P, device=q.device)  # [n, P]
+    qp = q_pos[None, :, None]  # [1, r, 1]
+    ok = (torch.arange(P, device=q.device) < tokens[:, None])[:, None] & (key_pos[:, None] <= qp)  # [n, r, P]
+    if window_left >= 0:
+        ok &= key_pos[:, None] >= qp - window_left
+    prob = torch.exp(logits - lse.float()[None, :, :, None]).masked_fill(~ok[:, :, None], 0.0)  # [n, r, H, P]
+    mass = prob.sum(-1).view(n, -1, num_kv_heads, G).mean(-1)  # [n, r, N_kv]
+    return mass.transpose(0, 1)

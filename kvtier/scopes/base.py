@@ -1,0 +1,150 @@
+"""What a scope sees of a decode step, and the scope interface.
+
+A scope picks, on the device and with static shapes, the logical pages each row attends in a layer:
+``pick(layer, q, view) -> page list`` (``[B, K]``, ``[B, N_kv, K]`` for a per-kv-head choice, -1 = none;
+or None: every page). The step's :class:`StepView` is built once per step by the engine; a token budget
+(:class:`~kvtier.budget.TokenBudget`) gives each row its spans (sink tokens, the window's start) and
+the scope chooses the whole pages in between (:func:`budget_pick`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.budget import TokenBudget
+
+DROPPED_LOC = -(2 ** 31)  # block-table value of a page freed for good (left of a window, compressed away)
+STATS = frozenset({"attention", "salience", "keys", "queries"})
+
+
+@dataclass
+class StepView:
+    """One decode step as the scopes read it (device tensors are the engine's static buffers)."""
+
+    table: torch.Tensor  # [L, R, M] int32 locations (device slot, host/staged slot, DROPPED_LOC)
+    lens: torch.Tensor  # [R] int32 tokens, the one being written included
+    spans: torch.Tensor  # [R, 2] int32 (sinks, win_start) of a token budget; (0, 0) where none applies
+    pids: torch.Tensor  # [R, M] int32 pid of each logical page (-1 none)
+    rank: torch.Tensor | None  # [L, R, M] int32 policy rank of each page (0 best), when a scope needs it
+    batch: int  # rows of the bucket
+    page_size: int
+    budget: TokenBudget | None
+    once: bool  # the budget compressed once: every kept page is a candidate
+    dense_layers: int  # the first layers attend every page
+    windows: tuple  # per layer: keys a query sees (0: global)
+
+    def rows(self, layer: int):
+        """``(table [B, M], lens [B] int64, n_pages [B])`` of ``layer``."""
+        B = self.batch
+        lens = self.lens[:B].long()
+        return self.table[layer, :B], lens, (lens + self.page_size - 1) // self.page_size
+
+
+def compact(keep: torch.Tensor) -> torch.Tensor:
+    """The logical pages where ``keep [B, M]`` ascending, then -1: ``[B, M]`` int32."""
+    M = keep.shape[-1]
+    logical = torch.arange(M, device=keep.device)
+    idx = torch.sort(torch.where(keep, logical, M), dim=-1).values
+    return torch.where(idx < M, idx, -1).to(torch.int32)
+
+
+def window_pages(lens: torch.Tensor, window: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, for the query at ``lens - 1``: ``(first, tail_from)`` logical pages (:func:`kvtier.window.attended_range`)."""
+    s = lens - 1
+    if not window:
+        return torch.zeros_like(s), s // page_size
+    first = (s - window + 1).clamp(min=0) // page_size
+    whole = first * page_size >= s + 1 - window
+    return first, torch.where(whole, s // page_size, first)
+
+
+class Scope:
+    """Chooses the pages a decode step attends. Subclasses (named by ``_target_``) implement :meth:`pick`.
+
+    ``gives``: the statistics the scope's attention calls can hand the policy (checked against the
+    policy's ``needs`` when the engine is built); ``needs_keys``: it reads the key bounds;
+    ``needs_rank``: it reads the policy's page ranks; ``prefill_device_only``: a prefill chunk (before the
+    prompt is in, without an exact prefill) attends only the device pages and its own.
+    """
+
+    name = "scope"
+    gives: frozenset = STATS
+    needs_keys = False
+    prefill_device_only = False
+
+    def needs_rank(self, budget: TokenBudget | None) -> bool:
+        return False
+
+    def bind(self, engine) -> None:
+        """Allocate state once the engine exists (its layout, rows, key statistics)."""
+        self.engine = engine
+
+    def width(self, view_budget: TokenBudget | None, once: bool, max_pages: int) -> int | None:
+        """Page-list width K of a decode step (None: every page)."""
+        if view_budget is None:
+            return None
+        return max_pages if once else view_budget_width(view_budget)
+
+    def pick(self, layer: int, q: torch.Tensor, view: StepView) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def reset_row(self, row: int) -> None:
+        """A new sequence takes ``row``."""
+
+
+def view_budget_width(budget: TokenBudget) -> int:
+    """List width of a continuous budget: sink pages, middle pages, the window's pages (one more where it
+    straddles); a row the budget holds whole fits it too."""
+    P = budget.page_size
+    return -(-budget.sinks // P) + budget.middle_pages + -(-budget.window_tokens // P) + 1
+
+
+def budget_pick(layer: int, view: StepView, candidate_score, device_only: bool) -> torch.Tensor:
+    """A token budget's page list ``[B, K]``: the sink pages, the middle pages with the best
+    ``candidate_score(cand [B, M] bool, k) -> picks [B, k]`` (logical, -1 none), and the window's pages.
+
+    Rows the budget holds whole (continuous budgets) list every live page. The layer's sliding window
+    restricts the candidates to the pages every query sees whole, as :mod:`kvtier.window` does.
+    """
+    budget, P = view.budget, view.page_size
+    table, lens, n_pages = view.rows(layer)
+    B, M = table.shape
+    logical = torch.arange(M, device=table.device)[None, :]  # [1, M]
+    live = (table != DROPPED_LOC) & (logical < n_pages[:, None])  # [B, M]
+    sinks, win_start = view.spans[:B].long().unbind(1)  # [B]
+    first, layer_tail = window_pages(lens, view.windows[layer] if view.windows else 0, P)
+    cand_lo = -(-budget.sinks // P)
+    cand_hi = win_start // P
+    tail_from = torch.maximum(first, torch.minimum(cand_hi, layer_tail))  # [B]
+    cand = live & (logical >= cand_lo) & (logical < tail_from[:, None]) & (logical >= first[:, None])
+    if device_only:
+        cand &= table >= 0
+    sink = (logical < torch.minimum(torch.full_like(tail_from, cand_lo), tail_from)[:, None]) & (first == 0)[:, None]
+    window = (logical >= cand_hi[:, None]) & live
+    whole = win_start == 0  # the row fits the budget: every live page
+    if view.once:  # every kept candidate, the window growing
+        keep = sink | cand | window
+        return compact(torch.where(whole[:, None], live, keep))
+    k = budget.middle_pages
+    middle = candidate_score(cand, k) if k else torch.zeros(B, 0, dtype=torch.int32, device=table.device)
+    n_sink, n_win = -(-budget.sinks // P), view_budget_width(budget) - cand_lo - k
+    sink_part = torch.where(sink[:, :n_sink], logical[:, :n_sink], -1)
+    win_part = cand_hi[:, None] + torch.arange(n_win, device=table.device)[None, :]  # [B, n_win]
+    win_part = torch.where(win_part < n_pages[:, None], win_part, -1)
+    listed = torch.cat([sink_part.to(torch.int32), middle.to(torch.int32), win_part.to(torch.int32)], 1)
+    every = torch.where(live, logical, -1).to(torch.int32)  # a row the budget holds whole fits the list
+    width = listed.shape[1]
+    every = every[:, :width] if M >= width else torch.cat([every, every.new_full((B, width - M), -1)], 1)
+    return torch.where(whole[:, None], every, listed)
+
+
+def best_of(score: torch.Tensor, cand: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` candidates ``cand [B, M]`` with the highest ``score [B, M]``: logical pages ``[B, k]`` (-1 none)."""
+    masked = torch.where(cand, score, float("-inf"))
+    best, idx = torch.topk(masked, min(k, masked.shape[-1]), dim=-1)
+    out = torch.where(best > float("-inf"), idx, -1)
+    if out.shape[-1] < k:
+        out = torch.cat([out, out.new_full((out.shape[0], k - out.shape[-1]), -1)], -1)
+    return out

@@ -1,0 +1,56 @@
+"""The scopes that need no key statistics: ``all`` (exact) and ``resident`` (the device pages)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.budget import TokenBudget
+from kvtier.scopes.base import DROPPED_LOC, Scope, StepView, best_of, budget_pick, compact, window_pages
+
+
+def live_pages(layer: int, view: StepView) -> torch.Tensor:
+    """Every page of each row that is not dropped, compacted ``[B, M]``."""
+    table, _, n_pages = view.rows(layer)
+    logical = torch.arange(table.shape[1], device=table.device)[None, :]
+    return compact((table != DROPPED_LOC) & (logical < n_pages[:, None]))
+
+
+class All(Scope):
+    """Every page (exact attention); under a token budget (``mode=once``, or a continuous budget with
+    ``scope=all`` refused by the engine) the budget's spans."""
+
+    name = "all"
+
+    def width(self, budget, once, max_pages):
+        return max_pages if budget is not None else None
+
+    def pick(self, layer, q, view):
+        if view.budget is None or layer < view.dense_layers:
+            return live_pages(layer, view) if self.engine.dropped_any else None
+        return budget_pick(layer, view, None, device_only=False)
+
+
+class Resident(Scope):
+    """The pages in the device tier (and the page being written); under a token budget, the middle pages
+    are the device pages the policy ranks best (its priority, ``view.rank``), as eviction libraries do."""
+
+    name = "resident"
+    prefill_device_only = True
+
+    def needs_rank(self, budget: TokenBudget | None) -> bool:
+        return budget is not None
+
+    def width(self, budget, once, max_pages):
+        return max_pages if budget is None else super().width(budget, once, max_pages)
+
+    def pick(self, layer, q, view):
+        table, lens, n_pages = view.rows(layer)
+        if layer < view.dense_layers:
+            return live_pages(layer, view)
+        if view.budget is None:  # device pages, and from the tail on (the page being written; a window's cut page)
+            logical = torch.arange(table.shape[1], device=table.device)[None, :]
+            _, tail_from = window_pages(lens.clamp(min=1), view.windows[layer] if view.windows else 0, view.page_size)
+            keep = ((table >= 0) & (table != DROPPED_LOC)) | (logical >= tail_from[:, None])
+            return compact(keep & (logical < n_pages[:, None]))
+        rank = view.rank[layer, :view.batch]
+        return budget_pick(layer, view, lambda cand, k: best_of(-rank.float(), cand, k), device_only=True)

@@ -1,0 +1,148 @@
+"""``topk``: Quest (Tang et al., 2024, arXiv:2406.10774): the pages with the largest upper bound of q·k,
+from each page's elementwise key min/max (the engine's :class:`~kvtier.engine.stats.KeyStats`, by pid).
+
+Without a token budget, the ``pages`` best per step with the sink pages and the tail forced in; under a
+budget, the budget's middle pages. Options (token budgets; off by default): ``rank="quest_head"``
+(each query head's bounds as a softmax over the candidates, max over heads), ``per_head`` (each kv
+head its own pages, as Quest chooses per head), ``query_rows`` (the bound is the max over the layer's
+last decode queries of the row), ``policy_share`` (that share of the pages by the policy's rank, the
+rest by the bound). With ``recall_slots`` each layer also keeps that many device slots that the
+captured step fills with its own picks read from the host (:class:`~kvtier.scopes.recall.RecallCache`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.budget import TokenBudget
+from kvtier.errors import ConfigError
+from kvtier.scopes.base import DROPPED_LOC, Scope, StepView, best_of, budget_pick, view_budget_width, window_pages
+
+RANKS = ("quest", "quest_head")
+
+
+def quest_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """Upper bound of q·k per query head: q ``[B, H, D]``, bounds ``[B, M, N_kv, D]`` -> ``[B, M, H]``."""
+    B, H, D = q.shape
+    n_kv = kmin.shape[2]
+    qg = q.float().view(B, 1, n_kv, H // n_kv, D)  # [B, 1, N_kv, G, D]
+    ub = torch.maximum(qg * kmin[:, :, :, None], qg * kmax[:, :, :, None]).sum(-1)  # [B, M, N_kv, G]
+    return ub.flatten(2)
+
+
+class TopK(Scope):
+    name = "topk"
+    needs_keys = True
+
+    def __init__(self, pages: int | None = None, rank: str = "quest", per_head: bool = False, query_rows: int = 1,
+                 policy_share: float = 0.0, recall_slots: int = 0, sinks: int = 4):
+        for key, v, low in (("scope.pages", pages, 1), ("scope.query_rows", query_rows, 1),
+                            ("scope.recall_slots", recall_slots, 0), ("scope.sinks", sinks, 0)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
+                raise ConfigError(key, f"must be an integer >= {low}, got {v!r}")
+        if rank not in RANKS:
+            raise ConfigError("scope.rank", f"unknown rank {rank!r}; use one of {list(RANKS)}")
+        if isinstance(policy_share, bool) or not isinstance(policy_share, (int, float)) or not 0 <= policy_share <= 1:
+            raise ConfigError("scope.policy_share", f"must be in [0, 1], got {policy_share!r}")
+        self.pages, self.rank, self.per_head, self.query_rows = pages, rank, per_head, query_rows
+        self.policy_share, self.recall_slots, self.sinks = float(policy_share), recall_slots, sinks
+
+    def needs_rank(self, budget: TokenBudget | None) -> bool:
+        return budget is not None and self.policy_share > 0
+
+    def bind(self, engine) -> None:
+        super().bind(engine)
+        budget_only = [n for n, v in (("per_head", self.per_head), ("query_rows", self.query_rows > 1),
+                                      ("policy_share", self.policy_share > 0), ("rank", self.rank != "quest"))
+                       if v]
+        if engine.budget is None and budget_only:
+            raise ConfigError(f"scope.{budget_only[0]}", "this option chooses a token budget's middle pages: set "
+                                                         "cache.attend_budget=true (Python: budget=)")
+        if engine.budget is None and self.pages is None:
+            raise ConfigError("scope.pages", "scope 'topk' needs pages >= 1 (or a token budget)")
+        self.recent = None  # [L, R, query_rows, H, D] the last decode queries of each (layer, row), made at the first
+        L, R = engine.layout.num_layers, engine.config.max_batch
+        self.seen = torch.zeros(L, R, dtype=torch.int64, device=engine.device)
+
+    def reset_row(self, row: int) -> None:
+        self.seen[:, row] = 0
+
+    def width(self, budget, once, max_pages):
+        if budget is None:
+            P = self.engine.layout.page_size
+            tail = max([-(-w // P) + 1 for w in self.engine.layout.sliding_windows if w] + [1])
+            return min(-(-self.sinks // P) + tail + self.pages, max_pages)
+        return super().width(budget, once, max_pages)
+
+    def pick(self, layer: int, q: torch.Tensor, view: StepView) -> torch.Tensor | None:
+        if layer < view.dense_layers:
+            from kvtier.scopes.simple import live_pages
+            return live_pages(layer, view)
+        q = self._remember(layer, q, view.batch) if view.budget is not None else q[:, None]  # [B, r, H, D]
+        if view.budget is None:
+            return self._pick_pages(layer, q[:, 0], view)
+        if self.per_head:
+            per_head = [budget_pick(layer, view, lambda c, k, h=h: best_of(self._scores(layer, q, view, c, h), c, k),
+                                    device_only=False) for h in range(self.engine.layout.num_kv_heads)]
+            return torch.stack(per_head, 1)  # [B, N_kv, K]
+        return budget_pick(layer, view, lambda c, k: self._middle(layer, q, view, c, k), device_only=False)
+
+    def _middle(self, layer, q, view, cand, k):
+        k_policy = int(round(self.policy_share * k))
+        if not k_policy:
+            return best_of(self._scores(layer, q, view, cand), cand, k)
+        by_policy = best_of(-view.rank[layer, :view.batch].float(), cand, k_policy)  # [B, k_policy]
+        taken = torch.zeros_like(cand).scatter_(1, by_policy.clamp(min=0).long(), by_policy >= 0)
+        rest = best_of(self._scores(layer, q, view, cand & ~taken), cand & ~taken, k - k_policy)
+        return torch.cat([by_policy, rest], 1)
+
+    def _scores(self, layer: int, q: torch.Tensor, view: StepView, cand: torch.Tensor,
+                kv_head: int | None = None) -> torch.Tensor:
+        """Page scores ``[B, M]`` of the candidates ``cand [B, M]`` for the row queries ``q [B, r, H, D]`` (max over
+        rows); per kv head: max over its group's query heads."""
+        keys = self.engine.keys
+        pids = view.pids[:view.batch].long().clamp(min=0)  # [B, M]
+        kmin, kmax = keys.key_min[layer][pids], keys.key_max[layer][pids]  # [B, M, N_kv, D]
+        ub = torch.stack([quest_bound(q[:, i], kmin, kmax) for i in range(q.shape[1])]).amax(0)  # [B, M, H]
+        if self.rank == "quest_head":  # each head's bounds as a softmax over the candidates
+            ub = torch.softmax(ub.masked_fill(~cand[..., None], float("-inf")) * q.shape[-1] ** -0.5, dim=1)
+        if kv_head is not None:
+            n_kv = self.engine.layout.num_kv_heads
+            return ub.view(*ub.shape[:2], n_kv, -1)[:, :, kv_head].amax(-1)
+        return ub.amax(-1)
+
+    def _remember(self, layer: int, q: torch.Tensor, B: int) -> torch.Tensor:
+        """Add the decode query ``q [B, H, D]``; the last ``query_rows`` queries of each row ``[B, r, H, D]``."""
+        if self.query_rows == 1:
+            return q[:, None]
+        if self.recent is None:
+            L, R = self.seen.shape
+            self.recent = torch.zeros(L, R, self.query_rows, *q.shape[1:], device=q.device)
+        seen = self.seen[layer, :B]
+        rows = torch.arange(B, device=q.device)
+        self.recent[layer, rows, seen % self.query_rows] = q.float()
+        self.seen[layer, :B] += 1
+        order = (seen[:, None] + 1 + torch.arange(self.query_rows, device=q.device)) % self.query_rows  # oldest first
+        got = self.recent[layer, rows[:, None], order]  # [B, r, H, D]
+        filled = torch.arange(self.query_rows, device=q.device)[None, :] >= self.query_rows - (seen[:, None] + 1)
+        return torch.where(filled[..., None, None], got, got[:, -1:])  # missing rows repeat the newest
+
+    def _pick_pages(self, layer: int, q: torch.Tensor, view: StepView) -> torch.Tensor:
+        """No budget: the sink pages and the tail (forced), and the ``pages`` best of the rest."""
+        table, lens, n_pages = view.rows(layer)
+        B, M = table.shape
+        P = view.page_size
+        logical = torch.arange(M, device=table.device)[None, :]
+        live = (table != DROPPED_LOC) & (logical < n_pages[:, None])
+        first, tail_from = window_pages(lens, view.windows[layer] if view.windows else 0, P)
+        forced = ((logical >= tail_from[:, None]) | (logical < -(-self.sinks // P))) & (logical >= first[:, None]) & live
+        free = live & ~forced & (logical >= first[:, None])
+        n_forced = forced.sum(1)  # [B]
+        scores = self._scores(layer, q[:, None], view, free)
+        best = best_of(scores, free, self.pages)  # [B, pages] best first
+        room = (self.pages - n_forced).clamp(min=0)  # [B]
+        best = torch.where(torch.arange(self.pages, device=table.device)[None, :] < room[:, None], best, -1)
+        width = self.width(None, False, M)
+        forced_list = torch.where(forced, logical, M).sort(dim=1).values[:, :width - self.pages]
+        forced_list = torch.where(forced_list < M, forced_list, -1)
+        return torch.cat([forced_list, best], 1).to(torch.int32)
