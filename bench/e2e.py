@@ -3,7 +3,7 @@
 Per model shape and (batch B, context S), rows side by side:
 - ``limit``: every weight once plus all KV at the HBM read rate measured in this run;
 - ``hf-eager`` (DynamicCache, sdpa) and ``hf-compiled`` (StaticCache + ``torch.compile`` reduce-overhead);
-- ``kvtier all-HBM``: :class:`kvtier.fast.engine.FastEngine`, scope ``all``, every page in HBM;
+- ``kvtier all-HBM``: :class:`kvtier.engine.Engine`, scope ``all``, every page in HBM;
 - ``kvtier tiered``: 50% and 20% of the pages in HBM, the rest in pinned host DRAM, scopes ``topk``
   (Quest top-k pages; half the device budget is a recall cache of pages picked from the host, the other
   half holds the newest pages; ``--no-recall``: LRU over the picks, lookahead ``--lookahead``) and
@@ -31,11 +31,12 @@ import torch
 
 from bench.baselines import free_device_memory, hf_decode_tpot, measure_hbm_read_GBps, physical_limit_ms
 from bench.common import MODELS, pinned_bulk_ceiling, print_table, write_json
-from kvtier.fast.engine import FastEngine
 from kvtier.data import token_stream
+from kvtier.engine import Engine, EngineConfig
 from kvtier.models import convert_gguf, kv_layout_for, load_model, random_llama
 from kvtier.policies import LRU, SinkWindow
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
+from kvtier.scopes import TopK, make_scope
 from kvtier.tiers import DeviceTier, HostTier
 
 WARMUP = 3
@@ -44,7 +45,7 @@ TIERED = "0.5:topk,0.5:resident,0.2:topk,0.2:resident"
 
 def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope: str, lookahead: int,
                prompts: list[torch.Tensor] | None = None, recall: bool = True) -> dict:
-    """Decode ``steps`` tokens of ``batch`` sequences through FastEngine, after ``context`` tokens each:
+    """Decode ``steps`` tokens of ``batch`` sequences through the engine, after ``context`` tokens each:
     ``prompts`` prefilled, or random K/V written straight into the pages."""
     layout = kv_layout_for(model.config, page_size=16, dtype=torch.bfloat16)
     per_seq = layout.pages_for(context + steps + WARMUP + 1)
@@ -56,9 +57,10 @@ def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope
     policy = SinkWindow(sinks=4, window=256) if scope == "resident" else LRU()
     topk = max(int(per_seq * budget) // 2, 16) if scope == "topk" else None
     recall_slots = topk * batch if recall and scope == "topk" and budget < 1 else 0  # within the device budget
-    engine = FastEngine(model, layout, tiers, policy, scope=scope, topk_pages=topk, max_batch=batch,
-                        max_context=context + steps + WARMUP + 1, lookahead=lookahead, recall_slots=recall_slots,
-                        prefill=ChunkedPrefill(4096), buckets=(batch,))
+    scope_ = TopK(topk, recall_slots=recall_slots) if scope == "topk" else make_scope(scope)
+    engine = Engine(model, layout, tiers, policy, scope_, prefill=ChunkedPrefill(4096),
+                    config=EngineConfig(max_batch=batch, max_context=context + steps + WARMUP + 1, lookahead=lookahead,
+                                        buckets=[batch], sync_timing=False))
     gen = torch.Generator(device="cuda").manual_seed(0)
     shape = (layout.num_kv_heads, layout.head_dim)
     for b in range(batch):
@@ -74,13 +76,13 @@ def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope
         if i == WARMUP:
             torch.cuda.synchronize()
             t0, moved0, wait0 = time.perf_counter(), sum(engine.transfer.bytes_moved.values()), engine.stats.host_wait_s
-            engine.stats.counts.zero_()
+            engine.counts.zero_()
             copied0 = int(engine.recall.copied) if engine.recall is not None else 0
         engine.step()
         events.append(engine._last_event)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    attended, on_device = engine.stats.counts.tolist()
+    attended, on_device = engine.counts.tolist()
     copied = int(engine.recall.copied) - copied0 if engine.recall is not None else 0
     # bytes that crossed the link: migrations, copies into recall slots, misses read in place from the host
     moved = sum(engine.transfer.bytes_moved.values()) - moved0 + (copied + attended - on_device) * layout.page_bytes
@@ -88,7 +90,7 @@ def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope
     row = {"budget": budget, "scope": scope, "lookahead": lookahead, "recall": recall_slots > 0,
            "tpot_p50_ms": float(np.percentile(tpot, 50)),
            "tpot_p99_ms": float(np.percentile(tpot, 99)), "wall_ms": wall / steps * 1e3,
-           "hit_rate": engine.stats.hit_rate(),
+           "hit_rate": on_device / attended if attended else 1.0,
            "MB_moved_per_step": moved / steps / 1e6, "recall_slots": recall_slots,
            "host_wait_ms": (engine.stats.host_wait_s - wait0) / steps * 1e3,
            "offloaded": 1 - min(engine.table.occupancy()["device"]) / total}

@@ -1,4 +1,5 @@
-"""Policy study on the real SmolLM2-135M (CPU): policies x scopes x budgets on the quality protocols.
+"""Policy study on the real SmolLM2-135M (CPU, or ``--device cuda``): policies x scopes x budgets on the quality
+protocols, through the one engine.
 
 Protocols (``--protocol``):
 
@@ -37,13 +38,14 @@ from pathlib import Path
 import torch
 
 from kvtier.budget import TokenBudget
-from kvtier.cache import TieredKVCache
-from kvtier.engine import Engine
+from kvtier.engine import Engine, EngineConfig
 from kvtier.eval import Needle, Passkey, Perplexity
 from kvtier.hook import install
 from kvtier.models import kv_layout_for, load_model
 from kvtier.policies import POLICIES
+from kvtier.kernels.registry import make_backend
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
+from kvtier.scopes import All, Resident, TopK
 from kvtier.tiers import DeviceTier, HostTier
 
 PAGE = 16
@@ -63,36 +65,37 @@ def make_task(args, protocol: str, offset: int = 0):
     raise SystemExit(f"unknown protocol {protocol!r}")
 
 
-def cache_factory(layout, config: str, budget: int, args, context: int):
-    """A function building a fresh cache for ``config`` at ``budget`` tokens."""
+def engine_factory(model, layout, config: str, budget: int, args, context: int):
+    """A function building a fresh engine for ``config`` at ``budget`` tokens."""
     total = layout.pages_for(context + 512) + 8
+    device, kernel = args.device, make_backend(args.kernel, args.device)
+    settings = EngineConfig(graphs=args.graphs)
+    prefill = ChunkedPrefill(512)
     if config == "exact":
-        return lambda: TieredKVCache(layout, [DeviceTier(layout, total, device="cpu"), HostTier(layout, total)],
-                                     POLICIES["lru"](), scope="all")
+        return lambda: Engine(model, layout, [DeviceTier(layout, total, device=device), HostTier(layout, total)],
+                              POLICIES["lru"](), All(), kernel=kernel, prefill=prefill, config=settings)
     scope, name = config.split(":")
-    rank = "quest_head" if scope == "topk_head" else "quest"
-    per_head = scope == "topk_perhead"
     streaming = name == "sink_window" and scope in ("resident", "once")  # StreamingLLM: sinks + window only
     window = budget - args.sinks if streaming else args.window
-    kw = dict(sinks=args.sinks, window=window)
-    policy_kw = dict(sinks=args.sinks, window=window)
     mode = "once" if scope == "once" else "continuous"
-    cache_scope = {"once": "resident", "topk_head": "topk", "topk_perhead": "topk"}.get(scope, scope)
+    tokens = TokenBudget(budget, args.sinks, window, PAGE, mode)
     # resident: the device holds what a step attends; topk and once: everything (what recall attends
     # does not depend on where pages live)
-    device = total if mode == "once" or cache_scope == "topk" else \
-        TokenBudget(budget, args.sinks, window, PAGE).step_pages
+    dev = total if mode == "once" or scope.startswith("topk") else tokens.step_pages
 
     def make():
-        policy = POLICIES[name](**policy_kw)
-        return TieredKVCache(layout, [DeviceTier(layout, device, device="cpu"), HostTier(layout, total)], policy,
-                             scope=cache_scope, budget=budget, mode=mode, exact_prefill=True, rank=rank,
-                             per_head=per_head, query_rows=args.query_rows,
-                             policy_share=args.policy_share, **kw)
+        policy = POLICIES[name](sinks=args.sinks, window=window)
+        if scope.startswith("topk"):
+            chooser = TopK(rank="quest_head" if scope == "topk_head" else "quest", per_head=scope == "topk_perhead",
+                           query_rows=args.query_rows, policy_share=args.policy_share, sinks=args.sinks)
+        else:
+            chooser = Resident()
+        return Engine(model, layout, [DeviceTier(layout, dev, device=device), HostTier(layout, total)], policy,
+                      chooser, kernel=kernel, prefill=prefill, budget=tokens, exact_prefill=True, config=settings)
     return make
 
 
-def run_one(args, engine, tok, layout, protocol, config, fraction, tokens=None) -> dict:
+def run_one(args, model, tok, layout, protocol, config, fraction, tokens=None) -> dict:
     t0 = time.time()
     offsets = [0]
     if protocol == "ctx2k":
@@ -101,8 +104,8 @@ def run_one(args, engine, tok, layout, protocol, config, fraction, tokens=None) 
     for off in offsets:
         task, context = make_task(args, protocol, off)
         budget = tokens or int(round(fraction * context))
-        make = cache_factory(layout, config, budget, args, context)
-        results.append(task.run(engine, make, tok))
+        make = engine_factory(model, layout, config, budget, args, context)
+        results.append(task.run(make, tok))
     streaming = config.endswith("sink_window") and not config.startswith("topk")
     row = {"protocol": protocol, "config": config, "budget_tokens": budget, "page": PAGE,
            "window": None if config == "exact" else budget - args.sinks if streaming else args.window,
@@ -192,6 +195,9 @@ def main(argv=None):
     p.add_argument("--depths", default="0.1,0.5,0.9")
     p.add_argument("--samples", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the model, the device tier and the kernel)")
+    p.add_argument("--kernel", default="torch", help="torch | triton")
+    p.add_argument("--graphs", action="store_true", help="replay each decode step as a CUDA graph")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.plot:
@@ -206,17 +212,16 @@ def main(argv=None):
     global PAGE
     PAGE = args.page
     torch.set_num_threads(args.threads)
-    model, tok = load_model(None, dtype="float32", device="cpu", attn_implementation=install())
+    model, tok = load_model(None, dtype="float32", device=args.device, attn_implementation=install())
     model.eval()
     layout = kv_layout_for(model.config, page_size=PAGE, dtype=torch.float32)
-    engine = Engine(model, ChunkedPrefill(512))
     rows = []
     out = Path(args.out) if args.out else None
     for fraction in [float(f) for f in args.fractions.split(",")]:
         for config in args.configs.split(","):
             if config == "exact" and rows and any(r["config"] == "exact" for r in rows):
                 continue  # exact does not depend on the budget
-            row = run_one(args, engine, tok, layout, args.protocol, config, fraction, args.tokens)
+            row = run_one(args, model, tok, layout, args.protocol, config, fraction, args.tokens)
             rows.append(row)
             print(json.dumps(row), flush=True)
             if out:

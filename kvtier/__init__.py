@@ -5,7 +5,7 @@ an :class:`Engine` on a model loaded with :func:`load_model`; :func:`run` runs a
 """
 
 from kvtier.cache import TieredKVCache
-from kvtier.engine import Engine
+from kvtier.engine import Engine, EngineConfig
 from kvtier.errors import ConfigError, KVTierError, MissingDependencyError
 from kvtier.hook import install
 from kvtier.kernels.registry import make_backend
@@ -18,7 +18,7 @@ from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 from kvtier.table import BlockTable
 from kvtier.tiers import DeviceTier, DiskTier, HostTier, RedisTier, Tier
 
-__all__ = ["ASPE", "BlockTable", "ChunkedPrefill", "Compose", "ConfigError", "DeviceTier", "DiskTier", "Engine",
+__all__ = ["ASPE", "BlockTable", "ChunkedPrefill", "Compose", "ConfigError", "DeviceTier", "DiskTier", "Engine", "EngineConfig",
            "HostTier", "KVLayout", "KVTierError", "LRU", "LookaheadScheduler", "MissingDependencyError", "Policy",
            "RedisTier", "SinkWindow", "Tier", "TieredKVCache", "bytes_moved", "install", "kv_layout_for",
            "load_model", "make_backend", "tiny_llama"]

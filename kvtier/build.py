@@ -168,16 +168,17 @@ def build_model(cfg: DictConfig):
     return model, tokenizer
 
 
-class CacheFactory:
-    """``make_cache()`` for a task: a fresh TieredKVCache per call, every part built from the config.
+class EngineFactory:
+    """``make_engine()`` for a task: a fresh :class:`~kvtier.engine.Engine` per call (one per sample), every part
+    built from the config: tiers, policy, scheduler, kernel, scope, the token budget and the engine's settings.
 
-    Keeps a :class:`~kvtier.report.CacheRecord` of every cache it made (taken, and the cache closed, when
-    the next one is made or at :meth:`close`). Disk tiers get a folder per cache; a ``local`` remote url starts
+    Keeps a :class:`~kvtier.report.CacheRecord` of every engine it made (taken, and the engine closed, when the
+    next one is made or at :meth:`close`). Disk tiers get a folder per engine; a ``local`` remote url starts
     one redis-server on loopback for the whole run (stopped by :meth:`close`).
     """
 
-    def __init__(self, cfg: DictConfig, plan_: Plan, run_dir: Path):
-        self.cfg, self.plan, self.run_dir = cfg, plan_, Path(run_dir)
+    def __init__(self, cfg: DictConfig, plan_: Plan, run_dir: Path, model):
+        self.cfg, self.plan, self.run_dir, self.model = cfg, plan_, Path(run_dir), model
         self.records: list[CacheRecord] = []
         self._last, self._servers, self._stores = None, [], {}
         for key, spec in cfg.tiers.stack.items():
@@ -186,7 +187,11 @@ class CacheFactory:
                 self._servers.append(server)
                 self._stores[key] = server.url
 
-    def __call__(self):
+    def __call__(self, **engine_settings):
+        """A fresh engine; ``engine_settings`` override the recipe's ``engine`` group (a task's own batch size)."""
+        from kvtier.engine import Engine, EngineConfig
+        from kvtier.scopes import TopK, make_scope
+
         self._retire()
         tiers = []
         for key, spec in self.cfg.tiers.stack.items():
@@ -198,24 +203,28 @@ class CacheFactory:
             tiers.append(build(node, f"tiers.stack.{key}", layout=self.plan.layout, capacity=self.plan.capacities[key],
                                name=key))
         c = self.cfg
-        node = OmegaConf.masked_copy(c.cache, [k for k in c.cache if k not in ("attend_budget", "window")])
-        node.topk_pages = node.topk_pages or next(iter(self.plan.capacities.values()))  # null: the budget's pages
         attended = attend_budget(c, self.plan.budget_tokens, self.plan.layout.page_size)
-        budget = {} if attended is None else {"budget": attended.tokens, "window": attended.window}
-        self._last = build(node, "cache", layout=self.plan.layout, tiers=tiers, **budget,
-                           policy=build(c.policy, "policy"), scheduler=build(c.scheduler.placement, "scheduler.placement"),
-                           backend=build(c.kernel, "kernel"), scope=c.scope.value)
+        if c.scope.value == "topk":
+            scope = TopK(c.cache.topk_pages or next(iter(self.plan.capacities.values())), c.cache.rank,
+                         c.cache.per_head, c.cache.query_rows, c.cache.policy_share, sinks=c.cache.sinks)
+        else:
+            scope = make_scope(c.scope.value)
+        engine_cfg = EngineConfig(**{**OmegaConf.to_container(c.engine, resolve=True), **engine_settings})
+        self._last = Engine(self.model, self.plan.layout, tiers, build(c.policy, "policy"), scope,
+                            build(c.scheduler.placement, "scheduler.placement"), build(c.kernel, "kernel"),
+                            build(c.scheduler.prefill, "scheduler.prefill"), budget=attended,
+                            exact_prefill=c.cache.exact_prefill, fidelity=c.cache.fidelity, config=engine_cfg)
         return self._last
 
     def _retire(self) -> None:
-        """Record the last cache made, then close it (closing twice is harmless)."""
+        """Record the last engine made, then close it (closing twice is harmless)."""
         if self._last is not None:
             self.records.append(CacheRecord.of(self._last))
             self._last.close()
             self._last = None
 
     def close(self) -> None:
-        """Retire the last cache and stop any local redis-server."""
+        """Retire the last engine and stop any local redis-server."""
         self._retire()
         for server in self._servers:
             server.stop()

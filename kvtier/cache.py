@@ -9,6 +9,7 @@ policy's statistics, migrations, fidelity) is the engine's; this class only tran
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvtier.budget import TokenBudget
@@ -16,9 +17,11 @@ from kvtier.cache_base import ACTIVE_CACHE
 from kvtier.compat import PagedCacheBase
 from kvtier.engine import Engine, EngineConfig
 from kvtier.errors import ConfigError, KVTierError
+from kvtier.hook import use_hook
 from kvtier.layout import KVLayout
 from kvtier.policies.base import Policy
 from kvtier.scheduler.base import Scheduler
+from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 from kvtier.scopes import Scope, TopK, make_scope
 from kvtier.tiers.base import Tier
 
@@ -40,13 +43,15 @@ class TieredKVCache(PagedCacheBase):
         if scope == "topk":
             scope = TopK(topk_pages, rank, per_head, query_rows, policy_share, sinks=sinks)
         else:
+            if per_head:
+                raise ConfigError("cache.per_head", "a per-head page choice needs scope 'topk' and a token budget")
             scope = make_scope(scope)
         super().__init__(layout)
         self.layout = layout
         self.engine = Engine(None, layout, tiers, policy, scope, scheduler, backend, budget=tokens,
                              exact_prefill=exact_prefill, dense_layers=dense_layers, fidelity=fidelity,
                              config=EngineConfig(max_batch=batch_size, graphs=False, compile=False))
-        self.batch_size = batch_size
+        self.sequences = batch_size  # sequences of equal length, one engine row each
         self.seqs: list[int] = []
         self.prefilled = False
         self._attended = -1
@@ -87,8 +92,8 @@ class TieredKVCache(PagedCacheBase):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write K/V ``[B, N_kv, q, D]`` of ``layer_idx``; returns them unchanged (attention reads pages)."""
         B, _, q_len, _ = key_states.shape
-        if B != self.batch_size:
-            raise ConfigError("batch_size", f"cache built for {self.batch_size} sequences, got a batch of {B}")
+        if B != self.sequences:
+            raise ConfigError("batch_size", f"cache built for {self.sequences} sequences, got a batch of {B}")
         if layer_idx == 0:
             self._begin(q_len)
         elif self._attended != layer_idx - 1:  # the layer before wrote its K/V, then attended without kvtier
@@ -104,12 +109,39 @@ class TieredKVCache(PagedCacheBase):
         self._attended = layer
         return self.engine.attend(layer, query, scaling)
 
+    # -- running the model over it ------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, model, ids: torch.Tensor) -> torch.Tensor:
+        """The model's own forward of ``ids [B, q]`` over this cache (its attention routed through kvtier):
+        logits ``[B, q, V]`` (float32). A step of ``q > 1`` tokens is prompt, of one token a decode step."""
+        use_hook(model)
+        return model(input_ids=ids.to(self.device), past_key_values=self, use_cache=True).logits.float()
+
+    def prefill(self, model, ids: torch.Tensor, chunk_size: int = 512) -> torch.Tensor:
+        """The prompt ``ids [B, S]`` in chunks, then :meth:`end_prefill`: logits ``[B, S, V]``."""
+        out = [self.forward(model, ids[:, a:b]) for a, b in ChunkedPrefill(chunk_size).chunks(ids.shape[1])]
+        self.end_prefill()
+        return torch.cat(out, 1)
+
+    def choose(self, layer: int, query: torch.Tensor) -> list:
+        """The logical pages each sequence attends in ``layer`` this decode step for ``query [B, H, 1, D]``
+        (sorted; the union over kv heads of a per-head choice): what the scope picks, for inspection."""
+        e = self.engine
+        B = len(self.seqs)
+        picks = e.scope.pick(layer, query[:, :, 0].contiguous(), e.view(B))
+        out = []
+        for b, seq in enumerate(self.seqs):
+            n = self.table.num_pages(seq)
+            got = np.arange(n) if picks is None else np.unique(picks[b].reshape(-1).cpu().numpy())
+            out.append(got[(got >= 0) & (got < n)])
+        return out
+
     # -- steps -------------------------------------------------------------------------------------
     def _begin(self, q_len: int) -> None:
         self.finish_step()
         self._attended = -1
         if not self.seqs:
-            self.seqs = [self.engine.open(q_len) for _ in range(self.batch_size)]
+            self.seqs = [self.engine.open(q_len) for _ in range(self.sequences)]
         if q_len == 1 and not self.prefilled and self.engine.step_idx >= 0:
             self.end_prefill()
         if self.prefilled:

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 from kvtier.cache import TieredKVCache
-from kvtier.engine import Engine
 from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout
+from kvtier.metrics import synchronize
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 
 
@@ -40,10 +40,10 @@ def transfer_model(layout: KVLayout, tokens: int, link_gbps: float) -> dict:
 
 
 def _check_streamable(cache: TieredKVCache, chunk_size: int | None = None) -> None:
-    if len(cache.seqs) != 1:
+    if cache.sequences != 1:
         raise ConfigError("batch_size", f"disaggregated prefill streams one sequence, the cache holds "
-                                        f"{len(cache.seqs)}")
-    if cache.keys is not None or cache.queries is not None:
+                                        f"{cache.sequences}")
+    if cache.engine.keys is not None or "queries" in cache.policy.needs:
         raise ConfigError("scope", "disaggregated decode receives pages only: scope 'topk' and policies that need "
                                    "key/query statistics would miss the prompt's; use scope all or resident")
     if chunk_size is not None and chunk_size % cache.layout.page_size:
@@ -77,6 +77,8 @@ class StreamingPrefillCache(TieredKVCache):
         self.sent_bytes = 0
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx == 0:
+            self._start = self.get_seq_length()  # the step's first token
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if not self.prefilled:
             P = self.layout.page_size
@@ -108,9 +110,12 @@ def prefill_and_send(model, cache: StreamingPrefillCache, ids: torch.Tensor, chu
     _check_streamable(cache, chunk_size if ids.shape[1] > chunk_size else None)
     header = torch.tensor([ids.shape[1], chunk_size], dtype=torch.int64, device=comm_device)
     dist.send(header, cache.dst, group=cache.group)
-    engine = Engine(model, ChunkedPrefill(chunk_size))
+    synchronize(cache.device)
     t0 = time.perf_counter()
-    logits = engine.run_prefill(cache, ids)[:, -1]  # [1, V]
+    for a, b in ChunkedPrefill(chunk_size).chunks(ids.shape[1]):
+        logits = cache.forward(model, ids[:, a:b])[:, -1]  # [1, V]
+    cache.end_prefill()
+    synchronize(cache.device)
     prefill_s = time.perf_counter() - t0
     token = logits.argmax(-1).to(device=comm_device, dtype=torch.int64)  # [1]
     dist.send(token, cache.dst, group=cache.group)
@@ -163,11 +168,10 @@ def receive_prefill(cache: TieredKVCache, src: int, group=None, comm_device: tor
 
 def decode(model, cache: TieredKVCache, first_token: int, max_new_tokens: int) -> torch.Tensor:
     """Greedy tokens ``[1, max_new_tokens]`` after a received prefill (the first one included)."""
-    engine = Engine(model)
     token = torch.tensor([[first_token]], dtype=torch.int64)
     out = [token]
     for _ in range(max_new_tokens - 1):
-        token = engine.decode_step(cache, token).argmax(-1, keepdim=True).cpu()
+        token = cache.forward(model, token)[:, -1].argmax(-1, keepdim=True).cpu()
         out.append(token)
     cache.finish_step()
     return torch.cat(out, dim=1)

@@ -44,6 +44,8 @@ class CacheRecord:
     dropped_bytes: int = 0
     attended_per_step: list = field(default_factory=list)  # keys attended per decode step (per layer, sequence)
     compressed_pages: int = 0  # (layer, page)s dropped by mode "once" at the end of the prefill
+    ttft_s: list = field(default_factory=list)  # per prefilled sequence
+    tpot_s: list = field(default_factory=list)  # per decode step
 
     @classmethod
     def of(cls, cache) -> "CacheRecord":
@@ -51,19 +53,22 @@ class CacheRecord:
         held = where[where >= 0]  # not dropped
         off = float((held != 0).mean()) if held.size else 0.0
         stats = cache.stats
-        return cls(stats.attended_pages, stats.resident_pages, stats.fetch_s, stats.fidelity_s,
+        attended, resident = cache.page_counts()
+        return cls(attended, resident, stats.fetch_s, stats.fidelity_s,
                    dict(stats.fetched_bytes), dict(cache.transfer.bytes_moved),  # apart: fetches, migrations
                    dict(cache.transfer.pages_moved), list(stats.occupancy), off,
                    list(cache.fidelity.calls) if cache.fidelity is not None else [], stats.dropped_pages,
-                   stats.dropped_bytes, stats.attended_per_step(), stats.compressed_pages)
+                   stats.dropped_bytes, stats.attended_per_step(), stats.compressed_pages, list(cache.ttft_s),
+                   list(cache.tpot_s))
 
 
-def collect(plan, result: dict, records: list[CacheRecord], engine, wall_s: float, cfg, run_dir) -> dict:
+def collect(plan, result: dict, records: list[CacheRecord], wall_s: float, cfg, run_dir) -> dict:
     """The run's metrics: identity, the task's score, systems figures over all caches, the config;
     ``partial`` is true when the run was interrupted and the figures cover what finished."""
     from omegaconf import OmegaConf
 
     score = next(k for k in SCORES if k in result)
+    tpot = [x for r in records for x in r.tpot_s]
     attended = sum(r.attended_pages for r in records)
     migrated, fetched, pages = Counter(), Counter(), Counter()
     for r in records:
@@ -92,9 +97,9 @@ def collect(plan, result: dict, records: list[CacheRecord], engine, wall_s: floa
         "attended_tokens_per_step": _mean([x for r in records for x in r.attended_per_step]),
         "attended_tokens_per_step_max": max([x for r in records for x in r.attended_per_step], default=float("nan")),
         "offloaded_fraction": float(np.mean([r.offloaded_fraction for r in records])) if records else 0.0,
-        "ttft_s": float(np.mean(engine.ttft_s)) if engine.ttft_s else float("nan"),
-        "tpot_p50_s": percentile(engine.tpot_s, 50), "tpot_p99_s": percentile(engine.tpot_s, 99),
-        "decode_steps": len(engine.tpot_s), "stall_s": sum(r.fetch_s for r in records), "wall_s": wall_s,
+        "ttft_s": _mean([x for r in records for x in r.ttft_s]),
+        "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+        "decode_steps": len(tpot), "stall_s": sum(r.fetch_s for r in records), "wall_s": wall_s,
         "fidelity_s": sum(r.fidelity_s for r in records),
         "peak_pages": {tier: max(v) for tier, v in series.items()},
         **FidelityStats([c for r in records for c in r.fidelity_calls]).summary(),

@@ -33,8 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from kvtier.build import CacheFactory, build, build_model, label, plan
-from kvtier.engine import Engine
+from kvtier.build import EngineFactory, build, build_model, label, plan
 from kvtier.errors import ConfigError, Interrupted, KVTierError, MissingDependencyError
 from kvtier.report import collect, write_json
 
@@ -79,22 +78,21 @@ def execute(cfg: DictConfig, run_dir: str | Path) -> dict:
     log.info("run folder: %s", run_dir)
     try:
         model, tokenizer = build_model(cfg)
-        engine = Engine(model, build(cfg.scheduler.prefill, "scheduler.prefill"))
-        make_cache = CacheFactory(cfg, plan_, run_dir)
+        make_engine = EngineFactory(cfg, plan_, run_dir, model)
         try:
             with _progress(cfg.progress) as bar, _cpu_threads(cfg.cpu_threads):
-                result = build(cfg.task, "task").run(engine, make_cache, tokenizer, progress=bar)
+                result = build(cfg.task, "task").run(make_engine, tokenizer, progress=bar)
         finally:
-            make_cache.close()
+            make_engine.close()
     except Interrupted as stop:
-        write_json(collect(plan_, stop.result, make_cache.records, engine, time.perf_counter() - t0, cfg, run_dir),
+        write_json(collect(plan_, stop.result, make_engine.records, time.perf_counter() - t0, cfg, run_dir),
                    run_dir / "metrics.json")
         raise KeyboardInterrupt(f"partial results in {run_dir / 'metrics.json'}") from None
     except BaseException:
         if made:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
-    metrics = collect(plan_, result, make_cache.records, engine, time.perf_counter() - t0, cfg, run_dir)
+    metrics = collect(plan_, result, make_engine.records, time.perf_counter() - t0, cfg, run_dir)
     write_json(metrics, run_dir / "metrics.json")
     build(cfg.logger, "logger").log(metrics, run_dir)
     return metrics

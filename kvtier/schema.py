@@ -13,6 +13,7 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from kvtier.checks import parse_bytes
+from kvtier.engine.config import EngineConfig
 from kvtier.errors import ConfigError
 
 
@@ -65,11 +66,10 @@ class Scheduler:
 
 @dataclass
 class Cache:
-    """TieredKVCache's arguments; ``attend_budget`` makes the budget also the keys each decode step
-    attends (:mod:`kvtier.budget`: ``sinks`` + middle pages + a ``window``, null: the rest of it)."""
+    """What each decode step attends: ``attend_budget`` makes the budget also the keys each decode step
+    attends (:mod:`kvtier.budget`: ``sinks`` + middle pages + a ``window``, null: the rest of it); the
+    ``topk`` scope's options (``topk_pages``, ``rank``, ``per_head``, ``query_rows``, ``policy_share``)."""
 
-    _target_: str = "kvtier.cache.TieredKVCache"
-    merge: bool = False
     topk_pages: Optional[int] = None
     sinks: int = 4
     fidelity: bool = True
@@ -102,6 +102,7 @@ class Recipe:
     kv_dtype: Optional[str] = None  # None: the model's dtype; "fp8_e4m3": FP8 pages with per-page scales
     budget: Budget = field(default_factory=Budget)
     cache: Cache = field(default_factory=Cache)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     progress: bool = True
     cpu_threads: Optional[int] = 1
 

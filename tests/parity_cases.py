@@ -42,7 +42,7 @@ def engine_factory(model, layout_of, case, kernel=None, device="cpu", config=Non
                          case.get("query_rows", 1), case.get("policy_share", 0.0), sinks=SINKS)
         else:
             scope = make_scope(case["scope"])
-        tiers = [DeviceTier(layout, dev + 1, device=device), HostTier(layout, total)]  # + the engine's scratch page
+        tiers = [DeviceTier(layout, dev, device=device), HostTier(layout, total)]
         return Engine(model, layout, tiers, policy, scope, kernel=kernel or TorchBackend(),
                       prefill=ChunkedPrefill(case["chunk"]), budget=tokens,
                       exact_prefill=case.get("exact_prefill", True) and budget is not None,

@@ -38,24 +38,23 @@ def hf_reference(smollm2):
     return ids, tokens, torch.stack(logits)
 
 
-@pytest.mark.parametrize("merge", [False, True])
-def test_exact_scope_matches_hf_with_pages_on_host_and_disk(smollm2, hf_reference, tmp_path, merge):
+def test_exact_scope_matches_hf_with_pages_on_host_and_disk(smollm2, hf_reference, tmp_path):
+    """Host pages read in place, disk pages staged into pinned memory before each step: exact."""
     model, _ = smollm2
     ids, tokens, ref = hf_reference
     model.set_attn_implementation(install())
     layout = kv_layout_for(model.config, page_size=16, dtype=torch.float32)
     tiers = [DeviceTier(layout, 12, device="cpu"), HostTier(layout, 24), DiskTier(layout, 64, tmp_path)]
-    cache = TieredKVCache(layout, tiers, LRU(), scope="all", merge=merge)
-    engine = Engine(model, ChunkedPrefill(256))
-    got = [engine.run_prefill(cache, ids)[0, -1]]
+    cache = TieredKVCache(layout, tiers, LRU(), scope="all")
+    got = [cache.prefill(model, ids, 256)[0, -1]]
     for t in tokens:
-        got.append(engine.decode_step(cache, t)[0])
+        got.append(cache.forward(model, t)[0, -1])
     got = torch.stack(got)
     occupancy = cache.table.occupancy()
     assert min(occupancy["disk"]) > 0 and min(occupancy["host"]) > 0  # pages really live on all tiers
     assert not torch.isnan(got).any()
     assert (got - ref).abs().max() / ref.abs().max() < 1e-4
-    assert cache.stats.tier1_hit_rate < 0.5
+    assert cache.engine.hit_rate() < 0.5 and cache.engine.staging.bytes > 0
     model.set_attn_implementation("sdpa")
     cache.close()
 
@@ -87,9 +86,9 @@ def test_padding_is_refused(smollm2):
     model.set_attn_implementation("sdpa")
 
 
-def test_a_model_not_routed_through_the_hook_is_refused_and_engine_routes_it(smollm2):
-    """With sdpa the layers would attend only the new tokens' K/V: the cache refuses at layer 1; the
-    Engine switches the model to the hook itself."""
+def test_a_model_not_routed_through_the_hook_is_refused_and_the_cache_routes_it(smollm2):
+    """With sdpa the layers would attend only the new tokens' K/V: the cache refuses at layer 1; its own
+    ``forward`` switches the model to the hook itself."""
     model, _ = smollm2
     model.set_attn_implementation("sdpa")
     layout = kv_layout_for(model.config, page_size=16, dtype=torch.float32)
@@ -98,7 +97,7 @@ def test_a_model_not_routed_through_the_hook_is_refused_and_engine_routes_it(smo
         model(torch.tensor([[1, 2, 3, 4]]), past_key_values=cache)
     assert e.value.field == "attn_implementation"
     cache = TieredKVCache(layout, [DeviceTier(layout, 8, device="cpu")], LRU())
-    logits = Engine(model).run_prefill(cache, torch.tensor([[1, 2, 3, 4]]))
+    logits = cache.prefill(model, torch.tensor([[1, 2, 3, 4]]))
     assert model.config._attn_implementation == install()
     model.set_attn_implementation("sdpa")
     with torch.no_grad():
@@ -111,7 +110,14 @@ def test_salience_equals_eager_max_probability():
     from kvtier import KVLayout
 
     layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=8, page_size=4, dtype="float32")
-    cache = TieredKVCache(layout, [DeviceTier(layout, 3, device="cpu"), HostTier(layout, 16)], ASPE(sinks=0, window=0),
+    heard = []
+
+    class Spy(ASPE):
+        def on_salience(self, layer, pids, scores, step):
+            heard.append((step, pids, scores))
+            super().on_salience(layer, pids, scores, step)
+
+    cache = TieredKVCache(layout, [DeviceTier(layout, 3, device="cpu"), HostTier(layout, 16)], Spy(sinks=0, window=0),
                           scope="all")
     H, S = 6, 23
     k, v = torch.randn(1, 2, S, 8), torch.randn(1, 2, S, 8)
@@ -122,16 +128,18 @@ def test_salience_equals_eager_max_probability():
     cache.update(k[:, :, -1:], v[:, :, -1:], 0)
     q = torch.randn(1, H, 1, 8)
     cache.attend(0, q, scaling=8 ** -0.5)
+    cache.finish_step()
+    decode = [(pids, sal) for step, pids, sal in heard if step == heard[-1][0]]  # the decode step's
     kk = k[0].repeat_interleave(3, dim=0)  # [H, S, D]
     probs = torch.softmax((q[0, :, 0, None, :] * kk).sum(-1) * 8 ** -0.5, dim=-1)  # [H, S]
     probs = torch.nn.functional.pad(probs, (0, 1))  # [H, 24]: 6 pages of 4
     eager = probs.view(2, 3, 6, 4).amax(dim=(1, 3))  # [N_kv, pages]
     got = torch.zeros(2, 6)
     logical = {pid: i for i, pid in enumerate(cache.table.pages(0).tolist())}
-    for _, pids, sal in cache._salience:
+    for pids, sal in decode:
         for pid, row in zip(pids.tolist(), sal):
-            got[:, logical[pid]] = row
-    assert len({p for _, pids, _ in cache._salience for p in pids.tolist()}) == 6
+            got[:, logical[pid]] = torch.as_tensor(row)
+    assert len({p for pids, _ in decode for p in pids.tolist()}) == 6
     assert rel_err(got, eager) < 1e-5
 
 
@@ -171,13 +179,14 @@ def test_resident_scope_attends_only_device_pages_and_the_tail():
     k, v, q = torch.randn(1, 2, 37, 8), torch.randn(1, 2, 37, 8), torch.randn(1, 6, 1, 8)
     cache = _synthetic_cache("resident")
     _decode_after_prefill(cache, k, v, q)  # the 36-token prefill spilled past 3 device pages: fetched, misses
-    attended, resident = cache.stats.attended_pages, cache.stats.resident_pages
+    attended, resident = cache.engine.page_counts()
     out = cache.attend(0, q)  # decode again: only device pages, the newest page among them
     chosen = cache.choose(0, q)[0]
     pids = cache.table.pages(0)
     on_device = set(np.flatnonzero(cache.table.tier_of[0, pids] == 0).tolist())
     assert pids.size - 1 in on_device and set(chosen.tolist()) == on_device and len(chosen) < pids.size
-    assert cache.stats.attended_pages - attended == cache.stats.resident_pages - resident == len(chosen)
+    now_attended, now_resident = cache.engine.page_counts()
+    assert now_attended - attended == now_resident - resident == len(chosen)
     assert not torch.isnan(out).any()
 
 
@@ -219,19 +228,18 @@ def test_engine_leaves_the_fidelity_pass_out_of_tpot(monkeypatch):
                          vocab_size=32, dtype="float32", device="cpu")
     model.set_attn_implementation(install())
     layout = kv_layout_for(model.config, page_size=4, dtype=torch.float32)
-    real = TieredKVCache._measure_fidelity
+    real = Engine._measure_fidelity
 
     def slow(self, *args):
         real(self, *args)
         time.sleep(0.25)
         self.stats.fidelity_s += 0.25
 
-    monkeypatch.setattr(TieredKVCache, "_measure_fidelity", slow)
-    cache = TieredKVCache(layout, [DeviceTier(layout, 3, device="cpu"), HostTier(layout, 8)], LRU(),
-                          scope="resident", fidelity=True)
-    engine = Engine(model, ChunkedPrefill(8))
-    token = engine.run_prefill(cache, torch.randint(0, 32, (1, 16)))[:, -1:].argmax(-1)
+    monkeypatch.setattr(Engine, "_measure_fidelity", slow)
+    engine = Engine(model, layout, [DeviceTier(layout, 3, device="cpu"), HostTier(layout, 8)], LRU(), "resident",
+                    prefill=ChunkedPrefill(8), fidelity=True)
+    engine.add(torch.randint(0, 32, (16,)))
     for _ in range(3):
-        token = engine.decode_step(cache, token).argmax(-1, keepdim=True)
-    assert len(cache.fidelity.calls) == 3 * 2 and cache.stats.fidelity_s > 3 * 2 * 0.25
+        engine.step()
+    assert len(engine.fidelity.calls) == 3 * 2 and engine.stats.fidelity_s > 3 * 2 * 0.25
     assert max(engine.tpot_s) < 0.25 and min(engine.tpot_s) > 0

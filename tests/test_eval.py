@@ -7,7 +7,6 @@ import pytest
 import torch
 from rich.progress import Progress
 
-from kvtier.cache import TieredKVCache
 from kvtier.data import token_stream
 from kvtier.engine import Engine
 from kvtier.errors import ConfigError
@@ -47,10 +46,10 @@ def smol():
     return model, tok, hf_nll
 
 
-def cache_factory(model, budget_tokens, policy, scope):
+def engine_factory(model, budget_tokens, policy, scope, chunk=256):
     layout = kv_layout_for(model.config, page_size=16, dtype=torch.float32)
-    return lambda: TieredKVCache(layout, [DeviceTier(layout, budget_tokens // 16, device="cpu"), HostTier(layout, 256)],
-                                 policy(), scope=scope)
+    return lambda: Engine(model, layout, [DeviceTier(layout, budget_tokens // 16, device="cpu"),
+                                          HostTier(layout, 256)], policy(), scope, prefill=ChunkedPrefill(chunk))
 
 
 def test_registry():
@@ -61,10 +60,9 @@ def test_registry():
 def test_perplexity_all_matches_hf_and_resident_is_bounded(smol):
     model, tok, hf_nll = smol
     task = Perplexity(length=PPL_LENGTH, prefix=PPL_PREFIX, block_tokens=64)
-    engine = Engine(model, ChunkedPrefill(8))
     with Progress(disable=True) as progress:
         # 'all' with a 64-token device budget: most pages are fetched from the host, still exact
-        exact = task.run(engine, cache_factory(model, 64, LRU, "all"), tok, progress=progress)
+        exact = task.run(engine_factory(model, 64, LRU, "all", 8), tok, progress=progress)
         (bar,) = progress.tasks
         assert bar.completed == bar.total == PPL_LENGTH - PPL_PREFIX
     ref = math.exp(float(hf_nll.mean()))
@@ -74,7 +72,7 @@ def test_perplexity_all_matches_hf_and_resident_is_bounded(smol):
     assert exact["nll_mean"] == pytest.approx(float(hf_nll.mean()), rel=1e-3)
     assert len(exact["nll_blocks"]) == 3 and exact["tier1_hit_rate"] < 1.0
 
-    streaming = task.run(engine, cache_factory(model, 64, lambda: SinkWindow(sinks=4, window=16), "resident"), tok)
+    streaming = task.run(engine_factory(model, 64, lambda: SinkWindow(sinks=4, window=16), "resident", 8), tok)
     assert math.isfinite(streaming["perplexity"]) and streaming["tier1_hit_rate"] == 1.0
     assert streaming["perplexity"] != pytest.approx(exact["perplexity"], rel=1e-3)  # it did drop context
     assert streaming["perplexity"] < 3 * exact["perplexity"]  # ... but sinks keep it bounded
@@ -83,7 +81,7 @@ def test_perplexity_all_matches_hf_and_resident_is_bounded(smol):
 def test_passkey_all_at_512(smol):
     model, tok, _ = smol
     task = Passkey(context_tokens=512, depths=[0.2, 0.8], seed=3)
-    res = task.run(Engine(model, ChunkedPrefill(256)), cache_factory(model, 1024, LRU, "all"), tok)
+    res = task.run(engine_factory(model, 1024, LRU, "all"), tok)
     assert res["task"] == "passkey" and res["samples"] == 2
     assert 480 <= res["context_tokens"] <= 512
     assert res["accuracy"] == 1.0, res["records"]
@@ -96,8 +94,7 @@ def test_passkey_fails_when_the_key_is_evicted(smol):
     """Negative control: a 96-token window-only device budget (resident scope) loses the key."""
     model, tok, _ = smol
     task = Passkey(context_tokens=512, depths=[0.3], seed=3)
-    res = task.run(Engine(model, ChunkedPrefill(32)),
-                   cache_factory(model, 96, lambda: SinkWindow(sinks=0, window=48), "resident"), tok)
+    res = task.run(engine_factory(model, 96, lambda: SinkWindow(sinks=0, window=48), "resident", 32), tok)
     assert res["accuracy"] == 0.0, res["records"]
 
 
@@ -149,7 +146,7 @@ def test_build_task_errors():
 def test_context_beyond_the_model_is_refused(smol):
     model, tok, _ = smol
     with pytest.raises(ConfigError) as err:
-        Passkey(context_tokens=9000).run(Engine(model), cache_factory(model, 64, LRU, "all"), tok)
+        Passkey(context_tokens=9000).run(engine_factory(model, 64, LRU, "all"), tok)
     assert err.value.field == "task.context_tokens"
 
 
@@ -158,10 +155,11 @@ def test_passkey_question_after_the_context(smol):
     (under the budget when there is one); exact attention still finds the key."""
     model, tok, _ = smol
     task = Passkey(context_tokens=384, depths=[0.5], seed=3, question_at="after", max_new_tokens=6)
-    engine = Engine(model, ChunkedPrefill(256))
-    res = task.run(engine, cache_factory(model, 1024, LRU, "all"), tok)
+    made = []
+    make = engine_factory(model, 1024, LRU, "all")
+    res = task.run(lambda: made.append(make()) or made[-1], tok)
     assert res["accuracy"] == 1.0, res["records"]
-    assert task.question_tokens > 5 and len(engine.tpot_s) == task.question_tokens + 6 - 1
+    assert task.question_tokens > 5 and len(made[0].tpot_s) == task.question_tokens + 6 - 1
     with pytest.raises(ConfigError) as e:
         Passkey(question_at="before")
     assert e.value.field == "task.question_at"

@@ -306,7 +306,8 @@ def test_fp8_static_decode_reads_device_and_host_pages_with_their_scales(lists, 
                                                                          block_n):
     from test_static_decode import random_case
 
-    from kvtier.kernels.triton_static_decode import plan_static_decode, static_decode, static_decode_reference
+    from kvtier.kernels.reference import static_decode_reference
+    from kvtier.kernels.triton_decode import plan_static_decode, static_decode
     gen = torch.Generator().manual_seed(6)
     seq_lens, page, n_kv, group, dim = [50, 61], 16, 2, 3, 32
     q, _, _, dev_pool, host_pool, block_table = random_case(seq_lens, 4, page, n_kv, group, dim, torch.float32,
@@ -329,13 +330,11 @@ def test_fp8_static_decode_reads_device_and_host_pages_with_their_scales(lists, 
     assert_page_max(pm, pm_ref, 1e-4)
 
 
-def test_fp8_cache_hook_path_and_fast_path_agree_and_stay_near_bf16_pages():
-    """A tiny Llama through kvtier's hook (TieredKVCache, device + host) and through FastEngine, both with
-    FP8 pages: the same quantization rule gives the same logits on both paths, near the unquantized run."""
+def test_fp8_pages_give_the_same_logits_wherever_they_live_and_stay_near_bf16_pages():
+    """A tiny Llama with FP8 pages through ``generate``'s driver (TieredKVCache, pages through the host tier)
+    and through the engine's own forward (every page in HBM): the same logits, near the unquantized run."""
     from kvtier.cache import TieredKVCache
-    from kvtier.engine import Engine
-    from kvtier.fast.engine import FastEngine
-    from kvtier.hook import install
+    from kvtier.engine import Engine, EngineConfig
     from kvtier.models import kv_layout_for, tiny_llama
     from kvtier.policies import LRU
     from kvtier.scheduler.chunked_prefill import ChunkedPrefill
@@ -344,20 +343,18 @@ def test_fp8_cache_hook_path_and_fast_path_agree_and_stay_near_bf16_pages():
     prompt = torch.randint(0, 256, (45,), generator=torch.Generator().manual_seed(7))
 
     def hook_run(layout, steps=5):
-        model.set_attn_implementation(install())
-        cache = TieredKVCache(layout, [DeviceTier(layout, 4, device="cpu"), HostTier(layout, 64)], LRU(), scope="all")
-        engine = Engine(model, ChunkedPrefill(16))
-        logits = [engine.run_prefill(cache, prompt[None])[0, -1]]
+        cache = TieredKVCache(layout, [DeviceTier(layout, 5, device="cpu"), HostTier(layout, 64)], LRU(), scope="all")
+        logits = [cache.prefill(model, prompt[None], 16)[0, -1]]
         for _ in range(steps):
-            logits.append(engine.decode_step(cache, logits[-1].argmax().view(1, 1))[0])
+            logits.append(cache.forward(model, logits[-1].argmax().view(1, 1))[0, -1])
         return torch.stack(logits), cache
 
     fp8 = kv_layout_for(model.config, page_size=8, dtype=torch.float32, kv_dtype="fp8_e4m3")
     exact, _ = hook_run(kv_layout_for(model.config, page_size=8, dtype=torch.float32))
     hook, cache = hook_run(fp8)
     assert cache.table.occupancy()["host"][0] > 0  # pages (and scales) went through the host tier
-    fast = FastEngine(model, fp8, [DeviceTier(fp8, 64, device="cpu")], LRU(), max_context=128,
-                      prefill=ChunkedPrefill(16))
+    fast = Engine(model, fp8, [DeviceTier(fp8, 64, device="cpu")], LRU(), prefill=ChunkedPrefill(16),
+                  config=EngineConfig(max_context=128))
     got = torch.stack([fast.add(prompt)[1][-1]] + [fast.step()[0].clone() for _ in range(5)])
     assert (got - hook).abs().max() / hook.abs().max() < 1e-4
     err = ((hook - exact).abs().max() / exact.abs().max()).item()

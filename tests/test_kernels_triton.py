@@ -23,7 +23,7 @@ from kvtier.errors import ConfigError, MissingDependencyError  # noqa: E402
 from kvtier.kernels.reference import paged_attention_reference  # noqa: E402
 from kvtier.kernels.base import PagedBatch  # noqa: E402
 from kvtier.kernels.registry import make_backend  # noqa: E402
-from kvtier.kernels.triton_decode import DecodeConfig, TritonBackend, default_decode_config, plan_decode  # noqa: E402
+from kvtier.kernels.triton_decode import DecodeConfig, TritonBackend, default_decode_config  # noqa: E402
 from kvtier.quant import quantize_pages  # noqa: E402
 from kvtier.kernels.triton_prefill import PrefillConfig  # noqa: E402
 from test_kernels_reference import random_head_mask, random_paged_batch, rel_err  # noqa: E402
@@ -178,18 +178,6 @@ def test_decode_plan_follows_the_pool_dtype():
                                                                       1: default_decode_config(128, 1)}
 
 
-def test_decode_split_merge_is_used_and_single_split_writes_directly():
-    gen = torch.Generator().manual_seed(5)
-    _, _, batch, _, _ = random_paged_batch([100, 20], [1, 1], 16, 2, 32, 4, generator=gen)
-    split = plan_decode(batch, 4, 2, 32, DecodeConfig(block_n=16, pages_per_split=2))
-    assert split.seq_splits.tolist() == [4, 1] and split.max_splits == 4
-    assert split.chunk_page.tolist() == [0, 2, 4, 6, 7]
-    assert split.part_out.shape == (4, 2, 4, 32) and split.part_lse.shape == (4, 2, 4)
-    whole = plan_decode(batch, 4, 2, 32, DecodeConfig(block_n=32, pages_per_split=64))
-    assert whole.max_splits == 1 and whole.pages_per_split == 64 and whole.part_out is None
-    assert plan_decode(batch, 4, 2, 64).config == default_decode_config(64) != default_decode_config(128)
-
-
 def test_a_batch_built_from_host_arrays_plans_and_runs_the_same():
     """PagedBatch.from_host (what the cache builds: host indptrs, no read-back) gives the same plan and output."""
     gen = torch.Generator().manual_seed(6)
@@ -201,9 +189,6 @@ def test_a_batch_built_from_host_arrays_plans_and_runs_the_same():
         (host.qo_indptr, host.kv_indptr, host.kv_indices, host.kv_last_page_len),
         (batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len)))
     config = DecodeConfig(block_n=16, pages_per_split=2)
-    p_dev, p_host = plan_decode(batch, 4, 2, 32, config), plan_decode(host, 4, 2, 32, config)
-    for name in ("chunk_seq", "chunk_page", "chunk_split", "seq_splits"):
-        assert torch.equal(getattr(p_dev, name), getattr(p_host, name)), name
     results = []
     for b in (batch, host):
         backend = TritonBackend(decode_config=config)

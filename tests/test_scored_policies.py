@@ -9,7 +9,7 @@ import torch
 from kvtier import KVLayout
 from kvtier.cache import TieredKVCache
 from kvtier.errors import ConfigError
-from kvtier.page_stats import KeyStats, QueryStats
+from kvtier.engine.stats import KeyStats, QueryStats
 from kvtier.policies import (H2O, LRU, PINNED, TOVA, Compose, ExpectedAttention, Knorm, PageInfo, Quest,
                              ScoredPolicy, SinkWindow, SnapKV)
 from kvtier.policies.h2o import AccumulatedAttention
@@ -92,24 +92,13 @@ def test_pins_are_sinks_and_window_pages():
     assert list(np.flatnonzero(prio == PINNED)) == [0, 4, 5]  # page 4 holds some of the last 20 tokens
 
 
-class Table:
-    """Stand-in for the BlockTable: one sequence whose logical pages are pids 0..n-1."""
-
-    def __init__(self, n_pages):
-        self.n = n_pages
-
-    def pages(self, seq):
-        return np.arange(self.n)
-
-
 def keys_for(pages_keys, page=4):
     """KeyStats of 1 layer holding ``pages_keys [n_pages, page, N_kv, D]``."""
     layout = KVLayout(num_layers=1, num_kv_heads=N_KV, head_dim=D, page_size=page, dtype="float32")
-    ks = KeyStats(layout, "cpu")
+    ks = KeyStats(layout, 64, "cpu")
     n = pages_keys.shape[0]
     ks.on_append(np.arange(n))
-    k = pages_keys.reshape(n * page, N_KV, D).permute(1, 0, 2)[None]  # [1, N_kv, S, D]
-    ks.on_write(Table(n), [0], 0, k, 0)
+    ks.add(0, torch.arange(n * page) // page, pages_keys.reshape(n * page, N_KV, D))
     return ks
 
 
@@ -135,11 +124,11 @@ def test_quest_policy_ranks_the_page_aligned_with_the_newest_query():
     pk = torch.randn(6, 4, N_KV, D) * 0.1
     q = torch.randn(2 * N_KV, D)  # 2 query heads per kv head
     pk[3, 1, 0] = 5 * q[0]  # one key of page 3 aligned with query head 0
-    queries = QueryStats(1, 1, "cpu")
-    queries.add(0, q)
+    queries = QueryStats(1, 1, 2 * N_KV, D, "cpu")
+    queries.add(0, q[None])
     pol = bound_policy(Quest(sinks=0, window=0), keys_for(pk), queries)
     assert middle_order(pol, 6)[0] == 3
-    empty = bound_policy(Quest(sinks=0, window=0), keys_for(pk), QueryStats(1, 1, "cpu"))
+    empty = bound_policy(Quest(sinks=0, window=0), keys_for(pk), QueryStats(1, 1, 2 * N_KV, D, "cpu"))
     assert (ranked(empty, 6) == 0).all()  # no query yet: no preference
 
 
@@ -149,11 +138,11 @@ def test_expected_attention_follows_the_query_mean_and_variance():
     mu[:, 0] = 1.0
     pk[1, :, :, 0] = 3.0  # page 1 lies along the query mean
     pk[2, :, :, 5] = 3.0  # page 2 along channel 5, where the queries vary
-    queries = QueryStats(1, 8, "cpu")
+    queries = QueryStats(1, 8, 2 * N_KV, D, "cpu")
     for sign in (1, -1, 1, -1):
         q = mu.clone()
         q[:, 5] = 2.0 * sign  # mean 0, variance 4 on channel 5
-        queries.add(0, q)
+        queries.add(0, q[None])
     pol = bound_policy(ExpectedAttention(sinks=0, window=0), keys_for(pk), queries)
     prio = ranked(pol, 4)
     # page 1: mu.k/sqrt(D) = 3/sqrt(8); page 2: var*k^2/(2D) = 4*9/16
@@ -311,7 +300,8 @@ def test_compress_once_after_an_exact_prefill():
     for i in range(40, S):
         cache.update(k[:, :, i:i + 1], v[:, :, i:i + 1], 0)
         outs.append(cache.attend(0, qs[i][None, :, None]))
-    # the window grows from its fixed start: 4 + 2 pages + tokens 33..i
+    # the window grows from its fixed start: 4 + 2 pages + tokens 33..i (the last step is heard once closed)
+    cache.finish_step()
     assert cache.stats.attended_per_step() == [4 + 8 + (i + 1 - 33) for i in range(40, S)]
     keep = torch.zeros(S, dtype=torch.bool)
     keep[:4] = keep[33:] = True
@@ -326,9 +316,9 @@ def test_compress_once_after_an_exact_prefill():
     (dict(budget=10, sinks=4, window=8), "cache.budget"),
     (dict(budget=32, window=0), "cache.window"),
     (dict(budget=32, window=8, mode="later"), "cache.mode"),
-    (dict(budget=32, window=8, scope="all"), "cache.budget"),
+    (dict(budget=32, window=8, scope="all"), "cache.attend_budget"),
     (dict(scope="topk", topk_pages=4, rank="best"), "cache.rank"),
-    (dict(scope="topk"), "topk_pages"),
+    (dict(scope="topk"), "cache.topk_pages"),
     (dict(budget=32, window=8, dense_layers=2), "cache.dense_layers"),
     (dict(budget=32, window=8, per_head=True), "cache.per_head"),  # resident: a per-head choice needs topk
     (dict(scope="topk", budget=32, window=8, query_rows=0), "cache.query_rows"),
@@ -371,9 +361,8 @@ def test_streaming_llm_token_exact_against_a_trimmed_hf_cache(smollm2):
     cache = TieredKVCache(layout, [DeviceTier(layout, 8, device="cpu"), HostTier(layout, 16)],
                           SinkWindow(sinks=sinks, window=recent), scope="resident", budget=sinks + recent,
                           sinks=sinks, window=recent)
-    engine = Engine(model)
-    engine.run_prefill(cache, ids[:, :prompt])
-    got = [engine.decode_step(cache, ids[:, i:i + 1])[0] for i in range(prompt, ids.shape[1])]
+    cache.prefill(model, ids[:, :prompt])
+    got = [cache.forward(model, ids[:, i:i + 1])[0, -1] for i in range(prompt, ids.shape[1])]
     model.set_attn_implementation("sdpa")
     ref, got = torch.stack(ref), torch.stack(got)
     assert (got - ref).abs().max() / ref.abs().max() < 1e-4
@@ -397,9 +386,10 @@ def test_topk_per_head_gives_each_kv_head_its_own_pages_within_the_budget():
     assert len(set(shared.choose(0, qs[S - 1][None, :, None])[0].tolist()) & {5, 8}) == 1  # one page for both
     cache = make_cache(LRU(), scope="topk", budget=16, sinks=4, window=8, per_head=True)
     out = run_steps(cache, k, v, qs, prefill=48)[-1]
-    chosen, *_, masks = cache.plan_attention(0, qs[S - 1][None, :, None])
-    assert {5, 8} <= set(chosen[0].tolist())
-    assert masks[0][5].tolist() == [True, False] and masks[0][8].tolist() == [False, True]
+    cache.finish_step()
+    assert {5, 8} <= set(cache.choose(0, qs[S - 1][None, :, None])[0].tolist())
+    per_head = cache.engine.scope.pick(0, qs[S - 1][None].contiguous(), cache.engine.view(1))[0]  # [N_kv, K]
+    assert 5 in per_head[0] and 8 not in per_head[0] and 8 in per_head[1] and 5 not in per_head[1]
     keep = torch.zeros(6, S, dtype=torch.bool)  # [H, S]
     keep[:, :4] = keep[:, 41:] = True
     keep[:3, 20:24] = keep[3:, 32:36] = True

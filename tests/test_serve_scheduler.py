@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvtier.errors import ConfigError, TierFullError
-from kvtier.fast.engine import FastEngine
+from kvtier.engine import Engine, EngineConfig
 from kvtier.models import kv_layout_for
 from kvtier.policies import LRU
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
@@ -43,9 +43,15 @@ def setup(smollm2):
     torch.set_num_threads(threads)
 
 
-def serve(model, layout, prompts, device_pages, host_pages=0, **kw):
+def make(model, layout, device_pages, host_pages=0, max_batch=3, max_context=128):
+    """An engine over ``device_pages`` device pages (its scratch page included) and an optional host tier."""
     tiers = [DeviceTier(layout, device_pages, device="cpu")] + ([HostTier(layout, host_pages)] if host_pages else [])
-    engine = FastEngine(model, layout, tiers, LRU(), max_batch=3, max_context=128, prefill=ChunkedPrefill(64))
+    return Engine(model, layout, tiers, LRU(), prefill=ChunkedPrefill(64),
+                  config=EngineConfig(max_batch=max_batch, max_context=max_context))
+
+
+def serve(model, layout, prompts, device_pages, host_pages=0, **kw):
+    engine = make(model, layout, device_pages, host_pages)
     sched = ServeScheduler(engine, token_budget=24, **kw)
     states = [sched.submit(Request(i, p.numpy(), NEW, arrival_s=float(i))) for i, p in enumerate(prompts)]
     while not sched.idle:
@@ -85,20 +91,18 @@ def test_tiered_engine_holds_the_batch_without_preemption(setup):
 
 def test_bad_settings(setup):
     model, layout, prompts, _ = setup
-    engine = FastEngine(model, layout, [DeviceTier(layout, 16, device="cpu")], LRU(), max_batch=2, max_context=64)
+    engine = make(model, layout, 16, max_batch=2, max_context=64)
     with pytest.raises(ConfigError, match="token_budget"):
         ServeScheduler(engine, token_budget=2)
     with pytest.raises(ConfigError, match="preempt"):
         ServeScheduler(engine, preempt="swap-always")
     with pytest.raises(ConfigError, match="max_batch"):
-        ServeScheduler(FastEngine(model, layout, [DeviceTier(layout, 4, device="cpu")], LRU(), max_batch=2,
-                                  max_context=64))
+        ServeScheduler(make(model, layout, 4, max_batch=2, max_context=64))
     sched = ServeScheduler(engine, token_budget=16)
     with pytest.raises(ConfigError, match="max_context"):
         sched.submit(Request(0, np.zeros(60, dtype=np.int64), 10))
-    small = ServeScheduler(FastEngine(model, layout, [DeviceTier(layout, 6, device="cpu")], LRU(), max_batch=2,
-                                      max_context=64), token_budget=16)
-    small.submit(Request(1, np.zeros(50, dtype=np.int64), 2))  # 7 pages of 8 tokens; 5 free
+    small = ServeScheduler(make(model, layout, 6, max_batch=2, max_context=64), token_budget=16)
+    small.submit(Request(1, np.zeros(45, dtype=np.int64), 2))  # 6 pages of 8 tokens; 5 free (and the scratch page)
     with pytest.raises(TierFullError, match="request 1"):
         small.iterate()
     model.set_attn_implementation("sdpa")

@@ -3,7 +3,7 @@
 Tiny random-weight models built from HF config classes (no download): Llama (no window), Mistral
 (every layer sliding) and Gemma 3 text (sliding and global layers mixed, MQA, head_dim 256). The
 exact scope, with pages migrating between a small device tier and the host, must match HF's own
-attention over prompts several windows long, in prefill chunks and decode, with and without merge.
+attention over prompts several windows long, in prefill chunks and decode, with pages on the host.
 """
 
 from __future__ import annotations
@@ -67,15 +67,13 @@ def hf_logits(model, ids, decode: int):
     return tokens, torch.cat(logits)
 
 
-def kvtier_logits(model, ids, tokens, layout, scope="all", merge=False, backend=None, device_pages=3,
-                  policy=None):
+def kvtier_logits(model, ids, tokens, layout, scope="all", backend=None, device_pages=3, policy=None):
     """The same logits through kvtier (chunked prefill of 16, then the given tokens); ``(logits, cache)``."""
     model.set_attn_implementation(install())
     cache = TieredKVCache(layout, [DeviceTier(layout, device_pages, device="cpu"), HostTier(layout, 64)],
-                          policy or LRU(), scope=scope, merge=merge, topk_pages=3, sinks=PAGE, backend=backend)
-    engine = Engine(model, ChunkedPrefill(16))
+                          policy or LRU(), scope=scope, topk_pages=3, sinks=PAGE, backend=backend)
     try:
-        got = [engine.run_prefill(cache, ids)[0]] + [engine.decode_step(cache, t) for t in tokens]
+        got = [cache.prefill(model, ids, 16)[0]] + [cache.forward(model, t)[0] for t in tokens]
         cache.finish_step()
     finally:
         model.set_attn_implementation("sdpa")
@@ -94,12 +92,11 @@ def family(request):
     return request.param, model, ids, tokens, ref
 
 
-@pytest.mark.parametrize("merge", [False, True])
-def test_exact_scope_matches_hf_with_pages_migrating(family, merge):
+def test_exact_scope_matches_hf_with_pages_migrating(family):
     name, model, ids, tokens, ref = family
     layout = kv_layout_for(model.config, page_size=PAGE, dtype=torch.float32)
     assert layout.sliding_windows == {"llama": (), "mistral": (WINDOW,) * 2, "gemma3": (WINDOW, 0, WINDOW)}[name]
-    got, cache = kvtier_logits(model, ids, tokens, layout, merge=merge)
+    got, cache = kvtier_logits(model, ids, tokens, layout)
     assert not torch.isnan(got).any()
     assert (got - ref).abs().max() / ref.abs().max() < 1e-4  # every prompt position and every decode step
     assert sum(cache.transfer.pages_moved.values()) > 0 and cache.stats.tier1_hit_rate < 1  # pages moved and were read off the device
@@ -155,27 +152,34 @@ def test_triton_kernels_with_windows_match_hf():
     ids = torch.randint(0, 256, (1, 56), generator=torch.Generator().manual_seed(3))
     tokens, ref = hf_logits(model, ids, 3)
     layout = kv_layout_for(model.config, page_size=PAGE, dtype=torch.float32)
-    got, cache = kvtier_logits(model, ids, tokens, layout, backend=make_backend("triton"), merge=True)
+    got, cache = kvtier_logits(model, ids, tokens, layout, backend=make_backend("triton"))
     assert (got - ref).abs().max() / ref.abs().max() < 1e-4 and cache.stats.dropped_pages > 0
 
 
 @pytest.mark.parametrize("scope", ["resident", "topk"])
 def test_approximate_scopes_never_attend_outside_the_window(scope, monkeypatch):
+    from kvtier.scopes import Resident, TopK
+    from kvtier.scopes.base import window_pages
+
     model = build("mistral")
     ids = torch.randint(0, 256, (1, PROMPT), generator=torch.Generator().manual_seed(4))
     tokens, ref = hf_logits(model, ids, DECODE)
     layout = kv_layout_for(model.config, page_size=PAGE, dtype=torch.float32)
     seen = []
-    choose = TieredKVCache.choose
+    cls = {"resident": Resident, "topk": TopK}[scope]
+    pick = cls.pick
 
-    def recorded(self, layer, query):
-        chosen = choose(self, layer, query)
-        seen.append((self._attended_range(layer)[0], chosen[0]))
-        return chosen
+    def recorded(self, layer, q, view):  # each decode call's pages, beside the first page its window shows
+        picks = pick(self, layer, q, view)
+        _, lens, _ = view.rows(layer)
+        first, _ = window_pages(lens, view.windows[layer], view.page_size)
+        listed = picks[0].reshape(-1)
+        seen.append((int(first[0]), listed[listed >= 0]))
+        return picks
 
-    monkeypatch.setattr(TieredKVCache, "choose", recorded)
+    monkeypatch.setattr(cls, "pick", recorded)
     got, cache = kvtier_logits(model, ids, tokens, layout, scope=scope, device_pages=4)
-    assert len(seen) == 2 * (PROMPT // 16 + 1 + DECODE)
+    assert len(seen) == 2 * DECODE
     assert all(chosen.min() >= first for first, chosen in seen)
     assert sum(first > 0 for first, _ in seen) > len(seen) // 2
     # a window cut inside a page is attended whole: these scopes are exact on sliding layers then

@@ -333,7 +333,7 @@ def span_oracle(q, keys, values, seq_lens, lists, spans, window_left, page, sm_s
             toks = []
             for i, p in enumerate(row):
                 for t in range(p * page, (p + 1) * page) if p >= 0 else ():
-                    visible = (t >= win) if p >= win // page else (p >= -(-sinks // page) or t < sinks)
+                    visible = t < sinks or t >= win or -(-sinks // page) <= p < win // page
                     if lo <= t < n and visible:
                         toks.append((i, t))
             if not toks:
@@ -368,7 +368,7 @@ def test_spans_per_head_lists_page_lse_and_a_staging_pool(per_head, window):
         for h in range(lists.shape[1]):
             pages = torch.randperm(-(-n // page), generator=gen)[:K]
             lists[b, h, :pages.numel()] = pages.int()
-    spans = torch.tensor([[4, 61], [3, 41], [0, 0]], dtype=torch.int32)  # row 2: no budget
+    spans = torch.tensor([[4, 61], [3, 5], [0, 0]], dtype=torch.int32)  # row 1: window in the sink page; 2: none
     heads = n_kv * group
     plan = plan_static_decode(len(seq_lens), max_pages, heads, n_kv, dim, page, device(), K,
                               DecodeConfig(block_n=16, pages_per_split=2))

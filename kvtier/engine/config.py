@@ -1,8 +1,7 @@
 """EngineConfig: the engine's own settings (the recipe group ``engine``)."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
+from typing import List, Optional
 
 from kvtier.errors import ConfigError
 from kvtier.engine.runner import RUNNERS
@@ -24,10 +23,10 @@ class EngineConfig:
     """
 
     max_batch: int = 1
-    max_context: int | None = None
-    buckets: tuple | None = None
-    graphs: bool | None = None
-    compile: bool | None = None
+    max_context: Optional[int] = None
+    buckets: Optional[List[int]] = None
+    graphs: Optional[bool] = None
+    compile: Optional[bool] = None
     lookahead: int = 1
     runner: str = "auto"
     sync_timing: bool = True

@@ -43,9 +43,10 @@ from kvtier.engine.stats import KeyStats, QueryStats
 from kvtier.errors import ConfigError, KVTierError, TierFullError
 from kvtier.eval.fidelity import FidelityStats, attention_fidelity
 from kvtier.kernels.reference import TorchBackend
+from kvtier.kernels.registry import make_backend
 from kvtier.layout import KVLayout
 from kvtier.metrics import CacheStats, synchronize
-from kvtier.paged_io import write_decode, write_tokens
+from kvtier.paged_io import read_tokens, write_decode, write_tokens
 from kvtier.policies.base import Policy
 from kvtier.policies.stats import NEEDS
 from kvtier.scheduler.base import Scheduler
@@ -109,7 +110,7 @@ class Engine:
         self.table = BlockTable(layout, tiers)
         self.transfer = TransferEngine(self.table)
         self.device = tiers[0].device
-        self.kernel = kernel or TorchBackend()
+        self.kernel = kernel or (make_backend("triton") if self.device.type == "cuda" else TorchBackend())
         self.prefill = prefill or ChunkedPrefill()
         self.stats = CacheStats()
         self._check_feedback()
@@ -118,8 +119,10 @@ class Engine:
             raise ConfigError(f"tiers.{self.host.name}", "the engine reads host pages through their mapped "
                                                          "address: the host tier must be pinned (pin_memory=True)")
         R = config.max_batch
-        check_device_room(tiers[0].capacity - 1, policy, layout.page_size, 0, f"tiers.{tiers[0].name}.capacity", R)
-        held = sum(t.capacity for t in tiers)
+        scratch = R > 1  # idle rows of a bucket write into one device slot per layer that nothing reads
+        check_device_room(tiers[0].capacity - scratch, policy, layout.page_size, 0, f"tiers.{tiers[0].name}.capacity",
+                          R)
+        held = sum(t.capacity for t in tiers) - scratch - getattr(self.scope, "recall_slots", 0)  # pages a row may hold
         self.max_pages = min(layout.pages_for(config.max_context), held) if config.max_context else held
         L, M = layout.num_layers, self.max_pages
         self.model = model
@@ -140,8 +143,8 @@ class Engine:
         self._tally = torch.compile(tally, dynamic=False) if compiled else tally
         self.buckets = config.buckets or tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < R} | {R}))
         self.lookahead = config.lookahead
-        # one device slot per layer that idle rows write into and nothing reads
-        self.scratch = np.array([int(tiers[0].alloc(layer, 1)[0]) for layer in range(L)], dtype=np.int32)
+        self.scratch = np.array([int(tiers[0].alloc(layer, 1)[0]) if scratch else 0 for layer in range(L)],
+                                dtype=np.int32)
         self.mirror = np.repeat(self.scratch[:, None, None], R, 1).repeat(M, 2)  # [L, R, M] host copy of locations
         self.pid_mirror = np.full((R, M), -1, dtype=np.int32)  # [R, M] pid of each logical page
         dev = self.device
@@ -351,9 +354,23 @@ class Engine:
         self._dirty.add(row)
         self._to_free.append((seq, self._last_event))
 
+    def read_sequence(self, seq: int, n: int) -> list[torch.Tensor]:
+        """The first ``n`` tokens' K/V of ``seq`` per layer ``[2, n, N_kv, D]`` in host memory, in the model's dtype
+        (FP8 pages dequantized): what a swapped-out request takes with it."""
+        pids = self.table.pages(seq)
+        out = []
+        for layer in range(self.layout.num_layers):
+            self.transfer.wait(layer, pids)
+            out.append(read_tokens(self.table, layer, seq, device="cpu")[:, :n])
+        return out
+
     def reclaim(self) -> None:
         """Free the pages of finished sequences now (waiting for the queued steps that read them)."""
         self._free_finished(block=True)
+
+    @property
+    def max_batch(self) -> int:
+        return self.config.max_batch
 
     @property
     def running(self) -> list[int]:
@@ -573,14 +590,14 @@ class Engine:
         lo = torch.zeros_like(lens)
         if self.layout.window(layer):
             lo = (lens - self.layout.window(layer)).clamp(min=0)
-        start, end = lists * P, torch.minimum(lists * P + P, lens)
-        if self.budget is not None and layer >= self.dense_layers:
-            sinks, win = self.spans[:B].long().unbind(1)
-            sinks, win = sinks[:, None], win[:, None]
-            in_win = lists >= win // P
-            start = torch.where(in_win, torch.maximum(start, win), start)
-            end = torch.where(~in_win & (lists < -(-sinks // P)), torch.minimum(end, sinks), end)
-        count = (end - torch.maximum(start, lo)).clamp(min=0) * (lists >= 0)
+        start, end = torch.maximum(lists * P, lo), torch.minimum(lists * P + P, lens)
+        count = (end - start).clamp(min=0)
+        if self.budget is not None and layer >= self.dense_layers:  # the sinks and the window's keys, or whole
+            sinks, win = (x[:, None] for x in self.spans[:B].long().unbind(1))
+            middle = (lists >= -(-sinks // P)) & (lists < win // P)
+            spans = (torch.minimum(end, sinks) - start).clamp(min=0) + (end - torch.maximum(start, win)).clamp(min=0)
+            count = torch.where(middle, count, spans)
+        count = count * (lists >= 0)
         return count.sum(1).float().mean() / (picks.shape[1] if picks.dim() == 3 else 1)
 
     def view(self, B: int) -> StepView:
@@ -740,8 +757,13 @@ class Engine:
         finally:
             self._pin_unsettled(False)
         self.stats.planned_pages += plan.num_pages()
-        self.transfer.migrate_many([(m.layer, m.pids, m.dst) for m in plan.demote], after_compute=after_compute,
-                                   fenced=True)
+        for dst in sorted({m.dst for m in plan.demote}, reverse=True):  # a cascade: the lowest tier makes room first
+            moves = [(m.layer, m.pids, m.dst) for m in plan.demote if m.dst == dst]
+            try:
+                self.transfer.migrate_many(moves, after_compute=after_compute, fenced=True)
+            except TierFullError:  # room the tier above frees once its moves' fences pass
+                self._wait_room()
+                self.transfer.migrate_many(moves, after_compute=after_compute, fenced=True)
         free = {m.layer: self.table.tiers[0].num_free(m.layer) - reserve for m in plan.promote}
         promote = [(m.layer, m.pids[:max(free[m.layer], 0)], m.dst) for m in plan.promote]
         self.transfer.migrate_many(promote, after_compute=after_compute, fenced=True)
@@ -848,11 +870,14 @@ class Engine:
         if self.config.sync_timing:
             synchronize(self.device)
 
+    def page_counts(self) -> tuple[int, int]:
+        """Pages attended (prefill and decode, every layer), and of them read from the device tier (one sync)."""
+        attended, resident = self.counts.tolist()
+        return attended + self.stats.attended_pages, resident + self.stats.resident_pages
+
     def hit_rate(self) -> float:
         """Attended pages read from the device tier / attended pages (one host sync)."""
-        attended, resident = self.counts.tolist()
-        attended += self.stats.attended_pages
-        resident += self.stats.resident_pages
+        attended, resident = self.page_counts()
         return resident / attended if attended else 1.0
 
     def reset(self) -> None:

@@ -96,7 +96,8 @@ def static_decode_reference(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: 
     as_f32 = dequantize if is_scaled_pool(dev_pool, page) else torch.Tensor.float  # [n, 2, P, N_kv, D] fp32
     dev = q.device
     max_pages = block_table.shape[1]
-    lists = torch.arange(max_pages, device=dev).expand(n_q, 1, -1) if page_list is None else \
+    longest = min(max_pages, int((seq_lens.max() + page - 1) // page)) if n_q else 0  # every page: only those held
+    lists = torch.arange(longest, device=dev).expand(n_q, 1, -1) if page_list is None else \
         page_list.to(dev, torch.long).view(n_q, -1, page_list.shape[-1])  # [B, 1 or N_kv, K]
     n_lists, n_listed = lists.shape[1:]
     lens = seq_lens.to(dev, torch.long)[:, None, None, None]  # [B, 1, 1, 1]
@@ -106,7 +107,7 @@ def static_decode_reference(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: 
     ok = (tok >= lo) & (tok < lens)  # a -1 entry has negative positions
     if spans is not None:  # a token budget: sinks of the sink pages, the window's tokens of its pages
         sinks, win = (x.to(dev, torch.long)[:, None, None, None] for x in spans.unbind(1))
-        ok &= torch.where(pg >= win // page, tok >= win, (pg >= -(-sinks // page)) | (tok < sinks))
+        ok &= (tok < sinks) | (tok >= win) | ((pg >= -(-sinks // page)) & (pg < win // page))
     loc = block_table.to(dev, torch.long).gather(1, lists.clamp(0, max_pages - 1).flatten(1)).view(lists.shape)
     need = ok.any(-1)  # [B, h, K] entries whose page is read
     pages = torch.zeros(*lists.shape, 2, page, n_kv, dim, dtype=torch.float32, device=dev)  # [B, h, K, 2, P, N_kv, D]
@@ -128,10 +129,10 @@ def static_decode_reference(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: 
     logits = logits.masked_fill(~seen[:, :, None], float("-inf"))
     out, lse = _softmax_rows(logits, v.masked_fill(~seen[..., None], 0.0))  # stale rows never count
     per_page = logits.view(n_q, n_kv, group, n_listed, page)
-    if page_max is not None:
-        page_max.copy_(per_page.amax(-1).reshape(n_q, heads, n_listed).transpose(1, 2))  # [B, K, H]
-    if page_lse is not None:
-        page_lse.copy_(torch.logsumexp(per_page, -1).reshape(n_q, heads, n_listed).transpose(1, 2))
+    for stat, value in ((page_max, lambda: per_page.amax(-1)), (page_lse, lambda: torch.logsumexp(per_page, -1))):
+        if stat is not None:  # [B, K, H]; entries past the longest row's pages see nothing
+            stat.fill_(float("-inf"))
+            stat[:, :n_listed].copy_(value().reshape(n_q, heads, n_listed).transpose(1, 2))
     return out.reshape(n_q, heads, dim).to(q.dtype), lse.reshape(n_q, heads)
 
 

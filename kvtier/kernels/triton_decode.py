@@ -280,9 +280,9 @@ def _static_split_kernel(
             pg = li
         tok = pg * PAGE + order % PAGE  # [N] key position in the sequence
         ok = in_split & (tok >= win_lo) & (tok < seq_len)
-        if HAS_SPANS:  # pages from the window's first: its tokens; sink pages: the sinks; between: whole
-            ok = ok & tl.where(pg >= win_start // PAGE, tok >= win_start,
-                               (pg >= (sinks + PAGE - 1) // PAGE) | (tok < sinks))
+        if HAS_SPANS:  # the sinks, the window's tokens, and the middle pages whole
+            ok = ok & ((tok < sinks) | (tok >= win_start) |
+                       ((pg >= (sinks + PAGE - 1) // PAGE) & (pg < win_start // PAGE)))
         loc = tl.load(bt_row + pg, mask=ok, other=0)  # [N]
         row = (order % PAGE) * stride_p + head_off  # [N]
         dev_row = dev_kv + (tl.maximum(loc, 0).to(tl.int64) * stride_slot + row)  # [N] pointers
@@ -370,9 +370,9 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
     ``block_table [B, max_pages]`` int32 (module docstring; entries past a sequence's pages are never
     read); ``seq_lens [B]`` int32 (0: an inactive row, out 0, lse -inf); ``page_list [B, K]`` or
     ``[B, N_kv, K]`` int32 logical pages to attend (-1 and pages past the sequence attend nothing), None
-    for all pages; ``window_left`` (-1: none); ``spans [B, 2]`` int32 ``(sinks, win_start)``: pages from
-    ``win_start // P`` on show only keys ``>= win_start``, pages before ``ceil(sinks / P)`` only keys
-    ``< sinks`` (``(0, 0)``: no budget); ``page_max`` / ``page_lse`` optional fp32 ``[B, K or max_pages, H]``
+    for all pages; ``window_left`` (-1: none); ``spans [B, 2]`` int32 ``(sinks, win_start)`` of a token
+    budget: a listed page shows the keys ``< sinks`` and ``>= win_start``, and all its keys when it lies
+    between the sinks' pages and the window's first page (``(0, 0)``: no budget); ``page_max`` / ``page_lse`` optional fp32 ``[B, K or max_pages, H]``
     filled with the max / log-sum-exp of each listed entry's scaled logits (natural log), -inf where no key
     counts (per-head lists: entry k of head h's kv group). Returns out ``[B, H, D]`` (q's dtype) and lse
     ``[B, H]`` (fp32, natural log).
@@ -449,17 +449,18 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
 
 
 
-def as_block_table(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray]:
+def as_block_table(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """A decode batch's page lists as the kernel's ``block_table [B, max_pages]`` (and, for a ``head_mask``,
-    per-head page lists ``[B, N_kv, max_pages]``), plus each listed page's ``(b, entry)`` as flat indices
-    ``[nnz]`` into ``[B, max_pages]``. Host work on the host indptr; one copy of the index arrays."""
+    per-head page lists ``[B, N_kv, max_pages]``), plus for each listed page its ``(b, entry)`` as a flat index
+    into ``[B, max_pages]`` and its place in ``kv_indices`` (``[n]`` each). Host work on the host indptr; one
+    copy of the index arrays."""
     indptr = batch.kv_indptr_host()
     npages = np.diff(indptr)  # [B]
     width = max(int(npages.max(initial=0)), 1)
     entry = np.arange(width)[None, :]  # [1, W]
     flat = np.where(entry < npages[:, None], indptr[:-1, None] + entry, 0)  # [B, W] index into kv_indices
-    listed = np.flatnonzero((entry < npages[:, None]).reshape(-1))  # [nnz] flat (b, entry) of each listed page
-    gather, where = to_device([flat, listed], batch.kv_indices.device, torch.int64)
+    listed = np.flatnonzero((entry < npages[:, None]).reshape(-1))  # [n] flat (b, entry) of each listed page
+    gather, where, place = to_device([flat, listed, flat.reshape(-1)[listed]], batch.kv_indices.device, torch.int64)
     table = batch.kv_indices.long()[gather.view(-1, width)].to(torch.int32)  # [B, W]
     per_head = None
     if batch.head_mask is not None:  # [nnz, N_kv] -> per head: the entry, or -1 where the head is not given it
@@ -467,7 +468,7 @@ def as_block_table(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor | None
                                                                           device=table.device))[..., None]
         per_head = torch.where(seen, torch.arange(width, device=table.device)[None, :, None], -1)
         per_head = per_head.permute(0, 2, 1).to(torch.int32).contiguous()  # [B, N_kv, W]
-    return table, per_head, where
+    return table, per_head, where, place
 
 
 class TritonBackend(AttentionBackend):
@@ -498,13 +499,15 @@ class TritonBackend(AttentionBackend):
     def run(self, q: torch.Tensor, kv_pool: torch.Tensor, return_page_max: bool = False) -> AttentionOutput:
         if not self.is_decode:
             return paged_prefill(q, kv_pool, self.batch, self.prefill_plan, self.sm_scale, return_page_max)
-        table, per_head, where = self.table
+        table, per_head, where, place = self.table
         plan = self.decode_plan(table.shape[1], kv_pool.element_size())
         page_max = torch.empty(q.shape[0], table.shape[1], q.shape[1], device=q.device) if return_page_max else None
         out, lse = static_decode(q, kv_pool, None, table, self.batch.kv_lens().to(torch.int32), plan, self.sm_scale,
                                  page_list=per_head, window_left=self.batch.window_left, page_max=page_max)
-        if page_max is not None:
-            page_max = page_max.view(-1, q.shape[1])[where]  # [nnz, H] in the batch's page order
+        if page_max is not None:  # [nnz, H] in the batch's page order; entries no sequence lists see nothing
+            listed = page_max.view(-1, q.shape[1])[where]
+            page_max = torch.full((self.batch.kv_indices.numel(), q.shape[1]), float("-inf"), device=q.device)
+            page_max[place] = listed
         return AttentionOutput(out, lse, page_max)
 
     def decode(self, *args, **kwargs):

@@ -36,14 +36,14 @@ class TopK(Scope):
 
     def __init__(self, pages: int | None = None, rank: str = "quest", per_head: bool = False, query_rows: int = 1,
                  policy_share: float = 0.0, recall_slots: int = 0, sinks: int = 4):
-        for key, v, low in (("scope.pages", pages, 1), ("scope.query_rows", query_rows, 1),
-                            ("scope.recall_slots", recall_slots, 0), ("scope.sinks", sinks, 0)):
+        for key, v, low in (("cache.topk_pages", pages, 1), ("cache.query_rows", query_rows, 1),
+                            ("scope.recall_slots", recall_slots, 0), ("cache.sinks", sinks, 0)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
                 raise ConfigError(key, f"must be an integer >= {low}, got {v!r}")
         if rank not in RANKS:
-            raise ConfigError("scope.rank", f"unknown rank {rank!r}; use one of {list(RANKS)}")
+            raise ConfigError("cache.rank", f"unknown rank {rank!r}; use one of {list(RANKS)}")
         if isinstance(policy_share, bool) or not isinstance(policy_share, (int, float)) or not 0 <= policy_share <= 1:
-            raise ConfigError("scope.policy_share", f"must be in [0, 1], got {policy_share!r}")
+            raise ConfigError("cache.policy_share", f"must be in [0, 1], got {policy_share!r}")
         self.pages, self.rank, self.per_head, self.query_rows = pages, rank, per_head, query_rows
         self.policy_share, self.recall_slots, self.sinks = float(policy_share), recall_slots, sinks
 
@@ -56,10 +56,10 @@ class TopK(Scope):
                                       ("policy_share", self.policy_share > 0), ("rank", self.rank != "quest"))
                        if v]
         if engine.budget is None and budget_only:
-            raise ConfigError(f"scope.{budget_only[0]}", "this option chooses a token budget's middle pages: set "
+            raise ConfigError(f"cache.{budget_only[0]}", "this option chooses a token budget's middle pages: set "
                                                          "cache.attend_budget=true (Python: budget=)")
         if engine.budget is None and self.pages is None:
-            raise ConfigError("scope.pages", "scope 'topk' needs pages >= 1 (or a token budget)")
+            raise ConfigError("cache.topk_pages", "scope 'topk' needs topk_pages >= 1 (or a token budget)")
         self.recent = None  # [L, R, query_rows, H, D] the last decode queries of each (layer, row), made at the first
         L, R = engine.layout.num_layers, engine.config.max_batch
         self.seen = torch.zeros(L, R, dtype=torch.int64, device=engine.device)
@@ -71,7 +71,7 @@ class TopK(Scope):
         if budget is None:
             P = self.engine.layout.page_size
             tail = max([-(-w // P) + 1 for w in self.engine.layout.sliding_windows if w] + [1])
-            return min(-(-self.sinks // P) + tail + self.pages, max_pages)
+            return min(-(-self.sinks // P) + tail + self.pages, max_pages)  # max_pages: every page, exact
         return super().width(budget, once, max_pages)
 
     def pick(self, layer: int, q: torch.Tensor, view: StepView) -> torch.Tensor | None:
@@ -131,6 +131,9 @@ class TopK(Scope):
         """No budget: the sink pages and the tail (forced), and the ``pages`` best of the rest."""
         table, lens, n_pages = view.rows(layer)
         B, M = table.shape
+        if self.width(None, False, M) >= M:  # every page fits the list: exact
+            from kvtier.scopes.simple import live_pages
+            return live_pages(layer, view)
         P = view.page_size
         logical = torch.arange(M, device=table.device)[None, :]
         live = (table != DROPPED_LOC) & (logical < n_pages[:, None])

@@ -1,4 +1,4 @@
-"""ServeScheduler: continuous batching of requests over :class:`~kvtier.fast.engine.FastEngine`.
+"""ServeScheduler: continuous batching of requests over :class:`~kvtier.engine.Engine`.
 
 Each iteration has a token budget shared by decode tokens (one per running request) and prefill
 chunks (Sarathi-Serve, Agrawal et al. OSDI'24; vLLM v1's unified budget): running requests decode
@@ -31,8 +31,7 @@ import numpy as np
 import torch
 
 from kvtier.errors import ConfigError, TierFullError
-from kvtier.fast.engine import FastEngine
-from kvtier.paged_io import read_tokens
+from kvtier.engine import Engine
 from kvtier.serve.radix import PrefixMatch, RadixCache
 
 PREEMPT_MODES = ("auto", "recompute")
@@ -80,7 +79,7 @@ class ServeStats:
 class ServeScheduler:
     """Requests -> engine sequences, one budgeted iteration at a time (:meth:`iterate`)."""
 
-    def __init__(self, engine: FastEngine, token_budget: int = 512, prefix_cache: bool = True,
+    def __init__(self, engine: Engine, token_budget: int = 512, prefix_cache: bool = True,
                  preempt: str = "auto", swap_tokens: int = 0, clock=time.perf_counter):
         if not isinstance(token_budget, int) or token_budget < engine.max_batch + 1:
             raise ConfigError("serve.token_budget", f"must exceed max_batch={engine.max_batch} (one decode token "
@@ -245,7 +244,7 @@ class ServeScheduler:
         """Swap ``state`` out if it fits the swap space, else hand its pages to the tree and recompute."""
         n = self.engine.table.seq_len(state.seq)
         if state.decoding and self.swap_used + n <= self.swap_tokens:
-            state.swapped = self._copy_out(state.seq, n)
+            state.swapped = self.engine.read_sequence(state.seq, n)
             self.swap_used += n
             self.stats.swaps += 1
             self._release(state, keep=False)
@@ -256,15 +255,6 @@ class ServeScheduler:
         state.preemptions += 1
         self.waiting.append(state)
         self.waiting.sort(key=lambda s: s.req.arrival_s)
-
-    def _copy_out(self, seq: int, n: int) -> list[torch.Tensor]:
-        """``seq``'s K/V per layer ``[2, n, N_kv, D]`` in host memory."""
-        eng, out = self.engine, []
-        pids = eng.table.pages(seq)
-        for layer in range(eng.layout.num_layers):
-            eng.transfer.wait(layer, pids)
-            out.append(read_tokens(eng.table, layer, seq, device="cpu")[:, :n])  # FP8 pages come back dequantized
-        return out
 
     def _release(self, state: RequestState, keep: bool) -> None:
         """Drop ``state``'s sequence; with ``keep`` its full computed pages enter the radix tree first."""

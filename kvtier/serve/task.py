@@ -1,5 +1,5 @@
 """ServeTrace: the ``serve_trace`` experiment's task. Replays a slice of a Mooncake trace through the
-request scheduler on a :class:`FastEngine` built over the recipe's model, tiers and policy."""
+request scheduler on the engine the recipe builds (its model, tiers, policy, scope, kernel, scheduler)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from typing import ClassVar
 
 from kvtier.errors import ConfigError
 from kvtier.eval.perplexity import check_int
-from kvtier.fast.engine import FastEngine
 from kvtier.serve.replay import SLO, replay, trace_requests
 from kvtier.serve.scheduler import PREEMPT_MODES, ServeScheduler
 from kvtier.serve.trace import BLOCK, load_trace
@@ -56,17 +55,12 @@ class ServeTrace:
             raise ConfigError("task", "time_scale, slo_ttft_ms and slo_itl_ms must be > 0")
         self.slice = load_trace(self.trace, self.time_scale, self.start, self.requests)
 
-    def run(self, engine, make_cache, tokenizer, progress=None) -> dict:
-        cache = make_cache()  # the recipe's tiers and policy (its own table stays empty)
-        if cache.scope == "topk":
-            raise ConfigError("scope", "serve_trace shares prefixes, which the fast path's topk scope cannot "
-                                       "(no key bounds for shared pages): use scope all or resident")
-        fast = FastEngine(engine.model, cache.layout, cache.table.tiers, cache.policy, scope=cache.scope,
-                          max_batch=self.max_batch, max_context=self.max_context, prefill=engine.prefill)
-        sched = ServeScheduler(fast, self.token_budget, self.prefix_cache, self.preempt, self.swap_tokens)
+    def run(self, make_engine, tokenizer, progress=None) -> dict:
+        engine = make_engine(max_batch=self.max_batch, max_context=self.max_context)
+        sched = ServeScheduler(engine, self.token_budget, self.prefix_cache, self.preempt, self.swap_tokens)
         reqs = trace_requests(self.slice, engine.model.config.vocab_size, self.block_tokens, self.max_context)
         bar = progress.add_task("serve", total=len(reqs)) if progress is not None else None
         tick = (lambda: progress.advance(bar)) if bar is not None else None
         out = replay(sched, reqs, SLO(self.slo_ttft_ms / 1000, self.slo_itl_ms / 1000), tick)
         return {"task": self.name, "goodput_rps": out["goodput_rps"], "samples": len(reqs),
-                "context_tokens": self.max_context, "decode_hit_rate": fast.stats.hit_rate(), **out}
+                "context_tokens": self.max_context, "decode_hit_rate": engine.hit_rate(), **out}
