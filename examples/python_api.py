@@ -8,8 +8,8 @@ import argparse
 
 from rich.progress import Progress
 
-from kvtier import ASPE, ChunkedPrefill, DeviceTier, Engine, HostTier, LookaheadScheduler, TieredKVCache
-from kvtier import install, kv_layout_for, load_model, make_backend
+from kvtier import ASPE, ChunkedPrefill, DeviceTier, Engine, HostTier, LookaheadScheduler
+from kvtier import kv_layout_for, load_model, make_backend
 from kvtier.eval import Perplexity
 
 parser = argparse.ArgumentParser(description=__doc__)
@@ -17,18 +17,18 @@ parser.add_argument("--tokens", type=int, default=384, help="tokens of the strea
 args = parser.parse_args()
 
 model, tokenizer = load_model("smollm2", dtype="float32")
-model.set_attn_implementation(install())
 layout = kv_layout_for(model.config, page_size=16, dtype=model.dtype)
 task = Perplexity(text="opticks", length=args.tokens, prefix=16)
 
 
-def make_cache() -> TieredKVCache:
+def make_engine() -> Engine:
+    """A fresh engine per sample: tiers, policy, scheduler, kernel, scope."""
     tiers = [DeviceTier(layout, layout.pages_for(task.length // 4)), HostTier(layout, layout.pages_for(task.length))]
     policy = ASPE(sinks=4, window=16, obs_window=16, theta_evict=1e-3, theta_prefetch=1e-2)
-    return TieredKVCache(layout, tiers, policy, LookaheadScheduler(), make_backend("torch"),
-                         scope="resident")
+    return Engine(model, layout, tiers, policy, "resident", LookaheadScheduler(), make_backend("torch"),
+                  ChunkedPrefill(32))
 
 
 with Progress() as progress:
-    result = task.run(Engine(model, ChunkedPrefill(32)), make_cache, tokenizer, progress=progress)
+    result = task.run(make_engine, tokenizer, progress=progress)
 print(f"perplexity {result['perplexity']:.3f}  tier-1 hit rate {result['tier1_hit_rate']:.1%}")

@@ -96,15 +96,15 @@ def test_two_runs_differing_in_one_setting_write_two_folders_and_a_rerun_a_third
 def test_ctrl_c_writes_the_finished_part_marked_partial(tmp_path, monkeypatch):
     from kvtier.engine import Engine
 
-    real, calls = Engine.decode_step, []
+    real, calls = Engine.step, []
 
-    def interrupted(self, cache, ids):
+    def interrupted(self, tokens=None):
         calls.append(1)
         if len(calls) == 10:
             raise KeyboardInterrupt
-        return real(self, cache, ids)
+        return real(self, tokens)
 
-    monkeypatch.setattr(Engine, "decode_step", interrupted)
+    monkeypatch.setattr(Engine, "step", interrupted)
     with initialize_config_dir(str(RECIPES), version_base="1.3"):
         cfg = compose("config", overrides=TINY)
     with pytest.raises(KeyboardInterrupt):

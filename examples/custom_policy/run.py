@@ -8,20 +8,22 @@ import argparse
 import torch
 
 from fifo import Fifo
-from kvtier import ChunkedPrefill, DeviceTier, Engine, HostTier, TieredKVCache, bytes_moved, install, kv_layout_for
+from kvtier import DeviceTier, HostTier, TieredKVCache, bytes_moved, kv_layout_for
 from kvtier.models import tiny_llama
 
 
 def main(tokens: int = 96) -> dict:
     model = tiny_llama()
-    model.set_attn_implementation(install())
     layout = kv_layout_for(model.config, page_size=16, dtype=torch.float32)
     cache = TieredKVCache(layout, [DeviceTier(layout, 4, device="cpu"), HostTier(layout, 16)], Fifo(sinks=4),
                           scope="resident")
     ids = torch.randint(0, model.config.vocab_size, (1, tokens))
-    Engine(model, ChunkedPrefill(16)).greedy(cache, ids, 16)
+    token = cache.prefill(model, ids, 16)[:, -1:].argmax(-1)  # the model's own forward over the cache
+    for _ in range(15):
+        token = cache.forward(model, token)[:, -1:].argmax(-1)
+    cache.finish_step()
     moved = dict(bytes_moved(cache))
-    print(f"fifo: hit rate {cache.stats.tier1_hit_rate:.1%}, bytes moved {moved}")
+    print(f"fifo: hit rate {cache.engine.hit_rate():.1%}, bytes moved {moved}")
     return moved
 
 

@@ -49,8 +49,9 @@ class Resident(Scope):
             return live_pages(layer, view)
         if view.budget is None:  # device pages, and from the tail on (the page being written; a window's cut page)
             logical = torch.arange(table.shape[1], device=table.device)[None, :]
-            _, tail_from = window_pages(lens.clamp(min=1), view.windows[layer] if view.windows else 0, view.page_size)
-            keep = ((table >= 0) & (table != DROPPED_LOC)) | (logical >= tail_from[:, None])
-            return compact(keep & (logical < n_pages[:, None]))
+            first, tail_from = window_pages(lens.clamp(min=1), view.windows[layer] if view.windows else 0,
+                                            view.page_size)
+            keep = (table >= 0) | (logical >= tail_from[:, None])
+            return compact(keep & (logical >= first[:, None]) & (logical < n_pages[:, None]))
         rank = view.rank[layer, :view.batch]
         return budget_pick(layer, view, lambda cand, k: best_of(-rank.float(), cand, k), device_only=True)
