@@ -1,9 +1,9 @@
 """Disaggregated prefill/decode on 2 GPUs of one host (NCCL, NVLink multicast off): KV streamed per layer.
 
 Two processes (``torch.multiprocessing.spawn``), one GPU each, the same random Llama-8B-shaped weights
-(bf16). Rank 0 prefills a ``--tokens`` prompt in ``--chunk`` chunks through kvtier's hook
-(:class:`kvtier.disagg.StreamingPrefillCache`: each chunk's pages of a layer are ``isend`` as soon as
-the layer wrote them); rank 1 receives them straight into its device tier
+(bf16). Rank 0 prefills a ``--tokens`` prompt in ``--chunk`` chunks through the engine, driven by the
+model's forward (:class:`kvtier.disagg.StreamingPrefillCache`, a :class:`kvtier.cache.TieredKVCache`:
+each chunk's pages of a layer are ``isend`` as soon as the layer wrote them); rank 1 receives them straight into its device tier
 (:func:`kvtier.disagg.receive_prefill`) and decodes ``--decode`` greedy tokens; rank 0 decodes the
 same from its own cache and the two must agree. Rows, all in one run:
 - ``link``: NCCL send of one layer's KV, rank 0 -> 1 (GB/s), and the seed-001 formula: bytes / link
@@ -56,10 +56,8 @@ def worker(rank: int, port: int, args, queue) -> None:
     from kvtier import DeviceTier, SinkWindow, install, kv_layout_for
     from kvtier.cache import TieredKVCache
     from kvtier.disagg import StreamingPrefillCache, decode, prefill_and_send, receive_prefill, transfer_model
-    from kvtier.engine import Engine
     from kvtier.kernels.registry import make_backend
     from kvtier.models import random_llama
-    from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 
     model = random_llama(**shape, dtype=dtype, device=str(dev), seed=0)
     model.set_attn_implementation(install())
@@ -84,11 +82,10 @@ def worker(rank: int, port: int, args, queue) -> None:
 
     # a whole warm-up prefill (kernel compilation and tuning at every length, allocator growth), so
     # the single-GPU prefill timed next is not inflated (that would flatter the hidden fraction)
-    engine = Engine(model, ChunkedPrefill(args.chunk))
     if rank == 0:
-        engine.run_prefill(cache(), ids)
+        cache().prefill(model, ids, args.chunk)
         local = cache()
-        prefill_alone_ms = _sync_ms(lambda: engine.run_prefill(local, ids))
+        prefill_alone_ms = _sync_ms(lambda: local.prefill(model, ids, args.chunk))
         del local
     dist.barrier()
     _sync()

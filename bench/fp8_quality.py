@@ -1,5 +1,5 @@
-"""FP8 E4M3 KV pages on the real SmolLM2-135M (CPU, torch reference path, exact scope): quality against
-bf16 pages (and the model's own fp32).
+"""FP8 E4M3 KV pages on the real SmolLM2-135M (CPU, the engine with the torch reference kernel, exact scope):
+quality against bf16 pages (and the model's own fp32).
 
 The model runs in fp32 (bf16 matmuls are slow on this CPU); only what the pages store changes:
 ``kv_dtype`` float32 (the model's), bfloat16, fp8_e4m3. Three measurements each, same tokens:
@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from bench.common import write_json
-from kvtier.cache import TieredKVCache
 from kvtier.data import token_stream
 from kvtier.engine import Engine
 from kvtier.eval import Passkey, Perplexity
@@ -36,19 +35,19 @@ from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 from kvtier.tiers import DeviceTier, HostTier
 
 
-def exact_cache(layout, context: int):
+def exact_engine(model, layout, context: int, chunk: int = 512):
     """Every page attended (scope all); half the pages in host DRAM, so scales cross a tier too."""
     pages = layout.pages_for(context + 64) + 4
-    return lambda: TieredKVCache(layout, [DeviceTier(layout, pages // 2, device="cpu"), HostTier(layout, pages)],
-                                 LRU(), scope="all")
+    return lambda: Engine(model, layout, [DeviceTier(layout, pages // 2, device="cpu"), HostTier(layout, pages)],
+                          LRU(), "all", prefill=ChunkedPrefill(chunk))
 
 
 @torch.no_grad()
 def prefill_ppl(model, tok, layout, length: int, chunk: int) -> float:
     ids = token_stream(tok, "opticks", length)  # [S]
-    cache = exact_cache(layout, length)()
-    logits = Engine(model, ChunkedPrefill(chunk)).run_prefill(cache, ids[None])[0]  # [S, V]
-    cache.close()
+    engine = exact_engine(model, layout, length, chunk)()
+    logits = engine.prefill_sequence(engine.open(length), ids, all_logits=True)  # [S, V]
+    engine.close()
     nll = torch.nn.functional.cross_entropy(logits[:-1].double(), ids[1:], reduction="mean")
     return math.exp(float(nll))
 
@@ -58,24 +57,24 @@ def half_ppl(model, tok, layout, half: int, length: int) -> float:
     """Diagnostic: ``prefill_ppl`` with only K (``half=0``) or only V (1) rounded to E4M3 (per token and head,
     power-of-two scale: E4M3's relative rounding does not depend on the scale, so this matches per-page
     scales bar subnormals), the pages kept in the model's dtype."""
-    import kvtier.cache
+    import kvtier.engine.engine as engine_module
 
     def rounded(x):  # [.., D] -> E4M3-rounded, same dtype
         s = pow2_scale(x.float().abs().amax(-1, keepdim=True))
         return ((x.float() / s).to(FP8).float() * s).to(x.dtype)
 
-    plain = kvtier.cache.write_tokens
+    plain = engine_module.write_tokens
 
     def write(table, layer, seq, kv, start):
         kv = kv.clone()
         kv[half] = rounded(kv[half])
         plain(table, layer, seq, kv, start)
 
-    kvtier.cache.write_tokens = write
+    engine_module.write_tokens = write
     try:
         return prefill_ppl(model, tok, layout, length, 128)
     finally:
-        kvtier.cache.write_tokens = plain
+        engine_module.write_tokens = plain
 
 
 def main(argv=None):
@@ -107,11 +106,11 @@ def main(argv=None):
     pk = Passkey(context_tokens=args.context, depths=tuple(np.linspace(0.1, 0.9, args.passkeys).round(3).tolist()),
                  samples=1, max_new_tokens=8)
     for kv in ("bfloat16", "fp8_e4m3"):  # the target's pair
-        res = stream.run(Engine(model, ChunkedPrefill(512)), exact_cache(layouts[kv], stream.length), tok)
+        res = stream.run(exact_engine(model, layouts[kv], stream.length), tok)
         rows[kv]["stream_ppl"] = res["perplexity"]
         print(kv, "stream_ppl", rows[kv]["stream_ppl"], f"{time.time() - t0:.0f}s", flush=True)
     for kv in ("bfloat16", "fp8_e4m3"):
-        res = pk.run(Engine(model, ChunkedPrefill(512)), exact_cache(layouts[kv], args.context), tok)
+        res = pk.run(exact_engine(model, layouts[kv], args.context), tok)
         rows[kv].update(passkey=res["accuracy"], passkey_outputs=[r["output"] for r in res["records"]])
         print(kv, "passkey", rows[kv]["passkey"], rows[kv]["passkey_outputs"], f"{time.time() - t0:.0f}s", flush=True)
     base, fp8 = rows["bfloat16"], rows["fp8_e4m3"]

@@ -1,9 +1,9 @@
 """Peak RSS vs context length: a long context streamed through device -> host -> disk tiers.
 
-A model-shaped cache (default 8 layers, 4 kv heads, D=64, fp16: 8 KiB of KV per token) takes the
-context in chunks: each chunk's K/V is written, the chunk's last token attends under ``resident``
-scope with SinkWindow, and the scheduler demotes pages down the tiers (device and host budgets small, disk
-holding the rest). RSS should track the configured device + host capacities, not the context.
+An engine without a model (default 8 layers, 4 kv heads, D=64, fp16: 8 KiB of KV per token) takes
+one sequence's context in chunks, as prefill steps: each chunk's K/V is written, then its last token
+(a one-token step) attends under ``resident`` scope with SinkWindow, and the scheduler demotes pages
+down the tiers (device and host budgets small, disk holding the rest). RSS should track the configured device + host capacities, not the context.
 Run (CPU):  python -m bench.memory --tokens 1048576   (writes bench/memory.json or $OUT/memory.json)
 """
 
@@ -19,7 +19,7 @@ import torch
 
 from bench.common import print_table, write_json
 from kvtier import KVLayout
-from kvtier.cache import TieredKVCache
+from kvtier.engine import Engine
 from kvtier.policies import SinkWindow
 from kvtier.tiers import DeviceTier, DiskTier, HostTier
 
@@ -45,7 +45,8 @@ def main():
     t0 = time.time()
     tiers = [DeviceTier(layout, args.device_pages, device="cpu"), HostTier(layout, args.host_pages),
              DiskTier(layout, disk_pages, tmp.name)]
-    cache = TieredKVCache(layout, tiers, SinkWindow(sinks=4, window=1024), scope="resident")
+    engine = Engine(None, layout, tiers, SinkWindow(sinks=4, window=1024), "resident")
+    seq = engine.open(args.tokens)
     after_alloc = rss_mb()
     gen = torch.Generator().manual_seed(0)
     q_heads = 8
@@ -53,20 +54,24 @@ def main():
     done = 0
     while done < args.tokens:
         n = min(args.chunk, args.tokens - done)
-        for layer in range(layout.num_layers):
-            k = torch.randn(1, 4, n, 64, generator=gen).half()
-            cache.update(k, k, layer)
-            cache.attend(layer, torch.randn(1, q_heads, 1, 64, generator=gen).half())  # the chunk's last token
+        k = [torch.randn(1, 4, n, 64, generator=gen).half() for _ in range(layout.num_layers)]
+        for a, b in ((0, n - 1), (n - 1, n)):  # the chunk's K/V, then its last token attends
+            if b > a:
+                engine.begin_prefill([seq], b - a)
+                for layer in range(layout.num_layers):
+                    engine.store(layer, k[layer][:, :, a:b], k[layer][:, :, a:b])
+                    if b == n:
+                        engine.attend(layer, torch.randn(1, q_heads, 1, 64, generator=gen).half())
         done += n
         if done >= next_report or done == args.tokens:
-            occ = cache.table.occupancy()
+            occ = engine.table.occupancy()
             rows.append({"tokens": done, "rss_MB": rss_mb(), "peak_rss_MB": resource.getrusage(
                 resource.RUSAGE_SELF).ru_maxrss / 1024, "device_pages": max(occ["device"]),
                 "host_pages": max(occ["host"]), "disk_pages": max(occ["disk"]),
                 "kv_GB": done * layout.token_bytes / 1e9, "elapsed_s": time.time() - t0})
             print(rows[-1], flush=True)
             next_report *= 2
-    cache.close()
+    engine.close()
     tmp.cleanup()
     capacity_mb = (args.device_pages + args.host_pages) * layout.page_bytes * layout.num_layers / 2**20
     print_table(f"peak RSS vs context (tier budgets: device {args.device_pages} + host {args.host_pages} pages/layer "

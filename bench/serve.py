@@ -1,4 +1,4 @@
-"""Serving bench (H200, Llama-8B shape, random bf16 weights) through kvtier.serve on FastEngine.
+"""Serving bench (H200, Llama-8B shape, random bf16 weights) through kvtier.serve on :class:`kvtier.engine.Engine`.
 
 Each part first runs, untimed, every path it then times: a Triton kernel compiles at its first launch of a
 shape, a decode bucket captures its CUDA graph at its first step.
@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from bench.common import MODELS, bench_ms, print_table, write_json
-from kvtier.fast.engine import FastEngine
+from kvtier.engine import Engine, EngineConfig
 from kvtier.models import kv_layout_for, random_llama
 from kvtier.policies import LRU, SinkWindow
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
@@ -99,14 +99,14 @@ def peak_tflops(device: torch.device, dtype: torch.dtype) -> float:
 
 
 def engine_for(model, hbm_pages: int, host_pages: int, max_batch: int, max_context: int,
-               window: int | None = None) -> FastEngine:
+               window: int | None = None) -> Engine:
     layout = kv_layout_for(model.config, page_size=PAGE, dtype=model.dtype)
     tiers = [DeviceTier(layout, hbm_pages, device=model.device)] + \
         ([HostTier(layout, host_pages)] if host_pages else [])
     policy = SinkWindow(sinks=4, window=window) if window else LRU()
     # no torch.compile: a serving batch visits every bucket, and compiling each would take minutes
-    return FastEngine(model, layout, tiers, policy, scope="resident" if window else "all", max_batch=max_batch,
-                      max_context=max_context, prefill=ChunkedPrefill(8192), compile=False)
+    return Engine(model, layout, tiers, policy, "resident" if window else "all", prefill=ChunkedPrefill(8192),
+                  config=EngineConfig(max_batch=max_batch, max_context=max_context, compile=False))
 
 
 def prompt(rng: np.random.Generator, n: int, vocab: int) -> np.ndarray:

@@ -1,8 +1,9 @@
 """Where a decode step's time goes: HF's own attention vs kvtier, host syncs, host functions.
 
 Rows (SmolLM2-shaped model, random weights, B=1, bf16, context written into the tiers as in
-:mod:`bench.e2e`): plain HF (sdpa, DynamicCache) on the same context, and kvtier at 100% HBM
-(``all``) and 20% (``resident``, ``topk``). The device machine's host is shared and its step times
+:mod:`bench.e2e`): plain HF (sdpa, DynamicCache) on the same context, and :class:`kvtier.engine.Engine`'s
+step (CUDA graph, triton kernel, no timing syncs of its own) at 100% HBM (``all``) and 20% (``resident``,
+``topk``). The device machine's host is shared and its step times
 drift between calls, so the runs are timed in interleaved rounds and the minimum is reported. Then
 per step: host<->device copies and stream syncs (torch profiler) and kvtier's hottest host
 functions (cProfile).
@@ -21,13 +22,10 @@ import numpy as np
 import torch
 
 from bench.common import MODELS, print_table, write_json
-from kvtier.cache import TieredKVCache
-from kvtier.engine import Engine
-from kvtier.hook import install
-from kvtier.kernels.registry import make_backend
+from kvtier.engine import Engine, EngineConfig
 from kvtier.models import kv_layout_for, random_llama
-from kvtier.paged_io import write_tokens
 from kvtier.policies import LRU, SinkWindow
+from kvtier.scopes import TopK
 from kvtier.tiers import DeviceTier, HostTier
 
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaEventSynchronize")
@@ -48,15 +46,6 @@ def hf_step(model, context: int):
     return step
 
 
-def kvtier_step(model, cache):
-    engine = Engine(model)
-    state = {"token": torch.randint(0, model.config.vocab_size, (1, 1), device="cuda")}
-
-    def step():
-        state["token"] = engine.decode_step(cache, state["token"]).argmax(-1, keepdim=True)
-    return step
-
-
 def median_ms(step, n: int) -> float:
     times = []
     for _ in range(n):
@@ -68,30 +57,18 @@ def median_ms(step, n: int) -> float:
     return float(np.median(times) * 1e3)
 
 
-def fill(cache: TieredKVCache, context: int) -> None:
-    """Write ``context`` random tokens of K/V into the cache's pages, as a prefill would leave them, as step 0."""
-    layout = cache.layout
-    pids = np.asarray(cache.table.append(0, context)[0], dtype=np.int64)
-    cache.chooser.on_append(pids)
-    for layer in range(layout.num_layers):
-        kv = torch.randn(2, context, layout.num_kv_heads, layout.head_dim, device="cuda", dtype=layout.dtype)
-        write_tokens(cache.table, layer, 0, kv, 0)
-        cache.chooser.on_write(cache.table, cache.seqs, layer, kv[0].transpose(0, 1)[None], 0)  # Quest bounds
-    cache.policy.on_append(pids, 0)
-    cache._start = context  # the filled context counts as step 0: the policy and scheduler act on it
-    cache._open = True
-    cache.finish_step()
-
-
-def make_cache(layout, context, budget, scope, steps):
-    total = layout.pages_for(context + 4 * steps + 16)
+def make_engine(model, layout, context, budget, scope, steps) -> Engine:
+    """An engine holding ``context`` tokens of random K/V (written into its pages, as a prefill would leave
+    them) in one decoding sequence, room for ``steps`` more."""
+    total = layout.pages_for(context + steps + 16)
     dev = max(int(total * budget), 40)
     policy = LRU() if budget == 1.0 else SinkWindow(sinks=4, window=256)
-    cache = TieredKVCache(layout, [DeviceTier(layout, dev), HostTier(layout, total + 64)], policy,
-                          backend=make_backend("triton"), scope=scope,
-                          topk_pages=max(dev // 2, 8) if scope == "topk" else None)
-    fill(cache, context)
-    return cache
+    chooser = TopK(max(dev // 2, 8)) if scope == "topk" else scope
+    engine = Engine(model, layout, [DeviceTier(layout, dev), HostTier(layout, total + 64)], policy, chooser,
+                    config=EngineConfig(max_context=context + steps + 16, sync_timing=False))
+    shape = (layout.num_kv_heads, layout.head_dim)
+    engine.add_written(context, lambda layer, a, b: torch.randn(2, b - a, *shape, device="cuda", dtype=layout.dtype))
+    return engine
 
 
 def profile(step, steps: int, top: int) -> dict:
@@ -121,23 +98,20 @@ def main():
     ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (the host is shared: min of medians)")
     ap.add_argument("--top", type=int, default=12)
     args = ap.parse_args()
-    install()
     model = random_llama(**MODELS["smollm2-shape"], device="cuda", dtype="bfloat16")
     layout = kv_layout_for(model.config, page_size=16, dtype=torch.bfloat16)
     scopes = [(1.0, "all"), (0.2, "resident"), (0.2, "topk")]
     steps_total = args.steps * (args.rounds + 3)
     model.set_attn_implementation("sdpa")
     hf = hf_step(model, args.context)
-    model.set_attn_implementation("kvtier")
-    caches = [make_cache(layout, args.context, b, s, steps_total) for b, s in scopes]
-    runners = {"hf_sdpa": hf, **{f"{s}@{b:g}": kvtier_step(model, c) for (b, s), c in zip(scopes, caches)}}
+    engines = [make_engine(model, layout, args.context, b, s, steps_total) for b, s in scopes]
+    runners = {"hf_sdpa": hf, **{f"{s}@{b:g}": e.step for (b, s), e in zip(scopes, engines)}}
     times = {name: [] for name in runners}
     for r in range(args.rounds + 1):  # round 0 warms up
         for name, step in runners.items():
-            if name == "hf_sdpa":
+            if name == "hf_sdpa":  # the engines' forward switches it to the kvtier hook
                 model.set_attn_implementation("sdpa")
             ms = median_ms(step, args.steps)
-            model.set_attn_implementation("kvtier")
             if r:
                 times[name].append(ms)
     rows = []
@@ -146,14 +120,13 @@ def main():
             model.set_attn_implementation("sdpa")
         row = {"run": name, "tpot_ms_min": min(times[name]), "tpot_ms_median": float(np.median(times[name])),
                "rounds_ms": times[name], **profile(step, args.steps, args.top)}
-        model.set_attn_implementation("kvtier")
         row["vs_hf"] = row["tpot_ms_min"] / min(times["hf_sdpa"])
         rows.append(row)
         print(name, f"tpot min {row['tpot_ms_min']:.1f} ms", row["per_step"])
         for h in row["host_top"]:
             print(f"   {h['fn']:<48} self {h['self_ms_per_step']:7.2f} ms  cum {h['cum_ms_per_step']:7.2f} ms")
-    for c in caches:
-        c.close()
+    for e in engines:
+        e.close()
     print_table(f"decode step, smollm2-shape, {args.context} tokens, B=1, bf16, triton; min of {args.rounds} "
                 f"interleaved rounds of {args.steps}-step medians", rows,
                 ["run", "tpot_ms_min", "tpot_ms_median", "vs_hf", "syncs_per_step"])

@@ -15,7 +15,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from kvtier.budget import TokenBudget
-from kvtier.checks import (check_device_room, check_positions, check_salience, check_stack, device_pages_needed,
+from kvtier.checks import (check_decode_kernel, check_device_room, check_positions, check_salience, check_stack,
+                           device_pages_needed,
                            tier_pages)
 from kvtier.errors import ConfigError
 from kvtier.hook import use_hook
@@ -94,7 +95,9 @@ def plan(cfg: DictConfig) -> Plan:
     prefill = build(cfg.scheduler.prefill, "scheduler.prefill")
     build(cfg.scheduler.placement, "scheduler.placement")
     build(cfg.logger, "logger")
-    check_salience(policy, build(cfg.kernel, "kernel"))
+    kernel = build(cfg.kernel, "kernel")
+    check_salience(policy, kernel)
+    check_decode_kernel(kernel)
     build(cfg.model, "model", call=False)
     check_load_args(cfg.model.get("dtype"), cfg.model.get("device", "cpu"))
     _, config = load_config(cfg.model.get("path"))

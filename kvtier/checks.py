@@ -43,6 +43,14 @@ def check_salience(policy, backend) -> None:
                                     "not give; use kernel=triton or kernel=torch")
 
 
+def check_decode_kernel(backend) -> None:
+    """The engine's decode step reads pages through the block table with a kernel of its own contract."""
+    if not backend.decodes:
+        raise ConfigError("kernel", f"backend '{backend.name}' has no decode step over kvtier's block table (pages "
+                                    "read where they live, page lists, per-page statistics); use kernel=triton "
+                                    "or kernel=torch")
+
+
 def check_positions(task, config) -> None:
     """The task's context plus what it generates fits the model's ``max_position_embeddings``."""
     limit = getattr(config, "max_position_embeddings", None)

@@ -185,8 +185,7 @@ def recipe_options():
 def test_every_recipe_option_validates(group, option):
     with initialize_config_dir(str(RECIPES), version_base="1.3"):
         cfg = compose("config", overrides=[f"{group}={option}"])
-    if (group, option) == ("kernel", "flashinfer") and not _cuda() or \
-            (group, option) == ("kernel", "triton") and not _cuda() and os.environ.get("TRITON_INTERPRET") != "1":
+    if (group, option) == ("kernel", "triton") and not _cuda() and os.environ.get("TRITON_INTERPRET") != "1":
         with pytest.raises(ConfigError, match="kernel"):
             validate(cfg)
     elif (group, option) == ("model", "local"):

@@ -34,7 +34,7 @@ import torch
 
 from kvtier.budget import TokenBudget
 from kvtier.cache_base import ACTIVE_CACHE, PassCache
-from kvtier.checks import check_device_room
+from kvtier.checks import check_decode_kernel, check_device_room
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.feedback import Feedback
 from kvtier.engine.prefill import PrefillAttention
@@ -113,6 +113,7 @@ class Engine:
         self.kernel = kernel or (make_backend("triton") if self.device.type == "cuda" else TorchBackend())
         self.prefill = prefill or ChunkedPrefill()
         self.stats = CacheStats()
+        check_decode_kernel(self.kernel)
         self._check_feedback()
         self.host = tiers[1] if len(tiers) > 1 and tiers[1].pool(0) is not None else None
         if self.device.type == "cuda" and self.host is not None and not self.host.pool(0).is_pinned():

@@ -121,6 +121,13 @@ class AttentionBackend(ABC):
     def run(self, q: torch.Tensor, kv_pool: torch.Tensor, return_page_max: bool = False) -> AttentionOutput:
         """q ``[Nq, H, D]``, kv_pool ``[slots, 2, P, N_kv, D]``."""
 
+    decodes = False  # has :meth:`decode`, the engine's decode step
+
+    def decode(self, *args, **kwargs):
+        """The engine's decode step over the block table (:func:`kvtier.kernels.triton_decode.static_decode`'s
+        contract); backends without one are refused when the engine is built."""
+        raise NotImplementedError
+
 
 def page_salience(page_max: torch.Tensor, lse: torch.Tensor, batch: PagedBatch, num_kv_heads: int) -> torch.Tensor:
     """Max attention probability per (listed page, kv head) ``[nnz, N_kv]`` for one query per sequence.

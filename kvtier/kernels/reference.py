@@ -73,6 +73,8 @@ class TorchBackend(AttentionBackend):
     def run(self, q, kv_pool, return_page_max=False):
         return paged_attention_reference(q, kv_pool, self.batch, self.sm_scale, return_page_max)
 
+    decodes = True
+
     def decode(self, *args, **kwargs):
         """The engine's decode step: :func:`static_decode_reference`."""
         return static_decode_reference(*args, **kwargs)

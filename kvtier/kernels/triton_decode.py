@@ -510,6 +510,8 @@ class TritonBackend(AttentionBackend):
             page_max[place] = listed
         return AttentionOutput(out, lse, page_max)
 
+    decodes = True
+
     def decode(self, *args, **kwargs):
         """The engine's decode step: :func:`static_decode`."""
         return static_decode(*args, **kwargs)

@@ -1,0 +1,141 @@
+"""Every shipped policy x scope x tier stack runs through the one engine on the CPU with its real statistics, and
+a policy that needs a statistic the scope or the kernel cannot give is refused when the engine is built."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.budget import TokenBudget
+from kvtier.engine import Engine
+from kvtier.errors import ConfigError
+from kvtier.models import kv_layout_for, tiny_llama
+from kvtier.policies import POLICIES, LRU, Compose, SinkWindow
+from kvtier.scheduler.chunked_prefill import ChunkedPrefill
+from kvtier.scopes import All, Resident, Scope, TopK
+from kvtier.tiers import DeviceTier, DiskTier, HostTier, RedisTier
+
+SHIPPED = [name for name in POLICIES if name not in ("scored", "compose")]
+STACKS = ["device", "host", "disk", "redis"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = tiny_llama(seed=2)
+    return model, kv_layout_for(model.config, page_size=8, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    from kvtier.tiers.redis_server import LocalRedis
+
+    try:
+        server = LocalRedis()
+    except Exception as e:  # the [redis] extra is part of the dev install; say so when it is not
+        pytest.skip(f"no redis-server: {e}")
+    yield server.url
+    server.stop()
+
+
+def tiers_for(layout, stack, tmp_path, redis_url):
+    tiers = [DeviceTier(layout, 64 if stack == "device" else 6, device="cpu")]
+    if stack != "device":
+        tiers.append(HostTier(layout, 4 if stack in ("disk", "redis") else 64))
+    if stack == "disk":
+        tiers.append(DiskTier(layout, 64, tmp_path / "disk"))
+    if stack == "redis":
+        tiers.append(RedisTier(layout, 64, redis_url))
+    return tiers
+
+
+def policy_of(name):
+    return POLICIES[name]() if name == "lru" else POLICIES[name](sinks=4, window=8)
+
+
+class Heard:
+    """Wraps a policy: counts what it hears."""
+
+    def __init__(self, policy):
+        self.counts = {"salience": 0, "attention": 0, "access": 0}
+        for event, key in (("on_salience", "salience"), ("on_attention", "attention"), ("on_access", "access")):
+            real = getattr(policy, event)
+
+            def spy(*args, real=real, key=key):
+                values = args[2] if len(args) > 2 and isinstance(args[2], np.ndarray) else None
+                self.counts[key] += 1 if values is None or np.isfinite(values).all() else 0
+                return real(*args)
+            setattr(policy, event, spy)
+
+
+@pytest.mark.parametrize("stack", STACKS)
+@pytest.mark.parametrize("scope", ["all", "resident", "topk"])
+def test_every_policy_runs_with_its_statistics(tiny, tmp_path, redis_url, stack, scope):
+    model, layout = tiny
+    prompt = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(5))
+    for name in SHIPPED:
+        policy = policy_of(name)
+        heard = Heard(policy)
+        chooser = {"all": All(), "resident": Resident(), "topk": TopK(3)}[scope]
+        engine = Engine(model, layout, tiers_for(layout, stack, tmp_path / name / scope, redis_url), policy, chooser,
+                        prefill=ChunkedPrefill(16))
+        engine.add(prompt)
+        logits = [engine.step() for _ in range(4)]
+        engine.feedback.take(upto=engine.step_idx)
+        assert all(torch.isfinite(x).all() for x in logits), name
+        for stat in policy.needs & {"salience", "attention"}:
+            assert heard.counts[stat] > 0, (name, stat)
+        if policy.hears_access:
+            assert heard.counts["access"] > 0, name
+        if "keys" in policy.needs:
+            assert engine.keys is not None and float(engine.keys.count.sum()) == 44 * layout.num_layers
+        engine.close()
+
+
+def test_a_budgeted_step_runs_every_policy_through_topk_and_resident(tiny):
+    model, layout = tiny
+    prompt = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(6))
+    for name in SHIPPED:
+        for chooser in (Resident(), TopK()):
+            engine = Engine(model, layout, [DeviceTier(layout, 64, device="cpu"), HostTier(layout, 64)],
+                            policy_of(name), chooser, prefill=ChunkedPrefill(16), budget=TokenBudget(32, 4, 8, 8),
+                            exact_prefill=True)
+            engine.add(prompt)
+            for _ in range(3):
+                engine.step()
+            engine.feedback.take(upto=engine.step_idx)
+            assert engine.stats.attended_per_step() == [32.0] * 3, (name, chooser.name)
+
+
+class Blind(Scope):
+    """A user scope whose attention gives no per-page statistics."""
+
+    name = "blind"
+    gives = frozenset()
+
+    def pick(self, layer, q, view):
+        return None
+
+
+def test_a_statistic_the_scope_or_kernel_cannot_give_is_refused_at_construction(tiny):
+    model, layout = tiny
+    tiers = lambda: [DeviceTier(layout, 64, device="cpu")]  # noqa: E731
+    for needs in ("aspe", "h2o"):
+        with pytest.raises(ConfigError) as e:
+            Engine(model, layout, tiers(), policy_of(needs), Blind())
+        assert e.value.field == "scope" and "blind" in str(e.value)
+    Engine(model, layout, tiers(), SinkWindow(sinks=4, window=8), Blind())  # needs nothing: fine
+    with pytest.raises(ConfigError) as e:
+        Engine(model, layout, tiers(), Compose(rank=policy_of("h2o"), pins=[LRU()]), Blind())
+    assert e.value.field == "scope"
+
+    class NoSalience:
+        name, supports_salience = "flashinfer-like", False
+    with pytest.raises(ConfigError) as e:
+        Engine(model, layout, tiers(), policy_of("aspe"), All(), kernel=NoSalience())
+    assert e.value.field == "kernel"
+    from kvtier.engine import EngineConfig
+    with pytest.raises(ConfigError) as e:
+        Engine(model, layout, tiers(), LRU(), All(), config=EngineConfig(lookahead=0))
+    assert e.value.field == "engine.lookahead"
+    with pytest.raises(ConfigError) as e:
+        Engine(model, layout, tiers(), "lru", All())
+    assert e.value.field == "policy"
