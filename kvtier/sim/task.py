@@ -4,7 +4,7 @@ the model, engine and cache) and simulates one seed's scenario with a calibratio
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -25,7 +25,7 @@ class SimSeed:
     seed: str = "000"
     calibration: str | None = None
     plots: bool = True
-    options: dict = field(default_factory=dict)
+    options: dict | None = None
     name: ClassVar[str] = "sim_seed"
     needs_model: ClassVar[bool] = False
 
@@ -33,6 +33,7 @@ class SimSeed:
         self.seed = str(self.seed).zfill(3)
         if self.seed not in SCENARIOS:
             raise ConfigError("task.seed", f"use one of {sorted(SCENARIOS)}, got {self.seed!r}")
+        self.options = dict(self.options or {})
         known = {f.name for f in dataclasses.fields(SCENARIOS[self.seed])} - {"cal"}
         unknown = set(self.options) - known
         if unknown:
