@@ -9,6 +9,7 @@ reads, ``anchors`` the bench rows each group was fitted on (every other row is h
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -52,6 +53,13 @@ class Calibration:
         for key in ("bf16", "fp8"):
             if set(self.attention.get(key, {})) != {"ms", "GBps"}:
                 raise ConfigError(f"calibration.attention.{key}", "must hold 'ms' and 'GBps'")
+
+    def page_copy_efficiency(self, page_KiB: float, method: str = "kernel") -> float:
+        """Share of the bulk host link rate that ``method`` reached copying many pages of about ``page_KiB`` (the
+        measured page size nearest in log scale, its largest batch)."""
+        rows = self.page_copy_GBps[method]
+        size = min({r[0] for r in rows}, key=lambda k: abs(math.log(k / page_KiB)))
+        return max(r for r in rows if r[0] == size)[2] / self.host_GBps
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")

@@ -51,6 +51,8 @@ def plot(path: Path, title: str, panels: list[Panel]) -> Path:
         ax.set_ylabel(p.y_label)
         if p.log_x:
             ax.set_xscale("log")
+            ax.set_xticks(p.xs, [f"{x:g}" for x in p.xs])
+            ax.minorticks_off()
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)

@@ -43,8 +43,12 @@ class Seed000:
 
     def offload(self, offloaded: float, hit_rate: float, link_GBps: float = CXL_GBPS, attended: float | None = None,
                 promoted: float = 0.0) -> Offload:
-        return Offload(Link("CXL", link_GBps / self.costs.tp), 1 - offloaded, self.attended if attended is None
-                       else attended, hit_rate, promoted)
+        """The node's tiers: ``link_GBps`` (the node's, nominal) moves pages at the share of it kvtier's copy kernel
+        reached on its host link for pages of this size (bench/transfers.json)."""
+        page_KiB = PAGE * self.costs.token_bytes() / self.costs.model.layers / 1024  # one layer's page on one GPU
+        rate = link_GBps / self.costs.tp * self.cal.page_copy_efficiency(page_KiB)
+        return Offload(Link("CXL", rate), 1 - offloaded, self.attended if attended is None else attended, hit_rate,
+                       promoted)
 
     def feasible(self, offloaded: float) -> bool:
         """Does the HBM hold the non-offloaded share of 16 x 512k tokens?"""
@@ -86,13 +90,16 @@ class Seed000:
         need_hit = _solve(lambda h: self.tok_s(self.offload(off, h)), SEED["tok_s"], 0.0, 1.0)
         need_attended = {g: -_solve(lambda a: self.tok_s(self.offload(off, SEED["hit_rate"], g, attended=-a)),
                                     SEED["tok_s"], -1.0, -1e-5) for g in (CXL_GBPS, 1e6)}
+        host, redis = self.cal.host_GBps * self.costs.tp, self.cal.redis_read_GBps  # 8 GPUs' links; one client
         min_off = 1 - kv_room_tokens(self.costs) / (SEED["batch"] * (SEED["context"] + self.output))
         des = self.serve(self.offload(off, best_hit, promoted=best_promoted))  # one 512k request: its TTFT
         claims = [
             Claim("throughput, 512k x 16, 82% on CXL", "1,420 tok/s", f"{at_seed_hit:,.0f} tok/s at the seed's 98.4% hits",
                   supported(at_seed_hit, SEED["tok_s"]),
                   f"a top-k scope attending <= {need_attended[CXL_GBPS]:.2%} of the pages at {CXL_GBPS:.0f} GB/s "
-                  f"(<= {need_attended[1e6]:.2%} with an unlimited link; exact attention: {exact:,.1f} tok/s)"),
+                  f"(<= {need_attended[1e6]:.2%} with an unlimited link; exact attention: {exact:,.1f} tok/s); "
+                  f"kvtier's FP8 decode kernel reads {self.cal.attention['fp8']['GBps']:,.0f} GB/s on the H200 "
+                  f"(bf16 {self.cal.attention['bf16']['GBps']:,.0f})"),
             Claim("throughput with kvtier's policies", "1,420 tok/s", f"{at_sim_hit:,.0f} tok/s ({best_name})",
                   supported(at_sim_hit, SEED["tok_s"]),
                   f"at {self.attended:.0%} attended, a hit rate >= {need_hit:.1%} at {CXL_GBPS:.0f} GB/s"
@@ -101,6 +108,12 @@ class Seed000:
                   supported(best_hit, SEED["hit_rate"], tolerance=0.005),
                   f"kvtier's measured pick churn {self.cal.pick_churn:.0%}/step caps the hits near "
                   f"{1 - self.cal.pick_churn:.0%} unless picks return (reuse {self.reuse})"),
+            Claim("the tier behind HBM, on links kvtier measured", "CXL 256-512 GB/s",
+                  f"{self.tok_s(self.offload(off, SEED['hit_rate'], host)):,.0f} tok/s over pinned host DRAM "
+                  f"({host:,.0f} GB/s per node), {self.tok_s(self.offload(off, SEED['hit_rate'], redis)):,.1f} over "
+                  f"Redis ({redis:.2f} GB/s)", supported(self.tok_s(self.offload(off, SEED["hit_rate"], host)),
+                                                         SEED["tok_s"]),
+                  "at the seed's 98.4% hits; kvtier measures no CXL link"),
             Claim("82% of the KV offloaded", "82%", f"at least {min_off:.0%} must be", "supported" if min_off <= off
                   else "not supported", "HBM after FP8 weights holds the rest"),
             Claim("3.8x concurrent prefills (chunked, immediate demotion)", "3.8x", "not simulated", "not simulated",
