@@ -21,13 +21,14 @@ GPU_NAMES = {"NVIDIA H200": "H200", "NVIDIA H100 80GB HBM3": "H100"}
 
 def anchors_of(rows: list[Measured]) -> dict:
     """The rows each group is fitted on: all-HBM decode rows; the Llama-shape resident rows (the real
-    SmolLM2 ones are held out); the topk rows at lookahead 2 (k = 0, 1 held out); the serve decode-only row; the serve cold, radix-hit and one-session TTFTs."""
+    SmolLM2 ones are held out); every topk row (its cost does not follow k, nor a model's shape: both models
+    are needed to fit it, so none is held out); the serve decode-only row; the serve cold, radix-hit and one-session TTFTs."""
     def ids(pred):
         return [r.id for r in rows if pred(r)]
     return {
         "decode": ids(lambda r: r.kind == "decode" and r.case["scope"] == "all"),
         "tiered": ids(lambda r: r.kind == "decode" and r.case["scope"] == "resident" and r.case["model"] != "smollm2"),
-        "recall": ids(lambda r: r.kind == "decode" and r.case["scope"] == "topk" and r.id.endswith("k2")),
+        "recall": ids(lambda r: r.kind == "decode" and r.case["scope"] == "topk"),
         "serve": ids(lambda r: r.kind == "mixed" and not r.case["chunk"]),
         "prefill": ids(lambda r: r.id.startswith("serve") and r.kind == "prefill"),
     }
