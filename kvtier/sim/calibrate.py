@@ -20,9 +20,9 @@ GPU_NAMES = {"NVIDIA H200": "H200", "NVIDIA H100 80GB HBM3": "H100"}
 
 
 def anchors_of(rows: list[Measured]) -> dict:
-    """The rows each group is fitted on: all-HBM decode rows; the Llama-shape resident rows (the real
-    SmolLM2 ones are held out); every topk row (its cost does not follow k, nor a model's shape: both models
-    are needed to fit it, so none is held out); the serve decode-only row; the serve cold, radix-hit and one-session TTFTs."""
+    """The rows each group is fitted on: all-HBM decode rows; the Llama-shape resident rows (the real SmolLM2 ones
+    are held out); every topk row (its cost does not follow k, nor a model's shape: both models are needed to fit
+    it, so none is held out); the serve decode-only row; the serve cold, radix-hit and one-session TTFTs."""
     def ids(pred):
         return [r.id for r in rows if pred(r)]
     return {

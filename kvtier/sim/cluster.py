@@ -17,7 +17,7 @@ pages, the newest is swapped out (its KV kept off the device, bytes counted) and
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 

@@ -59,8 +59,9 @@ class StepCosts:
         memory; ``serve``: run by the serve scheduler."""
         p, L = self.cal.params, self.model.layers
         d = p["decode"]
-        t = (L * d["layer_ms"] + d["weights_x"] * self.model.params * self.weight_bytes / self.tp / (self.hbm_GBps * 1e6)
-             + d["row_layer_ms"] * rows * L + L * self.attention_ms(rows, keys) + self._allreduce_ms())
+        weights_ms = self.model.params * self.weight_bytes / self.tp / (self.hbm_GBps * 1e6)
+        t = (L * d["layer_ms"] + d["weights_x"] * weights_ms + d["row_layer_ms"] * rows * L
+             + L * self.attention_ms(rows, keys) + self._allreduce_ms())
         if tiered:
             t += p["tiered"]["plan_ms"] + miss_MB / self.cal.host_GBps
         if recall:

@@ -82,8 +82,3 @@ def model_named(name: str) -> ModelShape:
         raise ConfigError("model", f"unknown model shape {name!r}; use one of {sorted(MODELS)}")
     return MODELS[name]
 
-
-def gpu_named(name: str) -> Gpu:
-    if name not in GPUS:
-        raise ConfigError("gpu", f"unknown GPU {name!r}; use one of {sorted(GPUS)}")
-    return GPUS[name]

@@ -73,7 +73,8 @@ class Ledger:
                "ttft_p50_s": pct(ttft, 50), "ttft_p95_s": pct(ttft, 95), "ttft_p99_s": pct(ttft, 99),
                "itl_p50_ms": pct(itl, 50) * 1e3, "itl_p99_ms": pct(itl, 99) * 1e3,
                "itl_std_ms": float(itl.std()) * 1e3 if len(itl) else float("nan"),
-               "output_tok_s": self.output_tokens / span, "goodput_rps": good / span, "slo_met": good / max(1, len(done)),
+               "output_tok_s": self.output_tokens / span, "goodput_rps": good / span,
+               "slo_met": good / max(1, len(done)),
                "preemptions": self.preemptions, "prefix_hit": self.cached_tokens / max(1, self.prompt_tokens)}
         peak_all = sum(i.spec.costs.gpu.bf16_tflops * 1e12 * i.spec.costs.tp for i in self.instances) * span
         out["flop_util"] = sum(i.flops for i in self.instances) / peak_all if peak_all else float("nan")

@@ -94,7 +94,8 @@ class Seed000:
         min_off = 1 - kv_room_tokens(self.costs) / (SEED["batch"] * (SEED["context"] + self.output))
         des = self.serve(self.offload(off, best_hit, promoted=best_promoted))  # one 512k request: its TTFT
         claims = [
-            Claim("throughput, 512k x 16, 82% on CXL", "1,420 tok/s", f"{at_seed_hit:,.0f} tok/s at the seed's 98.4% hits",
+            Claim("throughput, 512k x 16, 82% on CXL", "1,420 tok/s",
+                  f"{at_seed_hit:,.0f} tok/s at the seed's 98.4% hits",
                   supported(at_seed_hit, SEED["tok_s"]),
                   f"a top-k scope attending <= {need_attended[CXL_GBPS]:.2%} of the pages at {CXL_GBPS:.0f} GB/s "
                   f"(<= {need_attended[1e6]:.2%} with an unlimited link; exact attention: {exact:,.1f} tok/s); "

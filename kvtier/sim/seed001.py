@@ -78,7 +78,8 @@ class Seed001:
         transfer_ms = P * self.costs.model.kv_token_bytes(1.0) / (ROCE_GBPS * 1e6)
         prefill_ms = self.costs.prompt_ms(P, 0, self.chunk)
         model = self.costs.model
-        flops_ms = (model.linear_flops(P) + model.attention_flops(P, 0)) / self.costs.tp / (self.costs.gpu.bf16_tflops * 1e9)
+        peak = self.costs.tp * self.costs.gpu.bf16_tflops * 1e9  # FLOP per ms
+        flops_ms = (model.linear_flops(P) + model.attention_flops(P, 0)) / peak
         ratio = self.decode_nodes_per_prefill_node()
         n_prefill = min(4, max(1, round(5 / (1 + ratio))))
         _, bal = self.simulate(self.disaggregated(prefill_nodes=n_prefill))
@@ -107,7 +108,8 @@ class Seed001:
             Claim("4:1 decode-to-prefill nodes", "4:1", f"{ratio:.2f}:1", supported(ratio, 4, tolerance=0.25)
                   if ratio <= 5 else "not supported", "requests/s of a prefill node over a decode node's at its "
                   "memory-bound batch, for this trace (long prompts: prefill dominates)"),
-            Claim("4,096-token prompt: transfer vs prefill", "7.89 vs 35-45 ms", f"{transfer_ms:.2f} vs {prefill_ms:.0f} ms",
+            Claim("4,096-token prompt: transfer vs prefill", "7.89 vs 35-45 ms",
+                  f"{transfer_ms:.2f} vs {prefill_ms:.0f} ms",
                   supported(prefill_ms, 45, False), f"the prefill figure needs {prefill_ms / 45:.1f}x kvtier's "
                   f"calibrated prefill speed ({flops_ms:.0f} ms at the full bf16 peak alone)"),
         ]

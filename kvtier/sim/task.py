@@ -37,13 +37,15 @@ class SimSeed:
         known = {f.name for f in dataclasses.fields(SCENARIOS[self.seed])} - {"cal"}
         unknown = set(self.options) - known
         if unknown:
-            raise ConfigError("task.options", f"seed {self.seed} has no option {sorted(unknown)}; it takes {sorted(known)}")
+            raise ConfigError("task.options", f"seed {self.seed} has no option {sorted(unknown)}; it takes "
+                                              f"{sorted(known)}")
         self.cal = load_calibration(self.calibration)
 
     def run(self, run_dir: str | Path) -> dict:
         scenario = SCENARIOS[self.seed](self.cal, **self.options)
         result = scenario.run(Path(run_dir) if self.plots else None)
-        print(f"\nseed {self.seed} against kvtier.sim ({self.cal.gpu} calibration{', ' + self.cal.source if self.cal.source else ''}):\n")
+        source = f", from {self.cal.source}" if self.cal.source else ""
+        print(f"\nseed {self.seed} against kvtier.sim ({self.cal.gpu} calibration{source}):\n")
         print(result["table"])
         if "plot" in result:
             print(f"\nplot: {result['plot']}")

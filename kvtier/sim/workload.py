@@ -35,8 +35,8 @@ def trace_workload(name: str, requests: int, time_scale: float = 1.0, start: int
 def long_context_mix(requests: int, prompt: int, output: int, rate: float = 0.0, spread: float = 0.0,
                      shared_prefix: int = 0, seed: int = 0) -> list[SimRequest]:
     """``requests`` synthetic requests of about ``prompt`` tokens and ``output`` new tokens (each uniform within
-    ``± spread`` of it), Poisson arrivals at ``rate`` per second (0: all at once); the first ``shared_prefix`` tokens are
-    one prefix all requests share (a system prompt), the rest unique."""
+    ``± spread`` of it), Poisson arrivals at ``rate`` per second (0: all at once); the first ``shared_prefix``
+    tokens are one prefix all requests share (a system prompt), the rest unique."""
     if requests < 1 or prompt < 1 or output < 1 or not 0 <= spread < 1 or rate < 0:
         raise ConfigError("workload", "requests, prompt and output must be >= 1, spread in [0, 1), rate >= 0")
     rng = np.random.default_rng(seed)
