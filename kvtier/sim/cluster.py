@@ -98,6 +98,8 @@ class InstanceSpec:
 
 
 class Instance:
+    """One instance's state while the simulation runs: its queues, running rows, iteration times and tallies."""
+
     def __init__(self, spec: InstanceSpec, index: int):
         self.spec, self.index = spec, index
         self.waiting: deque[Flight] = deque()  # prompts to prefill (prefill, both) or landed requests (decode)
@@ -113,8 +115,9 @@ class Instance:
         self.radix = RadixCache(None, page_size=1) if spec.prefix_tokens >= BLOCK else None
         self.next_pid = 0
 
-    def reservation(self) -> int:
-        r = sum(self.spec.reserved(f.ctx) for f in self.running)
+    def reservation(self, grow: int = 0) -> int:
+        """KV tokens reserved now, or once each running request holds ``grow`` more tokens."""
+        r = sum(self.spec.reserved(f.ctx + grow) for f in self.running)
         if self.spec.role == "both":
             r += sum(self.spec.reserved(f.req.prompt + 1) for f in self.prefilling)
         return r
@@ -224,7 +227,7 @@ class Cluster:
                 f = queue.popleft()
                 f.segments.append([inst.index, len(inst.iter_end_s), None])
                 inst.running.append(f)
-        while inst.running and sum(s.reserved(f.ctx + 1) for f in inst.running) > s.kv_tokens:
+        while inst.running and inst.reservation(grow=1) > s.kv_tokens:
             f = inst.running.pop()
             f.segments[-1][2] = len(inst.iter_end_s)
             self.ledger.preemptions += 1
@@ -305,14 +308,14 @@ class Cluster:
         self.ledger.kv_sent_bytes += nbytes
         self.q.push(dst.link_free_s, "landed", (f, nbytes, start + chunk >= f.req.prompt))
 
-    def run(self, until_s: float = float("inf")) -> Ledger:
+    def run(self) -> Ledger:
         if self.closed_loop:
             for _ in range(self.closed_loop):
                 self._release_next(0.0)
         else:
             for r in self.requests:
                 self.q.push(r.arrival_s, "arrival", r)
-        while len(self.q) and self.q.now <= until_s:
+        while len(self.q):
             e = self.q.pop()
             if e.kind == "arrival":
                 self._arrive(e.payload)

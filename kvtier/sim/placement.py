@@ -59,11 +59,10 @@ def place(policy: Policy, pattern: AttentionPattern, hbm_pages: int, steps: int)
     n = pattern.pages
     policy.reset(1)
     policy.on_append(np.arange(n), 0)
-    middle = lambda: np.arange(pattern.sink_pages, n - pattern.window_pages)  # noqa: E731
-    picks = rng.choice(middle(), pattern.k, replace=False)
+    picks = rng.choice(np.arange(pattern.sink_pages, n - pattern.window_pages), pattern.k, replace=False)
     recent = [picks]
     in_hbm = np.zeros(n, bool)
-    in_hbm[np.argsort(-np.arange(n))[:hbm_pages]] = True  # start: the newest pages
+    in_hbm[-hbm_pages:] = True  # start: the newest pages
     hits = attended = promoted = 0
     for step in range(1, steps + 1):
         policy.on_step(step)
@@ -72,7 +71,7 @@ def place(policy: Policy, pattern: AttentionPattern, hbm_pages: int, steps: int)
             in_hbm = np.append(in_hbm, True)  # the page being written is always on the device
             policy.on_append(np.array([n]), step)
             n += 1
-        picks = _next_picks(rng, pattern, picks, recent, middle())
+        picks = _next_picks(rng, pattern, picks, recent, np.arange(pattern.sink_pages, n - pattern.window_pages))
         seen = np.unique(np.concatenate([np.arange(pattern.sink_pages), picks,
                                          np.arange(n - pattern.window_pages, n)]))
         hits, attended = hits + int(in_hbm[seen].sum()), attended + seen.size
