@@ -20,7 +20,7 @@ DEFAULT = Path(__file__).resolve().parent / "h200.json"
 
 PARAMS = {  # group -> its parameters (StepCosts' formulas are linear in each)
     "decode": ("layer_ms", "weights_x", "row_layer_ms"),
-    "tiered": ("plan_ms",),
+    "tiered": ("plan_ms", "plan_us_per_page"),
     "recall": ("layer_ms", "stream_ms_per_MB"),
     "serve": ("step_ms",),
     "prefill": ("chunk_ms", "flops_x"),

@@ -1,11 +1,11 @@
 """StepCosts: the time of one engine step on one GPU (or a TP group), from a :class:`Calibration`.
 
 Every formula is linear in the calibration's fitted parameters (:attr:`Calibration.params`), which is how
-:func:`kvtier.sim.calibration.fit_group` fits them on measured rows with these same functions. Times are ms.
+:func:`kvtier.sim.calibrate.fit_group` fits them on measured rows with these same functions. Times are ms.
 
 - decode step = L·layer_ms + weights_x·(weights / HBM rate) + row_layer_ms·rows·L + L·attention(rows, keys)
-  [+ plan ms when pages live off the device] [+ L·recall layer_ms + misses read in place over the host link]
-  [+ the serve scheduler's step_ms]
+  [+ plan_ms + plan_us_per_page·pages off the device, when some are]
+  [+ L·recall layer_ms + misses read in place over the host link] [+ the serve scheduler's step_ms]
 - prefill chunk = chunk_ms + flops_x·((2·params·n + attention FLOPs) / peak)
 - attention per layer = the decode kernel's fixed ms + KV bytes / its rate (bench/kernels-s5.json)
 Bandwidth and FLOP terms scale from the calibrated GPU to ``gpu`` by their datasheet ratio; fixed (launch,
@@ -52,18 +52,19 @@ class StepCosts:
     def _allreduce_ms(self) -> float:
         return 2 * self.model.layers * self.allreduce_us * 1e-3 if self.tp > 1 else 0.0
 
-    def decode_ms(self, rows: int, keys: float, *, tiered: bool = False, miss_MB: float = 0.0,
-                  recall: bool = False, serve: bool = False) -> float:
-        """One decode step of ``rows`` sequences attending ``keys`` keys in all; ``tiered``: some pages live off
-        the device (the host plans); ``recall``: a topk scope reading ``miss_MB`` per step in place from host
-        memory; ``serve``: run by the serve scheduler."""
+    def decode_ms(self, rows: int, keys: float, *, tiered: bool = False, off_pages: float = 0.0,
+                  miss_MB: float = 0.0, recall: bool = False, serve: bool = False) -> float:
+        """One decode step of ``rows`` sequences attending ``keys`` keys in all; ``tiered``: ``off_pages`` pages
+        live off the device (the host plans over them); ``recall``: a topk scope reading ``miss_MB`` per step in
+        place from host memory; ``serve``: run by the serve scheduler."""
         p, L = self.cal.params, self.model.layers
         d = p["decode"]
         weights_ms = self.model.params * self.weight_bytes / self.tp / (self.hbm_GBps * 1e6)
         t = (L * d["layer_ms"] + d["weights_x"] * weights_ms + d["row_layer_ms"] * rows * L
              + L * self.attention_ms(rows, keys) + self._allreduce_ms())
         if tiered:
-            t += p["tiered"]["plan_ms"] + miss_MB / self.cal.host_GBps
+            plan = p["tiered"]["plan_ms"] + p["tiered"]["plan_us_per_page"] * off_pages / 1e3
+            t += plan + miss_MB / self.cal.host_GBps
         if recall:
             streams = max(1, rows * self.model.kv_heads // self.tp)
             t += L * p["recall"]["layer_ms"] + miss_MB * p["recall"]["stream_ms_per_MB"] / streams

@@ -18,6 +18,7 @@ from kvtier.sim.hardware import GPUS, model_named
 from kvtier.sim.measured import Measured, measured_rows, read_bench
 
 TARGET_MEDIAN, TARGET_WORST = 0.10, 0.25
+PAGE = 16  # tokens per page in bench/e2e.py
 
 
 def costs_for(cal: Calibration, model: str) -> StepCosts:
@@ -32,9 +33,11 @@ def predict(row: Measured, cal: Calibration) -> float:
         B, S, scope = k["batch"], k["context"], k["scope"]
         if scope == "all":
             return c.decode_ms(B, B * S)
+        off = B * S * (1 - k["budget"]) / PAGE  # pages off the device
         if scope == "resident":  # attends the device pages: the budget's share
-            return c.decode_ms(B, B * S * k["budget"], tiered=True, miss_MB=k["moved_MB"])
-        return c.decode_ms(B, B * S * k["budget"] / 2, tiered=True, recall=True, miss_MB=k["moved_MB"])  # k = half
+            return c.decode_ms(B, B * S * k["budget"], tiered=True, off_pages=off, miss_MB=k["moved_MB"])
+        return c.decode_ms(B, B * S * k["budget"] / 2, tiered=True, off_pages=off, recall=True,
+                           miss_MB=k["moved_MB"])  # k = half the budget
     if row.kind == "prefill":
         return c.prompt_ms(k["prompt"], k["cached"], k["chunk"])
     if row.kind == "mixed":  # one decode step of the batch, plus the iteration's prefill chunk (mean over the prompt)
