@@ -177,3 +177,19 @@ def test_sim_seed_refuses_unknown_seed_and_options():
         SimSeed(seed="007")
     with pytest.raises(ConfigError, match="task.options"):
         SimSeed(seed="000", options={"bogus": 1})
+
+
+def test_tiered_decode_step_pays_misses_and_unhidden_prefetch_over_the_link(cal):
+    from kvtier.sim.cluster import Offload
+
+    c, rows, keys = costs(cal), 16, 16 * 65536
+
+    def step(**kw) -> float:
+        return Offload(Link("cxl", 32.0), hbm_fraction=0.2, **kw).step_ms(c, rows, keys)
+    assert step(hit_rate=1.0) == pytest.approx(c.decode_ms(rows, keys))
+    misses = keys * 0.1 * c.token_bytes() / 32e6  # ms for 10% of the keys over 32 GB/s
+    assert step(hit_rate=0.9) == pytest.approx(c.decode_ms(rows, keys * 0.9) + misses)
+    assert step(hit_rate=1.0, promoted=0.001) == step(hit_rate=1.0)  # a small prefetch hides behind compute
+    assert step(hit_rate=1.0, promoted=1.0) == pytest.approx(keys * c.token_bytes() / 32e6)  # a large one shows
+    slow = Offload(Link("cxl", 0.5), hbm_fraction=0.2)
+    assert slow.chunk_ms(c, 4096, 1.0) == pytest.approx(4096 * 0.8 * c.token_bytes() / 0.5e6)

@@ -61,8 +61,9 @@ def place(policy: Policy, pattern: AttentionPattern, hbm_pages: int, steps: int)
     policy.on_append(np.arange(n), 0)
     picks = rng.choice(np.arange(pattern.sink_pages, n - pattern.window_pages), pattern.k, replace=False)
     recent = [picks]
-    in_hbm = np.zeros(n, bool)
-    in_hbm[-hbm_pages:] = True  # start: the newest pages
+    in_hbm = np.zeros(n, bool)  # start warm: the sinks, the window and the current picks, then the newest pages
+    in_hbm[np.concatenate([np.arange(pattern.sink_pages), picks, np.arange(n - pattern.window_pages, n)])] = True
+    in_hbm[np.flatnonzero(~in_hbm)[::-1][:max(0, hbm_pages - int(in_hbm.sum()))]] = True
     hits = attended = promoted = 0
     for step in range(1, steps + 1):
         policy.on_step(step)

@@ -60,10 +60,11 @@ class Seed000:
         B = SEED["batch"]
         return B / (offload.step_ms(self.costs, B, B * (SEED["context"] + self.output / 2)) / 1e3)
 
-    def hit_rate(self, policy, offloaded: float) -> tuple[float, float]:
+    def hit_rate(self, policy, offloaded: float, reuse: float | None = None) -> tuple[float, float]:
         """(hit rate, promoted share per step) of ``policy`` on one sequence's pages at ``offloaded``."""
         k = max(1, int(self.attended * self.pages))
-        pattern = AttentionPattern(self.pages, k, churn=self.cal.pick_churn, reuse=self.reuse, page_size=PAGE)
+        pattern = AttentionPattern(self.pages, k, churn=self.cal.pick_churn, page_size=PAGE,
+                                   reuse=self.reuse if reuse is None else reuse)
         r = place(policy, pattern, max(int((1 - offloaded) * self.pages), k + 8), self.placement_steps)
         return r.hit_rate, r.promoted_per_step
 
@@ -91,6 +92,7 @@ class Seed000:
         need_attended = {g: -_solve(lambda a: self.tok_s(self.offload(off, SEED["hit_rate"], g, attended=-a)),
                                     SEED["tok_s"], -1.0, -1e-5) for g in (CXL_GBPS, 1e6)}
         host, redis = self.cal.host_GBps * self.costs.tp, self.cal.redis_read_GBps  # 8 GPUs' links; one client
+        need_reuse = _solve(lambda r: self.hit_rate(LRU(), off, r)[0], SEED["hit_rate"], 0.0, 1.0, iters=7)
         min_off = 1 - kv_room_tokens(self.costs) / (SEED["batch"] * (SEED["context"] + self.output))
         des = self.serve(self.offload(off, best_hit, promoted=best_promoted))  # one 512k request: its TTFT
         claims = [
@@ -107,8 +109,9 @@ class Seed000:
                   if need_hit == need_hit else f"unreachable at {self.attended:.0%} attended, whatever the hit rate"),
             Claim("tier-1 hit rate", "98.4%", ", ".join(f"{n} {h:.1%}" for n, (h, _) in hits.items()),
                   supported(best_hit, SEED["hit_rate"], tolerance=0.005),
-                  f"kvtier's measured pick churn {self.cal.pick_churn:.0%}/step caps the hits near "
-                  f"{1 - self.cal.pick_churn:.0%} unless picks return (reuse {self.reuse})"),
+                  f"at kvtier's measured pick churn ({self.cal.pick_churn:.0%} of the picks new each step), LRU "
+                  f"needs >= {need_reuse:.0%} of the new picks to return to pages read in the last 64 steps "
+                  f"(kvtier has not measured that share; {self.reuse:.0%} here)"),
             Claim("the tier behind HBM, on links kvtier measured", "CXL 256-512 GB/s",
                   f"{self.tok_s(self.offload(off, SEED['hit_rate'], host)):,.0f} tok/s over pinned host DRAM "
                   f"({host:,.0f} GB/s per node), {self.tok_s(self.offload(off, SEED['hit_rate'], redis)):,.1f} over "
@@ -122,7 +125,7 @@ class Seed000:
         ]
         result = {"hit_rates": {n: h for n, (h, _) in hits.items()}, "tok_s_seed_hit": at_seed_hit,
                   "tok_s_sim_hit": at_sim_hit, "tok_s_exact": exact, "need_attended": need_attended[CXL_GBPS],
-                  "need_attended_unlimited_link": need_attended[1e6],
+                  "need_attended_unlimited_link": need_attended[1e6], "need_reuse": need_reuse,
                   "need_hit_rate": need_hit, "min_offloaded": min_off, "des": des,
                   "table": claims_table(claims), "claims": [c.__dict__ for c in claims]}
         if out_dir is not None:
