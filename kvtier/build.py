@@ -39,11 +39,12 @@ class Plan(NamedTuple):
     context_tokens: int
     budget_tokens: int
     capacities: dict  # tier key -> pages per layer (device first)
-    layout: KVLayout
+    layout: KVLayout | None
+    needs_model: bool = True  # False: the task loads no model (a simulator: kvtier.sim); run.execute skips it
 
     @property
     def budget_fraction(self) -> float:
-        return self.budget_tokens / self.context_tokens
+        return self.budget_tokens / self.context_tokens if self.context_tokens else float("nan")
 
 
 def target_of(node, field: str):
@@ -92,6 +93,8 @@ def plan(cfg: DictConfig) -> Plan:
     """Check the whole recipe (no weights loaded, nothing written); ConfigError names the first bad key."""
     recipe = check_schema(cfg)
     policy, task = build(cfg.policy, "policy"), build(cfg.task, "task")
+    if not getattr(task, "needs_model", True):  # nothing of the model, tiers or cache is built
+        return Plan({"task": task.name}, 0, 0, {}, None, needs_model=False)
     prefill = build(cfg.scheduler.prefill, "scheduler.prefill")
     build(cfg.scheduler.placement, "scheduler.placement")
     build(cfg.logger, "logger")

@@ -77,6 +77,12 @@ def execute(cfg: DictConfig, run_dir: str | Path) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     log.info("run folder: %s", run_dir)
     try:
+        if not plan_.needs_model:  # a task that loads no model (kvtier.sim): it writes its result, no logger
+            result = build(cfg.task, "task").run(run_dir)
+            metrics = {**plan_.labels, "run_name": run_dir.name, "wall_s": time.perf_counter() - t0,
+                       "task_result": result, "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)}
+            write_json(metrics, run_dir / "metrics.json")
+            return metrics
         model, tokenizer = build_model(cfg)
         make_engine = EngineFactory(cfg, plan_, run_dir, model)
         try:
