@@ -107,7 +107,7 @@ def plan(cfg: DictConfig) -> Plan:
     capacities = {}
     for key, spec in cfg.tiers.stack.items():
         field = f"tiers.stack.{key}"
-        build(_unsized(spec), field, call=False, layout=layout, capacity=1, name=key)
+        build(unsized(spec), field, call=False, layout=layout, capacity=1, name=key)
         if not capacities and any(spec.get(k) is not None for k in SIZING):
             raise ConfigError(field, f"the device's size is the budget: set {recipe.budget.key} instead")
         if capacities:
@@ -127,7 +127,7 @@ def plan(cfg: DictConfig) -> Plan:
     return Plan(labels, context, budget, capacities, layout)
 
 
-def _unsized(spec: DictConfig) -> DictConfig:
+def unsized(spec: DictConfig) -> DictConfig:
     """A tier node without the size keys (they size it; its constructor takes a capacity in pages)."""
     return OmegaConf.create({k: v for k, v in OmegaConf.to_container(spec, resolve=True).items() if k not in SIZING})
 
@@ -190,7 +190,7 @@ class CacheFactory:
         self._retire()
         tiers = []
         for key, spec in self.cfg.tiers.stack.items():
-            node = _unsized(spec)
+            node = unsized(spec)
             if key in self._stores:
                 node.url = self._stores[key]
             if "path" in spec:
