@@ -81,9 +81,9 @@ def build(node, field: str, call: bool = True, **given):
 
 
 def label(node) -> str:
-    """A short name for reports: the node's ``name``, its model folder, or its target's ``name``."""
-    if "name" in node or "path" in node:
-        return str(node.name) if "name" in node else Path(str(node.path)).name
+    """A short name for reports: the node's ``name``, its model folder or Hub id, or its target's ``name``."""
+    if "name" in node or "path" in node or "id" in node:
+        return str(node.name) if "name" in node else Path(str(node.get("id") or node.path)).name
     return getattr(target := target_of(node, ""), "name", None) or target.__name__
 
 
@@ -97,7 +97,7 @@ def plan(cfg: DictConfig) -> Plan:
     check_salience(policy, build(cfg.kernel, "kernel"))
     build(cfg.model, "model", call=False)
     check_load_args(cfg.model.get("dtype"), cfg.model.get("device", "cpu"))
-    _, config = load_config(cfg.model.get("path"))
+    _, config = load_config(cfg.model.get("path"), cfg.model.get("id"), cfg.model.get("revision", "main"))
     layout = kv_layout_for(config, page_size=recipe.page_size, dtype=cfg.model.dtype, kv_dtype=recipe.kv_dtype)
     check_positions(task, config)
     context, pages = task.context_tokens, layout.pages_for(task.context_tokens + task.new_tokens)
