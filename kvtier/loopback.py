@@ -8,7 +8,6 @@ kernel allows unprivileged user namespaces.
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -24,8 +23,8 @@ def free_port() -> int:
 
 
 def interfaces() -> set[str]:
-    """This process's network interfaces (``/sys/class/net``)."""
-    return set(os.listdir("/sys/class/net"))
+    """This process's network interfaces (asked of its own network namespace; /sys may show another's)."""
+    return {name for _, name in socket.if_nameindex()}
 
 
 def in_private_network() -> bool:
