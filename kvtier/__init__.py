@@ -18,9 +18,9 @@ from kvtier.policies import ASPE, LRU, Compose, Policy, SinkWindow
 from kvtier.scheduler import LookaheadScheduler
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 from kvtier.table import BlockTable
-from kvtier.tiers import DeviceTier, DiskTier, HostTier, RedisTier, Tier
+from kvtier.tiers import DeviceTier, DiskTier, HostTier, MooncakeTier, RedisTier, Tier
 
 __all__ = ["ASPE", "BlockTable", "ChunkedPrefill", "Compose", "ConfigError", "DeviceTier", "DiskTier", "Engine",
-           "HostTier", "KVLayout", "KVTierError", "LRU", "LookaheadScheduler", "MissingDependencyError", "Policy",
+           "HostTier", "KVLayout", "KVTierError", "LRU", "LookaheadScheduler", "MissingDependencyError", "MooncakeTier", "Policy",
            "RedisTier", "SinkWindow", "Tier", "TieredKVCache", "bytes_moved", "cache_for", "install", "kv_layout_for",
            "load_model", "make_backend", "offload", "tiny_llama"]

@@ -11,6 +11,10 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import tempfile
+import time
+
+from kvtier.errors import TierIOError
 
 HOST = "127.0.0.1"
 
@@ -20,6 +24,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
+
+
+def start_server(cmd: list[str], port: int, name: str, timeout_s: float, ready=lambda sock: True) -> subprocess.Popen:
+    """Start ``cmd``, a server that listens on ``HOST:port``, and wait until it accepts a connection on which
+    ``ready(sock)`` holds; a server that exits or is not ready within ``timeout_s`` is killed and raises
+    TierIOError with the end of its output."""
+    with tempfile.TemporaryFile() as log:  # not a pipe: a chatty server would block once it filled
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with socket.create_connection((HOST, port), timeout=1.0) as sock:
+                    if ready(sock):
+                        return proc
+            except OSError:
+                pass
+            time.sleep(0.02)
+        proc.kill()
+        proc.wait()
+        log.seek(0)
+        out = log.read()[-4000:].decode(errors="replace")
+    raise TierIOError(f"{name} did not start on {HOST}:{port} within {timeout_s} s: {' '.join(cmd)}\n{out}")
 
 
 def interfaces() -> set[str]:

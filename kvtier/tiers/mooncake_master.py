@@ -8,13 +8,10 @@ client's P2P handshake needs none), nothing is persisted, and it lives until :me
 from __future__ import annotations
 
 import importlib.util
-import socket
-import subprocess
-import time
 from pathlib import Path
 
-from kvtier.errors import MissingDependencyError, TierIOError
-from kvtier.loopback import HOST, free_port
+from kvtier.errors import MissingDependencyError
+from kvtier.loopback import HOST, free_port, start_server
 
 
 def mooncake_master_binary() -> str:
@@ -22,7 +19,7 @@ def mooncake_master_binary() -> str:
     spec = importlib.util.find_spec("mooncake")
     path = Path(next(iter(spec.submodule_search_locations))) / "mooncake_master" if spec else None
     if path is None or not path.is_file():
-        raise MissingDependencyError("mooncake-transfer-engine", "mooncake", "a local Mooncake master")
+        raise MissingDependencyError("mooncake-transfer-engine-non-cuda", "mooncake", "a local Mooncake master")
     return str(path)
 
 
@@ -34,18 +31,7 @@ class LocalMooncakeMaster:
         cmd = [mooncake_master_binary(), f"--rpc_address={HOST}", f"--rpc_port={self.port}",
                f"--metrics_host={HOST}", f"--metrics_port={self.metrics_port}",
                "--enable_http_metadata_server=false", "--enable_metric_reporting=false"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                socket.create_connection((HOST, self.port), timeout=1.0).close()
-                return
-            except OSError:
-                time.sleep(0.02)
-        err = self.proc.stderr.read1(4000) if self.proc.poll() is not None else b""
-        self.stop()
-        raise TierIOError(f"mooncake_master did not start on {HOST}:{self.port} within {timeout_s} s: "
-                          f"{' '.join(cmd)}\n{err.decode(errors='replace')}")
+        self.proc = start_server(cmd, self.port, "mooncake_master", timeout_s)
 
     @property
     def address(self) -> str:
@@ -56,4 +42,3 @@ class LocalMooncakeMaster:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
-        self.proc.stderr.close()
