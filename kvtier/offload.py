@@ -14,7 +14,8 @@ tokens per sequence, rounded up to whole pages, sized from the prompt each ``gen
 the tiers below take their ``fraction`` (or ``size``) of the prompt plus the new tokens. A disk tier
 writes to a fresh folder under the system's temp folder, removed when the cache closes; a ``local``
 remote tier starts a loopback redis-server that stops with the cache. Other ``TieredKVCache``
-arguments (``sinks``, ``fidelity``, ``budget``, ...) pass through.
+arguments (``sinks``, ``budget``, ...) pass through; ``fidelity`` is off unless given (recipes turn it on
+to report attention recall, at the cost of a second attention pass per decode step).
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def offload(model, policy: str | Policy = "aspe", hbm: float = 0.25, tiers: str 
         if ids is None:
             raise ConfigError("input_ids", "kvtier.offload sizes the cache from the prompt: pass input_ids")
         config = kwargs.get("generation_config") or model.generation_config
-        new = kwargs.get("max_new_tokens") or config.max_new_tokens or config.max_length - ids.shape[1]
+        new = kwargs.get("max_new_tokens") or config.max_new_tokens or max(0, config.max_length - ids.shape[1])
         cache = cache_for(model, ids.shape[1], new, policy=policy, hbm=hbm, tiers=tiers, batch_size=ids.shape[0],
                           **options)
         caches.append(cache)
