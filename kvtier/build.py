@@ -83,9 +83,9 @@ def build(node, field: str, call: bool = True, **given):
 
 
 def label(node) -> str:
-    """A short name for reports: the node's ``name``, its model folder, or its target's ``name``."""
-    if "name" in node or "path" in node:
-        return str(node.name) if "name" in node else Path(str(node.path)).name
+    """A short name for reports: the node's ``name``, its model folder or Hub id, or its target's ``name``."""
+    if "name" in node or "path" in node or "id" in node:
+        return str(node.name) if "name" in node else Path(str(node.get("id") or node.path)).name
     return getattr(target := target_of(node, ""), "name", None) or target.__name__
 
 
@@ -103,7 +103,7 @@ def plan(cfg: DictConfig) -> Plan:
     check_decode_kernel(kernel)
     build(cfg.model, "model", call=False)
     check_load_args(cfg.model.get("dtype"), cfg.model.get("device", "cpu"))
-    _, config = load_config(cfg.model.get("path"))
+    _, config = load_config(cfg.model.get("path"), cfg.model.get("id"), cfg.model.get("revision", "main"))
     layout = kv_layout_for(config, page_size=recipe.page_size, dtype=cfg.model.dtype, kv_dtype=recipe.kv_dtype)
     check_positions(task, config)
     context, pages = task.context_tokens, layout.pages_for(task.context_tokens + task.new_tokens)
@@ -113,7 +113,7 @@ def plan(cfg: DictConfig) -> Plan:
     capacities = {}
     for key, spec in cfg.tiers.stack.items():
         field = f"tiers.stack.{key}"
-        build(_unsized(spec), field, call=False, layout=layout, capacity=1, name=key)
+        build(unsized(spec), field, call=False, layout=layout, capacity=1, name=key)
         if not capacities and any(spec.get(k) is not None for k in SIZING):
             raise ConfigError(field, f"the device's size is the budget: set {recipe.budget.key} instead")
         if capacities:
@@ -133,7 +133,7 @@ def plan(cfg: DictConfig) -> Plan:
     return Plan(labels, context, budget, capacities, layout)
 
 
-def _unsized(spec: DictConfig) -> DictConfig:
+def unsized(spec: DictConfig) -> DictConfig:
     """A tier node without the size keys (they size it; its constructor takes a capacity in pages)."""
     return OmegaConf.create({k: v for k, v in OmegaConf.to_container(spec, resolve=True).items() if k not in SIZING})
 
@@ -201,7 +201,7 @@ class EngineFactory:
         self._retire()
         tiers = []
         for key, spec in self.cfg.tiers.stack.items():
-            node = _unsized(spec)
+            node = unsized(spec)
             if key in self._stores:
                 node.url = self._stores[key]
             if "path" in spec:

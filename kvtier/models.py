@@ -1,7 +1,8 @@
 """Models: the real SmolLM2-135M-Instruct (shipped as GGUF, converted once to safetensors),
-any local Hugging Face causal-LM folder, and randomly initialised Llama-shaped models.
+any local Hugging Face causal-LM folder or Hub model already in the local HF cache, and randomly
+initialised Llama-shaped models.
 
-Nothing here touches the network: weights come from pip packages or local folders only.
+Nothing here touches the network: weights come from pip packages, local folders or the HF cache only.
 """
 
 from __future__ import annotations
@@ -124,13 +125,43 @@ def check_attention_shape(config) -> None:
                                    f"num_attention_heads, or set head_dim explicitly")
 
 
-def load_config(path: str | None = None):
+def hub_cache() -> Path:
+    """The Hugging Face hub cache, read from the environment now: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``,
+    else ``~/.cache/huggingface/hub``."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    return Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface").expanduser() / "hub"
+
+
+def hub_folder(repo_id: str, revision: str = "main") -> Path:
+    """The snapshot folder of Hub model ``repo_id`` (``org/name``) at ``revision`` in the local HF cache;
+    ConfigError("model.id") naming the command that fetches it when it is not there (never downloads)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    cache = hub_cache()
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True))
+    except HFValidationError as err:
+        raise ConfigError("model.id", f"{repo_id!r} is not a Hub model id ({err}); write it as org/name") from None
+    except LocalEntryNotFoundError:
+        raise ConfigError("model.id", f"{repo_id!r} (revision {revision!r}) is not in the Hugging Face cache at "
+                                      f"{cache}; kvtier never downloads: fetch it once with `hf download {repo_id}"
+                                      f"{'' if revision == 'main' else f' --revision {revision}'}` (HF_HOME or "
+                                      "HF_HUB_CACHE set as for this run), or pass a local folder as "
+                                      "model=local model.path=...") from None
+
+
+def load_config(path: str | None = None, id: str | None = None, revision: str = "main"):
     """``(folder, HF config)`` of the model :func:`load_model` would load, without its weights."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
-    folder = ensure_smollm2() if path in (None, "smollm2") else Path(path).expanduser()
+    if id is not None:
+        folder = hub_folder(id, revision)
+    else:
+        folder = ensure_smollm2() if path in (None, "smollm2") else Path(path).expanduser()
     hint = "pass a local Hugging Face model folder (one holding config.json) or 'smollm2'"
     if not folder.is_dir():
         raise ConfigError("model.path", f"{str(folder)!r} does not exist or is not a folder; {hint}")
@@ -157,11 +188,12 @@ def check_load_args(dtype: str, device: str | torch.device) -> None:
 
 
 def load_model(path: str | None = None, dtype: str = "float32", device: str = "cpu",
-               attn_implementation: str = "sdpa"):
+               attn_implementation: str = "sdpa", id: str | None = None, revision: str = "main"):
     """Load ``(model, tokenizer)`` in eval mode from a local folder, never from the network.
 
     ``path`` None or "smollm2" gives the converted SmolLM2-135M-Instruct; otherwise a local Hugging
-    Face causal-LM folder (with config.json). ``dtype``: float32, float16 or bfloat16. With
+    Face causal-LM folder (with config.json). ``id`` (``org/name``, at ``revision``) instead loads a
+    Hub model from the local HF cache (:func:`hub_folder`). ``dtype``: float32, float16 or bfloat16. With
     ``attn_implementation="kvtier"`` a model whose attention kvtier cannot honour is refused
     (UnsupportedAttentionError); :func:`kv_layout_for` refuses it too.
     """
@@ -170,7 +202,7 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
     from kvtier.compat import ATTN_NAME
 
     check_load_args(dtype, device)
-    folder, config = load_config(path)
+    folder, config = load_config(path, id, revision)
     if attn_implementation == ATTN_NAME:
         check_model_support(config)
     try:

@@ -1,4 +1,5 @@
-"""kvtier-plot DIR: PNG figures from the runs (``metrics.json`` files) under a folder, e.g. a multirun.
+"""kvtier-plot DIR: PNG figures and a summary table from the runs (``metrics.json`` files) under a
+folder, e.g. a multirun.
 
 - ``quality_vs_budget-<task>.png``: the task's score against the device budget, one line per
   policy (and scope, when runs differ in scope); x is the budget fraction, or tokens when the runs
@@ -9,15 +10,21 @@
   fidelity (``cache.fidelity``, scopes ``resident`` and ``topk``).
 - ``occupancy-<run>.png``: pages in use per tier (mean over layers) at every engine step of a run,
   with each tier's capacity dashed.
+- ``summary.md`` and ``summary.csv``: per task, metric, policy, scope and budget, the mean and the
+  sample standard deviation over the runs of that point (seeds, text slices: the ``over`` column
+  names the task keys that differ among them), with n, min and max. The curves show that mean, with
+  the standard deviation as error bars where a point has more than one run.
 
 Usage: ``kvtier-plot multirun/2026-11-30_10-00-00 [--out DIR] [--x auto|fraction|tokens]``
-(also ``python -m kvtier.plot DIR``). Figures go to ``DIR/plots`` unless ``--out`` says otherwise.
+(also ``python -m kvtier.plot DIR``). Figures and tables go to ``DIR/plots`` unless ``--out`` says otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -59,20 +66,26 @@ def task_label(run: dict) -> str:
     return "-".join(parts + (["question_after"] if task.get("question_at") == "after" else []))
 
 
-def quality_vs_budget(runs: list[dict], out: Path, x: str = "auto") -> list[Path]:
-    """Per task: its score against budget (``quality_vs_budget-<task>.png``), and the attention-mass
-    recall where runs measured it (``recall_vs_budget-<task>.png``); a line per policy (and scope)."""
-    written = []
+RECALL = "attention_mass_recall"
+
+
+def by_task(runs: list[dict]):
+    """``(task, metric, runs)`` for each task variant's score and, where runs measured it, its attention-mass recall."""
     for task in sorted({task_label(r) for r in runs}):
         group = [r for r in runs if task_label(r) == task]
         for score in sorted({r["score_name"] for r in group}):
-            written.append(_curves([r for r in group if r["score_name"] == score], score, x,
-                                   out / f"quality_vs_budget-{task}.png", f"{task} task: {score} vs device budget"))
-        measured = [r for r in group if "attention_mass_recall" in r]
-        if measured:
-            written.append(_curves(measured, "attention_mass_recall", x, out / f"recall_vs_budget-{task}.png",
-                                   f"{task} task: attention mass on the attended pages"))
-    return written
+            yield task, score, [r for r in group if r["score_name"] == score]
+        if measured := [r for r in group if RECALL in r]:
+            yield task, RECALL, measured
+
+
+def quality_vs_budget(runs: list[dict], out: Path, x: str = "auto") -> list[Path]:
+    """Per task: its score against budget (``quality_vs_budget-<task>.png``), and the attention-mass
+    recall where runs measured it (``recall_vs_budget-<task>.png``); a line per policy (and scope)."""
+    return [_curves(group, metric, x, out / f"recall_vs_budget-{task}.png",
+                    f"{task} task: attention mass on the attended pages") if metric == RECALL else
+            _curves(group, metric, x, out / f"quality_vs_budget-{task}.png", f"{task} task: {metric} vs device budget")
+            for task, metric, group in by_task(runs)]
 
 
 def _curves(group: list[dict], metric: str, x: str, path: Path, title: str) -> Path:
@@ -83,16 +96,16 @@ def _curves(group: list[dict], metric: str, x: str, path: Path, title: str) -> P
         title = title.replace("device budget", "attended budget")
     several_scopes = len({r["scope"] for r in group}) > 1
     lines = defaultdict(list)
-    for r in group:
-        name = f"{r['policy']} ({r['scope']})" if several_scopes else r["policy"]
-        lines[name].append((r[key], r[metric]))
+    for (policy, scope, budget), point in points(group, key).items():
+        name = f"{policy} ({scope})" if several_scopes else policy
+        lines[name].append((budget, *spread([r[metric] for r in point])))
     exact = [r[metric] for r in group if r["scope"] == "all"]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name, points in sorted(lines.items()):
+    for name, line in sorted(lines.items()):
         if several_scopes and name.endswith("(all)"):
             continue  # exact attention does not depend on the budget: the dashed line below
-        xs, ys = zip(*sorted(points))
-        ax.plot(xs, ys, marker="o", label=name)
+        xs, means, stds = zip(*sorted(line))
+        ax.errorbar(xs, means, yerr=stds if any(stds) else None, marker="o", capsize=3, label=name)
     if several_scopes and exact:
         ax.axhline(sum(exact) / len(exact), color="k", linestyle="--", linewidth=1, label="exact (scope all)")
     better = "lower is better" if metric == "perplexity" else "higher is better"
@@ -100,6 +113,55 @@ def _curves(group: list[dict], metric: str, x: str, path: Path, title: str) -> P
     ax.grid(alpha=0.3)
     ax.legend(title="policy")
     return _save(fig, path)
+
+
+def points(group: list[dict], key: str) -> dict[tuple, list[dict]]:
+    """The runs of each point ``(policy, scope, budget)``, budget read from ``key``: its seeds or slices."""
+    found = defaultdict(list)
+    for r in group:
+        found[(r["policy"], r["scope"], r[key])].append(r)
+    return found
+
+
+def spread(values: list[float]) -> tuple[float, float]:
+    """``(mean, sample standard deviation)``; the deviation of a single value is 0."""
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def varied(group: list[dict]) -> list[str]:
+    """The task keys whose values differ among ``group``'s runs (``seed``, ``offset``: what was averaged over)."""
+    tasks = [r.get("config", {}).get("task", {}) for r in group]
+    return sorted(k for k in set().union(*tasks) if len({json.dumps(t.get(k), sort_keys=True) for t in tasks}) > 1)
+
+
+SUMMARY_COLUMNS = ["task", "metric", "policy", "scope", "budget_axis", "budget", "n", "mean", "std", "min", "max",
+                   "over"]
+
+
+def summary(runs: list[dict], out: Path, x: str = "auto") -> list[Path]:
+    """``summary.csv`` and ``summary.md``: a row per task, metric (the score, and the attention-mass recall
+    where measured), policy, scope and budget, with the mean and spread over that point's runs."""
+    rows = []
+    for task, metric, group in by_task(runs):
+        axis = pick_x(group, x)
+        for (policy, scope, budget), point in sorted(points(group, X_AXES[axis][0]).items()):
+            values = [r[metric] for r in point]
+            mean, std = spread(values)
+            rows.append({"task": task, "metric": metric, "policy": policy, "scope": scope, "budget_axis": axis,
+                         "budget": budget, "n": len(values), "mean": mean, "std": std, "min": min(values),
+                         "max": max(values), "over": " ".join(varied(point))})
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "summary.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, SUMMARY_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = ["| task | metric | policy | scope | budget | n | mean ± std | min | max | over |",
+             "|---|---|---|---|---|---:|---:|---:|---:|---|"]
+    lines += [f"| {r['task']} | {r['metric']} | {r['policy']} | {r['scope']} | {r['budget']} ({r['budget_axis']}) | "
+              f"{r['n']} | {r['mean']:.4g} ± {r['std']:.2g} | {r['min']:.4g} | {r['max']:.4g} | {r['over']} |"
+              for r in rows]
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    return [out / "summary.md", out / "summary.csv"]
 
 
 def occupancy(runs: list[dict], out: Path) -> list[Path]:
@@ -134,14 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     """Console script ``kvtier-plot``."""
     parser = argparse.ArgumentParser(prog="kvtier-plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("dir", type=Path, help="a multirun folder (or any folder holding runs' metrics.json)")
-    parser.add_argument("--out", type=Path, help="where the PNGs go (default: DIR/plots)")
+    parser.add_argument("--out", type=Path, help="where the PNGs and tables go (default: DIR/plots)")
     parser.add_argument("--x", choices=["auto", *X_AXES], default="auto", help="budget axis (default: auto)")
     args = parser.parse_args(argv)
     runs = load_runs(args.dir)
     if not runs:
         parser.error(f"no metrics.json under {args.dir}; point it at a kvtier-run output or multirun folder")
     out = args.out or args.dir / "plots"
-    for path in quality_vs_budget(runs, out, args.x) + occupancy(runs, out):
+    for path in summary(runs, out, args.x) + quality_vs_budget(runs, out, args.x) + occupancy(runs, out):
         print(path)
     return 0
 

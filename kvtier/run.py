@@ -38,6 +38,11 @@ from kvtier.errors import ConfigError, Interrupted, KVTierError, MissingDependen
 from kvtier.report import collect, write_json
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
+LAUNCHERS = {  # hydra/launcher option -> (the package that ships it, kvtier's extra)
+    "joblib": ("hydra-joblib-launcher", "sweep"), "ray": ("hydra-ray-launcher", "ray"),
+    "ray_aws": ("hydra-ray-launcher", "ray"), "submitit_local": ("hydra-submitit-launcher", "submitit"),
+    "submitit_slurm": ("hydra-submitit-launcher", "submitit"),
+}
 log = logging.getLogger(__name__)
 
 
@@ -168,6 +173,8 @@ def composing():
         group, _, option = (e.missing_cfg_file or "").rpartition("/")
         if not group or e.options is None:
             raise ConfigError("defaults", str(e)) from None
+        if group == "hydra/launcher" and option in LAUNCHERS:
+            raise MissingDependencyError(*LAUNCHERS[option], f"hydra/launcher={option}") from None
         raise ConfigError(group, f"unknown {group} {option!r}; use one of {sorted(e.options)} or add "
                                  f"{group}/{option}.yaml to a --config-dir") from None
     except (HydraException, OmegaConfBaseException) as e:

@@ -6,6 +6,13 @@ import sys
 
 import pytest
 
+import csv
+import statistics
+
+import matplotlib.pyplot as plt
+from matplotlib.container import ErrorbarContainer
+
+from kvtier import plot
 from kvtier.plot import load_runs, main, pick_x
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -40,7 +47,8 @@ def test_curves_and_occupancy_pngs_from_a_multirun_folder(sweep, capsys):
     pngs = sorted((sweep / "plots").glob("*.png"))
     assert len(pngs) == 1 + 9 and (sweep / "plots" / "quality_vs_budget-perplexity.png") in pngs
     assert all(p.read_bytes().startswith(PNG) and p.stat().st_size > 5000 for p in pngs)
-    assert capsys.readouterr().out.split() == [str(p) for p in [sweep / "plots" / "quality_vs_budget-perplexity.png",
+    assert capsys.readouterr().out.split() == [str(p) for p in [sweep / "plots" / "summary.md", sweep / "plots" / "summary.csv",
+                                                               sweep / "plots" / "quality_vs_budget-perplexity.png",
                                                                *sorted((sweep / "plots").glob("occupancy-*.png"))]]
 
 
@@ -80,3 +88,54 @@ def test_task_variants_get_their_own_figures(tmp_path):
     assert main([str(tmp_path)]) == 0
     names = {p.name for p in (tmp_path / "plots").glob("quality_vs_budget-*.png")}
     assert names == {"quality_vs_budget-passkey.png", "quality_vs_budget-passkey-question_after.png"}
+
+
+@pytest.fixture
+def seeds(tmp_path):
+    """passkey accuracy of 2 policies x 2 budgets x 3 seeds, and one perplexity slice per offset."""
+    for policy, base in [("lru", 0.2), ("aspe", 0.5)]:
+        for fraction in [0.1, 0.5]:
+            for seed in range(3):
+                name = f"passkey-{policy}-{fraction}-s{seed}"
+                fake_run(tmp_path, name, policy, fraction, base + fraction + 0.1 * seed, task="passkey")
+                _set_task(tmp_path / name, {"seed": seed, "depths": [0.5]})
+    for offset, ppl in [(0, 10.0), (2304, 14.0)]:
+        fake_run(tmp_path, f"ppl-{offset}", "aspe", 0.1, ppl)
+        _set_task(tmp_path / f"ppl-{offset}", {"offset": offset})
+    return tmp_path
+
+
+def _set_task(folder, task):
+    m = json.loads((folder / "metrics.json").read_text())
+    m["config"]["task"] = task
+    (folder / "metrics.json").write_text(json.dumps(m))
+
+
+def test_summary_table_has_mean_and_spread_over_seeds_and_slices(seeds):
+    assert main([str(seeds)]) == 0
+    rows = list(csv.DictReader(open(seeds / "plots" / "summary.csv")))
+    assert [(r["task"], r["policy"], r["budget"], r["n"], r["over"]) for r in rows] == [
+        ("passkey", "aspe", "0.1", "3", "seed"), ("passkey", "aspe", "0.5", "3", "seed"),
+        ("passkey", "lru", "0.1", "3", "seed"), ("passkey", "lru", "0.5", "3", "seed"),
+        ("perplexity", "aspe", "0.1", "2", "offset")]
+    aspe = [0.5 + 0.1 + 0.1 * s for s in range(3)]
+    assert float(rows[0]["mean"]) == pytest.approx(statistics.fmean(aspe))
+    assert float(rows[0]["std"]) == pytest.approx(0.1)
+    assert (float(rows[0]["min"]), float(rows[0]["max"])) == pytest.approx((0.6, 0.8))
+    assert float(rows[4]["mean"]) == pytest.approx(12.0) and float(rows[4]["std"]) == pytest.approx(2 ** 1.5)
+    md = (seeds / "plots" / "summary.md").read_text().splitlines()
+    assert len(md) == 2 + len(rows)
+    assert md[-1] == "| perplexity | perplexity | aspe | resident | 0.1 (fraction) | 2 | 12 ± 2.8 | 10 | 14 | offset |"
+
+
+def test_curves_show_the_spread_as_error_bars(seeds, monkeypatch):
+    figures = []
+    monkeypatch.setattr(plot, "_save", lambda fig, path: figures.append(fig) or path)
+    plot.quality_vs_budget(load_runs(seeds), seeds / "plots")
+    passkey, perplexity = figures
+    bars = [c for c in passkey.axes[0].containers if isinstance(c, ErrorbarContainer)]
+    assert len(bars) == 2 and all(c.has_yerr for c in bars)
+    _, caps, (segments,) = bars[0]
+    assert [s[1, 1] - s[0, 1] for s in segments.get_segments()] == pytest.approx([0.2, 0.2])  # 2 std = 0.2 each
+    for fig in figures:
+        plt.close(fig)

