@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from kvtier.budget import TokenBudget
-from kvtier.checks import (check_device_room, check_positions, check_salience, check_stack, device_pages_needed,
+from kvtier.checks import (check_device_room, check_partial_budget, check_positions, check_salience, check_stack, device_pages_needed,
                            tier_pages)
 from kvtier.errors import ConfigError
 from kvtier.hook import use_hook
@@ -103,6 +103,7 @@ def plan(cfg: DictConfig) -> Plan:
     context, pages = task.context_tokens, layout.pages_for(task.context_tokens + task.new_tokens)
     page_bytes = layout.num_layers * layout.page_bytes  # one page of every layer
     budget = recipe.budget.tokens_for(context, -(-page_bytes // layout.page_size))
+    check_partial_budget(budget, context, recipe.scope.value, recipe.budget.key)
     attended = attend_budget(cfg, budget, layout.page_size)
     capacities = {}
     for key, spec in cfg.tiers.stack.items():
