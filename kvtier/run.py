@@ -17,7 +17,9 @@ import hashlib
 import itertools
 import json
 import logging
+import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -35,7 +37,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvtier.build import CacheFactory, build, build_model, label, plan
 from kvtier.engine import Engine
-from kvtier.errors import ConfigError, Interrupted, KVTierError, MissingDependencyError
+from kvtier.errors import ConfigError, Interrupted, KVTierError, MissingDependencyError, TierFailed
 from kvtier.report import collect, write_json
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
@@ -52,11 +54,25 @@ def run_name(root: DictConfig) -> str:
     return f"{label(cfg.policy)}-{cfg.scope.value}-{'_'.join(cfg.tiers.stack)}-{budget}-{digest}"
 
 
+_CLAIMED: dict[str, str] = {}  # run folder asked for -> the one this process made for it
+_MADE: set[Path] = set()  # folders this process made (absolute): the only ones a failed run removes
+
+
 def run_dir(root: DictConfig) -> str:
-    """``outputs/<task>/<run_name>``, or with ``-2``, ``-3``... when a run of the same config is there."""
+    """``outputs/<task>/<run_name>``, or with ``-2``, ``-3``... when a run of the same config is there.
+
+    The folder is made here, atomically (``os.mkdir``), so two processes started together never share
+    one; this process gets the same folder each time it asks for the same config."""
     path = f"outputs/{label(root.task)}/{run_name(root)}"
-    candidates = itertools.chain([path], (f"{path}-{i}" for i in itertools.count(2)))
-    return next(p for p in candidates if not Path(p).exists())
+    if path not in _CLAIMED:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        for candidate in itertools.chain([path], (f"{path}-{i}" for i in itertools.count(2))):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(candidate)
+                _MADE.add(Path(candidate).absolute())
+                _CLAIMED[path] = candidate
+                break
+    return _CLAIMED[path]
 
 
 OmegaConf.register_new_resolver("kvtier.run_name", lambda *, _root_: run_name(_root_), replace=True)
@@ -68,14 +84,17 @@ OmegaConf.register_new_resolver("kvtier.device", lambda d: ("cuda" if torch.cuda
 def execute(cfg: DictConfig, run_dir: str | Path) -> dict:
     """Check ``cfg``, build everything, run the task, write ``run_dir/metrics.json``, log; the metrics.
 
-    Nothing is written when a check fails; a run that fails later removes the ``run_dir`` it made.
-    On Ctrl-C the finished part is written, marked partial, and KeyboardInterrupt is raised again.
+    Nothing is written when a check fails; a run that fails later removes the ``run_dir`` it made (never
+    one another process made). On Ctrl-C (or SIGTERM, under :func:`main`) the finished part is written,
+    marked partial, and KeyboardInterrupt is raised again; on a tier's fault too, and TierFailed is raised.
     """
     t0 = time.perf_counter()
     plan_ = plan(cfg)
     run_dir = Path(run_dir)
-    made = not run_dir.exists() or not any(p.name != ".hydra" and p.suffix != ".log" for p in run_dir.iterdir())
-    run_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        run_dir.mkdir(parents=True)
+        _MADE.add(run_dir.absolute())
+    made = run_dir.absolute() in _MADE
     log.info("run folder: %s", run_dir)
     try:
         model, tokenizer = build_model(cfg)
@@ -86,13 +105,16 @@ def execute(cfg: DictConfig, run_dir: str | Path) -> dict:
                 result = build(cfg.task, "task").run(engine, make_cache, tokenizer, progress=bar)
         finally:
             make_cache.close()
-    except Interrupted as stop:
-        write_json(collect(plan_, stop.result, make_cache.records, engine, time.perf_counter() - t0, cfg, run_dir),
-                   run_dir / "metrics.json")
-        raise KeyboardInterrupt(f"partial results in {run_dir / 'metrics.json'}") from None
+    except (Interrupted, TierFailed) as stop:
+        path = write_json(collect(plan_, stop.result, make_cache.records, engine, time.perf_counter() - t0, cfg,
+                                  run_dir), run_dir / "metrics.json")
+        if isinstance(stop, TierFailed):
+            raise TierFailed(stop.result, stop.fault, f"partial results in {path}") from None
+        raise KeyboardInterrupt(f"partial results in {path}") from None
     except BaseException:
         if made:
             shutil.rmtree(run_dir, ignore_errors=True)
+            _MADE.discard(run_dir.absolute())
         raise
     metrics = collect(plan_, result, make_cache.records, engine, time.perf_counter() - t0, cfg, run_dir)
     write_json(metrics, run_dir / "metrics.json")
@@ -192,15 +214,27 @@ def _job(cfg: DictConfig) -> dict:
         raise _JobError(e) from e
 
 
+EXIT_TIER_FAULT = 3  # a tier failed under the run: partial results written, the tier and its fault named
+
+
 def main() -> None:
     """Console script ``kvtier-run [-m] [group=option ...] [key=value ...]`` (Hydra's command line).
 
     Every job is checked before Hydra starts. A config error or a missing extra prints one line and
-    exits 2; Ctrl-C exits 130 with one line; any other error keeps its traceback.
+    exits 2; a tier failing under the run writes the partial result and exits 3 with one line naming
+    the tier and its fault; Ctrl-C exits 130 and SIGTERM 143, each with one line, after writing the
+    finished part; any other error keeps its traceback.
     """
     config_dir = _args(sys.argv[1:]).config_dir
     if config_dir:  # the user's modules beside their recipes import by name (_target_: mine.MyPolicy)
         sys.path.insert(0, str(Path(config_dir).absolute()))
+    stopped = []
+
+    def terminate(signum, frame):  # SIGTERM (Slurm, Kubernetes) stops the run as Ctrl-C does
+        stopped.append(signum)
+        signal.default_int_handler(signum, frame)
+
+    signal.signal(signal.SIGTERM, terminate)
     try:
         for cfg in job_configs(sys.argv[1:]):
             plan(cfg)
@@ -208,11 +242,14 @@ def main() -> None:
     except (ConfigError, MissingDependencyError) as e:
         _exit(2, f"error: {e}")
     except _JobError as e:
+        if isinstance(e.args[0], TierFailed):
+            _exit(EXIT_TIER_FAULT, f"error: {e.args[0]}")
         if not isinstance(e.args[0], (ConfigError, MissingDependencyError)):
             raise e.args[0] from None
         _exit(2, f"error: {e.args[0]}")
     except KeyboardInterrupt as e:
-        _exit(130, f"interrupted{'; ' + str(e) if str(e) else ''}")
+        _exit(128 + (stopped[0] if stopped else signal.SIGINT), f"{'terminated' if stopped else 'interrupted'}"
+                                                              f"{'; ' + str(e) if str(e) else ''}")
 
 
 def _exit(code: int, line: str) -> None:

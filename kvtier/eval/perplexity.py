@@ -13,7 +13,7 @@ import torch
 
 from kvtier.data import TEXTS, token_stream
 from kvtier.checks import check_positions
-from kvtier.errors import ConfigError, Interrupted
+from kvtier.errors import ConfigError, partial_on_stop
 
 if TYPE_CHECKING:  # the cache imports kvtier.eval.fidelity
     from kvtier.cache import TieredKVCache
@@ -67,7 +67,8 @@ class Perplexity:
 
     @torch.no_grad()
     def run(self, engine, make_cache: Callable[[], TieredKVCache], tokenizer, progress=None) -> dict:
-        """The perplexity result; on Ctrl-C, :class:`Interrupted` carrying the tokens scored so far."""
+        """The perplexity result; on Ctrl-C or a tier's fault, :class:`Interrupted` or :class:`TierFailed`
+        carrying the tokens scored so far."""
         check_positions(self, engine.model.config)
         ids = token_stream(tokenizer, self.text, self.offset + self.length)[self.offset:]  # [length]
         advance = progress_task(progress, f"perplexity {self.text} ({self.length} tok)", self.length - self.prefix)
@@ -75,18 +76,17 @@ class Perplexity:
         nll = torch.empty(self.length - self.prefix, dtype=torch.float64)
         steps_before, done = len(engine.tpot_s), 0
         try:
-            logits = engine.run_prefill(cache, ids[None, : self.prefix])[:, -1]  # [1, V]
-            nll[0] = _nll(logits, ids[self.prefix])
-            done = 1
-            advance()
-            for i in range(self.prefix, self.length - 1):
-                logits = engine.decode_step(cache, ids[None, i : i + 1])  # [1, V]
-                nll[i + 1 - self.prefix] = _nll(logits, ids[i + 1])
-                done += 1
+            with partial_on_stop(lambda: self._result(nll[:done], engine.tpot_s[steps_before:], cache)):
+                logits = engine.run_prefill(cache, ids[None, : self.prefix])[:, -1]  # [1, V]
+                nll[0] = _nll(logits, ids[self.prefix])
+                done = 1
                 advance()
-            cache.finish_step()
-        except KeyboardInterrupt:
-            raise Interrupted(self._result(nll[:done], engine.tpot_s[steps_before:], cache)) from None
+                for i in range(self.prefix, self.length - 1):
+                    logits = engine.decode_step(cache, ids[None, i : i + 1])  # [1, V]
+                    nll[i + 1 - self.prefix] = _nll(logits, ids[i + 1])
+                    done += 1
+                    advance()
+                cache.finish_step()
         finally:
             cache.close()
         return self._result(nll, engine.tpot_s[steps_before:], cache)
