@@ -102,3 +102,21 @@ def check_stack(capacities: dict, context_pages: int) -> None:
     if held < context_pages:
         raise ConfigError(f"tiers.stack.{keys[-1]}" if len(keys) > 1 else "tiers.stack", f"the tiers below the "
                           f"device hold {held} pages, the context needs {context_pages}; raise a fraction or size")
+
+
+def check_memory(in_memory: dict) -> None:
+    """The tiers held in memory fit what is free there now: ``in_memory`` maps the key that sizes each
+    such tier (the budget's for the device) to ``(bytes, device)``; host DRAM and a CPU device share the RAM."""
+    import psutil
+    import torch
+
+    need: dict = {}
+    for key, (nbytes, device) in in_memory.items():
+        device = torch.device(device)
+        need.setdefault(device if device.type == "cuda" else torch.device("cpu"), []).append((nbytes, key))
+    for device, tiers in need.items():
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+        if (total := sum(n for n, _ in tiers)) > free:
+            nbytes, key = max(tiers)
+            raise ConfigError(key, f"gives a tier {nbytes / 2**30:.1f} GiB; the tiers in {device.type} memory need "
+                                   f"{total / 2**30:.1f} GiB, but {free / 2**30:.1f} GiB is free: make it smaller")

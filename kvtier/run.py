@@ -26,6 +26,7 @@ from pathlib import Path
 
 import hydra
 import torch
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
@@ -177,6 +178,9 @@ def job_configs(argv: list[str]):
             yield compose(opts.config_name, overrides=list(job))
 
 
+EXTRA_OPTIONS = {("hydra/launcher", "joblib"): ("hydra-joblib-launcher", "sweep")}  # options an extra brings
+
+
 @contextlib.contextmanager
 def composing():
     """Hydra's and OmegaConf's composition errors as ConfigErrors naming a key that exists."""
@@ -184,10 +188,18 @@ def composing():
         yield
     except MissingConfigException as e:
         group, _, option = (e.missing_cfg_file or "").rpartition("/")
+        if (group, option) in EXTRA_OPTIONS:
+            raise MissingDependencyError(*EXTRA_OPTIONS[group, option], f"{group}={option}") from None
         if not group or e.options is None:
             raise ConfigError("defaults", str(e)) from None
         raise ConfigError(group, f"unknown {group} {option!r}; use one of {sorted(e.options)} or add "
                                  f"{group}/{option}.yaml to a --config-dir") from None
+    except yaml.YAMLError as e:  # a recipe file of the user's that is not YAML
+        mark = getattr(e, "problem_mark", None)
+        where = f"{mark.name} line {mark.line + 1}" if mark else "a recipe file"
+        group = Path(mark.name).parent.name if mark else ""
+        raise ConfigError(group if (RECIPES / group).is_dir() else "defaults",
+                          f"{where} is not valid YAML ({getattr(e, 'problem', None) or e})") from None
     except (HydraException, OmegaConfBaseException) as e:
         cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e
         key = getattr(cause, "full_key", None) or ""
