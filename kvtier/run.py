@@ -246,7 +246,7 @@ def main() -> None:
         stopped.append(signum)
         signal.default_int_handler(signum, frame)
 
-    signal.signal(signal.SIGTERM, terminate)
+    previous = signal.signal(signal.SIGTERM, terminate)
     try:
         for cfg in job_configs(sys.argv[1:]):
             plan(cfg)
@@ -262,6 +262,8 @@ def main() -> None:
     except KeyboardInterrupt as e:
         _exit(128 + (stopped[0] if stopped else signal.SIGINT), f"{'terminated' if stopped else 'interrupted'}"
                                                               f"{'; ' + str(e) if str(e) else ''}")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _exit(code: int, line: str) -> None:

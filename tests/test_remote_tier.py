@@ -129,7 +129,7 @@ def test_config_errors(server):
         RedisTier(layout_of(), 4, server.url, timeout_s=0)
     with pytest.raises(ConfigError, match="tiers.stack.remote.ttl_s"):
         RedisTier(layout_of(), 4, server.url, ttl_s=-1)
-    with pytest.raises(ConfigError, match="tiers.stack.remote.capacity"):
+    with pytest.raises(ConfigError, match="capacity: tier .remote."):
         RedisTier(layout_of(), 0, server.url)
 
 

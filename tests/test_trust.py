@@ -3,6 +3,9 @@ its own, partial results on SIGTERM / SIGINT / a tier's fault, atomic result fil
 (exit 2, before the model loads where the input is known) for bad inputs, and messages that name keys
 that exist."""
 
+import ast
+import fnmatch
+import inspect
 import json
 import multiprocessing
 import os
@@ -14,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 import kvtier.run
 from kvtier.errors import ConfigError
@@ -127,3 +131,74 @@ def test_a_failed_result_write_leaves_no_truncated_file(tmp_path):
     """, tmp_path, tmp_path / "metrics.json")
     assert proc.stdout.startswith("refused"), proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+# -- every key a message names exists -------------------------------------------------------------
+# Keys that are Python-API argument names, not recipe keys (the object's own argument, documented in its
+# docstring), and keys in files the engine rewrite (issue 22) replaces: those messages are rewritten there.
+PYTHON_API = {"attention_mask", "attn_implementation", "batch_size", "capacity", "dropout", "dtype",
+              "past_key_values", "sliding_windows", "spec.bandwidth_gbps", "spec.latency_s", "topk_pages",
+              "transfer.method", "defaults"}
+REWRITTEN = {"kvtier/cache.py": {"cache.budget", "cache.dense_layers"},
+             "kvtier/fast/engine.py": {"margin", "prompt", "recall_slots", "scheduler.lookahead", "tiers.host"},
+             "kvtier/serve/scheduler.py": {"request", "serve.max_batch", "serve.preempt", "serve.swap_tokens",
+                                           "serve.token_budget"},
+             "kvtier/kernels/base.py": {"model.num_attention_heads"},
+             "kvtier/kernels/triton_prefill.py": {"layout.page_size"}}
+
+
+def _literal_keys(node):
+    """The key(s) a ConfigError's first argument names: a string, an f-string (``*`` for each value), or
+    either branch of ``a if c else b``; nothing for a variable."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        yield node.value
+    elif isinstance(node, ast.JoinedStr):
+        yield "".join(v.value if isinstance(v, ast.Constant) else "*" for v in node.values)
+    elif isinstance(node, ast.IfExp):
+        yield from _literal_keys(node.body)
+        yield from _literal_keys(node.orelse)
+
+
+def raised_keys():
+    """``(file, key)`` of every ``ConfigError(key, ...)`` in kvtier's source."""
+    for path in sorted((ROOT / "kvtier").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            func = getattr(node, "func", None)
+            if isinstance(node, ast.Call) and getattr(func, "id", getattr(func, "attr", None)) == "ConfigError":
+                for key in _literal_keys(node.args[0]) if node.args else ():
+                    yield path.relative_to(ROOT).as_posix(), key
+
+
+def recipe_keys() -> set[str]:
+    """Every key of every composed recipe option (``kvtier-run --cfg job``), with the parameters of each
+    ``_target_`` node's target (what the node may set)."""
+    from kvtier.build import target_of
+
+    keys = set()
+
+    def walk(node, prefix):
+        for k, v in node.items():
+            keys.add(f"{prefix}{k}")
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+        if "_target_" in node:
+            target = target_of(OmegaConf.create({"_target_": node["_target_"]}), prefix)
+            keys.update(f"{prefix}{p}" for p in inspect.signature(target).parameters)
+
+    with initialize_config_dir(str(RECIPES), version_base="1.3"):
+        for group in (g for g in RECIPES.iterdir() if g.is_dir()):
+            for option in group.rglob("*.yaml"):
+                name = option.relative_to(group).with_suffix("").as_posix()
+                cfg = compose("config", overrides=[f"{group.name}={name}"])
+                walk(OmegaConf.to_container(cfg, resolve=False), "")
+    return keys
+
+
+def test_every_key_an_error_names_exists():
+    keys = recipe_keys()
+    raised = sorted(set(raised_keys()))
+    assert len(raised) > 60  # the walk found the messages
+    unknown = [(f, k) for f, k in raised if k not in PYTHON_API and k not in REWRITTEN.get(f, ())
+               and not any(fnmatch.fnmatchcase(known, k) for known in keys)]
+    assert unknown == [], unknown
+    assert {k for ks in REWRITTEN.values() for k in ks} <= {k for _, k in raised}  # no stale exception
