@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar
 
 import torch
 
-from kvtier.data import TEXTS, token_stream
+from kvtier.data import text, token_stream
 from kvtier.checks import check_positions
 from kvtier.errors import ConfigError, partial_on_stop
 
@@ -58,8 +58,7 @@ class Perplexity:
         return self.length
 
     def __post_init__(self):
-        if self.text not in TEXTS:
-            raise ConfigError("task.text", f"unknown text {self.text!r}; use one of {sorted(TEXTS)}")
+        text(self.text)  # known, installed, UTF-8: checked before the model loads (read once, kept)
         check_int("length", self.length, 2)
         check_int("prefix", self.prefix, 1, self.length - 1)
         check_int("block_tokens", self.block_tokens, 1)
