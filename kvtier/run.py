@@ -55,7 +55,6 @@ def run_name(root: DictConfig) -> str:
     return f"{label(cfg.policy)}-{cfg.scope.value}-{'_'.join(cfg.tiers.stack)}-{budget}-{digest}"
 
 
-_CLAIMED: dict[str, str] = {}  # run folder asked for -> the one this process made for it
 _MADE: set[Path] = set()  # folders this process made (absolute): the only ones a failed run removes
 
 
@@ -63,17 +62,14 @@ def run_dir(root: DictConfig) -> str:
     """``outputs/<task>/<run_name>``, or with ``-2``, ``-3``... when a run of the same config is there.
 
     The folder is made here, atomically (``os.mkdir``), so two processes started together never share
-    one; this process gets the same folder each time it asks for the same config."""
+    one (Hydra resolves a run's folder once)."""
     path = f"outputs/{label(root.task)}/{run_name(root)}"
-    if path not in _CLAIMED:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        for candidate in itertools.chain([path], (f"{path}-{i}" for i in itertools.count(2))):
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(candidate)
-                _MADE.add(Path(candidate).absolute())
-                _CLAIMED[path] = candidate
-                break
-    return _CLAIMED[path]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    for candidate in itertools.chain([path], (f"{path}-{i}" for i in itertools.count(2))):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(candidate)
+            _MADE.add(Path(candidate).absolute())
+            return candidate
 
 
 OmegaConf.register_new_resolver("kvtier.run_name", lambda *, _root_: run_name(_root_), replace=True)
@@ -198,7 +194,7 @@ def composing():
         mark = getattr(e, "problem_mark", None)
         where = f"{mark.name} line {mark.line + 1}" if mark else "a recipe file"
         group = Path(mark.name).parent.name if mark else ""
-        raise ConfigError(group if (RECIPES / group).is_dir() else "defaults",
+        raise ConfigError(group if group and (RECIPES / group).is_dir() else "defaults",
                           f"{where} is not valid YAML ({getattr(e, 'problem', None) or e})") from None
     except (HydraException, OmegaConfBaseException) as e:
         cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e

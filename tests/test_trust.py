@@ -70,7 +70,6 @@ def test_identical_runs_started_together_get_a_folder_each(tmp_path, monkeypatch
         p.join()
     assert len(set(got)) == 4 and all((tmp_path / g).is_dir() for g in got), got
     assert [g[len(got[0]):] for g in got] == ["", "-2", "-3", "-4"]
-    assert run_dir(cfg) == run_dir(cfg)  # one process asking twice keeps its folder
 
 
 def test_a_failed_run_never_removes_a_folder_it_did_not_make(tmp_path, monkeypatch):
@@ -119,6 +118,28 @@ def test_a_tier_failing_mid_run_writes_the_finished_part_and_names_tier_and_faul
     m = json.loads(path.read_text())
     assert m["partial"] is True and m["fault"].startswith("PageEvictedError: remote tier 'remote'")
     assert m["task_result"]["scored_tokens"] >= 1
+
+
+def test_a_server_gone_mid_task_is_a_tier_fault_carrying_the_finished_part():
+    import torch
+
+    from kvtier.errors import TierFailed, partial_on_stop
+    from kvtier.layout import KVLayout
+    from kvtier.tiers import RedisTier
+    from kvtier.tiers.redis_server import LocalRedis
+
+    layout = KVLayout(1, 2, 8, 4, torch.float32)
+    server = LocalRedis()
+    tier = RedisTier(layout, 4, server.url, timeout_s=2.0)
+    tier.write(0, torch.arange(2), torch.zeros(2, *layout.page_shape))
+    server.stop()
+    done = []
+    with pytest.raises(TierFailed, match="remote tier 'remote'.*unreachable") as err:
+        with partial_on_stop(lambda: {"scored": len(done)}):
+            done.append(tier.read(0, torch.arange(1)))
+    assert err.value.result["partial"] and err.value.result["scored"] == 0
+    assert err.value.result["fault"].startswith("TierIOError: remote tier 'remote'")
+    tier.close()
 
 
 def test_a_failed_result_write_leaves_no_truncated_file(tmp_path):
