@@ -18,7 +18,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from kvtier.errors import ConfigError, MissingDependencyError
+from kvtier.errors import ConfigError, KVTierError, MissingDependencyError
 from kvtier.eval.fidelity import FidelityStats
 from kvtier.metrics import percentile
 
@@ -120,8 +120,10 @@ def write_json(metrics: dict, path: Path) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:  # a full disk, a killed write: no truncated file left behind
+    except BaseException as e:  # a full disk, a killed write: no truncated file left behind
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise KVTierError(f"cannot write {path} ({e.strerror or e}); free space there, or run elsewhere") from e
         raise
     return path
 

@@ -230,8 +230,9 @@ def main() -> None:
 
     Every job is checked before Hydra starts. A config error or a missing extra prints one line and
     exits 2; a tier failing under the run writes the partial result and exits 3 with one line naming
-    the tier and its fault; Ctrl-C exits 130 and SIGTERM 143, each with one line, after writing the
-    finished part; any other error keeps its traceback.
+    the tier and its fault; another error kvtier raises on purpose (a tier that cannot be made, a result
+    that cannot be written) exits 1 with its line; Ctrl-C exits 130 and SIGTERM 143, each with one line,
+    after writing the finished part; any other error keeps its traceback.
     """
     config_dir = _args(sys.argv[1:]).config_dir
     if config_dir:  # the user's modules beside their recipes import by name (_target_: mine.MyPolicy)
@@ -249,12 +250,10 @@ def main() -> None:
         _job()
     except (ConfigError, MissingDependencyError) as e:
         _exit(2, f"error: {e}")
-    except _JobError as e:
-        if isinstance(e.args[0], TierFailed):
-            _exit(EXIT_TIER_FAULT, f"error: {e.args[0]}")
-        if not isinstance(e.args[0], (ConfigError, MissingDependencyError)):
-            raise e.args[0] from None
-        _exit(2, f"error: {e.args[0]}")
+    except _JobError as e:  # a KVTierError: its message says what to change
+        error = e.args[0]
+        _exit(2 if isinstance(error, (ConfigError, MissingDependencyError)) else
+              EXIT_TIER_FAULT if isinstance(error, TierFailed) else 1, f"error: {error}")
     except KeyboardInterrupt as e:
         _exit(128 + (stopped[0] if stopped else signal.SIGINT), f"{'terminated' if stopped else 'interrupted'}"
                                                               f"{'; ' + str(e) if str(e) else ''}")
