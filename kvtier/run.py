@@ -58,22 +58,31 @@ def run_name(root: DictConfig) -> str:
 _MADE: set[Path] = set()  # folders this process made (absolute): the only ones a failed run removes
 
 
-def run_dir(root: DictConfig) -> str:
-    """``outputs/<task>/<run_name>``, or with ``-2``, ``-3``... when a run of the same config is there.
-
-    The folder is made here, atomically (``os.mkdir``), so two processes started together never share
-    one (Hydra resolves a run's folder once)."""
-    path = f"outputs/{label(root.task)}/{run_name(root)}"
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    for candidate in itertools.chain([path], (f"{path}-{i}" for i in itertools.count(2))):
+def claim(path: str | Path) -> Path:
+    """``path``, or with ``-2``, ``-3``... when that exists: the first that this process makes itself
+    (``os.mkdir`` is atomic, so two processes started together never get the same folder)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for candidate in itertools.chain([path], (Path(f"{path}-{i}") for i in itertools.count(2))):
         with contextlib.suppress(FileExistsError):
-            os.mkdir(candidate)
-            _MADE.add(Path(candidate).absolute())
+            candidate.mkdir()
+            _MADE.add(candidate.absolute())
             return candidate
 
 
-OmegaConf.register_new_resolver("kvtier.run_name", lambda *, _root_: run_name(_root_), replace=True)
+def run_dir(root: DictConfig) -> str:
+    """``outputs/<task>/<run_name>`` (made by :func:`claim`, Hydra resolves it once per run)."""
+    return str(claim(f"outputs/{label(root.task)}/{run_name(root)}"))
+
+
+def job_dir(root: DictConfig) -> str:
+    """A sweep job's folder inside the sweep's: ``<job number>-<run_name>`` (made by :func:`claim`)."""
+    sweep = Path(str(root.hydra.sweep.dir))
+    return claim(sweep / f"{root.hydra.job.num}-{run_name(root)}").name
+
+
 OmegaConf.register_new_resolver("kvtier.run_dir", lambda *, _root_: run_dir(_root_), replace=True)
+OmegaConf.register_new_resolver("kvtier.job_dir", lambda *, _root_: job_dir(_root_), replace=True)
 OmegaConf.register_new_resolver("kvtier.device", lambda d: ("cuda" if torch.cuda.is_available() else "cpu")
                                 if d == "auto" else d, replace=True)
 
