@@ -17,7 +17,6 @@ import hashlib
 import itertools
 import json
 import logging
-import os
 import shutil
 import signal
 import sys
@@ -60,7 +59,7 @@ _MADE: set[Path] = set()  # folders this process made (absolute): the only ones 
 
 def claim(path: str | Path) -> Path:
     """``path``, or with ``-2``, ``-3``... when that exists: the first that this process makes itself
-    (``os.mkdir`` is atomic, so two processes started together never get the same folder)."""
+    (``mkdir`` is atomic, so two processes started together never get the same folder)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     for candidate in itertools.chain([path], (Path(f"{path}-{i}") for i in itertools.count(2))):
