@@ -6,7 +6,6 @@ Newton's Opticks (~146k SmolLM2 tokens) comes with ``apache-tvm-ffi``; Jane Aust
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata
 from pathlib import Path
 
@@ -20,9 +19,8 @@ TEXTS = {  # name -> (pip distribution, version, file inside it)
 }
 
 
-@functools.cache
 def text(name: str) -> str:
-    """The whole text ``name`` (a key of TEXTS), read once from the pip package that ships it."""
+    """The whole text ``name`` (a key of TEXTS), read from the pip package that ships it."""
     if name not in TEXTS:
         raise ConfigError("task.text", f"unknown text {name!r}; use one of {sorted(TEXTS)}")
     dist, version, relpath = TEXTS[name]

@@ -47,7 +47,7 @@ class Needle(RetrievalTask):
 
     def __post_init__(self):
         super().__post_init__()
-        text(self.text)  # known, installed, UTF-8: checked before the model loads (read once, kept)
+        text(self.text)  # known, installed, UTF-8: checked before the model loads
         for name in ("needle", "question", "answer"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():

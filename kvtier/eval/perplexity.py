@@ -58,7 +58,7 @@ class Perplexity:
         return self.length
 
     def __post_init__(self):
-        text(self.text)  # known, installed, UTF-8: checked before the model loads (read once, kept)
+        text(self.text)  # known, installed, UTF-8: checked before the model loads
         check_int("length", self.length, 2)
         check_int("prefix", self.prefix, 1, self.length - 1)
         check_int("block_tokens", self.block_tokens, 1)
