@@ -23,6 +23,12 @@ from kvtier.errors import ConfigError
 MODES = ("continuous", "once")
 
 
+def check_mode(mode: str) -> None:
+    """``mode`` is one of :data:`MODES`."""
+    if mode not in MODES:
+        raise ConfigError("cache.mode", f"unknown mode {mode!r}; use one of {list(MODES)}")
+
+
 @dataclass
 class TokenBudget:
     tokens: int
@@ -35,15 +41,14 @@ class TokenBudget:
         for name in ("tokens", "sinks", "window"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ConfigError(f"cache.{'budget' if name == 'tokens' else name}",
+                raise ConfigError("budget" if name == "tokens" else f"cache.{name}",
                                   f"must be an integer >= 0, got {v!r}")
         if self.window < 1:
             raise ConfigError("cache.window", "a token budget attends at least the newest token: window >= 1")
         if self.sinks + self.window > self.tokens:
-            raise ConfigError("cache.budget", f"{self.tokens} tokens cannot hold sinks ({self.sinks}) + window "
+            raise ConfigError("budget", f"{self.tokens} tokens cannot hold sinks ({self.sinks}) + window "
                                               f"({self.window})")
-        if self.mode not in MODES:
-            raise ConfigError("cache.mode", f"unknown mode {self.mode!r}; use one of {list(MODES)}")
+        check_mode(self.mode)
 
     @property
     def middle_pages(self) -> int:

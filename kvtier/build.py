@@ -15,17 +15,19 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from kvtier.budget import TokenBudget
-from kvtier.checks import (check_decode_kernel, check_device_room, check_positions, check_salience, check_stack,
-                           device_pages_needed,
-                           tier_pages)
+from kvtier.checks import (check_decode_kernel, check_device_room, check_memory, check_partial_budget, check_positions,
+                           check_salience, check_stack, device_pages_needed, tier_pages)
 from kvtier.errors import ConfigError
 from kvtier.hook import use_hook
 from kvtier.layout import KVLayout
 from kvtier.models import check_load_args, kv_layout_for, load_config
+from kvtier.policies.base import Policy
 from kvtier.report import CacheRecord
 from kvtier.schema import check_schema
+from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import check_folder
-from kvtier.tiers.redis import check_url
+from kvtier.tiers.memory import HostTier, MemoryTier, default_device
+from kvtier.tiers.redis import probe_url
 from kvtier.tiers.redis_server import LocalRedis
 
 LOCAL_STORE = "local"  # tiers.stack.<remote>.url that starts a redis-server on loopback for the run
@@ -63,9 +65,15 @@ def target_of(node, field: str):
     return getattr(found, name)
 
 
-def build(node, field: str, call: bool = True, **given):
-    """``node``'s ``_target_`` called with its keys plus ``given`` (``call=False``: its keys checked only)."""
-    signature = inspect.signature(target := target_of(node, field))
+def build(node, field: str, call: bool = True, kind: type | None = None, **given):
+    """``node``'s ``_target_`` called with its keys plus ``given`` (``call=False``: its keys checked only);
+    with ``kind``, the target must be a subclass of it."""
+    target = target_of(node, field)
+    if kind is not None and not (isinstance(target, type) and issubclass(target, kind)):
+        public = f"{kind.__module__.rpartition('.')[0]}.{kind.__name__}"
+        raise ConfigError(f"{field}._target_", f"{node._target_} is not a {kind.__name__}: {field.split('.')[0]} "
+                                               f"takes a subclass of {public}")
+    signature = inspect.signature(target)
     try:
         signature.bind_partial(**given, **{k: None for k in node if not k.startswith("_")})
     except TypeError as e:
@@ -75,9 +83,10 @@ def build(node, field: str, call: bool = True, **given):
         return target
     try:  # objects (layout, tiers) go to the partial: instantiate would turn them into configs
         return instantiate(OmegaConf.to_container(node, resolve=True), _partial_=True, _convert_="all")(**given)
-    except (ConfigError, InstantiationException) as e:  # the latter: a nested node's constructor failed
-        if not isinstance(cause := e if isinstance(e, ConfigError) else e.__cause__, ConfigError):
-            raise ConfigError(field, str(e.__cause__ or e)) from e
+    except (ValueError, InstantiationException) as e:  # a ValueError (ConfigError too) from the constructor, or
+        cause = e.__cause__ if isinstance(e, InstantiationException) else e  # a nested node's constructor failed
+        if not isinstance(cause, ConfigError):
+            raise ConfigError(field, str(cause or e)) from e
         key = cause.field if cause.field.startswith(field) else f"{field}.{cause.field.rsplit('.', 1)[-1]}"
         raise ConfigError(key, str(cause).split(": ", 1)[-1]) from None
 
@@ -92,7 +101,7 @@ def label(node) -> str:
 def plan(cfg: DictConfig) -> Plan:
     """Check the whole recipe (no weights loaded, nothing written); ConfigError names the first bad key."""
     recipe = check_schema(cfg)
-    policy, task = build(cfg.policy, "policy"), build(cfg.task, "task")
+    policy, task = build(cfg.policy, "policy", kind=Policy), build(cfg.task, "task")
     if not getattr(task, "needs_model", True):  # nothing of the model, tiers or cache is built
         return Plan({"task": task.name}, 0, 0, {}, None, needs_model=False)
     prefill = build(cfg.scheduler.prefill, "scheduler.prefill")
@@ -109,11 +118,12 @@ def plan(cfg: DictConfig) -> Plan:
     context, pages = task.context_tokens, layout.pages_for(task.context_tokens + task.new_tokens)
     page_bytes = layout.num_layers * layout.page_bytes  # one page of every layer
     budget = recipe.budget.tokens_for(context, -(-page_bytes // layout.page_size))
+    check_partial_budget(budget, context, recipe.scope.value, recipe.budget.key)
     attended = attend_budget(cfg, budget, layout.page_size)
-    capacities = {}
+    capacities, in_memory = {}, {}  # in_memory: the key sizing a tier held in memory -> (bytes, device)
     for key, spec in cfg.tiers.stack.items():
         field = f"tiers.stack.{key}"
-        build(unsized(spec), field, call=False, layout=layout, capacity=1, name=key)
+        tier = build(unsized(spec), field, call=False, kind=Tier, layout=layout, capacity=1, name=key)
         if not capacities and any(spec.get(k) is not None for k in SIZING):
             raise ConfigError(field, f"the device's size is the budget: set {recipe.budget.key} instead")
         if capacities:
@@ -124,10 +134,15 @@ def plan(cfg: DictConfig) -> Plan:
         if "path" in spec:  # a disk tier: relative paths live in the run folder
             check_folder(spec.path if Path(spec.path).is_absolute() else ".", f"{field}.path")
         if spec.get("url", LOCAL_STORE) != LOCAL_STORE:
-            check_url(spec.url, f"{field}.url")
+            probe_url(spec.url, f"{field}.url", spec.get("timeout_s") or 5.0)
+        if issubclass(tier, MemoryTier):
+            sizing = recipe.budget.key if len(capacities) == 1 else f"{field}.{SIZING[spec.get('size') is not None]}"
+            place = "cpu" if issubclass(tier, HostTier) else spec.get("device") or default_device()
+            in_memory[sizing] = (capacities[key] * page_bytes, place)
     check_device_room(next(iter(capacities.values())), policy, layout.page_size, min(prefill.chunk_size, context),
                       recipe.budget.key)
     check_stack(capacities, pages)
+    check_memory(in_memory)
     labels = {"policy": label(cfg.policy), "scope": recipe.scope.value, "tiers": "_".join(capacities),
               "kernel": label(cfg.kernel), "task": task.name, "model": label(cfg.model)}
     return Plan(labels, context, budget, capacities, layout)

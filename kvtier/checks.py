@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 
+from kvtier.budget import check_mode
 from kvtier.errors import ConfigError
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -25,6 +26,26 @@ def device_pages_needed(policy, page_size: int, chunk_tokens: int, batch_size: i
     return batch_size * (policy.pinned_pages(page_size) + 1 + -(-chunk_tokens // page_size))
 
 
+def check_cache_options(mode: str, rank: str, query_rows, policy_share) -> None:
+    """The token budget's ``mode`` and the topk scope's options hold values they accept, whether or not
+    this run uses them (``cache.attend_budget`` or ``scope=topk`` may switch them on in the next run)."""
+    check_mode(mode)
+    check_topk_options(rank, query_rows, policy_share)
+
+
+def check_topk_options(rank: str, query_rows, policy_share) -> None:
+    """The topk scope's ``rank`` (one of :data:`kvtier.scopes.topk.RANKS`), ``query_rows`` and ``policy_share``."""
+    from kvtier.scopes.topk import RANKS
+
+    if rank not in RANKS:
+        raise ConfigError("cache.rank", f"unknown rank {rank!r}; use one of {list(RANKS)}")
+    if not isinstance(query_rows, int) or isinstance(query_rows, bool) or query_rows < 1:
+        raise ConfigError("cache.query_rows", f"must be an integer >= 1, got {query_rows!r}")
+    if isinstance(policy_share, bool) or not isinstance(policy_share, (int, float)) or \
+            not 0.0 <= policy_share <= 1.0:  # nan too
+        raise ConfigError("cache.policy_share", f"must be in [0, 1], got {policy_share!r}")
+
+
 def check_device_room(capacity: int, policy, page_size: int, chunk_tokens: int, field: str,
                       batch_size: int = 1) -> None:
     """The device holds :func:`device_pages_needed`."""
@@ -34,6 +55,16 @@ def check_device_room(capacity: int, policy, page_size: int, chunk_tokens: int, 
                                  f"'{policy.name}' pins, the page being written and {chunk_tokens} more tokens; "
                                  f"give the device at least {need} pages ({need * page_size} tokens), or pin less, "
                                  "or prefill in smaller steps (scheduler.prefill.chunk_size)")
+
+
+def check_partial_budget(budget: int, context: int, scope: str, key: str) -> None:
+    """A budget of the whole context is refused unless ``scope`` is ``all``: under ``resident`` or ``topk``
+    the scheduler keeps room for the next chunk and the policy still places and picks pages, so it is not
+    exact attention, yet it would be read as the exact end of a quality-vs-budget curve."""
+    if budget >= context and scope != "all":
+        raise ConfigError(key, f"gives the whole context ({context} tokens) to the device, which under "
+                               f"scope={scope} is still not exact attention; for the exact baseline use scope=all, "
+                               "else a budget below the context")
 
 
 def check_salience(policy, backend) -> None:
@@ -80,3 +111,21 @@ def check_stack(capacities: dict, context_pages: int) -> None:
     if held < context_pages:
         raise ConfigError(f"tiers.stack.{keys[-1]}" if len(keys) > 1 else "tiers.stack", f"the tiers below the "
                           f"device hold {held} pages, the context needs {context_pages}; raise a fraction or size")
+
+
+def check_memory(in_memory: dict) -> None:
+    """The tiers held in memory fit what is free there now: ``in_memory`` maps the key that sizes each
+    such tier (the budget's for the device) to ``(bytes, device)``; host DRAM and a CPU device share the RAM."""
+    import psutil
+    import torch
+
+    need: dict = {}
+    for key, (nbytes, device) in in_memory.items():
+        device = torch.device(device)
+        need.setdefault(device if device.type == "cuda" else torch.device("cpu"), []).append((nbytes, key))
+    for device, tiers in need.items():
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+        if (total := sum(n for n, _ in tiers)) > free:
+            nbytes, key = max(tiers)
+            raise ConfigError(key, f"gives a tier {nbytes / 2**30:.1f} GiB; the tiers in {device.type} memory need "
+                                   f"{total / 2**30:.1f} GiB, but {free / 2**30:.1f} GiB is free: make it smaller")

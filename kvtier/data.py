@@ -35,7 +35,11 @@ def text(name: str) -> str:
         raise ConfigError("task.text", f"the {name!r} text needs the {dist} package; run: {install}") from None
     if not path.is_file():
         raise ConfigError("task.text", f"{path} is missing from the installed {dist}; run: {install}")
-    return path.read_text(encoding="utf-8")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError("task.text", f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); run: {install}") \
+            from None
 
 
 def opticks_text() -> str:

@@ -1,5 +1,7 @@
 """Named errors. Each message says what to change."""
 
+import contextlib
+
 
 class KVTierError(Exception):
     """Base class of every error kvtier raises on purpose."""
@@ -56,3 +58,25 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, result: dict):
         super().__init__("interrupted")
         self.result = {**result, "partial": True}
+
+
+class TierFailed(KVTierError):
+    """A tier failed under a running task (its store gone, a page lost or damaged): ``result`` is the
+    task's result over what finished, marked ``partial``, with the fault; ``fault`` is the tier's error."""
+
+    def __init__(self, result: dict, fault: Exception, where: str = ""):
+        super().__init__(f"{fault}{'; ' + where if where else ''}")
+        self.fault = fault
+        self.result = {**result, "partial": True, "fault": f"{type(fault).__name__}: {fault}"}
+
+
+@contextlib.contextmanager
+def partial_on_stop(result):
+    """Ctrl-C (SIGINT, or SIGTERM turned into it) becomes :class:`Interrupted` and a tier's fault
+    :class:`TierFailed`, each carrying ``result()``: the task's result over what finished so far."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise Interrupted(result()) from None
+    except (TierIOError, PageCorruptedError) as fault:
+        raise TierFailed(result(), fault) from None

@@ -23,6 +23,10 @@ def kvtier_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
         raise ConfigError("past_key_values", "attn_implementation='kvtier' needs past_key_values=TieredKVCache(...)")
     if dropout:
         raise ConfigError("dropout", "kvtier attention is for inference; call model.eval()")
+    if query.dtype != cache.layout.dtype:
+        raise ConfigError("dtype", f"the cache's layout computes in {cache.layout.dtype}, the model in {query.dtype}; "
+                                   f"build it with kv_layout_for(model.config, dtype={query.dtype}) (pages may be "
+                                   "stored narrower with kv_dtype=)")
     check_attention_call(module, cache.layout.window(module.layer_idx), attention_mask, kwargs)
     return cache.attend(module.layer_idx, query, scaling), None
 

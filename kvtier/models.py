@@ -169,7 +169,7 @@ def load_config(path: str | None = None, id: str | None = None, revision: str = 
         raise ConfigError("model.path", f"{str(folder)!r} has no config.json, so it is not a HF model; {hint}")
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (ValueError, StrictDataclassError) as err:  # unknown model_type, or refused by the config class
+    except (ValueError, OSError, StrictDataclassError) as err:  # unknown model_type, bad JSON, refused by the class
         raise ConfigError("model", f"{folder / 'config.json'} is not a usable model config: {err}") from err
     check_attention_shape(config)
     return folder, config

@@ -18,7 +18,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from kvtier.errors import ConfigError, MissingDependencyError
+from kvtier.errors import ConfigError, KVTierError, MissingDependencyError
 from kvtier.eval.fidelity import FidelityStats
 from kvtier.metrics import percentile
 
@@ -64,7 +64,8 @@ class CacheRecord:
 
 def collect(plan, result: dict, records: list[CacheRecord], wall_s: float, cfg, run_dir) -> dict:
     """The run's metrics: identity, the task's score, systems figures over all caches, the config;
-    ``partial`` is true when the run was interrupted and the figures cover what finished."""
+    ``partial`` is true when the run was interrupted, or stopped by a tier's ``fault`` (its error, else null),
+    and the figures cover what finished."""
     from omegaconf import OmegaConf
 
     score = next(k for k in SCORES if k in result)
@@ -84,7 +85,7 @@ def collect(plan, result: dict, records: list[CacheRecord], wall_s: float, cfg, 
         offset = steps[-1] + 1 if steps else offset
     return {
         **plan.labels, "task": result["task"], "run_name": Path(run_dir).name, "partial": result.get("partial", False),
-        "score_name": score, score: result[score],
+        "fault": result.get("fault"), "score_name": score, score: result[score],
         "budget_tokens": plan.budget_tokens, "budget_fraction": plan.budget_fraction,
         "capacity_pages": plan.capacities, "context_tokens": result["context_tokens"],
         "samples": result.get("samples", len(records)),
@@ -114,11 +115,21 @@ def _mean(values: list) -> float:
 
 
 def write_json(metrics: dict, path: Path) -> Path:
-    """Write ``metrics`` to ``path`` atomically; NaN and inf become null (strict JSON)."""
+    """Write ``metrics`` to ``path`` atomically (a temporary file, synced, renamed; removed if the write
+    fails); NaN and inf become null (strict JSON)."""
     path = Path(path)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(_finite(metrics), indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(_finite(metrics), indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:  # a full disk, a killed write: no truncated file left behind
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise KVTierError(f"cannot write {path} ({e.strerror or e}); free space there, or run elsewhere") from e
+        raise
     return path
 
 

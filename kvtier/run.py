@@ -18,12 +18,14 @@ import itertools
 import json
 import logging
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
 
 import hydra
 import torch
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
@@ -34,7 +36,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from kvtier.build import EngineFactory, build, build_model, label, plan
-from kvtier.errors import ConfigError, Interrupted, KVTierError, MissingDependencyError
+from kvtier.errors import ConfigError, Interrupted, KVTierError, MissingDependencyError, TierFailed
 from kvtier.report import collect, write_json
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
@@ -56,15 +58,34 @@ def run_name(root: DictConfig) -> str:
     return f"{label(cfg.policy)}-{cfg.scope.value}-{'_'.join(cfg.tiers.stack)}-{budget}-{digest}"
 
 
+_MADE: set[Path] = set()  # folders this process made (absolute): the only ones a failed run removes
+
+
+def claim(path: str | Path) -> Path:
+    """``path``, or with ``-2``, ``-3``... when that exists: the first that this process makes itself
+    (``mkdir`` is atomic, so two processes started together never get the same folder)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for candidate in itertools.chain([path], (Path(f"{path}-{i}") for i in itertools.count(2))):
+        with contextlib.suppress(FileExistsError):
+            candidate.mkdir()
+            _MADE.add(candidate.absolute())
+            return candidate
+
+
 def run_dir(root: DictConfig) -> str:
-    """``outputs/<task>/<run_name>``, or with ``-2``, ``-3``... when a run of the same config is there."""
-    path = f"outputs/{label(root.task)}/{run_name(root)}"
-    candidates = itertools.chain([path], (f"{path}-{i}" for i in itertools.count(2)))
-    return next(p for p in candidates if not Path(p).exists())
+    """``outputs/<task>/<run_name>`` (made by :func:`claim`, Hydra resolves it once per run)."""
+    return str(claim(f"outputs/{label(root.task)}/{run_name(root)}"))
 
 
-OmegaConf.register_new_resolver("kvtier.run_name", lambda *, _root_: run_name(_root_), replace=True)
+def job_dir(root: DictConfig) -> str:
+    """A sweep job's folder inside the sweep's: ``<job number>-<run_name>`` (made by :func:`claim`)."""
+    sweep = Path(str(root.hydra.sweep.dir))
+    return claim(sweep / f"{root.hydra.job.num}-{run_name(root)}").name
+
+
 OmegaConf.register_new_resolver("kvtier.run_dir", lambda *, _root_: run_dir(_root_), replace=True)
+OmegaConf.register_new_resolver("kvtier.job_dir", lambda *, _root_: job_dir(_root_), replace=True)
 OmegaConf.register_new_resolver("kvtier.device", lambda d: ("cuda" if torch.cuda.is_available() else "cpu")
                                 if d == "auto" else d, replace=True)
 
@@ -72,14 +93,17 @@ OmegaConf.register_new_resolver("kvtier.device", lambda d: ("cuda" if torch.cuda
 def execute(cfg: DictConfig, run_dir: str | Path) -> dict:
     """Check ``cfg``, build everything, run the task, write ``run_dir/metrics.json``, log; the metrics.
 
-    Nothing is written when a check fails; a run that fails later removes the ``run_dir`` it made.
-    On Ctrl-C the finished part is written, marked partial, and KeyboardInterrupt is raised again.
+    Nothing is written when a check fails; a run that fails later removes the ``run_dir`` it made (never
+    one another process made). On Ctrl-C (or SIGTERM, under :func:`main`) the finished part is written,
+    marked partial, and KeyboardInterrupt is raised again; on a tier's fault too, and TierFailed is raised.
     """
     t0 = time.perf_counter()
     plan_ = plan(cfg)
     run_dir = Path(run_dir)
-    made = not run_dir.exists() or not any(p.name != ".hydra" and p.suffix != ".log" for p in run_dir.iterdir())
-    run_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        run_dir.mkdir(parents=True)
+        _MADE.add(run_dir.absolute())
+    made = run_dir.absolute() in _MADE
     log.info("run folder: %s", run_dir)
     try:
         if not plan_.needs_model:  # a task that loads no model (kvtier.sim): it writes its result, no logger
@@ -95,13 +119,16 @@ def execute(cfg: DictConfig, run_dir: str | Path) -> dict:
                 result = build(cfg.task, "task").run(make_engine, tokenizer, progress=bar)
         finally:
             make_engine.close()
-    except Interrupted as stop:
-        write_json(collect(plan_, stop.result, make_engine.records, time.perf_counter() - t0, cfg, run_dir),
-                   run_dir / "metrics.json")
-        raise KeyboardInterrupt(f"partial results in {run_dir / 'metrics.json'}") from None
+    except (Interrupted, TierFailed) as stop:
+        path = write_json(collect(plan_, stop.result, make_engine.records, time.perf_counter() - t0, cfg, run_dir),
+                          run_dir / "metrics.json")
+        if isinstance(stop, TierFailed):
+            raise TierFailed(stop.result, stop.fault, f"partial results in {path}") from None
+        raise KeyboardInterrupt(f"partial results in {path}") from None
     except BaseException:
         if made:
             shutil.rmtree(run_dir, ignore_errors=True)
+            _MADE.discard(run_dir.absolute())
         raise
     metrics = collect(plan_, result, make_engine.records, time.perf_counter() - t0, cfg, run_dir)
     write_json(metrics, run_dir / "metrics.json")
@@ -164,6 +191,9 @@ def job_configs(argv: list[str]):
             yield compose(opts.config_name, overrides=list(job))
 
 
+EXTRA_OPTIONS = {("hydra/launcher", "joblib"): ("hydra-joblib-launcher", "sweep")}  # options an extra brings
+
+
 @contextlib.contextmanager
 def composing():
     """Hydra's and OmegaConf's composition errors as ConfigErrors naming a key that exists."""
@@ -171,12 +201,20 @@ def composing():
         yield
     except MissingConfigException as e:
         group, _, option = (e.missing_cfg_file or "").rpartition("/")
+        if (group, option) in EXTRA_OPTIONS:
+            raise MissingDependencyError(*EXTRA_OPTIONS[group, option], f"{group}={option}") from None
         if not group or e.options is None:
             raise ConfigError("defaults", str(e)) from None
         if group == "hydra/launcher" and option in LAUNCHERS:
             raise MissingDependencyError(*LAUNCHERS[option], f"hydra/launcher={option}") from None
         raise ConfigError(group, f"unknown {group} {option!r}; use one of {sorted(e.options)} or add "
                                  f"{group}/{option}.yaml to a --config-dir") from None
+    except yaml.YAMLError as e:  # a recipe file of the user's that is not YAML
+        mark = getattr(e, "problem_mark", None)
+        where = f"{mark.name} line {mark.line + 1}" if mark else "a recipe file"
+        group = Path(mark.name).parent.name if mark else ""
+        raise ConfigError(group if group and (RECIPES / group).is_dir() else "defaults",
+                          f"{where} is not valid YAML ({getattr(e, 'problem', None) or e})") from None
     except (HydraException, OmegaConfBaseException) as e:
         cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e
         key = getattr(cause, "full_key", None) or ""
@@ -203,27 +241,43 @@ def _job(cfg: DictConfig) -> dict:
         raise _JobError(e) from e
 
 
+EXIT_TIER_FAULT = 3  # a tier failed under the run: partial results written, the tier and its fault named
+
+
 def main() -> None:
     """Console script ``kvtier-run [-m] [group=option ...] [key=value ...]`` (Hydra's command line).
 
     Every job is checked before Hydra starts. A config error or a missing extra prints one line and
-    exits 2; Ctrl-C exits 130 with one line; any other error keeps its traceback.
+    exits 2; a tier failing under the run writes the partial result and exits 3 with one line naming
+    the tier and its fault; another error kvtier raises on purpose (a tier that cannot be made, a result
+    that cannot be written) exits 1 with its line; Ctrl-C exits 130 and SIGTERM 143, each with one line,
+    after writing the finished part; any other error keeps its traceback.
     """
     config_dir = _args(sys.argv[1:]).config_dir
     if config_dir:  # the user's modules beside their recipes import by name (_target_: mine.MyPolicy)
         sys.path.insert(0, str(Path(config_dir).absolute()))
+    stopped = []
+
+    def terminate(signum, frame):  # SIGTERM (Slurm, Kubernetes) stops the run as Ctrl-C does
+        stopped.append(signum)
+        signal.default_int_handler(signum, frame)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
     try:
         for cfg in job_configs(sys.argv[1:]):
             plan(cfg)
         _job()
     except (ConfigError, MissingDependencyError) as e:
         _exit(2, f"error: {e}")
-    except _JobError as e:
-        if not isinstance(e.args[0], (ConfigError, MissingDependencyError)):
-            raise e.args[0] from None
-        _exit(2, f"error: {e.args[0]}")
+    except _JobError as e:  # a KVTierError: its message says what to change
+        error = e.args[0]
+        _exit(2 if isinstance(error, (ConfigError, MissingDependencyError)) else
+              EXIT_TIER_FAULT if isinstance(error, TierFailed) else 1, f"error: {error}")
     except KeyboardInterrupt as e:
-        _exit(130, f"interrupted{'; ' + str(e) if str(e) else ''}")
+        _exit(128 + (stopped[0] if stopped else signal.SIGINT), f"{'terminated' if stopped else 'interrupted'}"
+                                                              f"{'; ' + str(e) if str(e) else ''}")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _exit(code: int, line: str) -> None:

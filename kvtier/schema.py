@@ -12,7 +12,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from kvtier.checks import parse_bytes
+from kvtier.checks import check_cache_options, parse_bytes
 from kvtier.engine.config import EngineConfig
 from kvtier.errors import ConfigError
 
@@ -86,6 +86,7 @@ class Cache:
         if self.topk_pages is not None and self.topk_pages < 1 or self.sinks < 0:
             raise ConfigError("cache", f"topk_pages must be >= 1 (or null) and sinks >= 0, got {self.topk_pages} "
                                        f"and {self.sinks}")
+        check_cache_options(self.mode, self.rank, self.query_rows, self.policy_share)
 
 
 @dataclass

@@ -15,6 +15,8 @@ hook does not know (it may change the result).
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvtier.errors import ConfigError, UnsupportedAttentionError
 
 LAYER_TYPES = {"full_attention": False, "sliding_attention": True}  # layer type -> sliding
@@ -39,14 +41,26 @@ def model_name(config) -> str:
     return getattr(config, "model_type", None) or type(config).__name__
 
 
+def applied(config, key: str):
+    """``config.<key>`` when the model's architecture reads it, else None.
+
+    HF configs are dataclasses whose fields are what the architecture reads; a key an exported
+    ``config.json`` carries beyond them (``sliding_window`` on a Llama) is kept as an attribute that
+    the model's attention never reads, so kvtier must not read it either. Any other object: its attribute.
+    """
+    if dataclasses.is_dataclass(config) and key not in {f.name for f in dataclasses.fields(config)}:
+        return None
+    return getattr(config, key, None)
+
+
 def sliding_windows(config) -> tuple[int, ...]:
     """Per layer, the keys a query sees (HF ``sliding_window``), 0 for a global layer; ``()`` if none slide.
 
-    ``config.layer_types`` names each layer (Gemma 2/3, Qwen 2/3, Cohere 2, ...); without it a set
-    ``sliding_window`` covers every layer (Mistral).
+    Only windows the architecture applies (:func:`applied`: Mistral, Qwen 2/3 with ``use_sliding_window``,
+    Gemma 2/3, Cohere 2, ...; not Llama). ``config.layer_types`` names each layer (Gemma 2/3, Qwen 2/3,
+    Cohere 2, ...); without it a set ``sliding_window`` covers every layer (Mistral).
     """
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
+    window, types = applied(config, "sliding_window"), applied(config, "layer_types")
     if types is None:
         return (int(window),) * config.num_hidden_layers if window else ()
     unknown = sorted(set(types) - set(LAYER_TYPES))
@@ -86,18 +100,18 @@ def check_attention_call(module, window: int, attention_mask, kwargs: dict) -> N
     if attention_mask is not None:
         raise UnsupportedAttentionError("an explicit attention mask", name,
                                         "kvtier derives the causal (and sliding) mask from page positions")
+    applies = kwargs.get("sliding_window")  # an architecture that passes none applies none (Llama)
+    if (applies or 0) != window:
+        raise UnsupportedAttentionError(
+            f"sliding_window={applies} on layer {module.layer_idx}", name,
+            f"the cache's layout has window {window or None} there; build it with "
+            "kvtier.models.kv_layout_for(model.config)")
     for key, value in kwargs.items():
-        if key in HARMLESS or key == "is_causal":  # is_causal=False was refused above
+        if key in HARMLESS or key in ("is_causal", "sliding_window"):  # both checked above
             continue
         if key in REFUSED:
             if value is not None:
                 raise UnsupportedAttentionError(REFUSED[key], name, f"the attention call passes {key}=...")
-        elif key == "sliding_window":
-            if (value or 0) != window:
-                raise UnsupportedAttentionError(
-                    f"sliding_window={value} on layer {module.layer_idx}", name,
-                    f"the cache's layout has window {window or None} there; build it with "
-                    "kvtier.models.kv_layout_for(model.config)")
         else:
             raise UnsupportedAttentionError(f"the keyword argument {key!r}", name,
                                             "the kvtier hook refuses what it does not know may change the result")

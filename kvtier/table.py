@@ -38,7 +38,7 @@ class BlockTable:
             raise ConfigError("tiers", "at least one tier (the device tier) is needed")
         for t in tiers:
             if t.layout != layout:
-                raise ConfigError(f"tiers.{t.name}", "tier built for another KVLayout")
+                raise ConfigError(f"tiers.stack.{t.name}", "tier built for another KVLayout")
         self.layout = layout
         self.tiers = list(tiers)
         self.seqs: dict[int, SeqState] = {}

@@ -46,11 +46,11 @@ CASES = {
     "negative layers": (lambda p: KVLayout(**{**LAYOUT, "num_layers": -2}), "num_layers"),
     "zero kv heads": (lambda p: KVLayout(**{**LAYOUT, "num_kv_heads": 0}), "num_kv_heads"),
     "unsupported dtype": (lambda p: KVLayout(**{**LAYOUT, "dtype": "int4"}), "dtype"),
-    "device capacity zero": (lambda p: device(0), "tiers.device.capacity"),
-    "host capacity negative": (lambda p: tier_of("host", -3, p), "tiers.host.capacity"),
-    "disk capacity zero": (lambda p: tier_of("disk", 0, p), "tiers.disk.capacity"),
+    "device capacity zero": (lambda p: device(0), "capacity"),
+    "host capacity negative": (lambda p: tier_of("host", -3, p), "capacity"),
+    "disk capacity zero": (lambda p: tier_of("disk", 0, p), "capacity"),
     "disk path under a file": (lambda p: (p / "f").write_text("x") and __import__("kvtier.tiers", fromlist=["DiskTier"])
-                               .DiskTier(layout(), 4, p / "f" / "sub"), "tiers.disk.path"),
+                               .DiskTier(layout(), 4, p / "f" / "sub"), "tiers.stack.disk.path"),
     "bandwidth zero": (lambda p: __import__("kvtier.tiers", fromlist=["TierSpec"]).TierSpec(0, 1e-6),
                        "spec.bandwidth_gbps"),
     "negative window": (lambda p: __import__("kvtier.policies", fromlist=["SinkWindow"]).SinkWindow(window=-1),
@@ -63,9 +63,9 @@ CASES = {
     "compose without ranking": (lambda p: __import__("kvtier.policies", fromlist=["Compose"]).Compose(),
                                 "policy.rank"),
     "no moves per step": (lambda p: __import__("kvtier.scheduler", fromlist=["LookaheadScheduler"]).LookaheadScheduler(
-        max_moves_per_step=0), "scheduler.max_moves_per_step"),
+        max_moves_per_step=0), "scheduler.placement.max_moves_per_step"),
     "chunk size zero": (lambda p: __import__("kvtier.scheduler.chunked_prefill", fromlist=["ChunkedPrefill"])
-                        .ChunkedPrefill(0), "scheduler.chunk_size"),
+                        .ChunkedPrefill(0), "scheduler.prefill.chunk_size"),
     "unknown scope": (lambda p: cache(scope="nearby"), "scope"),
     "topk without k": (lambda p: cache(scope="topk"), "cache.topk_pages"),
     "unknown kernel": (lambda p: __import__("kvtier.kernels.registry", fromlist=["make_backend"]).make_backend("cutlass"),
@@ -77,7 +77,7 @@ CASES = {
         str(p / "no-such-model")), "model.path"),
     "model dtype": (lambda p: __import__("kvtier.models", fromlist=["load_model"]).load_model(None, dtype="int8"),
                     "model.dtype"),
-    "unknown task": (lambda p: __import__("kvtier.eval", fromlist=["build_task"]).build_task("summarize"), "task.name"),
+    "unknown task": (lambda p: __import__("kvtier.eval", fromlist=["build_task"]).build_task("summarize"), "task"),
     "unknown text": (lambda p: __import__("kvtier.eval.perplexity", fromlist=["Perplexity"]).Perplexity(
         text="hamlet"), "task.text"),
 }

@@ -165,7 +165,7 @@ def test_unusable_path_is_a_config_error(tmp_path, where):
             "proc": "/proc/kvtier-cannot-exist"}[where]
     with pytest.raises(ConfigError, match=str(path)) as e:
         DiskTier(layout_of(), 4, path)
-    assert e.value.field == "tiers.disk.path"
+    assert e.value.field == "tiers.stack.disk.path"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing written
 
 
@@ -173,7 +173,7 @@ def test_one_live_tier_per_directory(tmp_path):
     first = DiskTier(layout_of(), 4, tmp_path, name="ssd")
     with pytest.raises(ConfigError, match="in use") as e:
         DiskTier(layout_of(), 4, tmp_path, name="ssd")
-    assert e.value.field == "tiers.ssd.path"
+    assert e.value.field == "tiers.stack.ssd.path"
     first.close()
     DiskTier(layout_of(), 4, tmp_path).close()
 

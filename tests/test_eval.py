@@ -137,7 +137,7 @@ def test_config_errors_name_their_field(cls, kwargs, field):
 def test_build_task_errors():
     with pytest.raises(ConfigError) as err:
         build_task("mmlu")
-    assert err.value.field == "task.name"
+    assert err.value.field == "task"
     with pytest.raises(ConfigError) as err:
         build_task("passkey", {"depth": 0.5})
     assert err.value.field == "task.depth"

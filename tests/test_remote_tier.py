@@ -123,13 +123,13 @@ def test_server_too_small_fails_at_construction_and_a_full_server_refuses_the_wr
 
 
 def test_config_errors(server):
-    with pytest.raises(ConfigError, match="tiers.remote.url"):
+    with pytest.raises(ConfigError, match="tiers.stack.remote.url"):
         RedisTier(layout_of(), 4, "localhost:6379")
-    with pytest.raises(ConfigError, match="tiers.remote.timeout_s"):
+    with pytest.raises(ConfigError, match="tiers.stack.remote.timeout_s"):
         RedisTier(layout_of(), 4, server.url, timeout_s=0)
-    with pytest.raises(ConfigError, match="tiers.remote.ttl_s"):
+    with pytest.raises(ConfigError, match="tiers.stack.remote.ttl_s"):
         RedisTier(layout_of(), 4, server.url, ttl_s=-1)
-    with pytest.raises(ConfigError, match="tiers.remote.capacity"):
+    with pytest.raises(ConfigError, match="capacity: tier .remote."):
         RedisTier(layout_of(), 0, server.url)
 
 

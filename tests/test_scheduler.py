@@ -119,4 +119,4 @@ def test_demotion_cascades_to_lower_tier_when_full():
 def test_bad_scheduler_config():
     with pytest.raises(ConfigError) as e:
         LookaheadScheduler(max_moves_per_step=0)
-    assert e.value.field == "scheduler.max_moves_per_step"
+    assert e.value.field == "scheduler.placement.max_moves_per_step"

@@ -313,7 +313,7 @@ def test_compress_once_after_an_exact_prefill():
 
 
 @pytest.mark.parametrize("kw,field", [
-    (dict(budget=10, sinks=4, window=8), "cache.budget"),
+    (dict(budget=10, sinks=4, window=8), "budget"),
     (dict(budget=32, window=0), "cache.window"),
     (dict(budget=32, window=8, mode="later"), "cache.mode"),
     (dict(budget=32, window=8, scope="all"), "cache.attend_budget"),

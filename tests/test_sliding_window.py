@@ -39,9 +39,11 @@ SMALL = dict(hidden_size=64, intermediate_size=96, vocab_size=256)
 
 def build(family: str):
     """A random-weight fp32 model of ``family`` in eval mode (fixed seed)."""
-    if family == "llama":
+    if family in ("llama", "llama_sw"):  # llama_sw: a sliding_window key that HF's Llama attention ignores
+        extra = {"sliding_window": WINDOW, "layer_types": ["sliding_attention"] * 2} if family == "llama_sw" else {}
         cls, config = LlamaForCausalLM, LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                                    **SMALL)
+                                                    **SMALL, **extra)
+        assert family == "llama" or config.sliding_window == WINDOW  # carried, yet not applied
     elif family == "mistral":  # every layer sliding
         cls, config = MistralForCausalLM, MistralConfig(num_hidden_layers=2, num_attention_heads=4,
                                                         num_key_value_heads=2, sliding_window=WINDOW, **SMALL)
@@ -55,10 +57,15 @@ def build(family: str):
 
 
 def hf_logits(model, ids, decode: int):
-    """HF sdpa logits of every prompt position and of ``decode`` greedy steps: ``(tokens, [S + decode, V])``."""
+    """HF sdpa logits of every prompt position and of ``decode`` greedy steps: ``(tokens, [S + decode, V])``.
+
+    The cache is a plain DynamicCache: the one HF builds from the config would keep only the last
+    ``sliding_window`` tokens of a Llama whose config carries that key, which its attention ignores."""
+    from transformers import DynamicCache
+
     model.set_attn_implementation("sdpa")
     with torch.no_grad():
-        out = model(ids, use_cache=True)
+        out = model(ids, past_key_values=DynamicCache(), use_cache=True)
         logits, tokens = [out.logits[0]], []
         for _ in range(decode):
             tokens.append(logits[-1][-1].argmax().view(1, 1))
@@ -84,7 +91,7 @@ def rel_err(a, b) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "llama_sw", "mistral", "gemma3"])
 def family(request):
     model = build(request.param)
     ids = torch.randint(0, 256, (1, PROMPT), generator=torch.Generator().manual_seed(1))
@@ -95,7 +102,8 @@ def family(request):
 def test_exact_scope_matches_hf_with_pages_migrating(family):
     name, model, ids, tokens, ref = family
     layout = kv_layout_for(model.config, page_size=PAGE, dtype=torch.float32)
-    assert layout.sliding_windows == {"llama": (), "mistral": (WINDOW,) * 2, "gemma3": (WINDOW, 0, WINDOW)}[name]
+    assert layout.sliding_windows == {"llama": (), "llama_sw": (), "mistral": (WINDOW,) * 2,
+                                      "gemma3": (WINDOW, 0, WINDOW)}[name]
     got, cache = kvtier_logits(model, ids, tokens, layout)
     assert not torch.isnan(got).any()
     assert (got - ref).abs().max() / ref.abs().max() < 1e-4  # every prompt position and every decode step
@@ -111,6 +119,15 @@ def test_exact_scope_matches_hf_with_pages_migrating(family):
     n_dropped = sum(int((cache.table.tier_of[layer] == DROPPED).sum()) for layer in sliding)
     assert cache.stats.dropped_pages == n_dropped and (n_dropped > 0) == bool(sliding)
     assert cache.stats.dropped_bytes == n_dropped * layout.page_bytes
+
+
+def test_a_window_the_architecture_does_not_apply_is_refused_by_the_hook():
+    """A layout windowed where the model's attention applies no window (Llama passes no sliding_window)."""
+    model = build("llama_sw")
+    ids = torch.randint(0, 256, (1, PROMPT), generator=torch.Generator().manual_seed(2))
+    windowed = KVLayout(2, 2, 16, PAGE, torch.float32, sliding_windows=(WINDOW, WINDOW))
+    with pytest.raises(UnsupportedAttentionError, match="sliding_window=None on layer 0"):
+        kvtier_logits(model, ids, [], windowed)
 
 
 @pytest.mark.parametrize("name", ["mistral", "gemma3"])

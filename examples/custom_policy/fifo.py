@@ -6,6 +6,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from kvtier.errors import ConfigError
 from kvtier.policies import PINNED, PageInfo, Policy
 
 
@@ -16,7 +17,7 @@ class Fifo(Policy):
 
     def __post_init__(self):
         if not isinstance(self.sinks, int) or self.sinks < 0:
-            raise ValueError(f"sinks must be an integer >= 0, got {self.sinks!r}")
+            raise ConfigError("policy.sinks", f"must be an integer >= 0, got {self.sinks!r}")
 
     def pinned_pages(self, page_size: int) -> int:  # checked against the device budget
         return -(-self.sinks // page_size)

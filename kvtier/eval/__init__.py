@@ -20,7 +20,7 @@ TASKS = {"perplexity": Perplexity, "passkey": Passkey, "needle": Needle}
 def build_task(name: str, config: dict | None = None):
     """The task ``name`` with fields from ``config``; ConfigError names an unknown task or field."""
     if name not in TASKS:
-        raise ConfigError("task.name", f"unknown task {name!r}; use one of {sorted(TASKS)}")
+        raise ConfigError("task", f"unknown task {name!r}; use one of {sorted(TASKS)}")
     cls = TASKS[name]
     allowed = [f.name for f in dataclasses.fields(cls)]
     for key in config or {}:

@@ -17,12 +17,11 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvtier.data import TEXTS, lady_susan_text, opticks_text
+from kvtier.data import text
 from kvtier.errors import ConfigError
 from kvtier.eval.passkey import RetrievalTask
 
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]*(?=\s)")
-_TEXTS = {"lady_susan": lady_susan_text, "opticks": opticks_text}
 
 
 def unwrap(text: str) -> str:
@@ -48,8 +47,7 @@ class Needle(RetrievalTask):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.text not in TEXTS:
-            raise ConfigError("task.text", f"unknown text {self.text!r}; use one of {sorted(TEXTS)}")
+        text(self.text)  # known, installed, UTF-8: checked before the model loads
         for name in ("needle", "question", "answer"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
@@ -60,7 +58,7 @@ class Needle(RetrievalTask):
             raise ConfigError("task.answer", f"{self.answer!r} does not occur in the needle {self.needle!r}")
 
     def cases(self, tokenizer, rng):
-        book = unwrap(_TEXTS[self.text]())
+        book = unwrap(text(self.text))
         ends = [m.end() for m in _SENTENCE_END.finditer(book)]  # char offsets just after each sentence
         starts = [m.end() for m in re.finditer(r"\n\s*\n", book)]  # paragraph starts
         chars_needed = self.context_tokens * 6  # > chars of context_tokens tokens (about 4 per token)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvtier.checks import check_positions
-from kvtier.errors import ConfigError, Interrupted
+from kvtier.errors import ConfigError, partial_on_stop
 from kvtier.eval.perplexity import check_int, progress_task
 
 if TYPE_CHECKING:  # the engine imports kvtier.eval.fidelity
@@ -135,7 +135,7 @@ class RetrievalTask:
         rng = np.random.default_rng(self.seed)
         advance = progress_task(progress, f"{self.name} ({self.context_tokens} tok)", len(self.depths) * self.samples)
         records = []
-        try:
+        with partial_on_stop(lambda: self._result(records)):
             for depth, ids, expected, info in self.cases(tokenizer, rng):
                 engine = make_engine()
                 check_positions(self, engine.model.config)
@@ -149,8 +149,6 @@ class RetrievalTask:
                                 "correct": self.score(text, expected), "prompt_tokens": int(ids.numel()),
                                 "tier1_hit_rate": hit_rate, **info})
                 advance()
-        except KeyboardInterrupt:
-            raise Interrupted(self._result(records)) from None
         return self._result(records)
 
     def _result(self, records: list[dict]) -> dict:

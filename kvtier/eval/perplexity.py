@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Callable, ClassVar
 
 import torch
 
-from kvtier.data import TEXTS, token_stream
+from kvtier.data import text, token_stream
 from kvtier.checks import check_positions
-from kvtier.errors import ConfigError, Interrupted
+from kvtier.errors import ConfigError, partial_on_stop
 
 if TYPE_CHECKING:  # the engine imports kvtier.eval.fidelity
     from kvtier.engine import Engine
@@ -58,8 +58,7 @@ class Perplexity:
         return self.length
 
     def __post_init__(self):
-        if self.text not in TEXTS:
-            raise ConfigError("task.text", f"unknown text {self.text!r}; use one of {sorted(TEXTS)}")
+        text(self.text)  # known, installed, UTF-8: checked before the model loads
         check_int("length", self.length, 2)
         check_int("prefix", self.prefix, 1, self.length - 1)
         check_int("block_tokens", self.block_tokens, 1)
@@ -67,7 +66,8 @@ class Perplexity:
 
     @torch.no_grad()
     def run(self, make_engine: Callable[[], Engine], tokenizer, progress=None) -> dict:
-        """The perplexity result; on Ctrl-C, :class:`Interrupted` carrying the tokens scored so far."""
+        """The perplexity result; on Ctrl-C or a tier's fault, :class:`Interrupted` or :class:`TierFailed`
+        carrying the tokens scored so far."""
         engine = make_engine()
         check_positions(self, engine.model.config)
         ids = token_stream(tokenizer, self.text, self.offset + self.length)[self.offset:]  # [length]
@@ -75,21 +75,20 @@ class Perplexity:
         nll = torch.empty(self.length - self.prefix, dtype=torch.float64)
         done = 0
         try:
-            seq = engine.open(self.length)
-            logits = engine.prefill_sequence(seq, ids[: self.prefix])[-1:]  # [1, V]
-            nll[0] = _nll(logits, ids[self.prefix])
-            done = 1
-            advance()
-            engine.start_decode(seq, ids[self.prefix])
-            row = engine.row_seq.index(seq)
-            for i in range(self.prefix, self.length - 1):
-                logits = engine.step({seq: int(ids[i])})[row:row + 1]  # [1, V]
-                nll[i + 1 - self.prefix] = _nll(logits, ids[i + 1])
-                done += 1
+            with partial_on_stop(lambda: self._result(nll[:done], engine.tpot_s, engine)):
+                seq = engine.open(self.length)
+                logits = engine.prefill_sequence(seq, ids[: self.prefix])[-1:]  # [1, V]
+                nll[0] = _nll(logits, ids[self.prefix])
+                done = 1
                 advance()
-            engine.feedback.take(upto=engine.step_idx)
-        except KeyboardInterrupt:
-            raise Interrupted(self._result(nll[:done], engine.tpot_s, engine)) from None
+                engine.start_decode(seq, ids[self.prefix])
+                row = engine.row_seq.index(seq)
+                for i in range(self.prefix, self.length - 1):
+                    logits = engine.step({seq: int(ids[i])})[row:row + 1]  # [1, V]
+                    nll[i + 1 - self.prefix] = _nll(logits, ids[i + 1])
+                    done += 1
+                    advance()
+                engine.feedback.take(upto=engine.step_idx)
         finally:
             engine.close()
         return self._result(nll, engine.tpot_s, engine)

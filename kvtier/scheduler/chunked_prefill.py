@@ -13,7 +13,8 @@ class ChunkedPrefill:
 
     def __post_init__(self):
         if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
-            raise ConfigError("scheduler.chunk_size", f"must be a positive number of tokens, got {self.chunk_size!r}")
+            raise ConfigError("scheduler.prefill.chunk_size",
+                              f"must be a positive number of tokens, got {self.chunk_size!r}")
 
     def chunks(self, n_tokens: int) -> list[tuple[int, int]]:
         """``[(start, end), ...]`` covering ``range(n_tokens)``."""

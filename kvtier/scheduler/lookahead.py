@@ -41,7 +41,8 @@ class LookaheadScheduler(Scheduler):
 
     def __post_init__(self):
         if self.max_moves_per_step is not None and self.max_moves_per_step < 1:
-            raise ConfigError("scheduler.max_moves_per_step", f"must be >= 1 or null, got {self.max_moves_per_step!r}")
+            raise ConfigError("scheduler.placement.max_moves_per_step",
+                              f"must be >= 1 or null, got {self.max_moves_per_step!r}")
 
     def plan(self, table, policy: Policy, step: int, reserve: int = 0) -> MigrationPlan:
         """Every layer at once on ``[L, n]`` arrays (n live pages); a loop only over layers that move."""

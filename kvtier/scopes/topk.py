@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvtier.budget import TokenBudget
+from kvtier.checks import check_topk_options
 from kvtier.errors import ConfigError
 from kvtier.scopes.base import DROPPED_LOC, Scope, StepView, best_of, budget_pick, view_budget_width, window_pages
 
@@ -36,14 +37,11 @@ class TopK(Scope):
 
     def __init__(self, pages: int | None = None, rank: str = "quest", per_head: bool = False, query_rows: int = 1,
                  policy_share: float = 0.0, recall_slots: int = 0, sinks: int = 4):
-        for key, v, low in (("cache.topk_pages", pages, 1), ("cache.query_rows", query_rows, 1),
-                            ("scope.recall_slots", recall_slots, 0), ("cache.sinks", sinks, 0)):
+        for key, v, low in (("cache.topk_pages", pages, 1), ("scope.recall_slots", recall_slots, 0),
+                            ("cache.sinks", sinks, 0)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
                 raise ConfigError(key, f"must be an integer >= {low}, got {v!r}")
-        if rank not in RANKS:
-            raise ConfigError("cache.rank", f"unknown rank {rank!r}; use one of {list(RANKS)}")
-        if isinstance(policy_share, bool) or not isinstance(policy_share, (int, float)) or not 0 <= policy_share <= 1:
-            raise ConfigError("cache.policy_share", f"must be in [0, 1], got {policy_share!r}")
+        check_topk_options(rank, query_rows, policy_share)
         self.pages, self.rank, self.per_head, self.query_rows = pages, rank, per_head, query_rows
         self.policy_share, self.recall_slots, self.sinks = float(policy_share), recall_slots, sinks
 

@@ -46,23 +46,35 @@ def load_trace(name: str, time_scale: float = 1.0, start: int = 0, limit: int | 
     if not path.is_file() and path.with_suffix(".jsonl.gz").is_file():
         path = path.with_suffix(".jsonl.gz")
     if not name.endswith(".jsonl") and name not in TRACES:
-        raise ConfigError("trace", f"unknown trace {name!r}; use one of {list(TRACES)} or a .jsonl path")
+        raise ConfigError("task.trace", f"unknown trace {name!r}; use one of {list(TRACES)} or a .jsonl path")
     if not path.is_file():
-        raise ConfigError("trace", f"{path} not found; set KVTIER_TRACES to the folder holding the traces")
+        raise ConfigError("task.trace", f"{path} not found; set KVTIER_TRACES to the folder holding the traces")
     if not time_scale > 0:
-        raise ConfigError("time_scale", f"must be > 0, got {time_scale!r}")
-    out = []
-    with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
-        for i, line in enumerate(f):
-            if i < start:
-                continue
-            if limit is not None and len(out) >= limit:
-                break
-            r = json.loads(line)
-            out.append(TraceRequest(r["timestamp"] / 1000.0, r["input_length"], r["output_length"],
-                                    tuple(r["hash_ids"])))
+        raise ConfigError("task.time_scale", f"must be > 0, got {time_scale!r}")
+    out, i = [], -1
+    try:
+        with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")) as f:
+            for i, line in enumerate(f):
+                if i < start:
+                    continue
+                if limit is not None and len(out) >= limit:
+                    break
+                out.append(_request(json.loads(line)))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+        where = path if isinstance(e, (OSError, UnicodeDecodeError)) else f"{path} line {i + 1}"  # decoded in blocks
+        raise ConfigError("task.trace", f"{where}: {type(e).__name__}: {e}; a trace is UTF-8 JSON lines, each an "
+                                        "object with timestamp (ms), input_length, output_length and hash_ids") from None
+    if not out:
+        raise ConfigError("task.start" if i >= 0 else "task.trace",
+                          f"{path} holds {i + 1} requests: none from start={start} on" if i >= 0 else f"{path} is empty")
     t0 = out[0].arrival_s if out else 0.0
     return [TraceRequest((r.arrival_s - t0) / time_scale, r.input_length, r.output_length, r.hash_ids) for r in out]
+
+
+def _request(r: dict) -> TraceRequest:
+    """One trace line's request (times in ms in the file)."""
+    return TraceRequest(r["timestamp"] / 1000.0, int(r["input_length"]), int(r["output_length"]),
+                        tuple(int(h) for h in r["hash_ids"]))
 
 
 def prompt_tokens(req: TraceRequest, vocab: int) -> np.ndarray:

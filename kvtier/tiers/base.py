@@ -79,7 +79,7 @@ class Tier(ABC):
 
     def __init__(self, layout: KVLayout, capacity: int, spec: TierSpec, name: str | None = None):
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
-            raise ConfigError(f"tiers.{name or self.kind}.capacity", f"must be a positive number of pages, got {capacity!r}")
+            raise ConfigError("capacity", f"tier '{name or self.kind}': must be a positive number of pages, got {capacity!r}")
         self.layout = layout
         self.capacity = capacity
         self.spec = spec

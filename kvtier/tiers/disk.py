@@ -129,7 +129,7 @@ class DiskTier(Tier):
         self.fsync = fsync
         self.keep = keep
         self._write_hook: Callable[[int, np.ndarray], None] | None = None
-        self._field = f"tiers.{self.name}.path"
+        self._field = f"tiers.stack.{self.name}.path"
         self.path, self._made_dir = self._claim_dir(path, create)
         self._meta = np.zeros((self.layout.num_layers, self.capacity, 2), dtype=_META)  # [L, cap, (checksum, valid)]
         self._open_files(create)

@@ -124,7 +124,7 @@ class KeyValueTier(Tier):
         if failed:
             raise TierIOError(f"remote tier '{self.name}' layer {layer}: {self.where} refused {len(failed)} of "
                               f"{s.size} pages ({failed[0]}); {self.refused_fix}, or lower "
-                              f"tiers.{self.name}.capacity")
+                              f"tiers.stack.{self.name}.fraction (or .size)")
         self._sum[layer, s] = sums
         self._valid[layer, s] = True
 

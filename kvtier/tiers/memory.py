@@ -43,7 +43,7 @@ class MemoryTier(Tier):
                                                         pages.to(self._device, non_blocking=True).view(torch.uint8))
 
 
-def _default_device() -> torch.device:
+def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -55,7 +55,7 @@ class DeviceTier(MemoryTier):
     def __init__(self, layout: KVLayout, capacity: int, spec: TierSpec | None = None,
                  device: str | torch.device | None = None, name: str | None = None):
         super().__init__(layout, capacity, spec or TierSpec(bandwidth_gbps=4163.0, latency_s=1e-6),
-                         torch.device(device) if device is not None else _default_device(), name=name)
+                         torch.device(device) if device is not None else default_device(), name=name)
 
 
 class HostTier(MemoryTier):

