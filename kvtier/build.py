@@ -227,7 +227,8 @@ class EngineFactory:
         attended = attend_budget(c, self.plan.budget_tokens, self.plan.layout.page_size)
         if c.scope.value == "topk":
             scope = TopK(c.cache.topk_pages or next(iter(self.plan.capacities.values())), c.cache.rank,
-                         c.cache.per_head, c.cache.query_rows, c.cache.policy_share, sinks=c.cache.sinks)
+                         c.cache.per_head, c.cache.query_rows, c.cache.policy_share, c.cache.recall_slots,
+                         sinks=c.cache.sinks)
         else:
             scope = make_scope(c.scope.value)
         engine_cfg = EngineConfig(**{**OmegaConf.to_container(c.engine, resolve=True), **engine_settings})

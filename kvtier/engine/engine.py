@@ -172,7 +172,7 @@ class Engine:
         self.recall = None
         if getattr(self.scope, "recall_slots", 0):
             if self.host is None:
-                raise ConfigError("scope.recall_slots", "the recall cache holds pages picked from the host tier: "
+                raise ConfigError("cache.recall_slots", "the recall cache holds pages picked from the host tier: "
                                                         "add a host tier")
             slots = np.stack([tiers[0].alloc(layer, self.scope.recall_slots).numpy() for layer in range(L)])  # [L, C]
             self.recall = RecallCache(slots, M, self.scratch, dev, compile=compiled)

@@ -37,7 +37,7 @@ class TopK(Scope):
 
     def __init__(self, pages: int | None = None, rank: str = "quest", per_head: bool = False, query_rows: int = 1,
                  policy_share: float = 0.0, recall_slots: int = 0, sinks: int = 4):
-        for key, v, low in (("cache.topk_pages", pages, 1), ("scope.recall_slots", recall_slots, 0),
+        for key, v, low in (("cache.topk_pages", pages, 1), ("cache.recall_slots", recall_slots, 0),
                             ("cache.sinks", sinks, 0)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
                 raise ConfigError(key, f"must be an integer >= {low}, got {v!r}")
