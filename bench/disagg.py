@@ -3,8 +3,8 @@
 Two processes (``torch.multiprocessing.spawn``), one GPU each, the same random Llama-8B-shaped weights
 (bf16). Rank 0 prefills a ``--tokens`` prompt in ``--chunk`` chunks through the engine, driven by the
 model's forward (:class:`kvtier.disagg.StreamingPrefillCache`, a :class:`kvtier.cache.TieredKVCache`:
-each chunk's pages of a layer are ``isend`` as soon as the layer wrote them); rank 1 receives them straight into its device tier
-(:func:`kvtier.disagg.receive_prefill`) and decodes ``--decode`` greedy tokens; rank 0 decodes the
+each chunk's pages of a layer are ``isend`` as soon as the layer wrote them); rank 1 receives them
+straight into its device tier (:func:`kvtier.disagg.receive_prefill`) and decodes ``--decode`` greedy tokens; rank 0 decodes the
 same from its own cache and the two must agree. Rows, all in one run:
 - ``link``: NCCL send of one layer's KV, rank 0 -> 1 (GB/s), and the seed-001 formula: bytes / link
   bandwidth per layer and for all layers;

@@ -114,14 +114,17 @@ def main():
             err = ((got - ref).abs().max() / ref.abs().max()).item()
             norm_err = ((got - ref).norm() / ref.norm()).item()
             agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-            rows.append({"model": name, "dtype": dtype, "kernel": kernel, "driver": driver, "max_rel_err": err, "rel_err": norm_err,
+            rows.append({"model": name, "dtype": dtype, "kernel": kernel, "driver": driver, "max_rel_err": err,
+                         "rel_err": norm_err,
                          "nan": bool(torch.isnan(got).any()), "greedy_agree": agree, "hit_rate": hit,
                          "MB_moved": sum(moved.values()) / 1e6})
             print(rows[-1], flush=True)
         del model
     print_table("exact scope vs HF sdpa on the GPU (1k prompt + 16 decode steps, 25% HBM, LRU migrating)", rows,
-                ["model", "dtype", "kernel", "driver", "max_rel_err", "rel_err", "nan", "greedy_agree", "hit_rate", "MB_moved"])
-    write_json("gpu_checks_windows.json" if args.windows else "gpu_checks.json", {"gpu": torch.cuda.get_device_name(), "rows": rows})
+                ["model", "dtype", "kernel", "driver", "max_rel_err", "rel_err", "nan", "greedy_agree", "hit_rate",
+                 "MB_moved"])
+    write_json("gpu_checks_windows.json" if args.windows else "gpu_checks.json",
+               {"gpu": torch.cuda.get_device_name(), "rows": rows})
 
 
 if __name__ == "__main__":

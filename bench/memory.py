@@ -3,7 +3,9 @@
 An engine without a model (default 8 layers, 4 kv heads, D=64, fp16: 8 KiB of KV per token) takes
 one sequence's context in chunks, as prefill steps: each chunk's K/V is written, then its last token
 (a one-token step) attends under ``resident`` scope with SinkWindow, and the scheduler demotes pages
-down the tiers (device and host budgets small, disk holding the rest). RSS should track the configured device + host capacities, not the context.
+down the tiers (device and host budgets small, disk holding the rest). RSS should track the configured
+tier capacities, not the context; the engine's staging pool for disk pages is sized to the disk tier, so
+``rss_after_alloc_MB`` grows with ``--tokens``.
 Run (CPU):  python -m bench.memory --tokens 1048576   (writes bench/memory.json or $OUT/memory.json)
 """
 

@@ -4,7 +4,8 @@ The real SmolLM2-135M, one sequence of ``--context`` Opticks tokens prefilled ex
 steps that each attend ``--fraction`` of the context (4 sinks, a 64-token window, the middle chosen by the
 policy (``resident``), once when the prompt is in (``once``), or by Quest (``topk``)); the first row is dense
 (scope ``all``, no budget). TPOT is the time between the ends of consecutive steps on the GPU's timeline
-(CUDA events, graphs replayed, the host ``--lookahead`` steps ahead); on a CPU, wall time per step.
+(CUDA events, graphs replayed, the host ``--lookahead`` steps ahead; ``torch.compile`` only with ``--compile``);
+on a CPU, wall time per step.
 
     python -m bench.policy_speed --smollm2 /tmp/smollm2/hf [--context 8192] [--fraction 0.2]   (writes policy_speed.json)
     python -m bench.policy_speed --smoke                                                        (CPU, tiny)
@@ -32,7 +33,7 @@ SHIPPED = ["lru", "sink_window", "aspe", "h2o", "tova", "snapkv", "knorm", "ques
 WARMUP = 4
 
 
-def row(model, layout, prompt, policy_name, scope, fraction, steps, lookahead, cuda):
+def row(model, layout, prompt, policy_name, scope, fraction, steps, lookahead, cuda, compile_=False):
     context = prompt.numel()
     total = layout.pages_for(context + steps + WARMUP + 8) + 4
     policy = POLICIES[policy_name]() if policy_name == "lru" else POLICIES[policy_name](sinks=4, window=64)
@@ -43,7 +44,8 @@ def row(model, layout, prompt, policy_name, scope, fraction, steps, lookahead, c
     device = budget.step_pages if scope == "resident" else total  # resident: HBM holds what a step attends
     tiers = [DeviceTier(layout, device), HostTier(layout, total)]
     engine = Engine(model, layout, tiers, policy, chooser, prefill=ChunkedPrefill(4096), budget=budget,
-                    exact_prefill=budget is not None, config=EngineConfig(lookahead=lookahead, sync_timing=not cuda))
+                    exact_prefill=budget is not None,
+                    config=EngineConfig(lookahead=lookahead, sync_timing=not cuda, compile=compile_))
     seq, logits = engine.add(prompt)
     marks = []
     for i in range(WARMUP + steps):
@@ -73,20 +75,22 @@ def main():
     ap.add_argument("--policies", default=",".join(SHIPPED))
     ap.add_argument("--scopes", default="resident,once,topk")
     ap.add_argument("--smoke", action="store_true", help="CPU, 256 tokens, 4 steps, two policies")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each engine's forward (minutes per row)")
     ap.add_argument("--json", default="policy_speed.json")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke
     if args.smoke:
-        args.context, args.steps, args.policies = 256, 4, "sink_window,h2o"
+        args.context, args.steps, args.policies, args.fraction = 256, 4, "sink_window,h2o", 0.5
     model, tok = load_model(args.smollm2, dtype="bfloat16" if cuda else "float32", device="cuda" if cuda else "cpu")
     layout = kv_layout_for(model.config, page_size=16, dtype=model.dtype)
     prompt = token_stream(tok, "opticks", args.context)
-    rows = [row(model, layout, prompt, "sink_window", "dense", 1.0, args.steps, args.lookahead, cuda)]
+    rows = [row(model, layout, prompt, "sink_window", "dense", 1.0, args.steps, args.lookahead, cuda, args.compile)]
     print(rows[-1], flush=True)
     for scope in args.scopes.split(","):
         for name in args.policies.split(","):
             t0 = time.time()
-            rows.append(row(model, layout, prompt, name, scope, args.fraction, args.steps, args.lookahead, cuda))
+            rows.append(row(model, layout, prompt, name, scope, args.fraction, args.steps, args.lookahead, cuda,
+                            args.compile))
             print(rows[-1], f"({time.time() - t0:.0f}s)", flush=True)
             write_json(args.json, {"args": vars(args), "gpu": torch.cuda.get_device_name() if cuda else None,
                                    "rows": rows})

@@ -235,7 +235,8 @@ class EngineFactory:
         self._last = Engine(self.model, self.plan.layout, tiers, build(c.policy, "policy"), scope,
                             build(c.scheduler.placement, "scheduler.placement"), build(c.kernel, "kernel"),
                             build(c.scheduler.prefill, "scheduler.prefill"), budget=attended,
-                            exact_prefill=c.cache.exact_prefill, fidelity=c.cache.fidelity, config=engine_cfg)
+                            exact_prefill=c.cache.exact_prefill, dense_layers=c.cache.dense_layers,
+                            fidelity=c.cache.fidelity, config=engine_cfg)
         return self._last
 
     def _retire(self) -> None:

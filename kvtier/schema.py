@@ -82,6 +82,7 @@ class Cache:
     query_rows: int = 1
     policy_share: float = 0.0
     recall_slots: int = 0
+    dense_layers: int = 0
 
     def __post_init__(self):
         if self.topk_pages is not None and self.topk_pages < 1 or self.sinks < 0:

@@ -128,7 +128,7 @@ def test_a_statistic_the_scope_or_kernel_cannot_give_is_refused_at_construction(
     assert e.value.field == "scope"
 
     class NoSalience:
-        name, supports_salience = "flashinfer-like", False
+        name, supports_salience, decodes = "flashinfer-like", False, True
     with pytest.raises(ConfigError) as e:
         Engine(model, layout, tiers(), policy_of("aspe"), All(), kernel=NoSalience())
     assert e.value.field == "kernel"

@@ -24,7 +24,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import kvtier.run
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, MissingDependencyError
 from kvtier.run import RECIPES, execute, job_configs, main, run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,13 +90,13 @@ def test_a_signal_writes_the_finished_part(tmp_path, sig, code):
         import os, sys
         from kvtier.engine import Engine
         import kvtier.run
-        real, calls = Engine.decode_step, []
-        def step(self, cache, ids):
+        real, calls = Engine.step, []
+        def step(self, tokens=None):
             calls.append(1)
             if len(calls) == 10:
                 os.kill(os.getpid(), {int(sig)})  # as Slurm, Kubernetes or Ctrl-C send it
-            return real(self, cache, ids)
-        Engine.decode_step = step
+            return real(self, tokens)
+        Engine.step = step
         sys.argv = ["kvtier-run", *sys.argv[1:]]
         kvtier.run.main()
     """, tmp_path, *TINY)
@@ -164,12 +164,9 @@ def test_a_failed_result_write_leaves_no_truncated_file(tmp_path):
 # docstring), and keys in files the engine rewrite (issue 22) replaces: those messages are rewritten there.
 PYTHON_API = {"attention_mask", "attn_implementation", "batch_size", "capacity", "dropout", "dtype",
               "past_key_values", "sliding_windows", "spec.bandwidth_gbps", "spec.latency_s", "topk_pages",
-              "transfer.method", "defaults"}
-REWRITTEN = {"kvtier/cache.py": {"cache.budget", "cache.dense_layers"},
-             "kvtier/fast/engine.py": {"margin", "prompt", "recall_slots", "scheduler.lookahead", "tiers.host"},
-             "kvtier/serve/scheduler.py": {"request", "serve.max_batch", "serve.preempt", "serve.swap_tokens",
-                                           "serve.token_budget"},
-             "kvtier/kernels/base.py": {"model.num_attention_heads"},
+              "transfer.method", "defaults", "layout.head_dim", "prompt", "request", "hbm", "input_ids"}
+OWN_FILES = ("kvtier/sim/",)  # the simulator's messages name keys of its calibration file and cluster setups
+REWRITTEN = {"kvtier/kernels/base.py": {"model.num_attention_heads"},
              "kvtier/kernels/triton_prefill.py": {"layout.page_size"}}
 
 
@@ -225,7 +222,7 @@ def test_every_key_an_error_names_exists():
     raised = sorted(set(raised_keys()))
     assert len(raised) > 60  # the walk found the messages
     unknown = [(f, k) for f, k in raised if k not in PYTHON_API and k not in REWRITTEN.get(f, ())
-               and not any(fnmatch.fnmatchcase(known, k) for known in keys)]
+               and not f.startswith(OWN_FILES) and not any(fnmatch.fnmatchcase(known, k) for known in keys)]
     assert unknown == [], unknown
     assert {k for ks in REWRITTEN.values() for k in ks} <= {k for _, k in raised}  # no stale exception
 
@@ -347,7 +344,7 @@ def test_a_text_that_is_not_utf8_is_named(monkeypatch):
     from kvtier.models import SMOLLM2_GGUF, SMOLLM2_PACKAGE
 
     name, version = SMOLLM2_PACKAGE.split("==")
-    monkeypatch.setitem(kvtier.data.TEXTS, "gguf", (name, version, SMOLLM2_GGUF))  # a binary file in a package
+    monkeypatch.setitem(kvtier.data.PACKAGED, "gguf", (name, version, SMOLLM2_GGUF))  # a binary file in a package
     with pytest.raises(ConfigError, match="not UTF-8") as err:
         kvtier.data.text("gguf")
     assert err.value.field == "task.text"
@@ -425,5 +422,9 @@ def test_every_documented_command_composes_and_plans(tmp_path, monkeypatch):
                 args = [a.replace(old, new) for a in args]
             try:
                 assert sum(1 for _ in map(plan, job_configs(args))) >= 1
+            except MissingDependencyError as e:  # an extra this install does not have (the message names it)
+                assert "pip install 'kvtier[" in str(e), e
             except ConfigError as e:
+                if e.field == "model.id" and "hf download" in str(e):  # a Hub id needs the user's HF cache
+                    continue
                 pytest.fail(f"{name}: kvtier-run {' '.join(args)}: {e}")

@@ -132,7 +132,7 @@ class Feedback:
                     getattr(p, "salience" if name == "salience" else "mass")[key] = _to_host(bufs[name][:, :B],
                                                                                             e.device)
         if e.device.type == "cuda":
-            p.event = torch.cuda.Event()
+            p.event = torch.cuda.Event(enable_timing=True)
             p.event.record()
         e._last_event = p.event
         self._produced.append(p)

@@ -64,8 +64,8 @@ class QueryStats:
 
     def add(self, layer: int, q: torch.Tensor) -> None:
         """The newest query rows ``q [r, H, D]`` of ``layer`` (oldest first)."""
-        for row in q:
-            self.ring[self.seen[layer] % self.rows, layer] = row.float()
+        for row in q:  # index_copy_ with a device index: no host read, so a captured step records it too
+            self.ring[:, layer].index_copy_(0, (self.seen[layer] % self.rows).view(1), row.float()[None])
             self.seen[layer] += 1
 
     def last(self) -> torch.Tensor | None:

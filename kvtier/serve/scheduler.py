@@ -82,16 +82,16 @@ class ServeScheduler:
     def __init__(self, engine: Engine, token_budget: int = 512, prefix_cache: bool = True,
                  preempt: str = "auto", swap_tokens: int = 0, clock=time.perf_counter):
         if not isinstance(token_budget, int) or token_budget < engine.max_batch + 1:
-            raise ConfigError("serve.token_budget", f"must exceed max_batch={engine.max_batch} (one decode token "
+            raise ConfigError("task.token_budget", f"must exceed max_batch={engine.max_batch} (one decode token "
                                                     f"per row, plus prefill), got {token_budget!r}")
         device = engine.table.tiers[0]
         if device.capacity - 1 < 2 * engine.max_batch:  # the scratch page, and each row's written and next page
-            raise ConfigError("serve.max_batch", f"the device tier holds {device.capacity} pages per layer; serving "
+            raise ConfigError("task.max_batch", f"the device tier holds {device.capacity} pages per layer; serving "
                                                  f"{engine.max_batch} rows needs at least {2 * engine.max_batch + 1}")
         if preempt not in PREEMPT_MODES:
-            raise ConfigError("serve.preempt", f"use one of {PREEMPT_MODES}, got {preempt!r}")
+            raise ConfigError("task.preempt", f"use one of {PREEMPT_MODES}, got {preempt!r}")
         if not isinstance(swap_tokens, int) or swap_tokens < 0 or (swap_tokens and preempt == "recompute"):
-            raise ConfigError("serve.swap_tokens", f"host tokens of swap space, >= 0 and only with preempt 'auto'; "
+            raise ConfigError("task.swap_tokens", f"host tokens of swap space, >= 0 and only with preempt 'auto'; "
                                                    f"got {swap_tokens!r} with {preempt!r}")
         self.engine, self.budget, self.clock = engine, token_budget, clock
         self.swap_tokens, self.swap_used = swap_tokens, 0
