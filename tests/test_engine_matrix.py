@@ -139,3 +139,29 @@ def test_a_statistic_the_scope_or_kernel_cannot_give_is_refused_at_construction(
     with pytest.raises(ConfigError) as e:
         Engine(model, layout, tiers(), "lru", All())
     assert e.value.field == "policy"
+
+
+def test_python_api_mistakes_are_named(tiny):
+    """A string policy, a layout built for other heads, a float prompt and finishing an unknown sequence:
+    each a named error, nothing half-built."""
+    from kvtier import KVLayout
+    from kvtier.errors import KVTierError
+
+    model, layout = tiny
+    tiers = lambda lay=layout: [DeviceTier(lay, 64, device="cpu")]  # noqa: E731
+    with pytest.raises(ConfigError) as e:
+        Engine(model, layout, tiers(), "sink_window", All())
+    assert e.value.field == "policy" and "kvtier.policies" in str(e.value)
+    wrong = KVLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim * 2, layout.page_size, "float32")
+    engine = Engine(model, wrong, tiers(wrong), LRU(), All())
+    with pytest.raises(ConfigError) as e:
+        engine.add(torch.arange(10))
+    assert e.value.field == "layout.head_dim"
+    engine = Engine(model, layout, tiers(), LRU(), All())
+    seq = engine.open(10)
+    with pytest.raises(ConfigError) as e:
+        engine.prefill_chunk(seq, torch.rand(10))
+    assert e.value.field == "prompt" and "integer" in str(e.value)
+    with pytest.raises(KVTierError, match="unknown sequence 99"):
+        engine.finish(99)
+    assert engine.row_seq.count(seq) == 1  # the bad calls changed nothing

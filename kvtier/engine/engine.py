@@ -133,8 +133,12 @@ class Engine:
         if config.graphs and self.fidelity is not None:
             raise ConfigError("engine.graphs", "cache.fidelity times an uncounted exact pass per call, which a "
                                                "captured step cannot leave out of TPOT: set engine.graphs=false")
-        self.graphs = (on_gpu and self.fidelity is None and model is not None) if config.graphs is None \
-            else config.graphs
+        reference = isinstance(self.kernel, TorchBackend)  # the oracle reads lengths on the host: not capturable
+        if config.graphs and reference:
+            raise ConfigError("engine.graphs", "the torch reference kernel reads the lengths on the host, which a "
+                                               "captured step cannot: use kernel=triton, or engine.graphs=false")
+        self.graphs = (on_gpu and self.fidelity is None and model is not None and not reference) \
+            if config.graphs is None else config.graphs
         compiled = on_gpu if config.compile is None else config.compile
         if compiled:  # each engine and bucket is one more specialisation; dynamo's default of 8 runs out
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -167,7 +171,10 @@ class Engine:
         self.queries = None  # QueryStats, made once the heads are known (the first attention call)
         policy.reset(L)
         policy.bind(self.keys, None)
-        self.staging = _Staging(self) if any(t.pool(0) is None for t in tiers[1:]) or len(tiers) > 2 else None
+        far = any(t.pool(0) is None for t in tiers[1:]) or len(tiers) > 2  # tiers the kernel cannot address
+        # staged copies only for scopes that may read pages off the device (resident reads HBM only: memory stays
+        # bounded by the tiers, as a long context through device -> host -> disk needs)
+        self.staging = _Staging(self) if far and not isinstance(self.scope, Resident) else None
         self.scope.bind(self)
         self.recall = None
         if getattr(self.scope, "recall_slots", 0):
@@ -261,7 +268,7 @@ class Engine:
     def prefill_chunk(self, seq: int, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         """Compute the next prompt tokens ``ids [q]`` of an opened ``seq``: logits ``[q or 1, V]``."""
         ids = self._check_ids(ids)
-        row = self._prefilling_row(seq)
+        self._prefilling_row(seq)
         start, q = self.table.seq_len(seq), int(ids.numel())
         self.begin_prefill([seq], q)
         pos = torch.arange(start, start + q, device=self.device)[None]  # [1, q]
@@ -271,7 +278,6 @@ class Engine:
         finally:
             ACTIVE_CACHE.reset(token)
             self._mode = "idle"
-        del row
         return out
 
     def begin_prefill(self, seqs: list[int], q_len: int) -> None:
@@ -486,6 +492,10 @@ class Engine:
     @torch.compiler.disable
     def store(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Write the step's K/V ``[B, N_kv, q, D]`` of ``layer`` into its pages."""
+        if (key.shape[1], key.shape[-1]) != (self.layout.num_kv_heads, self.layout.head_dim):
+            raise ConfigError("layout.head_dim", f"the model's K/V have {key.shape[1]} kv heads of {key.shape[-1]} "
+                                                 f"dims, the layout {self.layout.num_kv_heads} of "
+                                                 f"{self.layout.head_dim}: build it with kv_layout_for(model.config)")
         if self._mode == "prefill":
             for b, (seq, row, start, q) in enumerate(self._prefill_rows):
                 kv = torch.stack([key[b], value[b]]).transpose(1, 2)  # [2, q, N_kv, D]
@@ -511,9 +521,6 @@ class Engine:
             self.queries = QueryStats(self.layout.num_layers, max(1, self.policy.query_rows), query.shape[1],
                                       query.shape[-1], self.device)
             self.policy.bind(self.keys, self.queries)
-        if query.shape[-1] != self.layout.head_dim:
-            raise ConfigError("layout.head_dim", f"the model's heads have {query.shape[-1]} dims, the layout "
-                                                 f"{self.layout.head_dim}: build the layout with kv_layout_for(model.config)")
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         if self.queries is not None:
             self.queries.add(layer, query[0, :, -self.queries.rows:].transpose(0, 1))
