@@ -1,7 +1,7 @@
 """The parity grid on a GPU: the hook path's golden numbers (``tests/data/hook_path_golden.json``, made on a CPU)
 reproduced by the one engine on CUDA (fp32 SmolLM2, Triton kernels, decode steps replayed as CUDA graphs).
 
-    python bench/gpu_parity.py PATH_TO_SMOLLM2 [names,...]      (writes $OUT/gpu_parity.json)
+    python -m bench.gpu_parity PATH_TO_SMOLLM2 [names,...]      (writes $OUT/gpu_parity.json)
 """
 
 import json
