@@ -68,10 +68,11 @@ def check_partial_budget(budget: int, context: int, scope: str, key: str) -> Non
 
 
 def check_salience(policy, backend) -> None:
-    """A policy that reads page salience needs a kernel backend that gives it."""
-    if policy.needs_salience and not backend.supports_salience:
-        raise ConfigError("kernel", f"policy '{policy.name}' needs salience, which backend '{backend.name}' does "
-                                    "not give; use kernel=triton or kernel=torch")
+    """A policy that reads per-page statistics (salience, attention mass) needs a kernel backend that gives them."""
+    page_stats = set(policy.needs) & {"attention", "salience"}
+    if page_stats and not backend.supports_salience:
+        raise ConfigError("kernel", f"policy '{policy.name}' needs {sorted(page_stats)} per page, which backend "
+                                    f"'{backend.name}' does not give; use kernel=triton or kernel=torch")
 
 
 def check_decode_kernel(backend) -> None:

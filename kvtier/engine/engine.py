@@ -27,6 +27,7 @@ with their dropped pages, every scorer's statistics, fidelity as an observer of 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -34,7 +35,7 @@ import torch
 
 from kvtier.budget import TokenBudget
 from kvtier.cache_base import ACTIVE_CACHE, PassCache
-from kvtier.checks import check_decode_kernel, check_device_room
+from kvtier.checks import check_decode_kernel, check_device_room, check_salience
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.feedback import Feedback
 from kvtier.engine.prefill import PrefillAttention
@@ -159,6 +160,7 @@ class Engine:
         self.seq_lens = torch.zeros(R, dtype=torch.int32, device=dev)  # [R] tokens incl. the one being fed
         self.positions = torch.zeros(R, dtype=torch.int64, device=dev)  # [R] position of the token fed
         self.tokens = torch.zeros(R, dtype=torch.int64, device=dev)  # [R] input, then the greedy next token
+        self.logits = torch.zeros(R, model.config.vocab_size, device=dev) if model is not None else None  # [R, V]
         self.span_host = np.zeros((R, 2), dtype=np.int32)  # [R] (sinks, win_start) of the budget
         self.spans = torch.zeros(R, 2, dtype=torch.int32, device=dev)
         self.rank = torch.zeros(L, R, M, dtype=torch.int32, device=dev) if self.scope.needs_rank(budget) else None
@@ -219,9 +221,7 @@ class Engine:
             raise ConfigError("scope", f"policy '{self.policy.name}' needs {sorted(missing)}, which scope "
                                        f"'{self.scope.name}' does not give (it gives {sorted(self.scope.gives)}); "
                                        "pick a policy that needs less or a scope that gives it")
-        if page_stats and not self.kernel.supports_salience:
-            raise ConfigError("kernel", f"policy '{self.policy.name}' needs {sorted(page_stats)} per page, which "
-                                        f"backend '{self.kernel.name}' does not give; use kernel=triton or kernel=torch")
+        check_salience(self.policy, self.kernel)
 
     # -- sequences -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -482,12 +482,6 @@ class Engine:
             raise ConfigError("model", "this engine has no model to run; drive it through TieredKVCache")
         return self.runner.forward(ids, pos, self.kv, last_only)
 
-    @property
-    def logits(self) -> torch.Tensor:
-        if not hasattr(self, "_logits"):
-            self._logits = torch.zeros(self.config.max_batch, self.model.config.vocab_size, device=self.device)
-        return self._logits
-
     # -- what the attention modules call (left out of torch.compile: host logic, Triton launches) --
     @torch.compiler.disable
     def store(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -621,8 +615,7 @@ class Engine:
         B = q.shape[0]
         every = All()
         every.engine = self
-        picks = every.pick(layer, q, StepView(*[getattr(view, f) for f in ("table", "lens", "spans", "pids", "rank")],
-                                              B, view.page_size, None, False, 0, view.windows))
+        picks = every.pick(layer, q, dataclasses.replace(view, budget=None, once=False, dense_layers=0))
         host = self.host.pool(layer) if self.host is not None else None
         stage = self.staging.pool(layer) if self.staging is not None else None
         out_all, lse_all = self.kernel.decode(q, self.table.tiers[0].pool(layer), host, self.block_table[layer, :B],
@@ -712,9 +705,7 @@ class Engine:
         """Block-table values of ``pids`` in ``layer``: device slot, host slot ``-s - 1``, staged slot, or dropped."""
         tiers, slots = self.table.locate(layer, pids)
         loc = np.where(tiers == 0, slots, -slots - 1)
-        if self.host is None:
-            loc = np.where(tiers == 0, slots, DROPPED_LOC)
-        far = (tiers >= 1) & ((tiers > 1) | (self.host is None))
+        far = (tiers > 1) | ((tiers == 1) & (self.host is None))
         if far.any():
             loc[far] = self.staging.encode(layer, pids[far]) if self.staging is not None else DROPPED_LOC
         return np.where(tiers < 0, DROPPED_LOC, loc).astype(np.int32)

@@ -214,14 +214,13 @@ class Feedback:
         if width is None:
             return values[logical]
         out = np.zeros((logical.size, n_kv), dtype=np.float32)
-        index = {int(x): i for i, x in enumerate(logical)}
-        for h, row in enumerate(lists):
-            heads = range(n_kv) if lists.shape[0] == 1 else [h]
-            for k, page in enumerate(row):
-                i = index.get(int(page))
-                if i is not None:
-                    for g in heads:
-                        out[i, g] = values[k, g]
+        if not logical.size:
+            return out
+        for h, row in enumerate(lists):  # logical is sorted: each listed entry's place in it
+            at = np.searchsorted(logical, row).clip(max=logical.size - 1)
+            ok = (row >= 0) & (logical[at] == row)
+            heads = slice(None) if lists.shape[0] == 1 else h
+            out[at[ok], heads] = values[ok, heads]
         return out
 
 

@@ -17,7 +17,8 @@ import torch
 from kvtier.budget import TokenBudget
 from kvtier.checks import check_topk_options
 from kvtier.errors import ConfigError
-from kvtier.scopes.base import DROPPED_LOC, Scope, StepView, best_of, budget_pick, view_budget_width, window_pages
+from kvtier.scopes.base import DROPPED_LOC, Scope, StepView, best_of, budget_pick, window_pages
+from kvtier.scopes.simple import live_pages
 
 RANKS = ("quest", "quest_head")
 
@@ -74,7 +75,6 @@ class TopK(Scope):
 
     def pick(self, layer: int, q: torch.Tensor, view: StepView) -> torch.Tensor | None:
         if layer < view.dense_layers:
-            from kvtier.scopes.simple import live_pages
             return live_pages(layer, view)
         q = self._remember(layer, q, view.batch) if view.budget is not None else q[:, None]  # [B, r, H, D]
         if view.budget is None:
@@ -130,7 +130,6 @@ class TopK(Scope):
         table, lens, n_pages = view.rows(layer)
         B, M = table.shape
         if self.width(None, False, M) >= M:  # every page fits the list: exact
-            from kvtier.scopes.simple import live_pages
             return live_pages(layer, view)
         P = view.page_size
         logical = torch.arange(M, device=table.device)[None, :]
