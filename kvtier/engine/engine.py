@@ -926,15 +926,14 @@ class _Staging:
                                  pin_memory=pin)
         self.where = [dict() for _ in range(layout.num_layers)]  # pid -> (slot, tier, tier slot)
         self.free = [list(range(self.capacity - 1, -1, -1)) for _ in range(layout.num_layers)]
-        self.table = engine.table
-        self.bytes = 0
+        self.engine = engine
 
     def pool(self, layer: int) -> torch.Tensor:
         return self.pools[layer]
 
     def encode(self, layer: int, pids: np.ndarray) -> np.ndarray:
         """Staged slots of ``pids`` (read from their tier now where not staged at their current place)."""
-        tiers, slots = self.table.locate(layer, pids)
+        tiers, slots = self.engine.table.locate(layer, pids)
         where, out, todo = self.where[layer], np.empty(pids.size, dtype=np.int64), []
         for i, (pid, t, s) in enumerate(zip(pids.tolist(), tiers.tolist(), slots.tolist())):
             got = where.get(pid)
@@ -952,9 +951,10 @@ class _Staging:
             todo.append((i, t, s, slot))
         for t in {x[1] for x in todo}:
             mine = [x for x in todo if x[1] == t]
-            pages = self.table.tiers[t].read(layer, torch.tensor([x[2] for x in mine]))
+            tier = self.engine.table.tiers[t]
+            pages = tier.read(layer, torch.tensor([x[2] for x in mine]))
             self.pools[layer][torch.tensor([x[3] for x in mine])] = pages.to(self.pools.device)
-            self.bytes += pages.numel() * pages.element_size()
+            self.engine.stats.add_fetch(f"{tier.name}->staging", pages.numel() * pages.element_size())
         return -(STAGED + out)
 
     def forget(self, pids) -> None:
