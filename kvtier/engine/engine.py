@@ -379,11 +379,6 @@ class Engine:
     def max_batch(self) -> int:
         return self.config.max_batch
 
-    @property
-    def running(self) -> list[int]:
-        """Sequences decoding now."""
-        return [s for r, s in enumerate(self.row_seq) if s is not None and r not in self._prefilling]
-
     # -- decode --------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, tokens: dict[int, int] | None = None) -> torch.Tensor:
@@ -878,22 +873,6 @@ class Engine:
         """Attended pages read from the device tier / attended pages (one host sync)."""
         attended, resident = self.page_counts()
         return resident / attended if attended else 1.0
-
-    def reset(self) -> None:
-        """Forget every sequence and statistic (a fresh cache for the next sample); tiers and graphs stay."""
-        for seq in [s for s in self.row_seq if s is not None]:
-            self.finish(seq)
-        self.feedback.take(upto=None)
-        self._free_finished(block=True)
-        self.transfer.synchronize()
-        self.policy.reset(self.layout.num_layers)
-        self.policy.bind(self.keys, self.queries)
-        self.stats = CacheStats()
-        self.prefill_attention.stats = self.stats
-        self.counts.zero_()
-        self.ttft_s, self.tpot_s = [], []
-        self.fidelity = FidelityStats() if self.fidelity is not None else None
-        self.step_idx = -1
 
     def close(self) -> None:
         self.feedback.take(upto=None)
