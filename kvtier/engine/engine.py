@@ -379,6 +379,11 @@ class Engine:
     def max_batch(self) -> int:
         return self.config.max_batch
 
+    @property
+    def running(self) -> list[int]:
+        """Sequences decoding now."""
+        return [s for r, s in enumerate(self.row_seq) if s is not None and r not in self._prefilling]
+
     # -- decode --------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, tokens: dict[int, int] | None = None) -> torch.Tensor:
