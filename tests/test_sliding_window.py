@@ -184,17 +184,20 @@ def test_approximate_scopes_never_attend_outside_the_window(scope, monkeypatch):
     layout = kv_layout_for(model.config, page_size=PAGE, dtype=torch.float32)
     seen = []
     cls = {"resident": Resident, "topk": TopK}[scope]
-    pick = cls.pick
+    method = "plan" if cls.query_free else "pick"  # resident plans a group of layers, topk picks one
+    chosen_by = getattr(cls, method)
 
-    def recorded(self, layer, q, view):  # each decode call's pages, beside the first page its window shows
-        picks = pick(self, layer, q, view)
-        _, lens, _ = view.rows(layer)
-        first, _ = window_pages(lens, view.windows[layer], view.page_size)
-        listed = picks[0].reshape(-1)
-        seen.append((int(first[0]), listed[listed >= 0]))
+    def recorded(self, layers, *args):  # each decode call's pages, beside the first page its window shows
+        picks = chosen_by(self, layers, *args)
+        view = args[-1]
+        _, lens, _ = view.rows(layers)
+        first, _ = window_pages(lens, view.window(layers), view.page_size)
+        for lists in (picks if method == "plan" else [picks]):
+            listed = lists[0].reshape(-1)
+            seen.append((int(first[0]), listed[listed >= 0]))
         return picks
 
-    monkeypatch.setattr(cls, "pick", recorded)
+    monkeypatch.setattr(cls, method, recorded)
     got, cache = kvtier_logits(model, ids, tokens, layout, scope=scope, device_pages=4)
     assert len(seen) == 2 * DECODE
     assert all(chosen.min() >= first for first, chosen in seen)

@@ -65,17 +65,25 @@ STAGED = 1 << 30  # block-table values <= -STAGED: slots of the staging pool (kv
 
 
 def tally(table: torch.Tensor, lens: torch.Tensor, page_list: torch.Tensor | None, page_size: int) -> torch.Tensor:
-    """``[2]``: pages one layer attends for ``table [B, M]`` / ``lens [B]`` / ``page_list [B, (N_kv,) K]``
-    (None: all), and how many of them are in the device pool."""
+    """``[2]``: pages a group of layers attends for ``table [L', B, M]`` / ``lens [B]`` / ``page_list
+    [L', B, (N_kv,) K]`` (None: all), and how many of them are in the device pool."""
     n_pages = (lens.long() + page_size - 1) // page_size  # [B]
     if page_list is None:
         listed = torch.arange(table.shape[-1], device=table.device) < n_pages[:, None]  # [B, M]
-        on_dev = listed & (table >= 0)
-    else:
-        lists = page_list.view(page_list.shape[0], -1)  # [B, N_kv * K]
-        listed = (lists >= 0) & (lists < n_pages[:, None])
-        on_dev = listed & (table.gather(-1, lists.clamp(min=0).long()) >= 0)
+        on_dev = listed & (table >= 0)  # [L', B, M]
+        return torch.stack([listed.sum() * table.shape[0], on_dev.sum()])
+    lists = page_list.reshape(*table.shape[:-1], -1)  # [L', B, (N_kv *) K]
+    listed = (lists >= 0) & (lists < n_pages[:, None])
+    on_dev = listed & (table.gather(-1, lists.clamp(min=0).long()) >= 0)
     return torch.stack([listed.sum(), on_dev.sum()])
+
+
+def layer_groups(layout: KVLayout, dense_layers: int) -> list[range]:
+    """Runs of consecutive layers that share a sliding window and are all dense or all budgeted: what a step
+    plans and finishes with one batch of device ops each."""
+    key = [(layer < dense_layers, layout.window(layer)) for layer in range(layout.num_layers)]
+    cuts = [0] + [i for i in range(1, len(key)) if key[i] != key[i - 1]] + [len(key)]
+    return [range(a, b) for a, b in zip(cuts, cuts[1:])]
 
 
 class Engine:
@@ -107,6 +115,7 @@ class Engine:
             raise ConfigError("cache.dense_layers", f"must be an integer in [0, {layout.num_layers}], got "
                                                     f"{dense_layers!r}")
         self.dense_layers = dense_layers
+        self.groups = layer_groups(layout, dense_layers)
         self.scheduler = scheduler or LookaheadScheduler()
         self.table = BlockTable(layout, tiers)
         self.transfer = TransferEngine(self.table)
@@ -147,6 +156,9 @@ class Engine:
         if compiled and self.runner is not None:
             self._forward = torch.compile(self.runner.forward, dynamic=False)
         self._tally = torch.compile(tally, dynamic=False) if compiled else tally
+        self._lists: dict | None = None  # layer -> page list of the step being computed (None: not planned)
+        self._step_keys: dict = {}  # layer -> the decode keys [B, N_kv, D] written this step
+        self._step_queries: dict = {}  # layer -> the first row's decode query [H, D]
         self.buckets = config.buckets or tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < R} | {R}))
         self.lookahead = config.lookahead
         self.scratch = np.array([int(tiers[0].alloc(layer, 1)[0]) if scratch else 0 for layer in range(L)],
@@ -431,6 +443,8 @@ class Engine:
 
     def end_decode(self) -> None:
         """The step's statistics towards the host, and the event that marks its end."""
+        if self._lists is not None:  # a forward driven from outside (TieredKVCache): the step's batched tail
+            self._finish_step(self._B)
         self.feedback.record(self._B)
         self._mode = "idle"
         self.stats.steps += 1
@@ -442,6 +456,7 @@ class Engine:
             logits = self._forward(self.tokens[:B, None], self.positions[:B, None], self.kv, last_only=True)
         finally:
             ACTIVE_CACHE.reset(token)
+        self._finish_step(B)
         self.logits[:B] = logits[:, 0]
         self.tokens[:B] = logits[:, 0].argmax(-1)
         if self.recall is not None:
@@ -505,8 +520,7 @@ class Engine:
         write_decode(self.table.tiers[0].pool(layer), self.block_table[layer, :B], pos, key, value,
                      self.layout.page_size, self.layout.scaled)
         if self.keys is not None:
-            pids = self.pid_table[:B].gather(1, (pos // self.layout.page_size)[:, None])[:, 0].long()  # [B]
-            self.keys.add(layer, pids.clamp(min=0), key[:, :, 0])
+            self._step_keys[layer] = key[:, :, 0]  # [B, N_kv, D], into the statistics when the step ends
 
     @torch.compiler.disable
     def attend(self, layer: int, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
@@ -516,7 +530,9 @@ class Engine:
                                       query.shape[-1], self.device)
             self.policy.bind(self.keys, self.queries)
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-        if self.queries is not None:
+        if self.queries is not None and self._mode == "decode":
+            self._step_queries[layer] = query[0, :, 0]  # [H, D], into the ring when the step ends
+        elif self.queries is not None:
             self.queries.add(layer, query[0, :, -self.queries.rows:].transpose(0, 1))
         if self._mode == "prefill":
             return self._attend_prefill(layer, query, scale)
@@ -563,44 +579,68 @@ class Engine:
         q = query[:, :, 0].contiguous()  # [B, H, D]
         table, lens = self.block_table[layer, :B], self.seq_lens[:B]  # [B, M], [B]
         view = self.view(B)
-        picks = self.scope.pick(layer, q, view)  # [B, (N_kv,) K] or None
+        if self._lists is None:
+            self._lists = self._plan_lists(view) if self.scope.query_free else {}
+        picks = self._lists[layer] if self.scope.query_free else self.scope.pick(layer, q, view)  # [B, (N_kv,) K]
         host = self.host.pool(layer) if self.host is not None else None
         stage = self.staging.pool(layer) if self.staging is not None else None
         budgeted = self.budget is not None and layer >= self.dense_layers
-        stats = self.feedback.buffers(B, picks, H)
+        stats = self.feedback.buffers(layer, B, picks, H)
         out, lse = self.kernel.decode(q, self.table.tiers[0].pool(layer), host, table, lens,
                                       self._plan(B, H, D, None if picks is None else picks.shape[-1]), scale,
                                       page_list=picks, window_left=self._window_left(layer),
                                       spans=self.spans[:B] if budgeted else None, stage_pool=stage, **stats)
-        self.feedback.observe(layer, B, picks, lse)
+        self.feedback.observe(layer, picks, lse)
         if self.recall is not None:
             self.recall.admit(layer, picks, table, self.table.tiers[0].pool(layer), host)
-        self.counts += self._tally(table, lens, picks, self.layout.page_size)
         if self.fidelity is not None:
             self._measure_fidelity(layer, q, out, lse, scale, view)
         return out[:, None]  # [B, 1, H, D]
 
-    def visible_tokens(self, layer: int, B: int, picks: torch.Tensor | None) -> torch.Tensor:
-        """Keys the step's query of each row sees in ``layer``, mean over rows (and kv-head lists): a scalar."""
+    def _plan_lists(self, view: StepView) -> dict:
+        """The page lists of every layer of a ``query_free`` scope, one batch of device ops per layer group."""
+        lists = {}
+        for layers in self.groups:
+            planned = self.scope.plan(layers, view)  # [L', B, (N_kv,) K] or None
+            lists.update({layer: None if planned is None else planned[i] for i, layer in enumerate(layers)})
+        return lists
+
+    def _finish_step(self, B: int) -> None:
+        """The step's batched tail, per layer group: the attended-page tally, the step's keys and queries into
+        their statistics, the feedback's per-page statistics."""
+        if self.keys is not None and self._step_keys:
+            pos = self.positions[:B]
+            pids = self.pid_table[:B].gather(1, (pos // self.layout.page_size)[:, None])[:, 0].long()  # [B]
+            self.keys.add_step(pids.clamp(min=0), torch.stack([self._step_keys[i] for i in sorted(self._step_keys)]))
+        if self._step_queries:
+            self.queries.add_step(torch.stack([self._step_queries[i] for i in sorted(self._step_queries)]))
+        for layers in self.groups:
+            picks = self.feedback.group_lists(layers)  # [L', B, (N_kv,) K] or None
+            table = self.block_table[layers.start:layers.stop, :B]  # [L', B, M]
+            self.counts += self._tally(table, self.seq_lens[:B], picks, self.layout.page_size)
+            self.feedback.finish(layers, B, picks, self.visible_tokens(layers, B, picks))
+        self._lists, self._step_keys, self._step_queries = None, {}, {}
+
+    def visible_tokens(self, layers: range, B: int, picks: torch.Tensor | None) -> torch.Tensor:
+        """Keys the step's query of each row sees in each of ``layers`` (a group), mean over rows (and kv-head
+        lists): ``[L']``."""
         P = self.layout.page_size
+        window = self.layout.window(layers[0])
         lens = self.seq_lens[:B].long()[:, None]  # [B, 1]
         if picks is None:
-            window = self.layout.window(layer)
             seen = lens[:, 0].clamp(max=window) if window else lens[:, 0]
-            return seen.float().mean()
-        lists = picks.view(B, -1).long()  # [B, (N_kv *) K]
-        lo = torch.zeros_like(lens)
-        if self.layout.window(layer):
-            lo = (lens - self.layout.window(layer)).clamp(min=0)
+            return seen.float().mean().expand(len(layers))
+        lists = picks.reshape(len(layers), B, -1).long()  # [L', B, (N_kv *) K]
+        lo = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)
         start, end = torch.maximum(lists * P, lo), torch.minimum(lists * P + P, lens)
         count = (end - start).clamp(min=0)
-        if self.budget is not None and layer >= self.dense_layers:  # the sinks and the window's keys, or whole
+        if self.budget is not None and layers[0] >= self.dense_layers:  # the sinks and the window's keys, or whole
             sinks, win = (x[:, None] for x in self.spans[:B].long().unbind(1))
             middle = (lists >= -(-sinks // P)) & (lists < win // P)
             spans = (torch.minimum(end, sinks) - start).clamp(min=0) + (end - torch.maximum(start, win)).clamp(min=0)
             count = torch.where(middle, count, spans)
         count = count * (lists >= 0)
-        return count.sum(1).float().mean() / (picks.shape[1] if picks.dim() == 3 else 1)
+        return count.sum(-1).float().mean(-1) / (picks.shape[-2] if picks.dim() == 4 else 1)
 
     def view(self, B: int) -> StepView:
         once = self.budget is not None and self.budget.mode == "once"
@@ -615,7 +655,7 @@ class Engine:
         B = q.shape[0]
         every = All()
         every.engine = self
-        picks = every.pick(layer, q, dataclasses.replace(view, budget=None, once=False, dense_layers=0))
+        picks = every.pick(layer, q, dataclasses.replace(view, budget=None, once=False, dense_layers=0))  # [B, M]
         host = self.host.pool(layer) if self.host is not None else None
         stage = self.staging.pool(layer) if self.staging is not None else None
         out_all, lse_all = self.kernel.decode(q, self.table.tiers[0].pool(layer), host, self.block_table[layer, :B],
@@ -870,7 +910,10 @@ class Engine:
             synchronize(self.device)
 
     def page_counts(self) -> tuple[int, int]:
-        """Pages attended (prefill and decode, every layer), and of them read from the device tier (one sync)."""
+        """Pages attended (prefill and decode, every layer), and of them read from the device tier (one sync); a
+        step driven from outside and not ended yet counts its attention calls so far."""
+        if self._lists is not None:
+            self._finish_step(self._B)
         attended, resident = self.counts.tolist()
         return attended + self.stats.attended_pages, resident + self.stats.resident_pages
 

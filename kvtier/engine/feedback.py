@@ -47,6 +47,7 @@ class Feedback:
         self.hears_access = policy.hears_access
         self._buffers: dict = {}  # width -> dict of device buffers [L, R, ...]
         self._layer_width: list = [None] * engine.layout.num_layers
+        self._step: dict = {}  # layer -> (page list, LSE) of the step being computed
         self.tokens = torch.zeros(engine.layout.num_layers, device=engine.device)  # [L] keys attended per row
         self._produced: list[Produced] = []
         self._prefill: list = []
@@ -66,46 +67,59 @@ class Feedback:
             self._buffers[key] = b
         return self._buffers[key]
 
-    def buffers(self, B: int, picks: torch.Tensor | None, heads: int) -> dict:
-        """The kernel's page-statistics outputs (``page_max``/``page_lse`` ``[B, K, H]``)."""
+    def buffers(self, layer: int, B: int, picks: torch.Tensor | None, heads: int) -> dict:
+        """The kernel's page-statistics outputs of ``layer`` (``page_max``/``page_lse`` ``[B, K, H]``, slices of
+        step buffers ``[L, R, K, H]`` read when the step ends)."""
         if not self.wants:
             return {}
-        e = self.engine
-        width = e.max_pages if picks is None else picks.shape[-1]
+        width = self.engine.max_pages if picks is None else picks.shape[-1]
         out = {}
         if "salience" in self.wants:
-            out["page_max"] = self._scratch("page_max", B, width, heads)
+            out["page_max"] = self._scratch("page_max", width, heads)[layer, :B]
         if "attention" in self.wants:
-            out["page_lse"] = self._scratch("page_lse", B, width, heads)
+            out["page_lse"] = self._scratch("page_lse", width, heads)[layer, :B]
         return out
 
-    def _scratch(self, name: str, B: int, width: int, heads: int) -> torch.Tensor:
+    def _scratch(self, name: str, width: int, heads: int) -> torch.Tensor:
         key = ("scratch", name, width)
         if key not in self._buffers:
             e = self.engine
-            self._buffers[key] = torch.empty(e.config.max_batch, width, heads, device=e.device)
-        return self._buffers[key][:B]
+            self._buffers[key] = torch.empty(e.layout.num_layers, e.config.max_batch, width, heads, device=e.device)
+        return self._buffers[key]
 
-    def observe(self, layer: int, B: int, picks: torch.Tensor | None, lse: torch.Tensor) -> None:
-        """After a layer's decode call: its page list and per-page statistics into the step's buffers."""
-        e = self.engine
-        width = e.max_pages if picks is None else picks.shape[-1]
-        per_head = picks is not None and picks.dim() == 3
-        self._layer_width[layer] = (None if picks is None else width, per_head)
-        self.tokens[layer] = e.visible_tokens(layer, B, picks)
+    def observe(self, layer: int, picks: torch.Tensor | None, lse: torch.Tensor) -> None:
+        """After a layer's decode call: its page list ``[B, (N_kv,) K]`` and final LSE ``[B, H]``, kept for
+        :meth:`finish`."""
+        width = self.engine.max_pages if picks is None else picks.shape[-1]
+        self._layer_width[layer] = (None if picks is None else width, picks is not None and picks.dim() == 3)
+        self._step[layer] = (picks, lse)
+
+    def group_lists(self, layers: range) -> torch.Tensor | None:
+        """The page lists a group of layers attended this step ``[L', B, (N_kv,) K]`` (None: every page)."""
+        picks = [self._step[layer][0] for layer in layers]
+        return None if picks[0] is None else torch.stack(picks)
+
+    def finish(self, layers: range, B: int, picks: torch.Tensor | None, tokens: torch.Tensor) -> None:
+        """When the step ends, per layer group: keys seen ``tokens [L']``, the lists and the per-page salience
+        ``[L', B, K, N_kv]`` (max probability over the kv group) and attention mass (mean over the group) into
+        the step's buffers, with each layer's final LSE."""
+        at = slice(layers.start, layers.stop)
+        self.tokens[at] = tokens
+        lse = torch.stack([self._step.pop(layer)[1] for layer in layers])  # [L', B, H]
         if not self.wants and not self.hears_access:
             return
+        e = self.engine
+        width, per_head = self._layer_width[layers[0]]
+        width = e.max_pages if width is None else width
         bufs = self._bufs(width, per_head)
         if picks is not None:
-            bufs["picks"][layer, :B] = picks
-        n_kv = e.layout.num_kv_heads
-        H = lse.shape[1]
-        if "salience" in self.wants:
-            pm = self._buffers[("scratch", "page_max", width)][:B]  # [B, K, H]
-            bufs["salience"][layer, :B] = torch.exp(pm - lse[:, None, :]).view(B, width, n_kv, H // n_kv).amax(-1)
-        if "attention" in self.wants:
-            pl = self._buffers[("scratch", "page_lse", width)][:B]
-            bufs["attention"][layer, :B] = torch.exp(pl - lse[:, None, :]).view(B, width, n_kv, H // n_kv).mean(-1)
+            bufs["picks"][at, :B] = picks
+        n_kv, H = e.layout.num_kv_heads, lse.shape[-1]
+        for name, reduce in (("salience", torch.amax), ("attention", torch.mean)):
+            if name in self.wants:
+                stat = self._buffers[("scratch", "page_max" if name == "salience" else "page_lse", width)][at, :B]
+                prob = torch.exp(stat - lse[:, :, None, :]).view(len(layers), B, width, n_kv, H // n_kv)
+                bufs[name][at, :B] = reduce(prob, -1)
 
     def prefill_salience(self, layer: int, pids: np.ndarray, salience: torch.Tensor) -> None:
         self._prefill.append(("salience", layer, pids, salience))

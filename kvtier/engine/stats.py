@@ -42,15 +42,22 @@ class KeyStats:
             t[:, dst] = t[:, src]
 
     def add(self, layer: int, pids: torch.Tensor, keys: torch.Tensor) -> None:
-        """Keys ``[n, N_kv, D]`` written into pages ``pids [n]`` (device int64; repeats allowed)."""
-        k = keys.float()
-        idx = pids[:, None, None].expand_as(k)
-        self.key_min[layer].scatter_reduce_(0, idx, k, reduce="amin")
-        self.key_max[layer].scatter_reduce_(0, idx, k, reduce="amax")
-        self.key_sum[layer].index_add_(0, pids, k)
-        self.key_sq[layer].index_add_(0, pids, k * k)
-        self.norm_sum[layer].index_add_(0, pids, k.norm(dim=-1))
-        self.count[layer].index_add_(0, pids, torch.ones_like(pids, dtype=torch.float32))
+        """Keys ``[n, N_kv, D]`` of ``layer`` written into pages ``pids [n]`` (device int64; repeats allowed)."""
+        self._update(slice(layer, layer + 1), pids, keys[None])
+
+    def add_step(self, pids: torch.Tensor, keys: torch.Tensor) -> None:
+        """A decode step's keys ``[L, B, N_kv, D]`` of every layer, each row's into its page ``pids [B]``."""
+        self._update(slice(None), pids, keys)
+
+    def _update(self, layers: slice, pids: torch.Tensor, keys: torch.Tensor) -> None:
+        k = keys.float()  # [L', n, N_kv, D]
+        idx = pids[None, :, None, None].expand_as(k)
+        self.key_min[layers].scatter_reduce_(1, idx, k, reduce="amin")
+        self.key_max[layers].scatter_reduce_(1, idx, k, reduce="amax")
+        self.key_sum[layers].index_add_(1, pids, k)
+        self.key_sq[layers].index_add_(1, pids, k * k)
+        self.norm_sum[layers].index_add_(1, pids, k.norm(dim=-1))
+        self.count[layers].index_add_(1, pids, torch.ones(k.shape[:2], device=k.device))
 
 
 class QueryStats:
@@ -67,6 +74,12 @@ class QueryStats:
         for row in q:  # index_copy_ with a device index: no host read, so a captured step records it too
             self.ring[:, layer].index_copy_(0, (self.seen[layer] % self.rows).view(1), row.float()[None])
             self.seen[layer] += 1
+
+    def add_step(self, q: torch.Tensor) -> None:
+        """A decode step's query of every layer ``[L, H, D]``."""
+        layers = torch.arange(self.num_layers, device=q.device)
+        self.ring.index_put_((self.seen % self.rows, layers), q.float())
+        self.seen += 1
 
     def last(self) -> torch.Tensor | None:
         """The newest query of every layer ``[L, H, D]`` (None before any)."""

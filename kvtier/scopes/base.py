@@ -2,9 +2,11 @@
 
 A scope picks, on the device and with static shapes, the logical pages each row attends in a layer:
 ``pick(layer, q, view) -> page list`` (``[B, K]``, ``[B, N_kv, K]`` for a per-kv-head choice, -1 = none;
-or None: every page). The step's :class:`StepView` is built once per step by the engine; a token budget
-(:class:`~kvtier.budget.TokenBudget`) gives each row its spans (sink tokens, the window's start) and
-the scope chooses the whole pages in between (:func:`budget_pick`).
+or None: every page). A scope whose choice does not read the query (``query_free``) instead plans the
+lists of a whole group of layers at once, when the step starts: ``plan(layers, view) -> [L', B, K]``
+(one batch of device ops per step, not one per layer). The step's :class:`StepView` is built once per
+step by the engine; a token budget (:class:`~kvtier.budget.TokenBudget`) gives each row its spans (sink
+tokens, the window's start) and the scope chooses the whole pages in between (:func:`budget_pick`).
 """
 
 from __future__ import annotations
@@ -35,15 +37,20 @@ class StepView:
     dense_layers: int  # the first layers attend every page
     windows: tuple  # per layer: keys a query sees (0: global)
 
-    def rows(self, layer: int):
-        """``(table [B, M], lens [B] int64, n_pages [B])`` of ``layer``."""
+    def rows(self, layers: int | range):
+        """``(table [(L',) B, M], lens [B] int64, n_pages [B])`` of a layer or a range of layers."""
         B = self.batch
         lens = self.lens[:B].long()
-        return self.table[layer, :B], lens, (lens + self.page_size - 1) // self.page_size
+        at = slice(layers.start, layers.stop) if isinstance(layers, range) else layers
+        return self.table[at, :B], lens, (lens + self.page_size - 1) // self.page_size
+
+    def window(self, layers: int | range) -> int:
+        """Keys a query of the layer(s) sees (0: global); a range's layers share it."""
+        return self.windows[layers[0] if isinstance(layers, range) else layers] if self.windows else 0
 
 
 def compact(keep: torch.Tensor) -> torch.Tensor:
-    """The logical pages where ``keep [B, M]`` ascending, then -1: ``[B, M]`` int32."""
+    """The logical pages where ``keep [..., M]`` ascending, then -1: ``[..., M]`` int32."""
     M = keep.shape[-1]
     logical = torch.arange(M, device=keep.device)
     idx = torch.sort(torch.where(keep, logical, M), dim=-1).values
@@ -66,7 +73,9 @@ class Scope:
     ``gives``: the statistics the scope's attention calls can hand the policy (checked against the
     policy's ``needs`` when the engine is built); ``needs_keys``: it reads the key bounds;
     ``needs_rank``: it reads the policy's page ranks; ``prefill_device_only``: a prefill chunk (before the
-    prompt is in, without an exact prefill) attends only the device pages and its own.
+    prompt is in, without an exact prefill) attends only the device pages and its own; ``query_free``: its
+    choice reads no query, and it implements :meth:`plan` (the step plans every layer at once) instead of
+    :meth:`pick`.
     """
 
     name = "scope"
@@ -87,7 +96,18 @@ class Scope:
             return None
         return max_pages if once else view_budget_width(view_budget)
 
+    query_free = False
+
     def pick(self, layer: int, q: torch.Tensor, view: StepView) -> torch.Tensor | None:
+        """Page list of ``layer`` for the queries ``q [B, H, D]``: ``[B, (N_kv,) K]`` or None (every page)."""
+        if not self.query_free:
+            raise NotImplementedError
+        lists = self.plan(range(layer, layer + 1), view)
+        return None if lists is None else lists[0]
+
+    def plan(self, layers: range, view: StepView) -> torch.Tensor | None:
+        """``query_free`` scopes: the lists of consecutive ``layers`` that share a window and are all dense or all
+        budgeted, ``[L', B, (N_kv,) K]`` (None: every page), computed once when the step starts."""
         raise NotImplementedError
 
     def reset_row(self, row: int) -> None:
@@ -101,20 +121,22 @@ def view_budget_width(budget: TokenBudget) -> int:
     return -(-budget.sinks // P) + budget.middle_pages + -(-budget.window_tokens // P) + 1
 
 
-def budget_pick(layer: int, view: StepView, candidate_score, device_only: bool) -> torch.Tensor:
-    """A token budget's page list ``[B, K]``: the sink pages, the middle pages with the best
-    ``candidate_score(cand [B, M] bool, k) -> picks [B, k]`` (logical, -1 none), and the window's pages.
+def budget_pick(layers: int | range, view: StepView, candidate_score, device_only: bool) -> torch.Tensor:
+    """A token budget's page lists ``[(L',) B, K]`` of a layer (or a range of layers sharing a window): the sink
+    pages, the middle pages with the best ``candidate_score(cand [(L',) B, M] bool, k) -> picks [(L',) B, k]``
+    (logical, -1 none), and the window's pages.
 
     Rows the budget holds whole (continuous budgets) list every live page. The layer's sliding window
     restricts the candidates to the pages every query sees whole, as :mod:`kvtier.window` does.
     """
     budget, P = view.budget, view.page_size
-    table, lens, n_pages = view.rows(layer)
-    B, M = table.shape
-    logical = torch.arange(M, device=table.device)[None, :]  # [1, M]
-    live = (table != DROPPED_LOC) & (logical < n_pages[:, None])  # [B, M]
+    table, lens, n_pages = view.rows(layers)  # [(L',) B, M]
+    B, M = table.shape[-2:]
+    lead = table.shape[:-2]
+    logical = torch.arange(M, device=table.device)  # [M]
+    live = (table != DROPPED_LOC) & (logical < n_pages[:, None])  # [(L',) B, M]
     sinks, win_start = view.spans[:B].long().unbind(1)  # [B]
-    first, layer_tail = window_pages(lens, view.windows[layer] if view.windows else 0, P)
+    first, layer_tail = window_pages(lens, view.window(layers), P)
     cand_lo = -(-budget.sinks // P)
     cand_hi = win_start // P
     tail_from = torch.maximum(first, torch.minimum(cand_hi, layer_tail))  # [B]
@@ -123,28 +145,29 @@ def budget_pick(layer: int, view: StepView, candidate_score, device_only: bool) 
         cand &= table >= 0
     sink = (logical < torch.minimum(torch.full_like(tail_from, cand_lo), tail_from)[:, None]) & (first == 0)[:, None]
     window = (logical >= cand_hi[:, None]) & live
-    whole = win_start == 0  # the row fits the budget: every live page
+    whole = (win_start == 0)[:, None]  # [B, 1] the row fits the budget: every live page
     if view.once:  # every kept candidate, the window growing
         keep = sink | cand | window
-        return compact(torch.where(whole[:, None], live, keep))
+        return compact(torch.where(whole, live, keep))
     k = budget.middle_pages
-    middle = candidate_score(cand, k) if k else torch.zeros(B, 0, dtype=torch.int32, device=table.device)
+    middle = candidate_score(cand, k) if k else torch.zeros(*lead, B, 0, dtype=torch.int32, device=table.device)
     n_sink, n_win = -(-budget.sinks // P), view_budget_width(budget) - cand_lo - k
-    sink_part = torch.where(sink[:, :n_sink], logical[:, :n_sink], -1)
-    win_part = cand_hi[:, None] + torch.arange(n_win, device=table.device)[None, :]  # [B, n_win]
+    sink_part = torch.where(sink[:, :n_sink], logical[:n_sink], -1)  # [B, n_sink]
+    win_part = cand_hi[:, None] + torch.arange(n_win, device=table.device)  # [B, n_win]
     win_part = torch.where(win_part < n_pages[:, None], win_part, -1)
-    listed = torch.cat([sink_part.to(torch.int32), middle.to(torch.int32), win_part.to(torch.int32)], 1)
+    listed = torch.cat([sink_part.to(torch.int32).expand(*lead, B, n_sink), middle.to(torch.int32),
+                        win_part.to(torch.int32).expand(*lead, B, n_win)], -1)  # [(L',) B, K]
     every = torch.where(live, logical, -1).to(torch.int32)  # a row the budget holds whole fits the list
-    width = listed.shape[1]
-    every = every[:, :width] if M >= width else torch.cat([every, every.new_full((B, width - M), -1)], 1)
-    return torch.where(whole[:, None], every, listed)
+    width = listed.shape[-1]
+    every = every[..., :width] if M >= width else torch.cat([every, every.new_full((*lead, B, width - M), -1)], -1)
+    return torch.where(whole, every, listed)
 
 
 def best_of(score: torch.Tensor, cand: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``k`` candidates ``cand [B, M]`` with the highest ``score [B, M]``: logical pages ``[B, k]`` (-1 none)."""
+    """The ``k`` candidates ``cand [..., M]`` with the highest ``score [..., M]``: logical pages ``[..., k]`` (-1 none)."""
     masked = torch.where(cand, score, float("-inf"))
     best, idx = torch.topk(masked, min(k, masked.shape[-1]), dim=-1)
     out = torch.where(best > float("-inf"), idx, -1)
     if out.shape[-1] < k:
-        out = torch.cat([out, out.new_full((out.shape[0], k - out.shape[-1]), -1)], -1)
+        out = torch.cat([out, out.new_full((*out.shape[:-1], k - out.shape[-1]), -1)], -1)
     return out

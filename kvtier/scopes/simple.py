@@ -1,4 +1,5 @@
-"""The scopes that need no key statistics: ``all`` (exact) and ``resident`` (the device pages)."""
+"""The scopes that need no key statistics: ``all`` (exact) and ``resident`` (the device pages). Neither reads
+the query: each plans the page lists of every layer once per step (:meth:`~kvtier.scopes.base.Scope.plan`)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ from kvtier.budget import TokenBudget
 from kvtier.scopes.base import DROPPED_LOC, Scope, StepView, best_of, budget_pick, compact, window_pages
 
 
-def live_pages(layer: int, view: StepView) -> torch.Tensor:
-    """Every page of each row that is not dropped, compacted ``[B, M]``."""
-    table, _, n_pages = view.rows(layer)
-    logical = torch.arange(table.shape[1], device=table.device)[None, :]
+def live_pages(layers: int | range, view: StepView) -> torch.Tensor:
+    """Every page of each row that is not dropped, compacted ``[(L',) B, M]``."""
+    table, _, n_pages = view.rows(layers)
+    logical = torch.arange(table.shape[-1], device=table.device)
     return compact((table != DROPPED_LOC) & (logical < n_pages[:, None]))
 
 
@@ -20,14 +21,15 @@ class All(Scope):
     ``scope=all`` refused by the engine) the budget's spans."""
 
     name = "all"
+    query_free = True
 
     def width(self, budget, once, max_pages):
         return max_pages if budget is not None else None
 
-    def pick(self, layer, q, view):
-        if view.budget is None or layer < view.dense_layers:
-            return live_pages(layer, view) if self.engine.dropped_any else None
-        return budget_pick(layer, view, None, device_only=False)
+    def plan(self, layers, view):
+        if view.budget is None or layers[0] < view.dense_layers:
+            return live_pages(layers, view) if self.engine.dropped_any else None
+        return budget_pick(layers, view, None, device_only=False)
 
 
 class Resident(Scope):
@@ -36,6 +38,7 @@ class Resident(Scope):
 
     name = "resident"
     prefill_device_only = True
+    query_free = True
 
     def needs_rank(self, budget: TokenBudget | None) -> bool:
         return budget is not None
@@ -43,15 +46,14 @@ class Resident(Scope):
     def width(self, budget, once, max_pages):
         return max_pages if budget is None else super().width(budget, once, max_pages)
 
-    def pick(self, layer, q, view):
-        table, lens, n_pages = view.rows(layer)
-        if layer < view.dense_layers:
-            return live_pages(layer, view)
+    def plan(self, layers, view):
+        table, lens, n_pages = view.rows(layers)  # [L', B, M]
+        if layers[0] < view.dense_layers:
+            return live_pages(layers, view)
         if view.budget is None:  # device pages, and from the tail on (the page being written; a window's cut page)
-            logical = torch.arange(table.shape[1], device=table.device)[None, :]
-            first, tail_from = window_pages(lens.clamp(min=1), view.windows[layer] if view.windows else 0,
-                                            view.page_size)
+            logical = torch.arange(table.shape[-1], device=table.device)
+            first, tail_from = window_pages(lens.clamp(min=1), view.window(layers), view.page_size)
             keep = (table >= 0) | (logical >= tail_from[:, None])
             return compact(keep & (logical >= first[:, None]) & (logical < n_pages[:, None]))
-        rank = view.rank[layer, :view.batch]
-        return budget_pick(layer, view, lambda cand, k: best_of(-rank.float(), cand, k), device_only=True)
+        rank = view.rank[layers.start:layers.stop, :view.batch]  # [L', B, M]
+        return budget_pick(layers, view, lambda cand, k: best_of(-rank.float(), cand, k), device_only=True)

@@ -134,7 +134,7 @@ class TopK(Scope):
         P = view.page_size
         logical = torch.arange(M, device=table.device)[None, :]
         live = (table != DROPPED_LOC) & (logical < n_pages[:, None])
-        first, tail_from = window_pages(lens, view.windows[layer] if view.windows else 0, P)
+        first, tail_from = window_pages(lens, view.window(layer), P)
         forced = ((logical >= tail_from[:, None]) | (logical < -(-self.sinks // P))) & (logical >= first[:, None]) & live
         free = live & ~forced & (logical >= first[:, None])
         n_forced = forced.sum(1)  # [B]
