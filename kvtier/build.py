@@ -24,6 +24,7 @@ from kvtier.models import check_load_args, kv_layout_for, load_config
 from kvtier.policies.base import Policy
 from kvtier.report import CacheRecord
 from kvtier.schema import check_schema
+from kvtier.scopes import Resident, Scope
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import check_folder
 from kvtier.tiers.memory import HostTier, MemoryTier, default_device
@@ -102,6 +103,7 @@ def plan(cfg: DictConfig) -> Plan:
     """Check the whole recipe (no weights loaded, nothing written); ConfigError names the first bad key."""
     recipe = check_schema(cfg)
     policy, task = build(cfg.policy, "policy", kind=Policy), build(cfg.task, "task")
+    scope = build(cfg.scope, "scope", call=False, kind=Scope)
     if not getattr(task, "needs_model", True):  # nothing of the model, tiers or cache is built
         return Plan({"task": task.name}, 0, 0, {}, None, needs_model=False)
     prefill = build(cfg.scheduler.prefill, "scheduler.prefill")
@@ -118,7 +120,7 @@ def plan(cfg: DictConfig) -> Plan:
     context, pages = task.context_tokens, layout.pages_for(task.context_tokens + task.new_tokens)
     page_bytes = layout.num_layers * layout.page_bytes  # one page of every layer
     budget = recipe.budget.tokens_for(context, -(-page_bytes // layout.page_size))
-    check_partial_budget(budget, context, recipe.scope.value, recipe.budget.key)
+    check_partial_budget(budget, context, label(cfg.scope), recipe.budget.key)
     attended = attend_budget(cfg, budget, layout.page_size)
     capacities, in_memory = {}, {}  # in_memory: the key sizing a tier held in memory -> (bytes, device)
     for key, spec in cfg.tiers.stack.items():
@@ -130,7 +132,7 @@ def plan(cfg: DictConfig) -> Plan:
             capacities[key] = tier_pages(spec, field, pages, page_bytes)
         else:
             chunk_room = device_pages_needed(policy, layout.page_size, min(prefill.chunk_size, context))
-            capacities[key] = _device_pages(cfg, layout.pages_for(budget), attended, pages, chunk_room)
+            capacities[key] = _device_pages(scope, layout.pages_for(budget), attended, pages, chunk_room)
         if "path" in spec:  # a disk tier: relative paths live in the run folder
             check_folder(spec.path if Path(spec.path).is_absolute() else ".", f"{field}.path")
         if spec.get("url", LOCAL_STORE) != LOCAL_STORE:
@@ -143,7 +145,8 @@ def plan(cfg: DictConfig) -> Plan:
                       recipe.budget.key)
     check_stack(capacities, pages)
     check_memory(in_memory)
-    labels = {"policy": label(cfg.policy), "scope": recipe.scope.value, "tiers": "_".join(capacities),
+    build_scope(cfg, next(iter(capacities.values())))
+    labels = {"policy": label(cfg.policy), "scope": label(cfg.scope), "tiers": "_".join(capacities),
               "kernel": label(cfg.kernel), "task": task.name, "model": label(cfg.model)}
     return Plan(labels, context, budget, capacities, layout)
 
@@ -153,14 +156,22 @@ def unsized(spec: DictConfig) -> DictConfig:
     return OmegaConf.create({k: v for k, v in OmegaConf.to_container(spec, resolve=True).items() if k not in SIZING})
 
 
-def _device_pages(cfg: DictConfig, budget_pages: int, attended: TokenBudget | None, context_pages: int,
+def build_scope(cfg: DictConfig, device_pages: int) -> Scope:
+    """The recipe's scope; a ``pages: null`` (topk's default) is the device tier's pages."""
+    node = OmegaConf.create(OmegaConf.to_container(cfg.scope, resolve=True))
+    if node.get("pages", 0) is None:
+        node.pages = device_pages
+    return build(node, "scope", kind=Scope)
+
+
+def _device_pages(scope: type[Scope], budget_pages: int, attended: TokenBudget | None, context_pages: int,
                   chunk_room: int) -> int:
     """The device tier's pages: the budget's; under ``cache.attend_budget`` what a continuous
     ``resident`` step attends (and at least the room a prefill chunk needs), else the whole context
     (``topk`` recalls from any tier; ``once`` keeps what it compressed to)."""
     if attended is None:
         return budget_pages
-    if cfg.scope.value == "resident" and attended.mode == "continuous":
+    if issubclass(scope, Resident) and attended.mode == "continuous":
         return max(attended.step_pages, chunk_room)
     return context_pages
 
@@ -211,7 +222,6 @@ class EngineFactory:
     def __call__(self, **engine_settings):
         """A fresh engine; ``engine_settings`` override the recipe's ``engine`` group (a task's own batch size)."""
         from kvtier.engine import Engine, EngineConfig
-        from kvtier.scopes import TopK, make_scope
 
         self._retire()
         tiers = []
@@ -225,13 +235,8 @@ class EngineFactory:
                                name=key))
         c = self.cfg
         attended = attend_budget(c, self.plan.budget_tokens, self.plan.layout.page_size)
-        if c.scope.value == "topk":
-            scope = TopK(c.cache.topk_pages or next(iter(self.plan.capacities.values())), c.cache.rank,
-                         c.cache.per_head, c.cache.query_rows, c.cache.policy_share, c.cache.recall_slots,
-                         sinks=c.cache.sinks)
-        else:
-            scope = make_scope(c.scope.value)
         engine_cfg = EngineConfig(**{**OmegaConf.to_container(c.engine, resolve=True), **engine_settings})
+        scope = build_scope(c, next(iter(self.plan.capacities.values())))
         self._last = Engine(self.model, self.plan.layout, tiers, build(c.policy, "policy"), scope,
                             build(c.scheduler.placement, "scheduler.placement"), build(c.kernel, "kernel"),
                             build(c.scheduler.prefill, "scheduler.prefill"), budget=attended,

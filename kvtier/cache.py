@@ -44,7 +44,7 @@ class TieredKVCache(PagedCacheBase):
             scope = TopK(topk_pages, rank, per_head, query_rows, policy_share, sinks=sinks)
         else:
             if per_head:
-                raise ConfigError("cache.per_head", "a per-head page choice needs scope 'topk' and a token budget")
+                raise ConfigError("scope.per_head", "a per-head page choice needs scope 'topk' and a token budget")
             scope = make_scope(scope)
         super().__init__(layout)
         self.layout = layout

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import re
 
-from kvtier.budget import check_mode
 from kvtier.errors import ConfigError
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -26,24 +25,17 @@ def device_pages_needed(policy, page_size: int, chunk_tokens: int, batch_size: i
     return batch_size * (policy.pinned_pages(page_size) + 1 + -(-chunk_tokens // page_size))
 
 
-def check_cache_options(mode: str, rank: str, query_rows, policy_share) -> None:
-    """The token budget's ``mode`` and the topk scope's options hold values they accept, whether or not
-    this run uses them (``cache.attend_budget`` or ``scope=topk`` may switch them on in the next run)."""
-    check_mode(mode)
-    check_topk_options(rank, query_rows, policy_share)
-
-
 def check_topk_options(rank: str, query_rows, policy_share) -> None:
     """The topk scope's ``rank`` (one of :data:`kvtier.scopes.topk.RANKS`), ``query_rows`` and ``policy_share``."""
     from kvtier.scopes.topk import RANKS
 
     if rank not in RANKS:
-        raise ConfigError("cache.rank", f"unknown rank {rank!r}; use one of {list(RANKS)}")
+        raise ConfigError("scope.rank", f"unknown rank {rank!r}; use one of {list(RANKS)}")
     if not isinstance(query_rows, int) or isinstance(query_rows, bool) or query_rows < 1:
-        raise ConfigError("cache.query_rows", f"must be an integer >= 1, got {query_rows!r}")
+        raise ConfigError("scope.query_rows", f"must be an integer >= 1, got {query_rows!r}")
     if isinstance(policy_share, bool) or not isinstance(policy_share, (int, float)) or \
             not 0.0 <= policy_share <= 1.0:  # nan too
-        raise ConfigError("cache.policy_share", f"must be in [0, 1], got {policy_share!r}")
+        raise ConfigError("scope.policy_share", f"must be in [0, 1], got {policy_share!r}")
 
 
 def check_device_room(capacity: int, policy, page_size: int, chunk_tokens: int, field: str,

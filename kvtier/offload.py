@@ -8,7 +8,8 @@
 
 Names and defaults are the recipes' (``kvtier/recipes/config.yaml``): ``policy``, ``tiers`` and ``kernel``
 name files of the ``policy/``, ``tiers/`` and ``kernel/`` groups, built with their settings there (a
-:class:`~kvtier.policies.Policy` object works too); ``scope`` and ``page_size`` are the recipe keys.
+:class:`~kvtier.policies.Policy` object works too); ``scope`` names a scope as the ``scope/`` group does
+(``all``, ``resident``, ``topk``) and ``page_size`` is the recipe key.
 ``hbm`` is the recipe's ``budget.fraction``: the device tier (HBM) holds ``int(hbm * prompt tokens)``
 tokens per sequence, rounded up to whole pages, sized from the prompt each ``generate`` call gets;
 the tiers below take their ``fraction`` (or ``size``) of the prompt plus the new tokens. A disk tier

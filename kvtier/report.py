@@ -106,7 +106,7 @@ def collect(plan, result: dict, records: list[CacheRecord], wall_s: float, cfg, 
         **FidelityStats([c for r in records for c in r.fidelity_calls]).summary(),
         "occupancy": {"step": steps, "pages": series},
         "task_result": result,
-        "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+        "config": OmegaConf.to_container(cfg, resolve=True),
     }
 
 

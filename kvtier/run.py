@@ -38,6 +38,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from kvtier.build import EngineFactory, build, build_model, label, plan
 from kvtier.errors import ConfigError, Interrupted, KVTierError, MissingDependencyError, TierFailed
 from kvtier.report import collect, write_json
+from kvtier.schema import unknown_key
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
 LAUNCHERS = {  # hydra/launcher option -> (the package that ships it, kvtier's extra)
@@ -55,7 +56,7 @@ def run_name(root: DictConfig) -> str:
                           .encode()).hexdigest()[:8]
     b = cfg.budget
     budget = f"tok{b.tokens}" if b.tokens is not None else f"size{b.size}" if b.size is not None else f"frac{b.fraction}"
-    return f"{label(cfg.policy)}-{cfg.scope.value}-{'_'.join(cfg.tiers.stack)}-{budget}-{digest}"
+    return f"{label(cfg.policy)}-{label(cfg.scope)}-{'_'.join(cfg.tiers.stack)}-{budget}-{digest}"
 
 
 _MADE: set[Path] = set()  # folders this process made (absolute): the only ones a failed run removes
@@ -109,7 +110,7 @@ def execute(cfg: DictConfig, run_dir: str | Path) -> dict:
         if not plan_.needs_model:  # a task that loads no model (kvtier.sim): it writes its result, no logger
             result = build(cfg.task, "task").run(run_dir)
             metrics = {**plan_.labels, "run_name": run_dir.name, "wall_s": time.perf_counter() - t0,
-                       "task_result": result, "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)}
+                       "task_result": result, "config": OmegaConf.to_container(cfg, resolve=True)}
             write_json(metrics, run_dir / "metrics.json")
             return metrics
         model, tokenizer = build_model(cfg)
@@ -222,8 +223,7 @@ def composing():
         if "not in" in str(cause):
             options = GlobalHydra.instance().config_loader().get_group_options(parent) if parent else []
             pick = f"; or pick another {parent}: {', '.join(options)}" if options else ""
-            raise ConfigError(parent or leaf, f"has no key {leaf!r}; check its spelling (kvtier-run --cfg job "
-                                              f"prints every key){pick}") from None
+            raise unknown_key(parent, leaf, pick) from None
         message = str(cause).splitlines()[0]
         raise ConfigError(str(key) or "config", "must be true or false" if "valid bool" in message else message) \
             from None

@@ -1,28 +1,20 @@
 """The recipe's schema: typed dataclasses that Hydra merges every recipe into (``config.yaml``'s first
-default), each checking its own ranges. Nodes built from a ``_target_`` (model, policy, tiers, kernel,
-task, logger) are open: their keys go to the target's constructor (:mod:`kvtier.build`)."""
+default), each checking its own ranges. Nodes built from a ``_target_`` (model, policy, scope, tiers,
+kernel, task, logger) are open: their keys go to the target's constructor (:mod:`kvtier.build`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from kvtier.checks import check_cache_options, parse_bytes
+from kvtier.budget import check_mode
+from kvtier.checks import parse_bytes
 from kvtier.engine.config import EngineConfig
 from kvtier.errors import ConfigError
-
-
-class Scope(str, Enum):
-    """Which pages attention reads: ``all`` (exact), ``resident`` (device pages), ``topk`` (Quest pages)."""
-
-    all = "all"
-    resident = "resident"
-    topk = "topk"
 
 
 @dataclass
@@ -67,28 +59,21 @@ class Scheduler:
 @dataclass
 class Cache:
     """What each decode step attends: ``attend_budget`` makes the budget also the keys each decode step
-    attends (:mod:`kvtier.budget`: ``sinks`` + middle pages + a ``window``, null: the rest of it); the
-    ``topk`` scope's options (``topk_pages``, ``rank``, ``per_head``, ``query_rows``, ``policy_share``)."""
+    attends (:mod:`kvtier.budget`: ``sinks`` + middle pages + a ``window``, null: the rest of it). A
+    scope's options are its own node's (``scope.pages``, ...; the keys that were here: :data:`MOVED`)."""
 
-    topk_pages: Optional[int] = None
     sinks: int = 4
     fidelity: bool = True
     attend_budget: bool = False
     window: Optional[int] = 64
     mode: str = "continuous"
     exact_prefill: bool = False
-    rank: str = "quest"
-    per_head: bool = False
-    query_rows: int = 1
-    policy_share: float = 0.0
-    recall_slots: int = 0
     dense_layers: int = 0
 
     def __post_init__(self):
-        if self.topk_pages is not None and self.topk_pages < 1 or self.sinks < 0:
-            raise ConfigError("cache", f"topk_pages must be >= 1 (or null) and sinks >= 0, got {self.topk_pages} "
-                                       f"and {self.sinks}")
-        check_cache_options(self.mode, self.rank, self.query_rows, self.policy_share)
+        if self.sinks < 0:
+            raise ConfigError("cache.sinks", f"must be >= 0, got {self.sinks}")
+        check_mode(self.mode)
 
 
 @dataclass
@@ -100,7 +85,7 @@ class Recipe:
     kernel: Any = MISSING
     task: Any = MISSING
     logger: Any = MISSING
-    scope: Scope = Scope.resident
+    scope: Any = MISSING  # which pages a decode step attends (_target_: a kvtier.scopes.Scope)
     page_size: int = 16
     kv_dtype: Optional[str] = None  # None: the model's dtype; "fp8_e4m3": FP8 pages with per-page scales
     budget: Budget = field(default_factory=Budget)
@@ -116,16 +101,29 @@ class Recipe:
 
 ConfigStore.instance().store(name="kvtier_schema", node=Recipe)
 
+# keys that left the schema -> where they live now (the topk scope owns its options)
+MOVED = {"cache.topk_pages": "scope.pages", **{f"cache.{k}": f"scope.{k}" for k in
+                                               ("rank", "per_head", "query_rows", "policy_share", "recall_slots")}}
+
+
+def unknown_key(parent: str, leaf: str, hint: str = "") -> ConfigError:
+    """The error for ``parent.leaf``, a key the recipe lacks: where it moved, else a spelling hint."""
+    key = f"{parent}.{leaf}" if parent else leaf
+    if key in MOVED:
+        return ConfigError(key, f"moved to {MOVED[key]}, an option of the topk scope: kvtier-run scope=topk "
+                                f"{MOVED[key]}=...")
+    return ConfigError(parent or leaf, f"has no key {leaf!r}; check its spelling (kvtier-run --cfg job prints "
+                                       f"every key){hint}")
+
 
 def check_schema(cfg) -> Recipe:
     """``cfg`` (its hydra node aside) as a :class:`Recipe`; ConfigError names a key that is unknown (added
     by ``+key=``), unset or out of range."""
     try:
-        plain = OmegaConf.to_container(cfg, enum_to_str=True)
+        plain = OmegaConf.to_container(cfg)
         return OmegaConf.to_object(OmegaConf.merge(Recipe, {k: v for k, v in plain.items() if k != "hydra"}))
     except MissingMandatoryValue as e:
         raise ConfigError(str(e.full_key), f"has no value; set it, e.g. kvtier-run {e.full_key}=...") from None
     except OmegaConfBaseException as e:
         parent, _, leaf = str(e.full_key).rpartition(".")
-        raise ConfigError(parent or leaf, f"has no key {leaf!r}; check its spelling (kvtier-run --cfg job "
-                                          "prints every key)") from None
+        raise unknown_key(parent, leaf) from None

@@ -67,7 +67,7 @@ CASES = {
     "chunk size zero": (lambda p: __import__("kvtier.scheduler.chunked_prefill", fromlist=["ChunkedPrefill"])
                         .ChunkedPrefill(0), "scheduler.prefill.chunk_size"),
     "unknown scope": (lambda p: cache(scope="nearby"), "scope"),
-    "topk without k": (lambda p: cache(scope="topk"), "cache.topk_pages"),
+    "topk without k": (lambda p: cache(scope="topk"), "scope.pages"),
     "unknown kernel": (lambda p: __import__("kvtier.kernels.registry", fromlist=["make_backend"]).make_backend("cutlass"),
                        "kernel"),
     "salience policy on flashinfer": (lambda p: flashinfer_with_aspe(), "kernel"),

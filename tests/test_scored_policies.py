@@ -317,12 +317,12 @@ def test_compress_once_after_an_exact_prefill():
     (dict(budget=32, window=0), "cache.window"),
     (dict(budget=32, window=8, mode="later"), "cache.mode"),
     (dict(budget=32, window=8, scope="all"), "cache.attend_budget"),
-    (dict(scope="topk", topk_pages=4, rank="best"), "cache.rank"),
-    (dict(scope="topk"), "cache.topk_pages"),
+    (dict(scope="topk", topk_pages=4, rank="best"), "scope.rank"),
+    (dict(scope="topk"), "scope.pages"),
     (dict(budget=32, window=8, dense_layers=2), "cache.dense_layers"),
-    (dict(budget=32, window=8, per_head=True), "cache.per_head"),  # resident: a per-head choice needs topk
-    (dict(scope="topk", budget=32, window=8, query_rows=0), "cache.query_rows"),
-    (dict(scope="topk", budget=32, window=8, policy_share=1.5), "cache.policy_share"),
+    (dict(budget=32, window=8, per_head=True), "scope.per_head"),  # resident: a per-head choice needs topk
+    (dict(scope="topk", budget=32, window=8, query_rows=0), "scope.query_rows"),
+    (dict(scope="topk", budget=32, window=8, policy_share=1.5), "scope.policy_share"),
 ])
 def test_bad_budget_configs(kw, field):
     with pytest.raises(ConfigError) as e:

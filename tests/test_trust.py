@@ -163,10 +163,11 @@ def test_a_failed_result_write_leaves_no_truncated_file(tmp_path):
 # Keys that are Python-API argument names, not recipe keys (the object's own argument, documented in its
 # docstring), and keys in files the engine rewrite (issue 22) replaces: those messages are rewritten there.
 PYTHON_API = {"attention_mask", "attn_implementation", "batch_size", "capacity", "dropout", "dtype",
-              "past_key_values", "sliding_windows", "spec.bandwidth_gbps", "spec.latency_s", "topk_pages",
+              "past_key_values", "sliding_windows", "spec.bandwidth_gbps", "spec.latency_s",
               "transfer.method", "defaults", "layout.head_dim", "prompt", "request", "hbm", "input_ids"}
 OWN_FILES = ("kvtier/sim/",)  # the simulator's messages name keys of its calibration file and cluster setups
-REWRITTEN = {"kvtier/kernels/base.py": {"model.num_attention_heads"},
+REWRITTEN = {"kvtier/engine/engine.py": {"cache.recall_slots"},  # the recipe key is now scope.recall_slots
+             "kvtier/kernels/base.py": {"model.num_attention_heads"},
              "kvtier/kernels/triton_prefill.py": {"layout.page_size"}}
 
 
@@ -298,14 +299,16 @@ NAMED = [  # (args, key): each was a traceback or a silent run before; now one l
     (lambda i: ["budget.fraction=1.0"], "budget.fraction"),
     (lambda i: ["budget.tokens=320", "scope=topk"], "budget.tokens"),
     (lambda i: ["cache.mode=sometimes"], "cache.mode"),
-    (lambda i: ["cache.policy_share=7"], "cache.policy_share"),
-    (lambda i: ["cache.query_rows=-3"], "cache.query_rows"),
-    (lambda i: ["cache.rank=best"], "cache.rank"),
+    (lambda i: ["scope=topk", "scope.policy_share=7"], "scope.policy_share"),
+    (lambda i: ["scope=topk", "scope.query_rows=-3"], "scope.query_rows"),
+    (lambda i: ["scope=topk", "scope.rank=best"], "scope.rank"),
+    (lambda i: ["cache.topk_pages=4"], "cache.topk_pages"),
+    (lambda i: ["scope._target_=kvtier.policies.LRU"], "scope._target_"),
 ]
 NAMED_IDS = ["user yaml", "not a policy", "plugin ValueError", "fifo sinks", "not a tier", "config.json",
              "closed redis port", "not redis", "trace malformed", "trace not utf-8", "trace key-less", "trace empty",
              "trace start past end", "host 1000TB", "fraction 1.0", "whole budget topk", "cache.mode",
-             "cache.policy_share", "cache.query_rows", "cache.rank"]
+             "scope.policy_share", "scope.query_rows", "scope.rank", "old topk key", "not a scope"]
 
 
 @pytest.mark.parametrize("case", range(len(NAMED)), ids=NAMED_IDS)
@@ -416,6 +419,7 @@ def test_every_documented_command_composes_and_plans(tmp_path, monkeypatch):
     assert len(commands) >= 20 and any(name == "kvtier/recipes/model/local.yaml" for _, name in commands)
     with LocalRedis() as server:
         placeholders = {"DIR": "examples/custom_policy", "policy=mine": "policy=fifo",
+                        "mine.MyScope": "user_scope.Recent",  # tests/user_scope.py
                         "/models/Llama-3.1-8B": str(tmp_path / "llama"), "redis://127.0.0.1:6379/0": server.url}
         for args, name in commands:
             for old, new in placeholders.items():

@@ -2,7 +2,7 @@
 
 ``all`` (:class:`All`, exact), ``resident`` (:class:`Resident`, the device pages; under a token budget the
 policy's best of them) and ``topk`` (:class:`TopK`, Quest's bound). A user's own scope is a
-:class:`Scope` subclass named by ``_target_`` in a recipe (``scope=...``).
+:class:`Scope` subclass named by ``_target_`` in a recipe (``scope._target_=...``).
 """
 
 from kvtier.errors import ConfigError

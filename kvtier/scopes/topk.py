@@ -38,8 +38,8 @@ class TopK(Scope):
 
     def __init__(self, pages: int | None = None, rank: str = "quest", per_head: bool = False, query_rows: int = 1,
                  policy_share: float = 0.0, recall_slots: int = 0, sinks: int = 4):
-        for key, v, low in (("cache.topk_pages", pages, 1), ("cache.recall_slots", recall_slots, 0),
-                            ("cache.sinks", sinks, 0)):
+        for key, v, low in (("scope.pages", pages, 1), ("scope.recall_slots", recall_slots, 0),
+                            ("scope.sinks", sinks, 0)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
                 raise ConfigError(key, f"must be an integer >= {low}, got {v!r}")
         check_topk_options(rank, query_rows, policy_share)
@@ -55,10 +55,10 @@ class TopK(Scope):
                                       ("policy_share", self.policy_share > 0), ("rank", self.rank != "quest"))
                        if v]
         if engine.budget is None and budget_only:
-            raise ConfigError(f"cache.{budget_only[0]}", "this option chooses a token budget's middle pages: set "
+            raise ConfigError(f"scope.{budget_only[0]}", "this option chooses a token budget's middle pages: set "
                                                          "cache.attend_budget=true (Python: budget=)")
         if engine.budget is None and self.pages is None:
-            raise ConfigError("cache.topk_pages", "scope 'topk' needs topk_pages >= 1 (or a token budget)")
+            raise ConfigError("scope.pages", "scope 'topk' needs pages >= 1 (or a token budget)")
         self.recent = None  # [L, R, query_rows, H, D] the last decode queries of each (layer, row), made at the first
         L, R = engine.layout.num_layers, engine.config.max_batch
         self.seen = torch.zeros(L, R, dtype=torch.int64, device=engine.device)
