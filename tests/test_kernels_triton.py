@@ -132,15 +132,16 @@ def test_decode_head_mask_matches_reference(group, num_kv, kv_lens, per_split):
 
 
 @pytest.mark.parametrize("page,block_n,num_warps,kv_lens,per_split,window_left,head_mask", [
-    (16, 64, 4, [150, 3, 77], 4, -1, False),  # a warp per 16-token page
-    (8, 64, 2, [130, 40], None, 50, True),  # two 8-token pages per warp, a window, per-head pages
-    (32, 64, 4, [100, 64], 2, 40, False),  # a page across two warps
-    (4, 32, 4, [45, 9], 3, 20, True),  # two 4-token pages per warp, a window inside a page
+    (16, 64, 4, [150, 3, 77], 4, -1, False),  # four 16-token pages per block
+    (8, 64, 2, [130, 40], None, 50, True),  # eight 8-token pages, a window, per-head pages
+    (32, 64, 4, [100, 64], 2, 40, False),  # two 32-token pages
+    (4, 32, 4, [45, 9], 3, 20, True),  # 4-token pages, a window inside a page
     (16, 128, 8, [200, 33], None, -1, True),
 ])
-def test_decode_page_max_in_warp_token_order(page, block_n, num_warps, kv_lens, per_split, window_left, head_mask):
-    """Blocks whose columns hold tokens in warp order (block_n a multiple of 8 x num_warps): page_max
-    regroups them by page; pages of splits left of the window and hidden pages are -inf."""
+def test_decode_page_max_per_page_of_each_block(page, block_n, num_warps, kv_lens, per_split, window_left, head_mask):
+    """page_max of every page of a key block, for pages of 4 to 32 tokens and several warp counts (a block
+    layout that dealt tokens to warps out of order gave wrong maxima on the GPU only, session 7); pages of
+    splits left of the window and hidden pages are -inf."""
     config = DecodeConfig(block_n=block_n, num_warps=num_warps, pages_per_split=per_split)
     check_against_reference(TritonBackend(decode_config=config), kv_lens, [1] * len(kv_lens), 3, 2, 32,
                             torch.float32, False, seed=page + block_n + sum(kv_lens), page_size=page,
@@ -154,6 +155,7 @@ def test_decode_page_max_of_unlisted_entries_is_neg_inf():
     extra = torch.tensor([0, 1], dtype=torch.int32)
     batch = PagedBatch(batch.qo_indptr, batch.kv_indptr + 2, torch.cat([extra, batch.kv_indices, extra]),
                        batch.kv_last_page_len, 16)  # two unlisted entries before and after
+    q, pool, batch = q.to(device()), pool.to(device()), batch.to(device())
     backend = TritonBackend(decode_config=DecodeConfig(block_n=16))
     backend.plan(batch, 2, 1, 32)
     with nan_empty():
@@ -238,6 +240,7 @@ def test_decode_default_config_fp16_head_dim_64():
 def test_prefill_page_max_differs_when_a_key_changes():
     gen = torch.Generator().manual_seed(2)
     q, pool, batch, _, _ = random_paged_batch([40], [6], 16, 1, 32, 2, causal=True, generator=gen)
+    q, pool, batch = q.to(device()), pool.to(device()), batch.to(device())
     backend = TritonBackend(prefill_config=PrefillConfig(block_m=32, block_n=16))
     backend.plan(batch, 2, 1, 32)
     before = backend.run(q, pool, return_page_max=True).page_max.clone()

@@ -166,8 +166,7 @@ PYTHON_API = {"attention_mask", "attn_implementation", "batch_size", "capacity",
               "past_key_values", "sliding_windows", "spec.bandwidth_gbps", "spec.latency_s",
               "transfer.method", "defaults", "layout.head_dim", "prompt", "request", "hbm", "input_ids"}
 OWN_FILES = ("kvtier/sim/",)  # the simulator's messages name keys of its calibration file and cluster setups
-REWRITTEN = {"kvtier/engine/engine.py": {"cache.recall_slots"},  # the recipe key is now scope.recall_slots
-             "kvtier/kernels/base.py": {"model.num_attention_heads"},
+REWRITTEN = {"kvtier/kernels/base.py": {"model.num_attention_heads"},
              "kvtier/kernels/triton_prefill.py": {"layout.page_size"}}
 
 

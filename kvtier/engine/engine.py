@@ -5,8 +5,8 @@ A step is **plan -> run -> feedback**:
 
 1. plan (host): the policy hears what step ``t - lookahead`` produced (:mod:`kvtier.engine.feedback`);
    pages left of every sliding window are dropped; the scheduler plans and the mover issues its copies
-   (on a GPU on a side stream, fenced: a moved page is read at its old place until its copy has
-   landed); rows grow (new pages in the device tier); the token budget's spans and the policy's ranks
+   (on a GPU on a side stream; the step reads a moved page at its new place, its compute ordered after
+   the copy, so placement never depends on copy timing); rows grow (new pages in the device tier); the token budget's spans and the policy's ranks
    are computed; the changed block-table rows, lengths, positions and tokens are copied to the step's
    static device buffers (:class:`~kvtier.scopes.base.StepView` reads them).
 2. run: the model forward (:mod:`kvtier.engine.runner`), eager or one CUDA-graph replay per batch
@@ -193,7 +193,7 @@ class Engine:
         self.recall = None
         if getattr(self.scope, "recall_slots", 0):
             if self.host is None:
-                raise ConfigError("cache.recall_slots", "the recall cache holds pages picked from the host tier: "
+                raise ConfigError("scope.recall_slots", "the recall cache holds pages picked from the host tier: "
                                                         "add a host tier")
             slots = np.stack([tiers[0].alloc(layer, self.scope.recall_slots).numpy() for layer in range(L)])  # [L, C]
             self.recall = RecallCache(slots, M, self.scratch, dev, compile=compiled)
@@ -425,7 +425,7 @@ class Engine:
             raise KVTierError("no running sequence: add() one first")
         B = next(b for b in self.buckets if b > max(active))
         self._open_step(active, 1)
-        self._switch_landed()
+        self._switch_moved()
         self._ensure_tails(active)
         for r in active:
             self.span_host[r] = self._spans(self.row_seq[r], int(self.lens[r]))
@@ -786,7 +786,7 @@ class Engine:
         queries); the device keeps ``reserve`` slots free per layer."""
         if len(self.table.tiers) < 2:
             return
-        self._switch_landed()  # landed moves give their source slots back once their fence passes
+        self._switch_moved()  # moves give their source slots back once their copy and fence pass
         self._pin_unsettled(True)
         try:
             plan = self.scheduler.plan(self.table, self.policy, max(self.step_idx, 0), reserve=reserve)
@@ -806,7 +806,7 @@ class Engine:
         free = {m.layer: self.table.tiers[0].num_free(m.layer) - reserve for m in plan.promote}
         promote = [(m.layer, m.pids[:max(free[m.layer], 0)], m.dst) for m in plan.promote]
         self.transfer.migrate_many(promote, after_compute=after_compute, fenced=True)
-        self._switch_landed()
+        self._switch_moved()
 
     def _pin_unsettled(self, pinned: bool) -> None:
         """Each row's page before the newest may still be written by a queued step (the host runs ahead of the
@@ -817,10 +817,10 @@ class Engine:
         if prev:
             self.table.set_pinned(prev, pinned)
 
-    def _switch_landed(self) -> None:
-        """Point the table at the new place of every move that has landed (and not moved on)."""
-        landed = self.transfer.take_landed(fence=self._last_event)
-        if not landed:
+    def _switch_moved(self) -> None:
+        """Point the table at the new place of every move issued (the step's compute waits for the copies)."""
+        moved = self.transfer.take_moved(fence=self._last_event)
+        if not moved:
             return
         rows = [(r, self.table.pages(seq)) for r, seq in enumerate(self.row_seq)
                 if seq is not None and r not in self._prefilling]
@@ -829,15 +829,14 @@ class Engine:
         held = np.concatenate([pages for _, pages in rows])  # [N] every row's pages (a shared page: each holder)
         row_of = np.concatenate([np.full(pages.size, r) for r, pages in rows])  # [N]
         logical = np.concatenate([np.arange(pages.size) for _, pages in rows])  # [N]
-        for layer, pids in landed:
-            pids = pids[~self.transfer.in_flight(layer, pids)]  # a later move switches those
+        for layer, pids in moved:
             hit = np.isin(held, pids)  # [N]
             if hit.any():
                 self.mirror[layer, row_of[hit], logical[hit]] = self._encode(layer, held[hit])
                 self._dirty.update(np.unique(row_of[hit]).tolist())
 
     def _ensure_tails(self, active: list[int]) -> None:
-        """The page each row writes this step must be in the device pool, its copy landed."""
+        """The page each row writes this step must be in the device pool."""
         P = self.layout.page_size
         tails = (self.lens[active] - 1) // P  # [A]
         off = (self.mirror[:, active, tails] < 0).any(0)  # [A]
@@ -857,11 +856,11 @@ class Engine:
 
     def _wait_room(self) -> None:
         """Block until fenced moves release their device slots."""
-        self._switch_landed()
+        self._switch_moved()
         if self._last_event is not None:
             self._last_event.synchronize()
         self.transfer.synchronize()
-        self._switch_landed()
+        self._switch_moved()
 
     def _drop_out_of_window(self) -> None:
         """On each sliding layer, free the pages no sequence's next query can see (never read again)."""
@@ -926,7 +925,7 @@ class Engine:
         self.feedback.take(upto=None)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.transfer.take_landed()
+        self.transfer.take_moved()
         self.transfer.synchronize()
         for t in self.table.tiers:
             t.close()

@@ -65,7 +65,7 @@ def default_decode_config(head_dim: int, kv_bytes: int = 2) -> DecodeConfig:
     Triton 3.6 (``bench/kernels.py --tune``; re-tune when Triton changes).
 
     16-bit pages: D=128, 64-token steps, 3 stages, registers capped at 128 so that four programs fit a
-    multiprocessor (same time without ``page_max``; with it +3.4% instead of +10.7% at B=64 x 8k, session 5);
+    multiprocessor (same time without ``page_max``, session 5);
     small heads, 128-token steps (the bytes of 64 tokens at D=128) with 5 stages, since the page-index
     load takes a pipeline stage of its own. FP8 pages: D=128, 128-token steps (the bytes of bf16's 64)
     capped at 128 registers (0.470 against 0.532 ms uncapped at B=64 x 8k); small heads, 64-token steps
@@ -86,28 +86,9 @@ def num_multiprocessors(device: torch.device) -> int:
 
 
 @triton.jit
-def warp_token_order(BLOCK_N: tl.constexpr, NUM_WARPS: tl.constexpr, WARP_ORDER: tl.constexpr):
-    """Token of each column of a key block ``[N]``: a permutation of ``0..N-1``, the identity unless ``WARP_ORDER``.
-
-    The logits ``[16, N]`` of ``tl.dot`` (mma v2, one 16-row tile) deal their columns to the warps in
-    8-column groups, round robin: in column order a 16-token page spans two warps, and its max takes
-    a reduction through shared memory. This order gives each warp ``N / NUM_WARPS`` consecutive tokens
-    (``WARP_ORDER`` needs ``N % (8 * NUM_WARPS) == 0``), so a page up to that size stays in one warp.
-    """
-    c = tl.arange(0, BLOCK_N)
-    if WARP_ORDER:
-        c = (c // 8 % NUM_WARPS) * (BLOCK_N // NUM_WARPS) + c // (8 * NUM_WARPS) * 8 + c % 8
-    return c
-
-
-@triton.jit
-def page_maxima(s, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_WARPS: tl.constexpr,
-                WARP_ORDER: tl.constexpr, WITH_LSE: tl.constexpr):
-    """Max and (``WITH_LSE``) log-sum-exp of the logits ``s [G, N]`` (log2 units, columns in
-    :func:`warp_token_order`) over each page of the block: ``([G, N / PAGE], [G, N / PAGE])``."""
-    if WARP_ORDER:  # back to token order: reshapes and a permute of the layout, no data movement
-        s = tl.reshape(tl.permute(tl.reshape(s, [BLOCK_G, BLOCK_N // (8 * NUM_WARPS), NUM_WARPS, 8]), (0, 2, 1, 3)),
-                       [BLOCK_G, BLOCK_N])
+def page_maxima(s, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, WITH_LSE: tl.constexpr):
+    """Max and (``WITH_LSE``) log-sum-exp of the logits ``s [G, N]`` (log2 units) over each page of the block:
+    ``([G, N / PAGE], [G, N / PAGE])``."""
     pages = tl.reshape(s, [BLOCK_G, BLOCK_N // PAGE, PAGE])
     pm = tl.max(pages, axis=2)
     if WITH_LSE:
@@ -203,7 +184,7 @@ def _static_split_kernel(
     qk_scale, lse_scale, window_left, n_listed,
     SPLITS: tl.constexpr, PPS: tl.constexpr, SCAN: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_WARPS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_HOST: tl.constexpr, HAS_STAGE: tl.constexpr, HAS_LIST: tl.constexpr, HAS_SPANS: tl.constexpr,
     WITH_PAGE_MAX: tl.constexpr, WITH_PAGE_LSE: tl.constexpr,
     DOT_F32: tl.constexpr, FP8_HALF: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
@@ -223,7 +204,6 @@ def _static_split_kernel(
     """
     PPB: tl.constexpr = BLOCK_N // PAGE  # pages per block
     PAGE_STATS: tl.constexpr = WITH_PAGE_MAX or WITH_PAGE_LSE
-    WARP_ORDER: tl.constexpr = PAGE_STATS and BLOCK_N % (8 * NUM_WARPS) == 0
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     b = pid // SPLITS
@@ -246,7 +226,7 @@ def _static_split_kernel(
 
     offs_g = tl.arange(0, BLOCK_G)  # [G] query head within the group
     offs_d = tl.arange(0, BLOCK_D)  # [D]
-    order = warp_token_order(BLOCK_N, NUM_WARPS, WARP_ORDER)  # [N] token of each column
+    order = tl.arange(0, BLOCK_N)  # [N] token of each column within the block
     g_ok = offs_g < GROUP
     d_ok = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g  # [G]
@@ -302,7 +282,7 @@ def _static_split_kernel(
             s = s * tl.load(scale_row.to(tl.pointer_type(tl.float32)), mask=ok, other=1.0)[None, :]
         s = tl.where(ok[None, :], s, float("-inf"))
         if PAGE_STATS:
-            pm, pl = page_maxima(s, BLOCK_G, BLOCK_N, PAGE, NUM_WARPS, WARP_ORDER, WITH_PAGE_LSE)  # [G, PPB]
+            pm, pl = page_maxima(s, BLOCK_G, BLOCK_N, PAGE, WITH_PAGE_LSE)  # [G, PPB]
             pidx = i + tl.arange(0, PPB)  # [PPB] listed index
             where = pidx[None, :] * stride_pk + heads[:, None] * stride_ph
             if WITH_PAGE_MAX:
@@ -393,6 +373,8 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
     for stat in (page_max, page_lse):
         if stat is not None and (tuple(stat.shape) != (n_q, n_listed, heads) or stat.dtype != torch.float32):
             raise ValueError(f"page statistics need fp32 [{n_q}, {n_listed}, {heads}], got {tuple(stat.shape)}")
+    if page_max is not None and page_lse is not None and page_max.stride() != page_lse.stride():
+        raise ValueError("page_max and page_lse need the same strides")
     if q.stride(-1) != 1 or dev_pool.stride(-1) != 1:
         raise ValueError("q and dev_pool need a contiguous head dimension")
     for other in (host_pool, stage_pool):
@@ -404,7 +386,8 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
     lse = torch.empty(n_q, heads, dtype=torch.float32, device=q.device)  # [B, H]
     single = plan.num_splits == 1
     part_out, part_lse = (out.unsqueeze(0), lse.unsqueeze(0)) if single else (plan.part_out, plan.part_lse)
-    pm = page_max if page_max is not None else lse.unsqueeze(1)  # placeholder pointers when off
+    given = page_max if page_max is not None else page_lse  # the two share their strides
+    pm = page_max if page_max is not None else given if given is not None else lse.unsqueeze(1)  # placeholder when off
     plse = page_lse if page_lse is not None else pm
     pl = page_list if page_list is not None else block_table
     per_head = pl.dim() == 3
@@ -427,7 +410,7 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
             sm_scale * LOG2E, LN2 if single else 1.0, window_left, n_listed,
             SPLITS=plan.num_splits, PPS=plan.pages_per_split, SCAN=scan,
             GROUP=heads // n_kv, BLOCK_G=block_g, PAGE=page,
-            BLOCK_N=plan.block_n, HEAD_DIM=dim, BLOCK_D=block_d, NUM_WARPS=plan.config.num_warps,
+            BLOCK_N=plan.block_n, HEAD_DIM=dim, BLOCK_D=block_d,
             HAS_HOST=host_pool is not None, HAS_STAGE=stage_pool is not None, HAS_LIST=page_list is not None,
             HAS_SPANS=spans is not None, WITH_PAGE_MAX=page_max is not None, WITH_PAGE_LSE=page_lse is not None,
             DOT_F32=dot_f32, FP8_HALF=scaled and q.dtype != torch.float32, PRECISION=precision, SCALED=scaled,

@@ -6,11 +6,11 @@ submit time; a reader must :meth:`wait` on the pages first (on the GPU the compu
 waits on the copy's event, the host does not block). Source slots are released only once the
 copy has completed, so they cannot be reused while still being read.
 
-The fast decode path (:mod:`kvtier.fast.engine`) reads a page at its old place until its copy has
-landed: it moves only settled pages (no queued kernel writes them), so a copy need not wait for
-queued compute (``after_compute=False``), and with ``fenced=True`` a source slot is released only
-once a *fence* event, given when the engine takes the landed move (:meth:`take_landed`), has
-completed: that event follows every step that may still read the old place.
+The engine (:mod:`kvtier.engine`) moves only settled pages (no queued kernel writes them), so a copy
+need not wait for queued compute (``after_compute=False``); it takes each fenced move when it plans the
+next step (:meth:`take_moved`): that step reads the new place, ordered after the copy on the GPU (the
+same placement on a CPU and a GPU, whatever the copy's timing), and a source slot is released only once
+a *fence* event has completed, one that follows every queued step that may still read the old place.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class _Pending:
     release: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (tier, slots) to free when done
     fenced: bool = False  # release waits for ``fence`` too
     fence: "torch.cuda.Event | None" = None
-    reported: bool = False  # handed out by take_landed
+    reported: bool = False  # handed out by take_moved
 
 
 class _Passed:
@@ -228,15 +228,20 @@ class TransferEngine:
                 self._release(p)
         self._pending = still
 
-    def take_landed(self, fence=None) -> list[tuple[int, np.ndarray]]:
-        """``[(layer, pids)]`` of fenced moves landed since the last call; their source slots are released
-        once ``fence`` (an event after every queued reader of the old place) has completed."""
+    def take_moved(self, fence=None) -> list[tuple[int, np.ndarray]]:
+        """``[(layer, pids)]`` of every fenced move issued since the last call, landed or not: the current stream
+        is ordered after their copies (the GPU waits, not the host), so the reader may point at the new place
+        now; their source slots are released once the copy has landed and ``fence`` (an event after every
+        queued reader of the old place) has passed."""
         self.poll()
-        out = [(p.layer, p.pids) for p in self._landed]
-        for p in self._landed:
+        moved = self._landed + [p for p in self._pending if p.fenced and not p.reported]
+        for p in moved:
+            p.reported = True
             p.fence = fence if fence is not None else _PASSED
+            if self.stream is not None and not p.event.query():
+                torch.cuda.current_stream().wait_event(p.event)
         self._landed = []
-        return out
+        return [(p.layer, p.pids) for p in moved]
 
     def _wait_pids(self, layer: int, pids: np.ndarray) -> None:
         waited = False
