@@ -758,7 +758,7 @@ class Engine:
         return (0, 0) if view is None else (view.sinks, view.win_start)
 
     def _priority(self):
-        """``rank(layer, pids) -> [n]``: the policy's priority of pages, computed once."""
+        """``rank(layer, pids) -> [n]`` (``layer`` an int or a slice): the policy's priority of pages, computed once."""
         info = page_info(self.table, self.step_idx)
         prio = np.broadcast_to(self.policy.priority(info), (self.layout.num_layers, info.pids.size))
         col = np.full(int(info.pids.max(initial=-1)) + 1, -1, dtype=np.int64)
@@ -773,9 +773,8 @@ class Engine:
         rank = np.full((L, len(rows), M), M, dtype=np.int32)
         for i, r in enumerate(rows):
             pids = self.table.pages(self.row_seq[r])
-            for layer in range(L):
-                order = np.argsort(-prio(layer, pids), kind="stable")
-                rank[layer, i, order] = np.arange(pids.size)
+            order = np.argsort(-prio(slice(None), pids), axis=1, kind="stable")  # [L, n]
+            np.put_along_axis(rank[:, i], order, np.arange(pids.size, dtype=np.int32)[None, :], axis=1)
         self.rank[:, rows] = torch.from_numpy(rank).to(self.device, non_blocking=True)
 
     def _device_free(self) -> int:

@@ -193,6 +193,9 @@ class Feedback:
             e.stats.add_attended_tokens(p.step, float(p.tokens[layer]))
         if not self.wants and not self.hears_access:
             return
+        picks = {k: v.numpy() for k, v in p.picks.items()}  # pinned host copies: numpy views, no copy
+        stats = {name: {k: v.numpy() for k, v in store.items()} for name, store in
+                 (("salience", p.salience), ("attention", p.mass)) if name in self.wants}
         for layer, (width, per_head) in enumerate(p.layer_width):
             key = (width, per_head)
             pids, cols = [], []
@@ -203,17 +206,15 @@ class Feedback:
                     logical = logical[e.table.tier_of[layer, pages[logical]] >= 0]
                     lists = None
                 else:
-                    lists = p.picks[key][layer, r].numpy().reshape(-1, width)  # [1 or N_kv, K]
+                    lists = picks[key][layer, r].reshape(-1, width)  # [1 or N_kv, K]
                     logical = np.unique(lists[(lists >= 0) & (lists < pages.size)])
                 pids.append(pages[logical])
                 cols.append((r, lists, logical))
             pids = np.concatenate(pids)
             if e.policy.hears_access:
                 e.policy.on_access(layer, pids, p.step)
-            for name, store in (("salience", p.salience), ("attention", p.mass)):
-                if name not in self.wants:
-                    continue
-                vals = np.concatenate([self._per_page(store[key][layer, r].numpy(), lists, logical, width)
+            for name, store in stats.items():
+                vals = np.concatenate([self._per_page(store[key][layer, r], lists, logical, width)
                                        for r, lists, logical in cols])
                 if name == "salience":
                     e.policy.on_salience(layer, pids, vals, p.step)

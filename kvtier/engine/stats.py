@@ -4,6 +4,8 @@
   key-norm sum and token count, updated as keys are written (prefill chunks and decode rows alike).
 - :class:`QueryStats`: the last ``rows`` queries of every layer of the first row (TOVA/Quest read the
   newest, Expected Attention their mean and variance).
+- :func:`quest_bound`: Quest's bound of q·k from a page's key min / max (the ``topk`` scope and the
+  ``quest`` policy).
 - :func:`page_mass`: the attention probability mass each listed page gets from chosen query rows of a
   prefill chunk (decode rows get theirs from the kernel's per-page LSE).
 """
@@ -97,6 +99,16 @@ class QueryStats:
         mean = x.sum(0) / n
         var = (torch.where(seen, (self.ring - mean) ** 2, 0.0)).sum(0) / n
         return mean, var
+
+
+def quest_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """Quest's upper bound of q·k per query head (Tang et al., 2024): Σ_d max(q_d·kmin_d, q_d·kmax_d); q
+    ``[B, H, D]``, a page's per-channel key bounds ``[B, M, N_kv, D]`` -> ``[B, M, H]`` (B: rows or layers)."""
+    B, H, D = q.shape
+    n_kv = kmin.shape[2]
+    qg = q.float().view(B, 1, n_kv, H // n_kv, D)  # [B, 1, N_kv, G, D]
+    ub = torch.maximum(qg * kmin[:, :, :, None], qg * kmax[:, :, :, None]).sum(-1)  # [B, M, N_kv, G]
+    return ub.flatten(2)
 
 
 def page_mass(keys: torch.Tensor, logical: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor, lse: torch.Tensor,

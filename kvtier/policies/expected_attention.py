@@ -26,13 +26,13 @@ class ExpectedLogit(Scorer):
     def score(self, stats) -> np.ndarray:
         if stats.query_moments is None:
             return np.zeros((1, stats.info.pids.size))
-        mu, var = stats.query_moments  # [L, H, D]
+        mu, var = stats.query_moments  # [L, H, D] on the engine's device
         L, H, D = mu.shape
         k, k2 = stats.key_mean, stats.key_sq_mean  # [L, n, N_kv, D]
         n_kv = k.shape[2]
         mu, var = mu.reshape(L, 1, n_kv, H // n_kv, D), var.reshape(L, 1, n_kv, H // n_kv, D)
-        logit = (mu * k[:, :, :, None]).sum(-1) / np.sqrt(D) + (var * k2[:, :, :, None]).sum(-1) / (2 * D)
-        return logit.reshape(L, -1, H).max(-1)  # [L, n]
+        logit = (mu * k[:, :, :, None]).sum(-1) / D ** 0.5 + (var * k2[:, :, :, None]).sum(-1) / (2 * D)
+        return logit.reshape(L, -1, H).amax(-1).cpu().numpy()  # [L, n]
 
 
 @dataclass

@@ -8,17 +8,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
+import torch
 
+from kvtier.engine.stats import quest_bound
 from kvtier.policies.scored import ScoredPolicy, Scorer
-
-
-def quest_bound(q: np.ndarray, kmin: np.ndarray, kmax: np.ndarray) -> np.ndarray:
-    """Σ_d max(q_d·kmin_d, q_d·kmax_d) per query head: q ``[L, H, D]``, keys ``[L, n, N_kv, D]`` -> ``[L, n, H]``."""
-    L, H, D = q.shape
-    n_kv = kmin.shape[2]
-    qg = q.reshape(L, 1, n_kv, H // n_kv, D)  # [L, 1, N_kv, G, D]
-    ub = np.maximum(qg * kmin[:, :, :, None], qg * kmax[:, :, :, None]).sum(-1)  # [L, n, N_kv, G]
-    return ub.reshape(L, -1, H)
 
 
 @dataclass
@@ -30,8 +23,9 @@ class QueryBound(Scorer):
     def score(self, stats) -> np.ndarray:
         if stats.query_last is None:
             return np.zeros((1, stats.info.pids.size))
-        kmin, kmax = stats.key_bounds
-        return np.nan_to_num(quest_bound(stats.query_last, kmin, kmax), neginf=-1e30).max(-1)  # [L, n]
+        kmin, kmax = stats.key_bounds  # [L, n, N_kv, D] on the engine's device
+        bound = quest_bound(stats.query_last, kmin, kmax).amax(-1)  # [L, n]
+        return torch.nan_to_num(bound, neginf=-1e30).cpu().numpy()
 
 
 @dataclass

@@ -68,6 +68,8 @@ class StatsStore:
         self.sal[self._sal_row, layer, pids] = scores.sum(-1)  # Σ over kv heads
 
     def _grow(self, size: int) -> None:
+        if size <= self.sal.shape[-1]:
+            return
         self.sal = grown(self.sal, size, np.nan)
         self.sal_last = grown(self.sal_last, size, np.nan)
         if self.acc is not None:
@@ -93,7 +95,9 @@ class StatsStore:
 @dataclass
 class PageStats:
     """The candidate pages of :class:`PageInfo` (``n`` of them) and what is known of them; each
-    field is computed on first use. Arrays are per layer: ``[L, n, ...]``."""
+    field is computed on first use. Arrays are per layer: ``[L, n, ...]``; the per-channel key and query
+    fields stay torch tensors on the engine's device (a scorer reduces them there and reads back ``[L, n]``:
+    at 8k tokens they are megabytes per step)."""
 
     info: PageInfo
     store: StatsStore = field(repr=False)
@@ -129,44 +133,44 @@ class PageStats:
         """ASPE's Φ ``[L, n]`` (NaN where never observed)."""
         return self.store.salience_mean(self.info.pids)
 
-    def _keys(self, name: str) -> np.ndarray:
+    def _keys(self, name: str) -> torch.Tensor:
+        """The engine's key statistic ``name`` of the candidate pages ``[L, n, ...]``, on its device."""
         keys = self.store.keys
-        return getattr(keys, name)[:, torch.from_numpy(self.info.pids).to(keys.device)].cpu().numpy()
+        return getattr(keys, name)[:, torch.from_numpy(self.info.pids).to(keys.device)]
 
     @cached_property
     def key_count(self) -> np.ndarray:
         """Tokens written per page ``[L, n]``."""
-        return self._keys("count")
+        return self._keys("count").cpu().numpy()
 
     @cached_property
     def key_norm(self) -> np.ndarray:
         """Mean key L2 norm per page ``[L, n, N_kv]`` (NaN for an empty page)."""
         with np.errstate(invalid="ignore", divide="ignore"):
-            return self._keys("norm_sum") / self.key_count[..., None]
+            return self._keys("norm_sum").cpu().numpy() / self.key_count[..., None]
 
     @cached_property
-    def key_mean(self) -> np.ndarray:
-        """Mean key ``[L, n, N_kv, D]``."""
-        return self._keys("key_sum") / np.maximum(self.key_count, 1)[..., None, None]
+    def key_mean(self) -> torch.Tensor:
+        """Mean key ``[L, n, N_kv, D]`` (device: a scorer reduces it there)."""
+        count = self._keys("count").clamp(min=1)[..., None, None]
+        return self._keys("key_sum") / count
 
     @cached_property
-    def key_sq_mean(self) -> np.ndarray:
-        """Mean squared key, per channel ``[L, n, N_kv, D]``."""
-        return self._keys("key_sq") / np.maximum(self.key_count, 1)[..., None, None]
+    def key_sq_mean(self) -> torch.Tensor:
+        """Mean squared key, per channel ``[L, n, N_kv, D]`` (device)."""
+        return self._keys("key_sq") / self._keys("count").clamp(min=1)[..., None, None]
 
     @cached_property
-    def key_bounds(self) -> tuple[np.ndarray, np.ndarray]:
-        """Quest's per-channel key min and max ``[L, n, N_kv, D]`` each."""
+    def key_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quest's per-channel key min and max ``[L, n, N_kv, D]`` each (device)."""
         return self._keys("key_min"), self._keys("key_max")
 
     @cached_property
-    def query_last(self) -> np.ndarray | None:
-        """The newest decode query per layer ``[L, H, D]`` (None before any decode step)."""
-        q = self.store.queries.last() if self.store.queries is not None else None
-        return None if q is None else q.cpu().numpy()
+    def query_last(self) -> torch.Tensor | None:
+        """The newest decode query per layer ``[L, H, D]`` (device; None before any decode step)."""
+        return self.store.queries.last() if self.store.queries is not None else None
 
     @cached_property
-    def query_moments(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """Mean and variance of the recent decode queries ``[L, H, D]`` each."""
-        m = self.store.queries.moments() if self.store.queries is not None else None
-        return None if m is None else (m[0].cpu().numpy(), m[1].cpu().numpy())
+    def query_moments(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Mean and variance of the recent decode queries ``[L, H, D]`` each (device)."""
+        return self.store.queries.moments() if self.store.queries is not None else None

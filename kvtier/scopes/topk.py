@@ -16,20 +16,12 @@ import torch
 
 from kvtier.budget import TokenBudget
 from kvtier.checks import check_topk_options
+from kvtier.engine.stats import quest_bound
 from kvtier.errors import ConfigError
 from kvtier.scopes.base import DROPPED_LOC, Scope, StepView, best_of, budget_pick, window_pages
 from kvtier.scopes.simple import live_pages
 
 RANKS = ("quest", "quest_head")
-
-
-def quest_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
-    """Upper bound of q·k per query head: q ``[B, H, D]``, bounds ``[B, M, N_kv, D]`` -> ``[B, M, H]``."""
-    B, H, D = q.shape
-    n_kv = kmin.shape[2]
-    qg = q.float().view(B, 1, n_kv, H // n_kv, D)  # [B, 1, N_kv, G, D]
-    ub = torch.maximum(qg * kmin[:, :, :, None], qg * kmax[:, :, :, None]).sum(-1)  # [B, M, N_kv, G]
-    return ub.flatten(2)
 
 
 class TopK(Scope):
