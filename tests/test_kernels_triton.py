@@ -170,6 +170,7 @@ def test_decode_plan_follows_the_pool_dtype():
     assert default_decode_config(128, kv_bytes=1).block_n == 2 * default_decode_config(128).block_n
     gen = torch.Generator().manual_seed(12)
     q, pool, batch, _, _ = random_paged_batch([300, 20], [1, 1], 16, 1, 128, 2, generator=gen)
+    q, pool, batch = q.to(device()), pool.to(device()), batch.to(device())
     backend = TritonBackend()
     backend.plan(batch, 2, 1, 128)
     assert backend.decode_plans == {}
@@ -185,11 +186,12 @@ def test_a_batch_built_from_host_arrays_plans_and_runs_the_same():
     gen = torch.Generator().manual_seed(6)
     q, pool, batch, _, _ = random_paged_batch([100, 0, 37], [1, 1, 1], 16, 2, 32, 4, generator=gen)
     host = PagedBatch.from_host(batch.qo_indptr.numpy(), batch.kv_indptr.numpy(), batch.kv_indices.numpy(),
-                                batch.kv_last_page_len.numpy(), 16, False, "cpu")
+                                batch.kv_last_page_len.numpy(), 16, False, device())
     assert host.is_decode() and host.kv_indptr_host().tolist() == batch.kv_indptr.tolist()
-    assert all(torch.equal(a, b.int()) for a, b in zip(
+    assert all(torch.equal(a.cpu(), b.int()) for a, b in zip(
         (host.qo_indptr, host.kv_indptr, host.kv_indices, host.kv_last_page_len),
         (batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len)))
+    q, pool, batch = q.to(device()), pool.to(device()), batch.to(device())
     config = DecodeConfig(block_n=16, pages_per_split=2)
     results = []
     for b in (batch, host):
@@ -275,5 +277,5 @@ def test_lse_is_natural_log():
     q, pool, batch = q.to(device()), pool.to(device()), batch.to(device())
     backend.plan(batch, 1, 1, 16)
     lse = backend.run(q, pool).lse.cpu()
-    expect = torch.logsumexp((keys[0][:, 0].double() @ q[0, 0].double()) * 16 ** -0.5, 0)
+    expect = torch.logsumexp((keys[0][:, 0].double() @ q[0, 0].cpu().double()) * 16 ** -0.5, 0)
     assert math.isclose(lse[0, 0].item(), expect.item(), abs_tol=1e-4)

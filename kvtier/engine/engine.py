@@ -10,11 +10,14 @@ A step is **plan -> run -> feedback**:
    are computed; the changed block-table rows, lengths, positions and tokens are copied to the step's
    static device buffers (:class:`~kvtier.scopes.base.StepView` reads them).
 2. run: the model forward (:mod:`kvtier.engine.runner`), eager or one CUDA-graph replay per batch
-   bucket. Per layer the attention module calls :meth:`Engine.store` (the K/V write,
-   :mod:`kvtier.paged_io`) and :meth:`Engine.attend`: the scope picks pages on the device, one decode
-   kernel (:func:`~kvtier.kernels.triton_decode.static_decode`, or its torch oracle) reads them where
+   bucket. A scope whose choice reads no query plans the page lists of each layer group at once; per
+   layer the attention module calls :meth:`Engine.store` (the K/V write, :mod:`kvtier.paged_io`) and
+   :meth:`Engine.attend`: the planned list (or the scope's pick for this layer's query), then one decode
+   kernel (:func:`~kvtier.kernels.triton_decode.static_decode`, or its torch oracle) reads the pages where
    they live (device, pinned host, or disk/remote pages staged into pinned memory before the step) and
-   writes the statistics the policy needs into device buffers.
+   writes per-page statistics. When the last layer is done, one batch of device ops per layer group
+   (:meth:`Engine._finish_step`) tallies the pages, updates the key/query statistics and turns the
+   per-page statistics into what the policy needs, in device buffers.
 3. feedback: those buffers are copied to pinned host memory and an event marks the step's end; the
    host goes on with the next step and takes them when the lookahead bound says so.
 
@@ -803,6 +806,12 @@ class Engine:
                 self._wait_room()
                 self.transfer.migrate_many(moves, after_compute=after_compute, fenced=True)
         free = {m.layer: self.table.tiers[0].num_free(m.layer) - reserve for m in plan.promote}
+        if self.lookahead <= 1 and any(m.pids.size > free[m.layer] for m in plan.promote):
+            # slots the demotions free once copied: the host waits for the copies only (its last step is done),
+            # so promotions land as on a CPU, where copies are synchronous; with lookahead >= 2 the host does
+            # not wait for the GPU, and such promotions follow a step later
+            self._wait_room()
+            free = {m.layer: self.table.tiers[0].num_free(m.layer) - reserve for m in plan.promote}
         promote = [(m.layer, m.pids[:max(free[m.layer], 0)], m.dst) for m in plan.promote]
         self.transfer.migrate_many(promote, after_compute=after_compute, fenced=True)
         self._switch_moved()

@@ -29,6 +29,7 @@ class StatsStore:
         self.L, self.rows, self.obs_window = num_layers, rows, obs_window
         self.acc: np.ndarray | None = None  # [L, pids, N_kv] attention summed over every observed row
         self.ring: np.ndarray | None = None  # [rows, L, pids, N_kv] the last rows (0 where not attended)
+        self.window_sum: np.ndarray | None = None  # [L, pids, N_kv] the ring summed over its rows, kept as it turns
         self.head = np.zeros(num_layers, dtype=np.int64)  # rows pushed per layer
         self.sal = np.full((obs_window, num_layers, 64), np.nan, dtype=np.float32)  # [W, L, pids]
         self.sal_last = np.full((num_layers, 64), np.nan, dtype=np.float32)  # [L, pids] last windowed mean
@@ -46,6 +47,7 @@ class StatsStore:
         if self.acc is not None:
             self.acc[:, pids] = 0
             self.ring[:, :, pids] = 0
+            self.window_sum[:, pids] = 0
         self.sal[:, :, pids] = np.nan
         self.sal_last[:, pids] = np.nan
 
@@ -55,12 +57,15 @@ class StatsStore:
             n_kv = mass.shape[-1]
             self.acc = np.zeros((self.L, self.sal.shape[-1], n_kv), dtype=np.float64)
             self.ring = np.zeros((self.rows, self.L, self.sal.shape[-1], n_kv), dtype=np.float32)
+            self.window_sum = np.zeros((self.L, self.sal.shape[-1], n_kv), dtype=np.float64)
         self._grow(int(pids.max(initial=-1)) + 1)
         np.add.at(self.acc[layer], pids, mass.sum(0))
         for row in mass[-self.rows:]:
             slot = self.head[layer] % self.rows
+            self.window_sum[layer] -= self.ring[slot, layer]  # the row leaving the window
             self.ring[slot, layer] = 0  # a page the row did not attend got nothing from it
             np.add.at(self.ring[slot, layer], pids, row)  # a page split over parts adds up
+            self.window_sum[layer] += self.ring[slot, layer]
             self.head[layer] += 1
 
     def on_salience(self, layer: int, pids: np.ndarray, scores: np.ndarray) -> None:
@@ -75,6 +80,7 @@ class StatsStore:
         if self.acc is not None:
             self.acc = np.moveaxis(grown(np.moveaxis(self.acc, 1, -1), size, 0.0), -1, 1)
             self.ring = np.moveaxis(grown(np.moveaxis(self.ring, 2, -1), size, 0.0), -1, 2)
+            self.window_sum = np.moveaxis(grown(np.moveaxis(self.window_sum, 1, -1), size, 0.0), -1, 1)
 
     # -- reading -------------------------------------------------------------------------------
     def salience_mean(self, pids: np.ndarray) -> np.ndarray:
@@ -102,12 +108,6 @@ class PageStats:
     info: PageInfo
     store: StatsStore = field(repr=False)
 
-    def _rows(self) -> np.ndarray:
-        if self.store.ring is None:
-            return np.zeros((self.store.rows, self.store.L, self.info.pids.size, 1), dtype=np.float32)
-        self.store._grow(int(self.info.pids.max(initial=-1)) + 1)
-        return self.store.ring[:, :, self.info.pids]  # [rows, L, n, N_kv]
-
     @cached_property
     def attention_total(self) -> np.ndarray:
         """Attention summed over every observed query row ``[L, n, N_kv]`` (H2O's accumulated score)."""
@@ -119,14 +119,19 @@ class PageStats:
     @cached_property
     def attention_last(self) -> np.ndarray:
         """The newest query row's attention ``[L, n, N_kv]`` (per layer: its own newest row)."""
-        rows = self._rows()
+        if self.store.ring is None:
+            return np.zeros((self.store.L, self.info.pids.size, 1), dtype=np.float32)
+        self.store._grow(int(self.info.pids.max(initial=-1)) + 1)
         newest = (self.store.head - 1) % self.store.rows  # [L]
-        return rows[newest, np.arange(self.store.L)]
+        return self.store.ring[newest[:, None], np.arange(self.store.L)[:, None], self.info.pids[None, :]]
 
     @cached_property
     def attention_window(self) -> np.ndarray:
         """Attention summed over the last ``rows`` query rows ``[L, n, N_kv]`` (SnapKV's window)."""
-        return self._rows().sum(0)
+        if self.store.window_sum is None:
+            return np.zeros((self.store.L, self.info.pids.size, 1))
+        self.store._grow(int(self.info.pids.max(initial=-1)) + 1)
+        return self.store.window_sum[:, self.info.pids]
 
     @cached_property
     def salience(self) -> np.ndarray:
