@@ -317,3 +317,21 @@ def test_the_policy_hears_accesses_only_when_it_listens(tiny, policy, hears):
     assert bool(steps) == hears
     if hears:
         assert len(set(steps)) >= 2 * layout.page_size - 1
+
+
+def test_a_host_running_ahead_reserves_the_pages_its_next_steps_append(tiny):
+    """With lookahead 2 each plan keeps device room for the pages the rows append in the next steps
+    (lengths counted in pages, a full page included), so a growing row never needs a plan of its own."""
+    model, layout = tiny
+    P = layout.page_size
+    total = 2 * layout.pages_for(7 * P + 16)
+    engine = make(model, layout, [DeviceTier(layout, 10, device="cpu"), HostTier(layout, total)], SinkWindow(4, 8),
+                  "resident", max_batch=2, lookahead=2)
+    for seed in (0, 1):  # both rows end on a page boundary (the device full): their next token opens a page
+        engine.add(torch.randint(0, 256, (5 * P,), generator=torch.Generator().manual_seed(seed)))
+    planned = []
+    schedule = engine._schedule
+    engine._schedule = lambda reserve, after_compute: planned.append(after_compute) or schedule(reserve, after_compute)
+    for _ in range(2 * P):
+        engine.step()
+    assert len(planned) == 2 * P and not any(planned)  # one plan per step, none forced by a row's growth

@@ -703,7 +703,7 @@ class Engine:
             return len(rows)
         P, ahead = self.layout.page_size, self.lookahead + 2
         active = self.lens[[s is not None for s in self.row_seq]]
-        return int(((active + ahead) // P - active // P).sum())
+        return int((-(-(active + ahead) // P) - -(-active // P)).sum())  # pages for n + ahead tokens, less for n
 
     def _grow(self, seq: int, row: int, n: int) -> None:
         """Append ``n`` tokens to ``seq`` (room made on the device first) and point the table at new pages."""
