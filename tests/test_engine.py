@@ -2,6 +2,8 @@
 with batched sequences of different lengths joining and finishing while pages move, the top-k scope's picks
 against Quest's bound computed from the stored keys, lookahead promotion of the picks, and the recall cache."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -335,3 +337,70 @@ def test_a_host_running_ahead_reserves_the_pages_its_next_steps_append(tiny):
     for _ in range(2 * P):
         engine.step()
     assert len(planned) == 2 * P and not any(planned)  # one plan per step, none forced by a row's growth
+
+
+@pytest.mark.parametrize("scope,mode", [("resident", "continuous"), ("all", "once")])
+def test_a_layer_group_is_planned_as_each_of_its_layers_alone(tiny, scope, mode):
+    """A query-free scope plans a group of layers in one batch of device ops: the same lists as planning each
+    layer alone (tables and policy ranks differ per layer: pages of one layer live on the host)."""
+    from kvtier.budget import TokenBudget
+    from kvtier.policies import H2O
+
+    model, layout = tiny
+    budget = TokenBudget(40, 4, 8, layout.page_size, mode)
+    engine = Engine(model, layout, [DeviceTier(layout, 12, device="cpu"), HostTier(layout, 64)], H2O(sinks=4, window=8),
+                    scope, prefill=ChunkedPrefill(32), budget=budget, config=EngineConfig(max_batch=2))
+    for n, seed in ((70, 0), (45, 1)):
+        engine.add(torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)))
+    for _ in range(3):
+        engine.step()
+    engine.begin_decode()
+    view = engine.view(2)
+    table = view.table.clone()  # layer 1: its first device pages read from the host, its ranks reversed
+    table[1, :, :3] = torch.where(table[1, :, :3] >= 0, -table[1, :, :3] - 1, table[1, :, :3])
+    rank = None if view.rank is None else view.rank.clone()
+    if rank is not None:
+        rank[1] = rank[1].flip(-1)
+    view = dataclasses.replace(view, table=table, rank=rank)
+    group = engine.scope.plan(range(layout.num_layers), view)  # [L, B, K]
+    alone = torch.cat([engine.scope.plan(range(layer, layer + 1), view) for layer in range(layout.num_layers)])
+    assert torch.equal(group, alone) and (group >= 0).any()
+    assert scope == "all" or not torch.equal(group[0], group[1])  # the layers' lists differ
+
+
+def test_a_step_that_fails_mid_forward_leaves_nothing_to_the_next(tiny):
+    """An error inside a decode step (here at layer 1) leaves no planned lists or statistics behind: the next
+    step plans again, and layer 0 attends the page holding its newest token."""
+    model, layout = tiny
+    engine = make(model, layout, [DeviceTier(layout, 32, device="cpu")], LRU(), "resident")
+    engine.add(torch.randint(0, 256, (2 * layout.page_size - 1,), generator=torch.Generator().manual_seed(3)))
+    attend, failed = engine.attend, []
+
+    def fail_once(layer, query, scaling=None):
+        if layer == 1 and not failed:
+            failed.append(layer)
+            raise RuntimeError("injected")
+        return attend(layer, query, scaling)
+
+    engine.attend = fail_once
+    engine.kv.attend = fail_once
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    engine.step()
+    newest = (int(engine.lens[0]) - 1) // layout.page_size
+    assert newest == 2 and newest in engine.feedback._bufs(engine.max_pages, False)["picks"][0, 0].tolist()
+
+
+def test_idle_rows_of_a_bucket_add_no_keys(tiny):
+    """A row that is prefilling (or free) sits in the decode bucket; its key statistics stay untouched."""
+    from kvtier.policies import Knorm
+
+    model, layout = tiny
+    engine = make(model, layout, [DeviceTier(layout, 32, device="cpu")], Knorm(), "all", max_batch=2)
+    engine.add(torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(4)))
+    waiting = engine.open(12)
+    engine.prefill_chunk(waiting, torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(5)))
+    first = int(engine.table.pages(waiting)[0])
+    before = engine.keys.count[:, first].clone()
+    engine.step()
+    assert torch.equal(engine.keys.count[:, first], before) and before.min() == 8

@@ -333,6 +333,8 @@ class Engine:
                 drop = pids[np.delete(cand, keep)]
                 self.transfer.wait(layer, drop)
                 self.stats.compressed_pages += self.table.drop(layer, drop).size
+                if not self.dropped_any:  # steps captured before list every page as live: capture again
+                    self._graphs.clear()
                 self.dropped_any = True
 
     def _prefilling_row(self, seq: int) -> int:
@@ -427,6 +429,7 @@ class Engine:
         if not active:
             raise KVTierError("no running sequence: add() one first")
         B = next(b for b in self.buckets if b > max(active))
+        self._drop_step_state()  # what a step that did not finish (an error mid-forward) left
         self._open_step(active, 1)
         self._switch_moved()
         self._ensure_tails(active)
@@ -448,6 +451,7 @@ class Engine:
         """The step's statistics towards the host, and the event that marks its end."""
         if self._lists is not None:  # a forward driven from outside (TieredKVCache): the step's batched tail
             self._finish_step(self._B)
+        self._drop_step_state()
         self.feedback.record(self._B)
         self._mode = "idle"
         self.stats.steps += 1
@@ -610,11 +614,15 @@ class Engine:
 
     def _finish_step(self, B: int) -> None:
         """The step's batched tail, per layer group: the attended-page tally, the step's keys and queries into
-        their statistics, the feedback's per-page statistics."""
+        their statistics, the feedback's per-page statistics (once every layer has attended)."""
+        if not self.feedback.complete():
+            return
         if self.keys is not None and self._step_keys:
             pos = self.positions[:B]
             pids = self.pid_table[:B].gather(1, (pos // self.layout.page_size)[:, None])[:, 0].long()  # [B]
-            self.keys.add_step(pids.clamp(min=0), torch.stack([self._step_keys[i] for i in sorted(self._step_keys)]))
+            live = (self.seq_lens[:B] > 0) & (pids >= 0)  # idle rows of the bucket write nothing real
+            self.keys.add_step(pids.clamp(min=0), torch.stack([self._step_keys[i] for i in sorted(self._step_keys)]),
+                               live)
         if self._step_queries:
             self.queries.add_step(torch.stack([self._step_queries[i] for i in sorted(self._step_queries)]))
         for layers in self.groups:
@@ -622,7 +630,11 @@ class Engine:
             table = self.block_table[layers.start:layers.stop, :B]  # [L', B, M]
             self.counts += self._tally(table, self.seq_lens[:B], picks, self.layout.page_size)
             self.feedback.finish(layers, B, picks, self.visible_tokens(layers, B, picks))
+        self._drop_step_state()
+
+    def _drop_step_state(self) -> None:
         self._lists, self._step_keys, self._step_queries = None, {}, {}
+        self.feedback.drop_step()
 
     def visible_tokens(self, layers: range, B: int, picks: torch.Tensor | None) -> torch.Tensor:
         """Keys the step's query of each row sees in each of ``layers`` (a group), mean over rows (and kv-head
@@ -918,7 +930,7 @@ class Engine:
 
     def page_counts(self) -> tuple[int, int]:
         """Pages attended (prefill and decode, every layer), and of them read from the device tier (one sync); a
-        step driven from outside and not ended yet counts its attention calls so far."""
+        step driven from outside and not ended yet counts once every layer has attended."""
         if self._lists is not None:
             self._finish_step(self._B)
         attended, resident = self.counts.tolist()

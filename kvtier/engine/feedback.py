@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvtier.errors import KVTierError
 from kvtier.window import attended_range
 
 
@@ -47,7 +48,7 @@ class Feedback:
         self.hears_access = policy.hears_access
         self._buffers: dict = {}  # width -> dict of device buffers [L, R, ...]
         self._layer_width: list = [None] * engine.layout.num_layers
-        self._step: dict = {}  # layer -> (page list, LSE) of the step being computed
+        self._step: dict = {}  # layer -> page list of the step being computed
         self.tokens = torch.zeros(engine.layout.num_layers, device=engine.device)  # [L] keys attended per row
         self._produced: list[Produced] = []
         self._prefill: list = []
@@ -68,58 +69,67 @@ class Feedback:
         return self._buffers[key]
 
     def buffers(self, layer: int, B: int, picks: torch.Tensor | None, heads: int) -> dict:
-        """The kernel's page-statistics outputs of ``layer`` (``page_max``/``page_lse`` ``[B, K, H]``, slices of
-        step buffers ``[L, R, K, H]`` read when the step ends)."""
+        """The kernel's page-statistics outputs (``page_max``/``page_lse`` ``[B, K, H]``, scratch shared by the
+        layers: :meth:`observe` reduces them over each kv group at once)."""
         if not self.wants:
             return {}
         width = self.engine.max_pages if picks is None else picks.shape[-1]
         out = {}
         if "salience" in self.wants:
-            out["page_max"] = self._scratch("page_max", width, heads)[layer, :B]
+            out["page_max"] = self._scratch("page_max", width, heads)[:B]
         if "attention" in self.wants:
-            out["page_lse"] = self._scratch("page_lse", width, heads)[layer, :B]
+            out["page_lse"] = self._scratch("page_lse", width, heads)[:B]
         return out
 
     def _scratch(self, name: str, width: int, heads: int) -> torch.Tensor:
         key = ("scratch", name, width)
         if key not in self._buffers:
             e = self.engine
-            self._buffers[key] = torch.empty(e.layout.num_layers, e.config.max_batch, width, heads, device=e.device)
+            self._buffers[key] = torch.empty(e.config.max_batch, width, heads, device=e.device)
         return self._buffers[key]
 
     def observe(self, layer: int, picks: torch.Tensor | None, lse: torch.Tensor) -> None:
-        """After a layer's decode call: its page list ``[B, (N_kv,) K]`` and final LSE ``[B, H]``, kept for
-        :meth:`finish`."""
-        width = self.engine.max_pages if picks is None else picks.shape[-1]
-        self._layer_width[layer] = (None if picks is None else width, picks is not None and picks.dim() == 3)
-        self._step[layer] = (picks, lse)
+        """After a layer's decode call with page list ``[B, (N_kv,) K]`` and final LSE ``[B, H]``: the per-page
+        salience ``[B, K, N_kv]`` (max probability over the kv group) and attention mass (mean over the group)
+        into the step's buffers; the list is kept for :meth:`finish`."""
+        e = self.engine
+        B, H = lse.shape
+        width = e.max_pages if picks is None else picks.shape[-1]
+        per_head = picks is not None and picks.dim() == 3
+        self._layer_width[layer] = (None if picks is None else width, per_head)
+        self._step[layer] = picks
+        if not self.wants:
+            return
+        bufs, n_kv = self._bufs(width, per_head), e.layout.num_kv_heads
+        for name, stat, reduce in (("salience", "page_max", torch.amax), ("attention", "page_lse", torch.mean)):
+            if name in self.wants:
+                prob = torch.exp(self._scratch(stat, width, H)[:B] - lse[:, None, :])  # [B, K, H]
+                bufs[name][layer, :B] = reduce(prob.view(B, width, n_kv, H // n_kv), -1)
+
+    def complete(self) -> bool:
+        """Every layer attended in the step being computed."""
+        return len(self._step) == self.engine.layout.num_layers
+
+    def drop_step(self) -> None:
+        self._step.clear()
 
     def group_lists(self, layers: range) -> torch.Tensor | None:
         """The page lists a group of layers attended this step ``[L', B, (N_kv,) K]`` (None: every page)."""
-        picks = [self._step[layer][0] for layer in layers]
+        picks = [self._step[layer] for layer in layers]
+        kinds = {None if p is None else tuple(p.shape) for p in picks}
+        if len(kinds) > 1:
+            raise KVTierError(f"scope '{self.engine.scope.name}' gave layers {layers.start}-{layers.stop - 1} (one "
+                              f"window, all dense or all budgeted) page lists of different shapes {sorted(map(str, kinds))}; "
+                              "a scope's lists must share their shape within such a group")
         return None if picks[0] is None else torch.stack(picks)
 
     def finish(self, layers: range, B: int, picks: torch.Tensor | None, tokens: torch.Tensor) -> None:
-        """When the step ends, per layer group: keys seen ``tokens [L']``, the lists and the per-page salience
-        ``[L', B, K, N_kv]`` (max probability over the kv group) and attention mass (mean over the group) into
-        the step's buffers, with each layer's final LSE."""
+        """When the step ends, per layer group: keys seen ``tokens [L']`` and the lists into the step's buffers."""
         at = slice(layers.start, layers.stop)
         self.tokens[at] = tokens
-        lse = torch.stack([self._step.pop(layer)[1] for layer in layers])  # [L', B, H]
-        if not self.wants and not self.hears_access:
-            return
-        e = self.engine
-        width, per_head = self._layer_width[layers[0]]
-        width = e.max_pages if width is None else width
-        bufs = self._bufs(width, per_head)
-        if picks is not None:
-            bufs["picks"][at, :B] = picks
-        n_kv, H = e.layout.num_kv_heads, lse.shape[-1]
-        for name, reduce in (("salience", torch.amax), ("attention", torch.mean)):
-            if name in self.wants:
-                stat = self._buffers[("scratch", "page_max" if name == "salience" else "page_lse", width)][at, :B]
-                prob = torch.exp(stat - lse[:, :, None, :]).view(len(layers), B, width, n_kv, H // n_kv)
-                bufs[name][at, :B] = reduce(prob, -1)
+        if picks is not None and (self.wants or self.hears_access):
+            width, per_head = self._layer_width[layers[0]]
+            self._bufs(width, per_head)["picks"][at, :B] = picks
 
     def prefill_salience(self, layer: int, pids: np.ndarray, salience: torch.Tensor) -> None:
         self._prefill.append(("salience", layer, pids, salience))

@@ -47,19 +47,23 @@ class KeyStats:
         """Keys ``[n, N_kv, D]`` of ``layer`` written into pages ``pids [n]`` (device int64; repeats allowed)."""
         self._update(slice(layer, layer + 1), pids, keys[None])
 
-    def add_step(self, pids: torch.Tensor, keys: torch.Tensor) -> None:
-        """A decode step's keys ``[L, B, N_kv, D]`` of every layer, each row's into its page ``pids [B]``."""
-        self._update(slice(None), pids, keys)
+    def add_step(self, pids: torch.Tensor, keys: torch.Tensor, live: torch.Tensor) -> None:
+        """A decode step's keys ``[L, B, N_kv, D]`` of every layer, each row's into its page ``pids [B]``; rows
+        not ``live [B]`` (idle in the bucket) change nothing."""
+        self._update(slice(None), pids, keys, live)
 
-    def _update(self, layers: slice, pids: torch.Tensor, keys: torch.Tensor) -> None:
+    def _update(self, layers: slice, pids: torch.Tensor, keys: torch.Tensor, live: torch.Tensor | None = None) -> None:
         k = keys.float()  # [L', n, N_kv, D]
+        on = torch.ones(k.shape[:2], device=k.device) if live is None else live.float().expand(k.shape[:2])  # [L', n]
+        mask = on[..., None, None] > 0
         idx = pids[None, :, None, None].expand_as(k)
-        self.key_min[layers].scatter_reduce_(1, idx, k, reduce="amin")
-        self.key_max[layers].scatter_reduce_(1, idx, k, reduce="amax")
+        self.key_min[layers].scatter_reduce_(1, idx, torch.where(mask, k, float("inf")), reduce="amin")
+        self.key_max[layers].scatter_reduce_(1, idx, torch.where(mask, k, float("-inf")), reduce="amax")
+        k = k * on[..., None, None]
         self.key_sum[layers].index_add_(1, pids, k)
         self.key_sq[layers].index_add_(1, pids, k * k)
         self.norm_sum[layers].index_add_(1, pids, k.norm(dim=-1))
-        self.count[layers].index_add_(1, pids, torch.ones(k.shape[:2], device=k.device))
+        self.count[layers].index_add_(1, pids, on)
 
 
 class QueryStats:

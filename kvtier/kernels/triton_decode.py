@@ -368,6 +368,8 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
         raise ValueError(f"q {tuple(q.shape)} / pool {tuple(dev_pool.shape)} do not match the plan {plan}")
     if tuple(block_table.shape) != (n_q, plan.max_pages) or n_listed > plan.max_listed:
         raise ValueError(f"block_table {tuple(block_table.shape)} or {n_listed} listed pages exceed the plan {plan}")
+    if page_list is not None and page_list.shape[0] != n_q:
+        raise ValueError(f"page_list has {page_list.shape[0]} rows for {n_q} queries")
     if page_list is not None and page_list.dim() == 3 and page_list.shape[1] != n_kv:
         raise ValueError(f"a per-head page list needs [B, {n_kv}, K], got {tuple(page_list.shape)}")
     for stat in (page_max, page_lse):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
+import torch
 
 from kvtier.policies.scored import ScoredPolicy, Scorer
 
@@ -30,8 +31,9 @@ class ExpectedLogit(Scorer):
         L, H, D = mu.shape
         k, k2 = stats.key_mean, stats.key_sq_mean  # [L, n, N_kv, D]
         n_kv = k.shape[2]
-        mu, var = mu.reshape(L, 1, n_kv, H // n_kv, D), var.reshape(L, 1, n_kv, H // n_kv, D)
-        logit = (mu * k[:, :, :, None]).sum(-1) / D ** 0.5 + (var * k2[:, :, :, None]).sum(-1) / (2 * D)
+        mu, var = mu.reshape(L, n_kv, H // n_kv, D), var.reshape(L, n_kv, H // n_kv, D)
+        logit = (torch.einsum("lngd,lpnd->lpng", mu, k) / D ** 0.5 +
+                 torch.einsum("lngd,lpnd->lpng", var, k2) / (2 * D))  # [L, n, N_kv, G]
         return logit.reshape(L, -1, H).amax(-1).cpu().numpy()  # [L, n]
 
 
