@@ -6,8 +6,8 @@ A step is **plan -> run -> feedback**:
 1. plan (host): the policy hears what step ``t - lookahead`` produced (:mod:`kvtier.engine.feedback`);
    pages left of every sliding window are dropped; the scheduler plans and the mover issues its copies
    (on a GPU on a side stream; the step reads a moved page at its new place, its compute ordered after
-   the copy, so placement never depends on copy timing); rows grow (new pages in the device tier); the token budget's spans and the policy's ranks
-   are computed; the changed block-table rows, lengths, positions and tokens are copied to the step's
+   the copy, so placement never depends on copy timing); rows grow (new pages in the device tier); the
+   token budget's spans and the policy's ranks are computed; the changed block-table rows, lengths, positions and tokens are copied to the step's
    static device buffers (:class:`~kvtier.scopes.base.StepView` reads them).
 2. run: the model forward (:mod:`kvtier.engine.runner`), eager or one CUDA-graph replay per batch
    bucket. A scope whose choice reads no query plans the page lists of each layer group at once; per
@@ -15,9 +15,9 @@ A step is **plan -> run -> feedback**:
    :meth:`Engine.attend`: the planned list (or the scope's pick for this layer's query), then one decode
    kernel (:func:`~kvtier.kernels.triton_decode.static_decode`, or its torch oracle) reads the pages where
    they live (device, pinned host, or disk/remote pages staged into pinned memory before the step) and
-   writes per-page statistics. When the last layer is done, one batch of device ops per layer group
-   (:meth:`Engine._finish_step`) tallies the pages, updates the key/query statistics and turns the
-   per-page statistics into what the policy needs, in device buffers.
+   writes per-page statistics, which become the salience / attention mass the policy needs in device
+   buffers. When the last layer is done, one batch of device ops per layer group
+   (:meth:`Engine._finish_step`) tallies the pages and updates the key/query statistics.
 3. feedback: those buffers are copied to pinned host memory and an event marks the step's end; the
    host goes on with the next step and takes them when the lookahead bound says so.
 
@@ -449,8 +449,7 @@ class Engine:
 
     def end_decode(self) -> None:
         """The step's statistics towards the host, and the event that marks its end."""
-        if self._lists is not None:  # a forward driven from outside (TieredKVCache): the step's batched tail
-            self._finish_step(self._B)
+        self._finish_step(self._B)  # a forward driven from outside (TieredKVCache): the step's batched tail
         self._drop_step_state()
         self.feedback.record(self._B)
         self._mode = "idle"
@@ -592,7 +591,7 @@ class Engine:
         host = self.host.pool(layer) if self.host is not None else None
         stage = self.staging.pool(layer) if self.staging is not None else None
         budgeted = self.budget is not None and layer >= self.dense_layers
-        stats = self.feedback.buffers(layer, B, picks, H)
+        stats = self.feedback.buffers(B, picks, H)
         out, lse = self.kernel.decode(q, self.table.tiers[0].pool(layer), host, table, lens,
                                       self._plan(B, H, D, None if picks is None else picks.shape[-1]), scale,
                                       page_list=picks, window_left=self._window_left(layer),
@@ -713,9 +712,9 @@ class Engine:
         (lookahead <= 1), else those the next ``lookahead + 2`` steps append."""
         if self.lookahead <= 1:
             return len(rows)
-        P, ahead = self.layout.page_size, self.lookahead + 2
+        ahead, pages_for = self.lookahead + 2, self.layout.pages_for
         active = self.lens[[s is not None for s in self.row_seq]]
-        return int((-(-(active + ahead) // P) - -(-active // P)).sum())  # pages for n + ahead tokens, less for n
+        return int((pages_for(active + ahead) - pages_for(active)).sum())
 
     def _grow(self, seq: int, row: int, n: int) -> None:
         """Append ``n`` tokens to ``seq`` (room made on the device first) and point the table at new pages."""
@@ -931,8 +930,7 @@ class Engine:
     def page_counts(self) -> tuple[int, int]:
         """Pages attended (prefill and decode, every layer), and of them read from the device tier (one sync); a
         step driven from outside and not ended yet counts once every layer has attended."""
-        if self._lists is not None:
-            self._finish_step(self._B)
+        self._finish_step(self._B)
         attended, resident = self.counts.tolist()
         return attended + self.stats.attended_pages, resident + self.stats.resident_pages
 

@@ -68,7 +68,7 @@ class Feedback:
             self._buffers[key] = b
         return self._buffers[key]
 
-    def buffers(self, layer: int, B: int, picks: torch.Tensor | None, heads: int) -> dict:
+    def buffers(self, B: int, picks: torch.Tensor | None, heads: int) -> dict:
         """The kernel's page-statistics outputs (``page_max``/``page_lse`` ``[B, K, H]``, scratch shared by the
         layers: :meth:`observe` reduces them over each kv group at once)."""
         if not self.wants:

@@ -24,9 +24,9 @@ class QueryBound(Scorer):
         if stats.query_last is None:
             return np.zeros((1, stats.info.pids.size))
         kmin, kmax = stats.key_bounds  # [L, n, N_kv, D] on the engine's device
-        q = stats.query_last  # [L, H, D]
-        bound = torch.cat([quest_bound(q[i:i + 1], kmin[i:i + 1], kmax[i:i + 1]).amax(-1)  # a layer at a time:
-                           for i in range(q.shape[0])])  # [L, n]                    temporaries [n, H, D]
+        q = stats.query_last  # [L, H, D]; a layer at a time keeps the temporaries at [n, H, D]
+        bound = torch.cat([quest_bound(q[i:i + 1], kmin[i:i + 1], kmax[i:i + 1]).amax(-1)
+                           for i in range(q.shape[0])])  # [L, n]
         return torch.nan_to_num(bound, neginf=-1e30).cpu().numpy()
 
 

@@ -155,15 +155,19 @@ class PageStats:
             return self._keys("norm_sum").cpu().numpy() / self.key_count[..., None]
 
     @cached_property
+    def _written(self) -> torch.Tensor:
+        """Tokens written per page, at least 1 ``[L, n, 1, 1]`` (device): what the key means divide by."""
+        return self._keys("count").clamp(min=1)[..., None, None]
+
+    @cached_property
     def key_mean(self) -> torch.Tensor:
         """Mean key ``[L, n, N_kv, D]`` (device: a scorer reduces it there)."""
-        count = self._keys("count").clamp(min=1)[..., None, None]
-        return self._keys("key_sum") / count
+        return self._keys("key_sum") / self._written
 
     @cached_property
     def key_sq_mean(self) -> torch.Tensor:
         """Mean squared key, per channel ``[L, n, N_kv, D]`` (device)."""
-        return self._keys("key_sq") / self._keys("count").clamp(min=1)[..., None, None]
+        return self._keys("key_sq") / self._written
 
     @cached_property
     def key_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
