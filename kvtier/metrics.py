@@ -29,10 +29,10 @@ class CacheStats:
     steps: int = 0  # decode steps
     host_wait_s: float = 0.0  # host blocked on the GPU (lookahead bound, room for new pages)
 
-    def add_attended_tokens(self, step: int, tokens: float) -> None:
-        """One decode call attended ``tokens`` keys (per sequence)."""
+    def add_attended_tokens(self, step: int, tokens: float, calls: int = 1) -> None:
+        """``calls`` decode calls attended ``tokens`` keys in all (per sequence)."""
         self.attended_tokens[step] = self.attended_tokens.get(step, 0) + tokens
-        self.attention_calls[step] = self.attention_calls.get(step, 0) + 1
+        self.attention_calls[step] = self.attention_calls.get(step, 0) + calls
 
     def attended_per_step(self) -> list[float]:
         """Keys attended per decode step, per layer and sequence (mean over layers), in step order."""

@@ -42,10 +42,14 @@ class Feedback:
     def __init__(self, engine):
         self.engine = engine
         policy = engine.policy
-        self.wants = set(policy.needs) & {"salience", "attention"}
+        # the policy's priority is read to move pages between tiers, rank a budget's middle, or compress once;
+        # when nothing reads it (one tier, no such budget) the step gathers nothing for the policy
+        read = len(engine.table.tiers) > 1 or engine.rank is not None or \
+            (engine.budget is not None and engine.budget.mode == "once")
+        self.wants = set(policy.needs) & {"salience", "attention"} if read else set()
         if policy.attention_rows == 0:
             self.wants.discard("attention")
-        self.hears_access = policy.hears_access
+        self.hears_access = policy.hears_access and read
         self._buffers: dict = {}  # width -> dict of device buffers [L, R, ...]
         self._layer_width: list = [None] * engine.layout.num_layers
         self._step: dict = {}  # layer -> page list of the step being computed
@@ -193,59 +197,70 @@ class Feedback:
         self._prefill.clear()
 
     def _feed(self, p: Produced) -> None:
-        """The policy hears the pages step ``p`` attended and their statistics, per layer."""
+        """The policy hears the pages step ``p`` attended and their statistics: one call per hook for every layer
+        (``layer`` is then the ``[n]`` layer of each page), pids in each row's page order."""
         e = self.engine
-        rows = [(r, e.table.pages(s)[:e.layout.pages_for(n)]) for r, x in enumerate(p.rows) if x is not None
+        rows = [(r, e.table.pages(s)[:e.layout.pages_for(n)], n) for r, x in enumerate(p.rows) if x is not None
                 for s, n in [x] if s in e.table.seqs]
         if not rows:
             return
-        for layer in range(e.layout.num_layers):
-            e.stats.add_attended_tokens(p.step, float(p.tokens[layer]))
+        e.stats.add_attended_tokens(p.step, float(p.tokens.sum()), calls=e.layout.num_layers)
         if not self.wants and not self.hears_access:
             return
         picks = {k: v.numpy() for k, v in p.picks.items()}  # pinned host copies: numpy views, no copy
         stats = {name: {k: v.numpy() for k, v in store.items()} for name, store in
                  (("salience", p.salience), ("attention", p.mass)) if name in self.wants}
-        for layer, (width, per_head) in enumerate(p.layer_width):
-            key = (width, per_head)
-            pids, cols = [], []
-            for r, pages in rows:
-                if width is None:  # every live page the layer's window shows
-                    first = attended_range(int(p.rows[r][1]) - 1, 1, e.layout.page_size, e.layout.window(layer))[0]
-                    logical = np.arange(first, pages.size)
-                    logical = logical[e.table.tier_of[layer, pages[logical]] >= 0]
-                    lists = None
-                else:
-                    lists = picks[key][layer, r].reshape(-1, width)  # [1 or N_kv, K]
-                    logical = np.unique(lists[(lists >= 0) & (lists < pages.size)])
-                pids.append(pages[logical])
-                cols.append((r, lists, logical))
-            pids = np.concatenate(pids)
-            if e.policy.hears_access:
-                e.policy.on_access(layer, pids, p.step)
-            for name, store in stats.items():
-                vals = np.concatenate([self._per_page(store[key][layer, r], lists, logical, width)
-                                       for r, lists, logical in cols])
-                if name == "salience":
-                    e.policy.on_salience(layer, pids, vals, p.step)
-                else:
-                    e.policy.on_attention(layer, pids, vals[None], p.step)
+        parts = []  # (layer [n], pid [n], {stat: [n, N_kv]}) per (layer width, row)
+        for key in dict.fromkeys(p.layer_width):
+            layers = np.array([layer for layer, w in enumerate(p.layer_width) if w == key])  # [L']
+            for r, pages, n in rows:
+                at, logical, entry = self._attended(layers, pages, n, None if key[0] is None else picks[key][layers, r])
+                parts.append((layers[at], pages[logical],
+                              {name: self._per_page(store[key][layers, r], at, logical, entry)
+                               for name, store in stats.items()}))
+        layer = np.concatenate([x[0] for x in parts])
+        pids = np.concatenate([x[1] for x in parts])
+        if e.policy.hears_access:
+            e.policy.on_access(layer, pids, p.step)
+        for name in stats:
+            vals = np.concatenate([x[2][name] for x in parts])  # [n, N_kv]
+            if name == "salience":
+                e.policy.on_salience(layer, pids, vals, p.step)
+            else:
+                e.policy.on_attention(layer, pids, vals[None], p.step)
+
+    def _attended(self, layers: np.ndarray, pages: np.ndarray, n: int, lists: np.ndarray | None):
+        """The distinct pages a row of ``n`` tokens attended in each of ``layers``: ``(at [u], logical [u], entry)``
+        (index into ``layers``, logical page; sorted by layer, then page), and ``entry``: for page lists ``lists
+        [L', (1 or N_kv) * K]`` the ``(page index, kv head, list entry)`` of each valid entry; for ``lists`` None
+        (every live page the layer's window shows) None."""
+        e = self.engine
+        if lists is None:
+            first = np.array([attended_range(n - 1, 1, e.layout.page_size, e.layout.window(int(layer)))[0]
+                              for layer in layers])  # [L']
+            seen = (e.table.tier_of[layers[:, None], pages[None, :]] >= 0) & \
+                (np.arange(pages.size)[None, :] >= first[:, None])  # [L', n_pages]
+            at, logical = np.nonzero(seen)
+            return at, logical, None
+        width = lists.shape[-1]
+        lists = lists.reshape(layers.size, -1, width)  # [L', G, K]
+        li, head, k = np.nonzero((lists >= 0) & (lists < pages.size))
+        code, inverse = np.unique(li * pages.size + lists[li, head, k], return_inverse=True)
+        return code // pages.size, code % pages.size, (inverse, head if lists.shape[1] > 1 else None, li, k)
 
     @staticmethod
-    def _per_page(values: np.ndarray, lists: np.ndarray, logical: np.ndarray, width: int | None) -> np.ndarray:
-        """Per attended logical page ``[n, N_kv]`` from per-entry statistics ``values [K, N_kv]``: a per-head
-        list gives each kv head the value of its own entry for the page (0 where it did not list it)."""
-        n_kv = values.shape[-1]
-        if width is None:
-            return values[logical]
-        out = np.zeros((logical.size, n_kv), dtype=np.float32)
-        if not logical.size:
+    def _per_page(values: np.ndarray, at: np.ndarray, logical: np.ndarray, entry) -> np.ndarray:
+        """Per attended page ``[u, N_kv]`` from per-entry statistics ``values [L', K, N_kv]``: a per-kv-head list
+        gives each head the value of its own entry for the page (0 where it did not list it)."""
+        if entry is None:  # every page: entries are the logical pages
+            return values[at, logical]
+        page, head, li, k = entry
+        if head is None:
+            out = np.empty((at.size, values.shape[-1]), dtype=np.float32)
+            out[page] = values[li, k]
             return out
-        for h, row in enumerate(lists):  # logical is sorted: each listed entry's place in it
-            at = np.searchsorted(logical, row).clip(max=logical.size - 1)
-            ok = (row >= 0) & (logical[at] == row)
-            heads = slice(None) if lists.shape[0] == 1 else h
-            out[at[ok], heads] = values[ok, heads]
+        out = np.zeros((at.size, values.shape[-1]), dtype=np.float32)
+        out[page, head] = values[li, k, head]
         return out
 
 

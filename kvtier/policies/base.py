@@ -69,6 +69,9 @@ class Policy(ABC):
     Must provide :meth:`priority`; may override the event hooks (no-ops here), :meth:`admit`,
     :meth:`pinned_pages` (how many pages it pins, checked against the device budget) and
     ``needs_salience`` (true when it reads :meth:`on_salience`, which some kernels cannot give).
+
+    The attention hooks' ``layer`` is an int (a prefill chunk's layer) or an int array ``[n]``, the layer of
+    each page (a decode step reports every layer in one call): index per-layer state with ``[layer, pids]``.
     """
 
     name: str = "policy"  # a label for reports (class attribute)
@@ -83,10 +86,10 @@ class Policy(ABC):
     def on_append(self, pids: np.ndarray, step: int) -> None:
         """New pages were created."""
 
-    def on_access(self, layer: int, pids: np.ndarray, step: int) -> None:
+    def on_access(self, layer: int | np.ndarray, pids: np.ndarray, step: int) -> None:
         """Pages of ``layer`` were attended at ``step``."""
 
-    def on_salience(self, layer: int, pids: np.ndarray, scores: np.ndarray, step: int) -> None:
+    def on_salience(self, layer: int | np.ndarray, pids: np.ndarray, scores: np.ndarray, step: int) -> None:
         """Observed salience ``scores [n, N_kv]`` (max attention probability per kv head) of pages of ``layer``."""
 
     @abstractmethod
@@ -101,7 +104,7 @@ class Policy(ABC):
         """Most pages of one sequence this policy pins (+inf), besides the page being written."""
         return 0
 
-    def on_attention(self, layer: int, pids: np.ndarray, mass: np.ndarray, step: int) -> None:
+    def on_attention(self, layer: int | np.ndarray, pids: np.ndarray, mass: np.ndarray, step: int) -> None:
         """Attention ``mass [r, n, N_kv]`` the step's newest ``r`` query rows gave pages ``pids``
         (asked for by :attr:`attention_rows`)."""
 

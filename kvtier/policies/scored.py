@@ -101,7 +101,7 @@ class ScoredPolicy(Policy):
     def on_append(self, pids, step):
         self.store.on_append(pids)
 
-    def on_attention(self, layer: int, pids: np.ndarray, mass: np.ndarray, step: int) -> None:
+    def on_attention(self, layer: int | np.ndarray, pids: np.ndarray, mass: np.ndarray, step: int) -> None:
         """Attention ``mass [r, n, N_kv]`` of the step's newest ``r`` query rows on pages ``pids``."""
         self.store.on_attention(layer, pids, mass)
 

@@ -51,24 +51,27 @@ class StatsStore:
         self.sal[:, :, pids] = np.nan
         self.sal_last[:, pids] = np.nan
 
-    def on_attention(self, layer: int, pids: np.ndarray, mass: np.ndarray) -> None:
-        """``mass [r, n, N_kv]``: the step's last ``r`` query rows (oldest first) on pages ``pids``."""
+    def on_attention(self, layer, pids: np.ndarray, mass: np.ndarray) -> None:
+        """``mass [r, n, N_kv]``: the step's last ``r`` query rows (oldest first) on pages ``pids`` of ``layer`` (an
+        int, or ``[n]`` each page's layer: each layer named gets the ``r`` rows)."""
         if self.acc is None:
             n_kv = mass.shape[-1]
             self.acc = np.zeros((self.L, self.sal.shape[-1], n_kv), dtype=np.float64)
             self.ring = np.zeros((self.rows, self.L, self.sal.shape[-1], n_kv), dtype=np.float32)
             self.window_sum = np.zeros((self.L, self.sal.shape[-1], n_kv), dtype=np.float64)
         self._grow(int(pids.max(initial=-1)) + 1)
-        np.add.at(self.acc[layer], pids, mass.sum(0))
+        layer = np.broadcast_to(layer, pids.shape)  # [n]
+        np.add.at(self.acc, (layer, pids), mass.sum(0))
+        named = np.unique(layer)  # [l]
         for row in mass[-self.rows:]:
-            slot = self.head[layer] % self.rows
-            self.window_sum[layer] -= self.ring[slot, layer]  # the row leaving the window
-            self.ring[slot, layer] = 0  # a page the row did not attend got nothing from it
-            np.add.at(self.ring[slot, layer], pids, row)  # a page split over parts adds up
-            self.window_sum[layer] += self.ring[slot, layer]
-            self.head[layer] += 1
+            slot = self.head[named] % self.rows  # [l]
+            self.window_sum[named] -= self.ring[slot, named]  # the row leaving the window
+            self.ring[slot, named] = 0  # a page the row did not attend got nothing from it
+            np.add.at(self.ring, (self.head[layer] % self.rows, layer, pids), row)  # a page split over parts adds up
+            self.window_sum[named] += self.ring[slot, named]
+            self.head[named] += 1
 
-    def on_salience(self, layer: int, pids: np.ndarray, scores: np.ndarray) -> None:
+    def on_salience(self, layer, pids: np.ndarray, scores: np.ndarray) -> None:
         self._grow(int(pids.max(initial=-1)) + 1)
         self.sal[self._sal_row, layer, pids] = scores.sum(-1)  # Σ over kv heads
 

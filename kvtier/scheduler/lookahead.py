@@ -51,7 +51,8 @@ class LookaheadScheduler(Scheduler):
         if info.pids.size == 0:
             return plan
         L, n = table.layout.num_layers, info.pids.size
-        prio = np.broadcast_to(policy.priority(info), (L, n)).astype(np.float64)  # [L, n]
+        rows = np.asarray(policy.priority(info), dtype=np.float64)  # [1 or L, n]
+        prio = np.broadcast_to(rows, (L, n))  # [L, n]
         admit = np.broadcast_to(policy.admit(info), (L, n))
         writing = info.logical == (info.seq_len - 1) // info.page_size  # each sequence's newest page
         pinned = (prio == PINNED) | (table.pinned[info.pids] | writing)[None, :]  # [L, n]
@@ -62,7 +63,11 @@ class LookaheadScheduler(Scheduler):
         room = free + resident.sum(1) - reserve  # slots held elsewhere do not count
         keep = pinned & resident
         cand = (resident | admit | pinned) & (prio > -np.inf) & (tier >= 0)  # tier < 0: dropped
-        order = np.lexsort((-prio, ~pinned, ~cand), axis=1)  # [L, n] candidates, pinned, then best first
+        # [L, n] candidates, pinned, then best first (ties: the earlier page): a stable sort by priority (once when
+        # it is the same for every layer), then a stable sort of that order by the two flags (a radix sort)
+        by_prio = np.broadcast_to(np.argsort(-rows, axis=1, kind="stable"), (L, n))
+        flags = (2 * ~cand + ~pinned).astype(np.int8)  # [L, n]
+        order = np.take_along_axis(by_prio, np.argsort(np.take_along_axis(flags, by_prio, 1), 1, kind="stable"), 1)
         rank = np.empty_like(order)
         np.put_along_axis(rank, order, np.arange(n)[None, :], axis=1)  # [L, n] place of each page in order
         want = (cand & (rank < np.maximum(room, keep.sum(1))[:, None])) | keep

@@ -41,7 +41,7 @@ class Resident(Scope):
     query_free = True
 
     def needs_rank(self, budget: TokenBudget | None) -> bool:
-        return budget is not None
+        return budget is not None and budget.mode == "continuous"  # once: every kept page is listed
 
     def width(self, budget, once, max_pages):
         return max_pages if budget is None else super().width(budget, once, max_pages)
@@ -55,5 +55,6 @@ class Resident(Scope):
             first, tail_from = window_pages(lens.clamp(min=1), view.window(layers), view.page_size)
             keep = (table >= 0) | (logical >= tail_from[:, None])
             return compact(keep & (logical >= first[:, None]) & (logical < n_pages[:, None]))
-        rank = view.rank[layers.start:layers.stop, :view.batch]  # [L', B, M]
-        return budget_pick(layers, view, lambda cand, k: best_of(-rank.float(), cand, k), device_only=True)
+        at = slice(layers.start, layers.stop)  # view.rank [L, R, M]: continuous budgets only (once lists every page)
+        return budget_pick(layers, view, lambda cand, k: best_of(-view.rank[at, :view.batch].float(), cand, k),
+                           device_only=True)

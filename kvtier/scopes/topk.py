@@ -39,7 +39,7 @@ class TopK(Scope):
         self.policy_share, self.recall_slots, self.sinks = float(policy_share), recall_slots, sinks
 
     def needs_rank(self, budget: TokenBudget | None) -> bool:
-        return budget is not None and self.policy_share > 0
+        return budget is not None and budget.mode == "continuous" and self.policy_share > 0
 
     def bind(self, engine) -> None:
         super().bind(engine)
