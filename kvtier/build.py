@@ -31,6 +31,7 @@ from kvtier.tiers.memory import HostTier, MemoryTier, default_device
 from kvtier.tiers.redis import probe_url
 from kvtier.tiers.redis_server import LocalRedis
 
+RECIPES = Path(__file__).resolve().parent / "recipes"  # the recipes kvtier ships (Hydra's config folder)
 LOCAL_STORE = "local"  # tiers.stack.<remote>.url that starts a redis-server on loopback for the run
 SIZING = ("fraction", "size")  # a lower tier's size keys, read by kvtier.checks.tier_pages
 

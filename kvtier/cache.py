@@ -22,8 +22,13 @@ from kvtier.layout import KVLayout
 from kvtier.policies.base import Policy
 from kvtier.scheduler.base import Scheduler
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
-from kvtier.scopes import Scope, TopK, make_scope
+from kvtier.scopes import Scope, TopK
 from kvtier.tiers.base import Tier
+
+
+def _of_engine(name: str) -> property:
+    """A read-only attribute of the cache that is its engine's ``name``."""
+    return property(lambda self: getattr(self.engine, name), doc=f"The engine's ``{name}``.")
 
 
 class TieredKVCache(PagedCacheBase):
@@ -42,10 +47,8 @@ class TieredKVCache(PagedCacheBase):
         tokens = None if budget is None else TokenBudget(budget, sinks, window, layout.page_size, mode)
         if scope == "topk":
             scope = TopK(topk_pages, rank, per_head, query_rows, policy_share, sinks=sinks)
-        else:
-            if per_head:
-                raise ConfigError("scope.per_head", "a per-head page choice needs scope 'topk' and a token budget")
-            scope = make_scope(scope)
+        elif per_head:
+            raise ConfigError("scope.per_head", "a per-head page choice needs scope 'topk' and a token budget")
         super().__init__(layout)
         self.layout = layout
         self.engine = Engine(None, layout, tiers, policy, scope, scheduler, backend, budget=tokens,
@@ -57,33 +60,16 @@ class TieredKVCache(PagedCacheBase):
         self._attended = -1
 
     # -- what the engine keeps --------------------------------------------------------------------
-    @property
-    def stats(self):
-        return self.engine.stats
-
-    @property
-    def table(self):
-        return self.engine.table
-
-    @property
-    def transfer(self):
-        return self.engine.transfer
-
-    @property
-    def policy(self):
-        return self.engine.policy
-
-    @property
-    def fidelity(self):
-        return self.engine.fidelity
+    stats = _of_engine("stats")
+    table = _of_engine("table")
+    transfer = _of_engine("transfer")
+    policy = _of_engine("policy")
+    fidelity = _of_engine("fidelity")
+    device = _of_engine("device")
 
     @property
     def scope(self) -> str:
         return self.engine.scope.name
-
-    @property
-    def device(self) -> torch.device:
-        return self.engine.device
 
     # -- transformers Cache interface ---------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:

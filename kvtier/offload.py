@@ -30,7 +30,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from kvtier.build import LOCAL_STORE, build, unsized
+from kvtier.build import LOCAL_STORE, RECIPES, build, unsized
 from kvtier.cache import TieredKVCache
 from kvtier.checks import check_device_room, check_stack, tier_pages
 from kvtier.errors import ConfigError
@@ -38,8 +38,6 @@ from kvtier.hook import use_hook
 from kvtier.models import kv_layout_for
 from kvtier.policies import Policy
 from kvtier.tiers.redis_server import LocalRedis
-
-RECIPES = Path(__file__).resolve().parent / "recipes"
 
 
 def recipe_node(group: str, name: str, device) -> DictConfig:

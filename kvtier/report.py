@@ -28,7 +28,7 @@ SCORES = ("perplexity", "accuracy", "goodput_rps")
 
 @dataclass
 class CacheRecord:
-    """What one TieredKVCache did, kept once the cache itself (and its page pools) is gone."""
+    """What one engine did, kept once the engine itself (and its page pools) is gone."""
 
     attended_pages: int
     resident_pages: int
@@ -154,7 +154,7 @@ def metrics_table(m: dict) -> Table:
     if serving:
         _serving_rows(t, m["task_result"])
     t.add_row("budget", f"{m['budget_tokens']} tokens ({m['budget_fraction']:.2f} of {m['context_tokens']:g})")
-    if not serving:  # a serve_trace run's cache figures are the fast engine's, in its rows above
+    if not serving:  # a serve_trace run's cache figures are its engine's, in its rows above
         t.add_row("tier-1 hit rate", f"{m['tier1_hit_rate']:.1%}")
         if np.isfinite(m.get("attended_tokens_per_step", float("nan"))):
             t.add_row("keys attended per decode step mean / max", f"{m['attended_tokens_per_step']:.1f} / "

@@ -35,12 +35,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from kvtier.build import EngineFactory, build, build_model, label, plan
+from kvtier.build import RECIPES, EngineFactory, build, build_model, label, plan
 from kvtier.errors import ConfigError, Interrupted, KVTierError, MissingDependencyError, TierFailed
 from kvtier.report import collect, write_json
 from kvtier.schema import unknown_key
 
-RECIPES = Path(__file__).resolve().parent / "recipes"
 LAUNCHERS = {  # hydra/launcher option -> (the package that ships it, kvtier's extra)
     "joblib": ("hydra-joblib-launcher", "sweep"), "ray": ("hydra-ray-launcher", "ray"),
     "ray_aws": ("hydra-ray-launcher", "ray"), "submitit_local": ("hydra-submitit-launcher", "submitit"),
@@ -192,9 +191,6 @@ def job_configs(argv: list[str]):
             yield compose(opts.config_name, overrides=list(job))
 
 
-EXTRA_OPTIONS = {("hydra/launcher", "joblib"): ("hydra-joblib-launcher", "sweep")}  # options an extra brings
-
-
 @contextlib.contextmanager
 def composing():
     """Hydra's and OmegaConf's composition errors as ConfigErrors naming a key that exists."""
@@ -202,12 +198,10 @@ def composing():
         yield
     except MissingConfigException as e:
         group, _, option = (e.missing_cfg_file or "").rpartition("/")
-        if (group, option) in EXTRA_OPTIONS:
-            raise MissingDependencyError(*EXTRA_OPTIONS[group, option], f"{group}={option}") from None
-        if not group or e.options is None:
-            raise ConfigError("defaults", str(e)) from None
         if group == "hydra/launcher" and option in LAUNCHERS:
             raise MissingDependencyError(*LAUNCHERS[option], f"hydra/launcher={option}") from None
+        if not group or e.options is None:
+            raise ConfigError("defaults", str(e)) from None
         raise ConfigError(group, f"unknown {group} {option!r}; use one of {sorted(e.options)} or add "
                                  f"{group}/{option}.yaml to a --config-dir") from None
     except yaml.YAMLError as e:  # a recipe file of the user's that is not YAML

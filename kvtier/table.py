@@ -7,7 +7,7 @@ shared, partly filled last page copies it first (copy-on-write). Migration moves
 ``(layer, pid)`` without touching any sequence's list, so every sharer sees the new place.
 On a sliding-window layer a page left of every holder's window is *dropped*: its slot is freed
 and ``tier_of`` says :data:`DROPPED`; the pid stays in the sequences (positions are logical) and
-no view, scope, scheduler or migration touches that ``(layer, pid)`` again.
+no scope, scheduler or migration touches that ``(layer, pid)`` again.
 """
 
 from __future__ import annotations
@@ -171,31 +171,6 @@ class BlockTable:
 
     def set_pinned(self, pids, pinned: bool = True) -> None:
         self.pinned[np.asarray(pids, dtype=np.int64)] = pinned
-
-    def view(self, layer: int, seqs: list[int], tier: int | None = 0):
-        """FlashInfer-style view of ``seqs``'s pages of ``layer`` that live in ``tiers[tier]``
-        (all pages not dropped when ``tier`` is None), in logical order.
-
-        Returns int32 ``indptr [B+1]``, ``indices [nnz]`` (slots), ``last_page_len [B]``, plus the
-        pids ``[nnz]`` and their logical page numbers ``[nnz]``. ``last_page_len`` counts the
-        tokens of each sequence's last *listed* page (page_size unless it is the sequence's last).
-        """
-        P = self.layout.page_size
-        indptr, indices, last, pids_out, logical = [0], [], [], [], []
-        for seq in seqs:
-            s = self._seq(seq)
-            pids = np.asarray(s.pids, dtype=np.int64)
-            where = self.tier_of[layer, pids]
-            keep = np.flatnonzero(where >= 0 if tier is None else where == tier)
-            indices.append(self.slot_of[layer, pids[keep]])
-            pids_out.append(pids[keep])
-            logical.append(keep)
-            indptr.append(indptr[-1] + len(keep))
-            full_last = len(keep) and keep[-1] == len(pids) - 1 and s.length % P
-            last.append(s.length % P if full_last else (P if len(keep) else 0))
-        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
-        return (torch.tensor(indptr, dtype=torch.int32), torch.from_numpy(cat(indices).astype(np.int32)),
-                torch.tensor(last, dtype=torch.int32), cat(pids_out), cat(logical))
 
     def occupancy(self) -> dict[str, list[int]]:
         """Pages in use per tier, per layer."""

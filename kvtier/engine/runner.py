@@ -62,9 +62,8 @@ class LlamaRunner:
 
 
 def make_runner(model, name: str = "auto"):
-    """``auto``: the compact runner for the Llama family, else the model's own forward."""
-    if name not in RUNNERS:
-        raise ConfigError("engine.runner", f"unknown runner {name!r}; use one of {list(RUNNERS)}")
+    """``auto``: the compact runner for the Llama family, else the model's own forward (``name`` checked by
+    :class:`~kvtier.engine.config.EngineConfig`)."""
     if name == "llama" or (name == "auto" and getattr(model.config, "model_type", None) in FAST_FAMILIES):
         return LlamaRunner(model)
     return HFRunner(model)

@@ -79,11 +79,6 @@ class PagedBatch:
         npages = (self.kv_indptr[1:] - self.kv_indptr[:-1]).long()
         return torch.where(npages > 0, (npages - 1) * self.page_size + self.kv_last_page_len.long(), 0)
 
-    def page_seq(self) -> torch.Tensor:
-        """Owning sequence of each listed page ``[nnz]`` (int64)."""
-        npages = (self.kv_indptr[1:] - self.kv_indptr[:-1]).long()
-        return torch.repeat_interleave(torch.arange(npages.numel(), device=npages.device), npages)
-
     def to(self, device) -> "PagedBatch":
         return PagedBatch(self.qo_indptr.to(device), self.kv_indptr.to(device), self.kv_indices.to(device),
                           self.kv_last_page_len.to(device), self.page_size, self.causal, self.host_qo_indptr,
@@ -137,7 +132,8 @@ def page_salience(page_max: torch.Tensor, lse: torch.Tensor, batch: PagedBatch, 
     """
     if not batch.is_decode():
         raise ValueError("page_salience needs exactly one query row per sequence (a decode step)")
-    rows = batch.page_seq()  # [nnz]
+    npages = (batch.kv_indptr[1:] - batch.kv_indptr[:-1]).long()  # [B]
+    rows = torch.repeat_interleave(torch.arange(npages.numel(), device=npages.device), npages)  # [nnz] its sequence
     prob = torch.exp(page_max - lse.float()[rows])  # [nnz, H]
     nnz, heads = prob.shape
     return prob.view(nnz, num_kv_heads, heads // num_kv_heads).amax(-1)  # [nnz, N_kv]

@@ -21,15 +21,6 @@ from kvtier.quant import is_scaled_pool
 LN2 = math.log(2.0)
 
 
-def import_flashinfer():
-    """The ``flashinfer`` module, or MissingDependencyError naming the extra to install."""
-    try:
-        import flashinfer
-    except ImportError as err:
-        raise MissingDependencyError("flashinfer-python", "gpu", "kernel=flashinfer") from err
-    return flashinfer
-
-
 class FlashInferBackend(AttentionBackend):
     """Paged attention through FlashInfer's wrappers (decode for one query row per sequence)."""
 
@@ -37,10 +28,13 @@ class FlashInferBackend(AttentionBackend):
     supports_salience = False
 
     def __init__(self, workspace_bytes: int = 256 << 20, device: str | torch.device = "cuda"):
-        self.flashinfer = import_flashinfer()
+        try:
+            import flashinfer
+        except ImportError as err:
+            raise MissingDependencyError("flashinfer-python", "gpu", "kernel=flashinfer") from err
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
-        self.decode_wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.prefill_wrapper = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.planned_dtypes = None
 
     def plan(self, batch: PagedBatch, num_qo_heads: int, num_kv_heads: int, head_dim: int,

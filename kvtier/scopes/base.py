@@ -151,11 +151,11 @@ def budget_pick(layers: int | range, view: StepView, candidate_score, device_onl
         return compact(torch.where(whole, live, keep))
     k = budget.middle_pages
     middle = candidate_score(cand, k) if k else torch.zeros(*lead, B, 0, dtype=torch.int32, device=table.device)
-    n_sink, n_win = -(-budget.sinks // P), view_budget_width(budget) - cand_lo - k
-    sink_part = torch.where(sink[:, :n_sink], logical[:n_sink], -1)  # [B, n_sink]
+    n_win = view_budget_width(budget) - cand_lo - k  # the window's pages
+    sink_part = torch.where(sink[:, :cand_lo], logical[:cand_lo], -1)  # [B, sink pages]
     win_part = cand_hi[:, None] + torch.arange(n_win, device=table.device)  # [B, n_win]
     win_part = torch.where(win_part < n_pages[:, None], win_part, -1)
-    listed = torch.cat([sink_part.to(torch.int32).expand(*lead, B, n_sink), middle.to(torch.int32),
+    listed = torch.cat([sink_part.to(torch.int32).expand(*lead, B, cand_lo), middle.to(torch.int32),
                         win_part.to(torch.int32).expand(*lead, B, n_win)], -1)  # [(L',) B, K]
     every = torch.where(live, logical, -1).to(torch.int32)  # a row the budget holds whole fits the list
     width = listed.shape[-1]

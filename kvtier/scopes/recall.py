@@ -1,4 +1,4 @@
-"""A device-managed recall cache for the fast path's ``topk`` scope: no host work per pick.
+"""A device-managed recall cache for the ``topk`` scope: no host work per pick.
 
 The host places pages at *home* (its block table, uploaded as ``home [L, R, M]``: device slot or
 host slot). Each layer also owns ``C`` device slots that the captured step manages by itself:

@@ -121,7 +121,8 @@ class TopK(Scope):
         """No budget: the sink pages and the tail (forced), and the ``pages`` best of the rest."""
         table, lens, n_pages = view.rows(layer)
         B, M = table.shape
-        if self.width(None, False, M) >= M:  # every page fits the list: exact
+        width = self.width(None, False, M)
+        if width >= M:  # every page fits the list: exact
             return live_pages(layer, view)
         P = view.page_size
         logical = torch.arange(M, device=table.device)[None, :]
@@ -134,7 +135,6 @@ class TopK(Scope):
         best = best_of(scores, free, self.pages)  # [B, pages] best first
         room = (self.pages - n_forced).clamp(min=0)  # [B]
         best = torch.where(torch.arange(self.pages, device=table.device)[None, :] < room[:, None], best, -1)
-        width = self.width(None, False, M)
         forced_list = torch.where(forced, logical, M).sort(dim=1).values[:, :width - self.pages]
         forced_list = torch.where(forced_list < M, forced_list, -1)
         return torch.cat([forced_list, best], 1).to(torch.int32)

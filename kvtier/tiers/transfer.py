@@ -43,26 +43,12 @@ class _Pending:
     reported: bool = False  # handed out by take_moved
 
 
-class _Passed:
-    """A fence that has already passed (no reader can still use the old place)."""
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        return None
-
-
-_PASSED = _Passed()
-
-
 class TransferEngine:
     """Moves pages between the tiers of a :class:`BlockTable` and counts bytes per link."""
 
     METHODS = ("auto", "kernel", "generic")
 
-    def __init__(self, table: BlockTable, use_side_stream: bool | None = None, method: str = "auto",
-                 event_factory=None):
+    def __init__(self, table: BlockTable, method: str = "auto", event_factory=None):
         """``method``: ``kernel`` copies between addressable pools (HBM, pinned DRAM through UVA) in one
         Triton launch; ``generic`` uses the tiers' read/write (gather, one bulk copy, scatter);
         ``auto`` takes ``kernel`` where both pools are addressable and one is on a GPU.
@@ -73,7 +59,7 @@ class TransferEngine:
         self.table = table
         self.method = method
         cuda = any(t.device.type == "cuda" for t in table.tiers)
-        self.asynchronous = event_factory is not None or (cuda if use_side_stream is None else use_side_stream and cuda)
+        self.asynchronous = event_factory is not None or cuda
         self.stream = torch.cuda.Stream() if self.asynchronous and cuda else None
         self._new_event = event_factory or torch.cuda.Event
         self.bytes_moved: Counter[str] = Counter()
@@ -237,7 +223,7 @@ class TransferEngine:
         moved = self._landed + [p for p in self._pending if p.fenced and not p.reported]
         for p in moved:
             p.reported = True
-            p.fence = fence if fence is not None else _PASSED
+            p.fence, p.fenced = fence, fence is not None  # no fence: no queued reader of the old place
             if self.stream is not None and not p.event.query():
                 torch.cuda.current_stream().wait_event(p.event)
         self._landed = []
