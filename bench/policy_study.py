@@ -192,7 +192,7 @@ def plot(rows, out_dir: Path) -> list[Path]:
     for task in sorted(set(map(task_of, rows))):
         mine = [r for r in rows if task_of(r) == task]
         score = "perplexity" if "perplexity" in mine[0] else "accuracy"
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = plt.subplots(figsize=(8, 4))
         for config in sorted({label(r) for r in mine}):
             pts = sorted((r["fraction"], r[score]) for r in mine if label(r) == config)
             if config == "exact":
@@ -202,7 +202,7 @@ def plot(rows, out_dir: Path) -> list[Path]:
         ax.set_xlabel("budget (fraction of the context: keys a step attends; kvpress: KV pairs kept)")
         ax.set_ylabel(score)
         ax.set_title(f"{task} (SmolLM2-135M)")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the lines, not over them
         fig.tight_layout()
         paths.append(out_dir / f"quality_vs_budget-{task}.png")
         fig.savefig(paths[-1], dpi=120)

@@ -18,7 +18,8 @@ NO_KVPRESS = "kvpress runs from its own environment, the [compare] extra: make c
 
 def test_a_press_through_the_harness_keeps_kvtiers_budget():
     pytest.importorskip("kvpress", reason=NO_KVPRESS)
-    args = policy_study.parse_args(["--protocol", "ctx2k", "--context", "128", "--continuation", "2", "--slices", "1"])
+    args = policy_study.parse_args(["--protocol", "ctx2k", "--context", "128", "--continuation", "2", "--slices", "1",
+                                     "--text", "lady_susan"])
     exact = policy_study.run_one(args, "ctx2k", "exact", 0.25)
     knorm = policy_study.run_one(args, "ctx2k", "kvpress:knorm", 0.25)
     assert knorm["kept_tokens"] == knorm["budget_tokens"] == exact["budget_tokens"] == 32
@@ -31,14 +32,14 @@ def test_a_press_through_the_harness_keeps_kvtiers_budget():
 def test_the_question_after_a_compressed_context_answers_as_kvpress_pipeline():
     kvpress = pytest.importorskip("kvpress", reason=NO_KVPRESS)
     model, tok = policy_study.model_for("eager", "cpu")
-    task = Passkey(context_tokens=128, depths=(0.5,), question_at="after", max_new_tokens=3)
-    result = run_press(task, "snapkv", 64, model, tok, sinks=4, window=64)
+    task = Passkey(context_tokens=160, depths=(0.5,), question_at="after", max_new_tokens=6)
+    result = run_press(task, "snapkv", 80, model, tok, sinks=4, window=64)
     (_, ids, _, _), = task.cases(tok, np.random.default_rng(task.seed))
     n = ids.numel() - task.question_tokens
     pipeline = kvpress.KVPressTextGenerationPipeline(model=model, tokenizer=tok)
     answers = pipeline._forward({"context_ids": ids[None, :n], "questions_ids": [ids[None, n:]]},
-                                press=make_press("snapkv", n, 64, 4, 64), max_new_tokens=3)
-    assert result["kept_tokens"] == 64 and result["records"][0]["output"] == answers[0]
+                                press=make_press("snapkv", n, 80, 4, 64), max_new_tokens=6)
+    assert result["kept_tokens"] == 80 and result["records"][0]["output"] == answers[0]
 
 
 def test_a_kvpress_config_without_kvpress_fails_naming_the_extra(monkeypatch, tmp_path):
