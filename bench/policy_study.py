@@ -4,8 +4,9 @@ protocols, through the one engine.
 Protocols (``--protocol``):
 
 - ``ctx2k``: exact prefill of a 2,048-token (``--context``) slice of Opticks (``--text``), then 256
-  teacher-forced tokens under the budget; perplexity over the 256 (``--continuation``; ``--slices`` slices at offsets 0, 30k,
-  60k, ..., or the token offsets ``--offsets``; the ppl of the pooled NLL). Budget = fraction x 2,048.
+  teacher-forced tokens under the budget; perplexity over the 256 (``--continuation``; ``--slices``
+  slices at offsets 0, 30k, 60k, ..., or the token offsets ``--offsets``; the ppl of the pooled NLL).
+  Budget = fraction x 2,048.
 - ``stream``: a ``--length``-token stream (``--text``) fed one token per step after a 256-token
   prefix (prefilled exactly); perplexity over the rest. Budget = fraction x length, or ``--tokens``.
 - ``passkey_inside`` / ``passkey_after``: passkey at ``--context`` tokens, exact prefill; the question
@@ -22,7 +23,8 @@ normalisation) and ``topk_perhead`` (each kv head its own Quest pages). Every bu
 ``knorm``) runs kvpress's press on the same model, text, slices, prompts and budget: it compresses the
 prefill once to ``budget`` KV pairs per layer (the protocol of ``once``; :mod:`bench.kvpress_study`). kvpress
 0.5.5 needs transformers<5.3, so these run from ``.venv-compare`` (``make compare-env``), kvtier's beside them;
-without kvpress a ``kvpress:`` config fails at once, naming the extra.
+without kvpress a ``kvpress:`` config fails at once, naming the extra (and so does one on ``stream``, whose
+budget holds at every step).
 
     .venv/bin/python -m bench.policy_study --protocol ctx2k --fractions 0.2 \\
         --configs exact,topk:sink_window,resident:snapkv --out bench/policy_study/ctx2k.json
@@ -30,8 +32,9 @@ without kvpress a ``kvpress:`` config fails at once, naming the extra.
     .venv-compare/bin/python -m bench.policy_study --protocol ctx2k --fractions 0.1,0.2 \\
         --configs exact,topk:sink_window,resident:snapkv,kvpress:snapkv,kvpress:knorm --out ctx2k-kvpress.json
 
-Writes a JSON list of rows (appending to ``--out`` if it exists) and prints a markdown table per protocol.
-``--plot A.json B.json ... --plot-out DIR`` draws quality vs budget per protocol (one line per
+Writes a JSON list of rows (appending to ``--out`` if it exists) and prints a markdown table per task
+(protocol, and text where not Opticks). ``--plot A.json B.json ... --plot-out DIR`` draws quality vs budget
+per task (one line per
 configuration, exact dashed, kvpress dotted) from such files, and prints their tables.
 """
 
