@@ -3,10 +3,10 @@ protocols, through the one engine.
 
 Protocols (``--protocol``):
 
-- ``ctx2k``: exact prefill of a 2,048-token Opticks slice, then 256 teacher-forced tokens under the
-  budget; perplexity over the 256 (``--continuation``; ``--slices`` slices at offsets 0, 30k, 60k, ...,
-  or the token offsets ``--offsets``; the ppl of the
-  pooled NLL). Budget = fraction x 2,048.
+- ``ctx2k``: exact prefill of a 2,048-token (``--context``) slice of Opticks (``--text``), then 256
+  teacher-forced tokens under the budget; perplexity over the 256 (``--continuation``; ``--slices``
+  slices at offsets 0, 30k, 60k, ..., or the token offsets ``--offsets``; the ppl of the pooled NLL).
+  Budget = fraction x 2,048.
 - ``stream``: a ``--length``-token stream (``--text``) fed one token per step after a 256-token
   prefix (prefilled exactly); perplexity over the rest. Budget = fraction x length, or ``--tokens``.
 - ``passkey_inside`` / ``passkey_after``: passkey at ``--context`` tokens, exact prefill; the question
@@ -19,17 +19,29 @@ scope ``resident`` (continuous eviction), ``once`` (compress once after the pref
 normalisation) and ``topk_perhead`` (each kv head its own Quest pages). Every budgeted run attends ``--sinks`` sink tokens and a recent window of
 ``--window`` tokens (StreamingLLM, ``resident:sink_window``: all of the rest).
 
+``kvpress:<press>`` (``streaming_llm``, ``tova``, ``snapkv``, ``observed_attention``, ``expected_attention``,
+``knorm``) runs kvpress's press on the same model, text, slices, prompts and budget: it compresses the
+prefill once to ``budget`` KV pairs per layer (the protocol of ``once``; :mod:`bench.kvpress_study`). kvpress
+0.5.5 needs transformers<5.3, so these run from ``.venv-compare`` (``make compare-env``), kvtier's beside them;
+without kvpress a ``kvpress:`` config fails at once, naming the extra (and so does one on ``stream``, whose
+budget holds at every step).
+
     .venv/bin/python -m bench.policy_study --protocol ctx2k --fractions 0.2 \\
         --configs exact,topk:sink_window,resident:snapkv --out bench/policy_study/ctx2k.json
+    make compare-env
+    .venv-compare/bin/python -m bench.policy_study --protocol ctx2k --fractions 0.1,0.2 \\
+        --configs exact,topk:sink_window,resident:snapkv,kvpress:snapkv,kvpress:knorm --out ctx2k-kvpress.json
 
-Writes a JSON list of rows (appending to ``--out`` if it exists) and prints a markdown table.
-``--plot A.json B.json ... --plot-out DIR`` draws quality vs budget per protocol (one line per
-configuration, exact dashed) from such files, and prints their table.
+Writes a JSON list of rows (appending to ``--out`` if it exists) and prints a markdown table per task
+(protocol, and text where not Opticks). ``--plot A.json B.json ... --plot-out DIR`` draws quality vs budget
+per task (one line per
+configuration, exact dashed, kvpress dotted) from such files, and prints their tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import time
@@ -39,6 +51,7 @@ import torch
 
 from kvtier.budget import TokenBudget
 from kvtier.engine import Engine, EngineConfig
+from kvtier.errors import ConfigError
 from kvtier.eval import Needle, Passkey, Perplexity
 from kvtier.hook import install
 from kvtier.models import kv_layout_for, load_model
@@ -48,12 +61,13 @@ from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 from kvtier.scopes import All, Resident, TopK
 from kvtier.tiers import DeviceTier, HostTier
 
-PAGE = 16
+from bench.kvpress_study import load_kvpress, press_name, run_press
 
 
 def make_task(args, protocol: str, offset: int = 0):
     if protocol == "ctx2k":
-        return Perplexity(text="opticks", length=2048 + args.continuation, prefix=2048, offset=offset), 2048
+        return Perplexity(text=args.text, length=args.context + args.continuation, prefix=args.context,
+                          offset=offset), args.context
     if protocol == "stream":
         return Perplexity(text=args.text, length=args.length, prefix=256), args.length
     if protocol.startswith("passkey"):
@@ -78,7 +92,7 @@ def engine_factory(model, layout, config: str, budget: int, args, context: int):
     streaming = name == "sink_window" and scope in ("resident", "once")  # StreamingLLM: sinks + window only
     window = budget - args.sinks if streaming else args.window
     mode = "once" if scope == "once" else "continuous"
-    tokens = TokenBudget(budget, args.sinks, window, PAGE, mode)
+    tokens = TokenBudget(budget, args.sinks, window, args.page, mode)
     # resident: the device holds what a step attends; topk and once: everything (what recall attends
     # does not depend on where pages live)
     dev = total if mode == "once" or scope.startswith("topk") else tokens.step_pages
@@ -95,7 +109,15 @@ def engine_factory(model, layout, config: str, budget: int, args, context: int):
     return make
 
 
-def run_one(args, model, tok, layout, protocol, config, fraction, tokens=None) -> dict:
+@functools.cache
+def model_for(attn: str, device: str):
+    """``(model, tokenizer)``: SmolLM2 in fp32 with attention ``attn`` (kvtier's hook; eager for kvpress, whose
+    ObservedAttention reads the prefill's attention weights), loaded once per process."""
+    return load_model(None, dtype="float32", device=device, attn_implementation=attn)
+
+
+def run_one(args, protocol, config, fraction, tokens=None) -> dict:
+    """One row: ``config`` at ``fraction`` of the context (or ``tokens``) on ``protocol``, over its slices."""
     t0 = time.time()
     offsets = [0]
     if protocol == "ctx2k":
@@ -104,12 +126,20 @@ def run_one(args, model, tok, layout, protocol, config, fraction, tokens=None) -
     for off in offsets:
         task, context = make_task(args, protocol, off)
         budget = tokens or int(round(fraction * context))
-        make = engine_factory(model, layout, config, budget, args, context)
-        results.append(task.run(make, tok))
+        if config.startswith("kvpress:"):
+            model, tok = model_for("eager", args.device)
+            results.append(run_press(task, press_name(config), budget, model, tok, args.sinks, args.window))
+        else:
+            model, tok = model_for(install(), args.device)
+            layout = kv_layout_for(model.config, page_size=args.page, dtype=torch.float32)
+            results.append(task.run(engine_factory(model, layout, config, budget, args, context), tok))
     streaming = config.endswith("sink_window") and not config.startswith("topk")
-    row = {"protocol": protocol, "config": config, "budget_tokens": budget, "page": PAGE,
-           "window": None if config == "exact" else budget - args.sinks if streaming else args.window,
+    kvpress = config.startswith("kvpress:")  # no pages, no window: the press keeps budget pairs
+    row = {"protocol": protocol, "config": config, "budget_tokens": budget, "page": None if kvpress else args.page,
+           "window": None if config == "exact" or kvpress else budget - args.sinks if streaming else args.window,
            "fraction": round(budget / context, 4), "wall_s": round(time.time() - t0, 1)}
+    if kvpress:
+        row["kept_tokens"] = sum(r["kept_tokens"] for r in results) / len(results)
     if "perplexity" in results[0]:
         nll = sum(r["nll_mean"] * r["scored_tokens"] for r in results) / sum(r["scored_tokens"] for r in results)
         row.update(perplexity=round(math.exp(nll), 3), per_slice=[round(r["perplexity"], 3) for r in results],
@@ -122,15 +152,25 @@ def run_one(args, model, tok, layout, protocol, config, fraction, tokens=None) -
     return row
 
 
+def task_of(row) -> str:
+    """A row's task, one table and one plot each: its protocol, and its text where that is not Opticks."""
+    return row["protocol"] if row.get("text", "opticks") == "opticks" else f"{row['protocol']}-{row['text']}"
+
+
 def table(rows) -> str:
-    lines = ["| protocol | config | page, window | budget (tokens, fraction) | score | attended tok/step | wall s |",
-             "| --- | --- | --- | --- | ---: | ---: | ---: |"]
-    for r in rows:
-        score = f"ppl {r['perplexity']:.2f}" if "perplexity" in r else f"acc {r['accuracy']:.2f} ({r['samples']})"
-        shape = f"{r.get('page', 16)}, {r.get('window') or '-'}"
-        lines.append(f"| {r['protocol']} | {r['config']} | {shape} | {r['budget_tokens']} ({r['fraction']:.0%}) | {score} | "
-                     f"{r.get('attended_tokens', '-')} | {r['wall_s']} |")
-    return "\n".join(lines)
+    """A markdown table per task, rows in their order."""
+    out = []
+    for task in dict.fromkeys(map(task_of, rows)):
+        lines = [f"{task}:", "",
+                 "| protocol | config | page, window | budget (tokens, fraction) | score | attended tok/step | wall s |",
+                 "| --- | --- | --- | --- | ---: | ---: | ---: |"]
+        for r in (r for r in rows if task_of(r) == task):
+            score = f"ppl {r['perplexity']:.2f}" if "perplexity" in r else f"acc {r['accuracy']:.2f} ({r['samples']})"
+            shape = f"{r.get('page', 16) or '-'}, {r.get('window') or '-'}"
+            lines.append(f"| {r['protocol']} | {r['config']} | {shape} | {r['budget_tokens']} ({r['fraction']:.0%}) | "
+                         f"{score} | {r.get('attended_tokens', '-')} | {r['wall_s']} |")
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
 
 
 def label(row) -> str:
@@ -138,13 +178,13 @@ def label(row) -> str:
     extra = []
     if row.get("window") not in (None, 64) and not row["config"].startswith(("resident:sink", "once:sink")):
         extra.append(f"w{row['window']}")
-    if row.get("page", 16) != 16:
+    if row.get("page", 16) not in (16, None):
         extra.append(f"p{row['page']}")
     return row["config"] + (f" ({', '.join(extra)})" if extra else "")
 
 
 def plot(rows, out_dir: Path) -> list[Path]:
-    """``quality_vs_budget-<protocol>.png`` per protocol: score against the budget fraction."""
+    """``quality_vs_budget-<task>.png`` per task (:func:`task_of`): score against the budget fraction."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -152,28 +192,28 @@ def plot(rows, out_dir: Path) -> list[Path]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    for protocol in sorted({r["protocol"] for r in rows}):
-        mine = [r for r in rows if r["protocol"] == protocol]
+    for task in sorted(set(map(task_of, rows))):
+        mine = [r for r in rows if task_of(r) == task]
         score = "perplexity" if "perplexity" in mine[0] else "accuracy"
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = plt.subplots(figsize=(8, 4))
         for config in sorted({label(r) for r in mine}):
             pts = sorted((r["fraction"], r[score]) for r in mine if label(r) == config)
             if config == "exact":
                 ax.axhline(pts[0][1], ls="--", color="k", label="exact")
             else:
-                ax.plot(*zip(*pts), marker="o", label=config)
-        ax.set_xlabel("budget (fraction of the context, tokens attended)")
+                ax.plot(*zip(*pts), marker="o", ls=":" if config.startswith("kvpress:") else "-", label=config)
+        ax.set_xlabel("budget (fraction of the context: keys a step attends; kvpress: KV pairs kept)")
         ax.set_ylabel(score)
-        ax.set_title(f"{protocol} (SmolLM2-135M)")
-        ax.legend(fontsize=7)
+        ax.set_title(f"{task} (SmolLM2-135M)")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the lines, not over them
         fig.tight_layout()
-        paths.append(out_dir / f"quality_vs_budget-{protocol}.png")
+        paths.append(out_dir / f"quality_vs_budget-{task}.png")
         fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
     return paths
 
 
-def main(argv=None):
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plot", nargs="+", default=None, help="study JSON files to plot (nothing is run)")
     p.add_argument("--plot-out", default="docs/policy_study")
@@ -191,7 +231,7 @@ def main(argv=None):
     p.add_argument("--continuation", type=int, default=256, help="ctx2k: tokens scored after the 2,048")
     p.add_argument("--text", default="opticks")
     p.add_argument("--length", type=int, default=4096)
-    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--context", type=int, default=2048, help="ctx2k: tokens prefilled; passkey, needle: prompt tokens")
     p.add_argument("--depths", default="0.1,0.5,0.9")
     p.add_argument("--samples", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
@@ -200,28 +240,35 @@ def main(argv=None):
     p.add_argument("--graphs", action="store_true", help="replay each decode step as a CUDA graph")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if not args.plot and not args.protocol:
+        p.error("--protocol is required (or --plot)")
+    args.depths = [float(d) for d in args.depths.split(",")]
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.plot:
         rows = [r for f in args.plot for r in json.loads(Path(f).read_text())]
         print(table(rows))
         for path in plot(rows, Path(args.plot_out)):
             print(path)
         return
-    if not args.protocol:
-        p.error("--protocol is required (or --plot)")
-    args.depths = [float(d) for d in args.depths.split(",")]
-    global PAGE
-    PAGE = args.page
+    configs = args.configs.split(",")
+    presses = [press_name(c) for c in configs if c.startswith("kvpress:")]
+    if presses:  # before anything runs: a named error, never a config skipped
+        if args.protocol == "stream":
+            raise ConfigError("protocol", "a kvpress press compresses the prefill once, a stream's budget holds at "
+                                          "every step: compare presses on ctx2k (--text for another text)")
+        load_kvpress()
     torch.set_num_threads(args.threads)
-    model, tok = load_model(None, dtype="float32", device=args.device, attn_implementation=install())
-    model.eval()
-    layout = kv_layout_for(model.config, page_size=PAGE, dtype=torch.float32)
     rows = []
     out = Path(args.out) if args.out else None
     for fraction in [float(f) for f in args.fractions.split(",")]:
-        for config in args.configs.split(","):
+        for config in configs:
             if config == "exact" and rows and any(r["config"] == "exact" for r in rows):
                 continue  # exact does not depend on the budget
-            row = run_one(args, model, tok, layout, args.protocol, config, fraction, args.tokens)
+            row = run_one(args, args.protocol, config, fraction, args.tokens)
             rows.append(row)
             print(json.dumps(row), flush=True)
             if out:

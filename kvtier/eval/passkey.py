@@ -130,36 +130,47 @@ class RetrievalTask:
     def score(self, output: str, expected: str) -> bool:
         raise NotImplementedError
 
-    @torch.no_grad()
     def run(self, make_engine: Callable[[], Engine], tokenizer, progress=None) -> dict:
+        """Every case through a fresh engine from ``make_engine`` (greedy, :func:`greedy`)."""
+        def generate(ids: torch.Tensor, prefill_tokens: int) -> tuple[list[int], dict]:
+            engine = make_engine()
+            check_positions(self, engine.model.config)
+            try:
+                out = greedy(engine, ids, self.max_new_tokens, prefill_tokens=prefill_tokens)
+                return out, {"tier1_hit_rate": engine.hit_rate()}
+            finally:
+                engine.close()
+
+        return self.run_with(generate, tokenizer, progress)
+
+    @torch.no_grad()
+    def run_with(self, generate, tokenizer, progress=None) -> dict:
+        """Score every case's answer from ``generate(ids [S], prefill_tokens) -> (max_new_tokens ids, extra)``
+        (the first ``prefill_tokens`` prefilled, the question after them fed later); ``extra`` joins the record."""
         rng = np.random.default_rng(self.seed)
         advance = progress_task(progress, f"{self.name} ({self.context_tokens} tok)", len(self.depths) * self.samples)
         records = []
         with partial_on_stop(lambda: self._result(records)):
             for depth, ids, expected, info in self.cases(tokenizer, rng):
-                engine = make_engine()
-                check_positions(self, engine.model.config)
-                try:
-                    out = greedy(engine, ids, self.max_new_tokens, prefill_tokens=ids.numel() - self.question_tokens)
-                    hit_rate = engine.hit_rate()
-                finally:
-                    engine.close()
+                out, extra = generate(ids, ids.numel() - self.question_tokens)
                 text = tokenizer.decode(out, skip_special_tokens=True)
                 records.append({"depth": depth, "expected": expected, "output": text,
                                 "correct": self.score(text, expected), "prompt_tokens": int(ids.numel()),
-                                "tier1_hit_rate": hit_rate, **info})
+                                **extra, **info})
                 advance()
         return self._result(records)
 
     def _result(self, records: list[dict]) -> dict:
-        """Accuracy overall and per depth over the finished samples ``records``."""
+        """Accuracy overall and per depth over the finished samples ``records`` (the tier-1 hit rate over
+        those that have one)."""
         def mean(values):
             return float(np.mean(values)) if len(values) else float("nan")
 
         per_depth = {f"{d:g}": mean([r["correct"] for r in records if r["depth"] == d]) for d in self.depths}
         return {"task": self.name, "accuracy": mean([r["correct"] for r in records]), "samples": len(records),
                 "context_tokens": mean([r["prompt_tokens"] for r in records]), "per_depth": per_depth,
-                "tier1_hit_rate": mean([r["tier1_hit_rate"] for r in records]), "records": records}
+                "tier1_hit_rate": mean([r["tier1_hit_rate"] for r in records if "tier1_hit_rate" in r]),
+                "records": records}
 
 
 def greedy(engine, ids: torch.Tensor, max_new_tokens: int, prefill_tokens: int | None = None) -> list[int]:

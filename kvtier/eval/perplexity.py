@@ -64,13 +64,17 @@ class Perplexity:
         check_int("block_tokens", self.block_tokens, 1)
         check_int("offset", self.offset, 0)
 
+    def tokens(self, tokenizer) -> torch.Tensor:
+        """The ``length`` token ids scored from: LongTensor ``[length]``."""
+        return token_stream(tokenizer, self.text, self.offset + self.length)[self.offset:]
+
     @torch.no_grad()
     def run(self, make_engine: Callable[[], Engine], tokenizer, progress=None) -> dict:
         """The perplexity result; on Ctrl-C or a tier's fault, :class:`Interrupted` or :class:`TierFailed`
         carrying the tokens scored so far."""
         engine = make_engine()
         check_positions(self, engine.model.config)
-        ids = token_stream(tokenizer, self.text, self.offset + self.length)[self.offset:]  # [length]
+        ids = self.tokens(tokenizer)  # [length]
         advance = progress_task(progress, f"perplexity {self.text} ({self.length} tok)", self.length - self.prefix)
         nll = torch.empty(self.length - self.prefix, dtype=torch.float64)
         done = 0
