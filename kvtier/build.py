@@ -148,7 +148,7 @@ def plan(cfg: DictConfig) -> Plan:
     check_memory(in_memory)
     build_scope(cfg, next(iter(capacities.values())))
     labels = {"policy": label(cfg.policy), "scope": label(cfg.scope), "tiers": "_".join(capacities),
-              "kernel": label(cfg.kernel), "task": task.name, "model": label(cfg.model)}
+              "kernel": kernel.name, "task": task.name, "model": label(cfg.model)}
     return Plan(labels, context, budget, capacities, layout)
 
 

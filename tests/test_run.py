@@ -199,6 +199,13 @@ def test_every_recipe_option_validates(group, option):
             assert plan.labels == {"task": "sim_seed"} and plan.layout is None
 
 
+def test_the_default_kernel_is_the_devices():
+    """``kernel: auto`` (the default) is the torch reference for a model on the CPU, and the run says which."""
+    with initialize_config_dir(str(RECIPES), version_base="1.3"):
+        cfg = compose("config", overrides=["model.device=cpu"])
+    assert cfg.kernel.name == "auto" and validate(cfg).labels["kernel"] == "torch"
+
+
 def _cuda() -> bool:
     import torch
 

@@ -567,8 +567,7 @@ class Engine:
             attended = np.concatenate([c.pids for c in calls])
             self.stats.attended_pages += attended.size
             self.stats.resident_pages += int(sum(c.resident.sum() for c in calls))
-            if self.feedback.hears_access:
-                self.policy.on_access(layer, attended, self.step_idx)
+            self.policy.on_access(layer, attended, self.step_idx)
             if "salience" in want:
                 for pids_, sal in self.prefill_attention.salience(calls, q[-1:], lse[-1:], scale):
                     self.feedback.prefill_salience(layer, pids_, sal)

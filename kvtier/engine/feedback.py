@@ -42,14 +42,10 @@ class Feedback:
     def __init__(self, engine):
         self.engine = engine
         policy = engine.policy
-        # the policy's priority is read to move pages between tiers, rank a budget's middle, or compress once;
-        # when nothing reads it (one tier, no such budget) the step gathers nothing for the policy
-        read = len(engine.table.tiers) > 1 or engine.rank is not None or \
-            (engine.budget is not None and engine.budget.mode == "once")
-        self.wants = set(policy.needs) & {"salience", "attention"} if read else set()
+        self.wants = set(policy.needs) & {"salience", "attention"}
         if policy.attention_rows == 0:
             self.wants.discard("attention")
-        self.hears_access = policy.hears_access and read
+        self.hears_access = policy.hears_access
         self._buffers: dict = {}  # width -> dict of device buffers [L, R, ...]
         self._layer_width: list = [None] * engine.layout.num_layers
         self._step: dict = {}  # layer -> page list of the step being computed

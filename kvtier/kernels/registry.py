@@ -11,12 +11,15 @@ from kvtier.kernels.base import AttentionBackend
 from kvtier.kernels.flashinfer import FlashInferBackend
 from kvtier.kernels.reference import TorchBackend
 
-BACKENDS = ("torch", "triton", "flashinfer")
+BACKENDS = ("auto", "torch", "triton", "flashinfer")
 
 
 def make_backend(name: str, device: str = "cuda") -> AttentionBackend:
     """A fresh backend: ``torch`` (reference, any device), or on ``device`` (the model's) ``triton`` (a
-    GPU, or the CPU under TRITON_INTERPRET=1) or ``flashinfer`` (a GPU and ``pip install 'kvtier[gpu]'``)."""
+    GPU, or the CPU under TRITON_INTERPRET=1) or ``flashinfer`` (a GPU and ``pip install 'kvtier[gpu]'``);
+    ``auto``: ``triton`` on a GPU, else ``torch``."""
+    if name == "auto":
+        name = "triton" if torch.device(device).type == "cuda" and torch.cuda.is_available() else "torch"
     if name == "torch":
         return TorchBackend()
     if name not in BACKENDS:
