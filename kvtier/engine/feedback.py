@@ -228,8 +228,9 @@ class Feedback:
     def _attended(self, layers: np.ndarray, pages: np.ndarray, n: int, lists: np.ndarray | None):
         """The distinct pages a row of ``n`` tokens attended in each of ``layers``: ``(at [u], logical [u], entry)``
         (index into ``layers``, logical page; sorted by layer, then page), and ``entry``: for page lists ``lists
-        [L', (1 or N_kv) * K]`` the ``(page index, kv head, list entry)`` of each valid entry; for ``lists`` None
-        (every live page the layer's window shows) None."""
+        [L', (1 or N_kv) * K]`` per valid entry ``(its page's index in the result, its kv head or None for shared
+        lists, its layer's index, its place in the list)``; for ``lists`` None (every live page the layer's window
+        shows) None."""
         e = self.engine
         if lists is None:
             first = np.array([attended_range(n - 1, 1, e.layout.page_size, e.layout.window(int(layer)))[0]
