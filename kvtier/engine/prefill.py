@@ -20,6 +20,7 @@ import torch
 from kvtier.engine.stats import page_mass
 from kvtier.kernels.base import PagedBatch, page_salience
 from kvtier.kernels.merge import merge_many
+from kvtier.quant import dequantize
 
 
 @dataclass
@@ -83,10 +84,8 @@ class PrefillAttention:
         window = self.layout.window(layer)
         out = []
         for call in calls:
-            keys = call.pool.index_select(0, call.batch.kv_indices.long())[:, 0]  # [n, P, N_kv, D]
-            if self.layout.scaled:
-                from kvtier.quant import dequantize
-                keys = dequantize(call.pool.index_select(0, call.batch.kv_indices.long()))[:, 0]
+            pages = call.pool.index_select(0, call.batch.kv_indices.long())  # [n, 2, P(+R), N_kv, D]
+            keys = (dequantize(pages, self.layout.page_size) if self.layout.scaled else pages)[:, 0]  # [n, P, N_kv, D]
             logical = torch.from_numpy(call.logical).to(q_rows.device)
             tokens = torch.from_numpy(call.tokens).to(q_rows.device)
             wl = window - 1 if window and call.batch.causal else -1
