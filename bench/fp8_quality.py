@@ -1,136 +1,169 @@
-"""FP8 E4M3 KV pages on the real SmolLM2-135M (CPU, the engine with the torch reference kernel, exact scope):
-quality against bf16 pages (and the model's own fp32).
+"""Quality of 8-bit KV pages on the real SmolLM2-135M, beside their bytes (issue 24): only what the pages store
+changes, every page attended (scope all), half the pages in host memory so that scales cross a tier too.
 
-The model runs in fp32 (bf16 matmuls are slow on this CPU); only what the pages store changes:
-``kv_dtype`` float32 (the model's), bfloat16, fp8_e4m3. Three measurements each, same tokens:
-- ``prefill_ppl``: perplexity of every position of an Opticks slice fed in 128-token chunks (each
-  chunk attends every earlier page from the cache, its own keys included: all keys are stored pages);
-- ``stream_ppl`` (bf16 and FP8 pages): the ``ctx2k`` protocol of bench/policy_study.py: 2,048 tokens
-  prefilled, then ``--stream`` tokens fed one per decode step and scored;
-- ``passkey`` (bf16 and FP8 pages): accuracy over ``--passkeys`` prompts (depths spread over the
-  context, question inside).
-``--halves``: which half costs the perplexity (K only or V only rounded to E4M3).
+Rows (``--rows``): ``bfloat16`` pages (the reference), ``fp8_e4m3`` (E4M3 values, one power-of-two scale per
+page, K/V and kv head), ``int8`` (int8 steps per page, K/V, kv head and channel about the page's mean:
+:mod:`kvtier.quant`), ``kbf16_ve4m3`` (K kept in bf16 pages, V rounded to E4M3 as it is written, a power-of-two
+scale per token and head: emulated, not a layout; its bytes are what K in bf16 plus V's E4M3 and scale row
+would take).
 
-    nice -n 10 .venv/bin/python -m bench.fp8_quality      # table + bench/fp8_quality.json
+Measurements, each against the ``bfloat16`` row:
+- ``ctx2k`` (bench/policy_study.py's protocol): a 2,048-token Opticks slice prefilled, then
+  ``--continuation`` tokens teacher-forced, one decode step each; perplexity of the NLL pooled over
+  ``--slices`` slices (offsets 0, 30k, 60k, ...). Pages written by decode steps grow token by token.
+- ``prefill`` (``--prefill``): perplexity of every position of the first 2,048-token slice fed in
+  128-token chunks (each chunk attends the stored pages, its own keys included).
+
+CPU (the torch reference kernel; 2 shared cores, ~8 min a row with --slices 1):
+    nice -n 10 .venv/bin/python -m bench.fp8_quality --slices 1 --prefill
+GPU (Triton kernels, decode steps replayed as CUDA graphs):
+    python -m bench.fp8_quality --device cuda --kernel triton --slices 3 --prefill --smollm2 /tmp/smollm2/hf
+Writes bench/fp8_quality.json (``--json``) and prints a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import time
 
-import numpy as np
 import torch
 
 from bench.common import write_json
 from kvtier.data import token_stream
-from kvtier.engine import Engine
-from kvtier.eval import Passkey, Perplexity
+from kvtier.engine import Engine, EngineConfig
+from kvtier.eval import Perplexity
 from kvtier.hook import install
+from kvtier.kernels.registry import make_backend
 from kvtier.models import kv_layout_for, load_model
 from kvtier.policies import LRU
 from kvtier.quant import FP8, pow2_scale
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
+from kvtier.scopes import All
 from kvtier.tiers import DeviceTier, HostTier
 
-
-def exact_engine(model, layout, context: int, chunk: int = 512):
-    """Every page attended (scope all); half the pages in host DRAM, so scales cross a tier too."""
-    pages = layout.pages_for(context + 64) + 4
-    return lambda: Engine(model, layout, [DeviceTier(layout, pages // 2, device="cpu"), HostTier(layout, pages)],
-                          LRU(), "all", prefill=ChunkedPrefill(chunk))
-
-
-@torch.no_grad()
-def prefill_ppl(model, tok, layout, length: int, chunk: int) -> float:
-    ids = token_stream(tok, "opticks", length)  # [S]
-    engine = exact_engine(model, layout, length, chunk)()
-    logits = engine.prefill_sequence(engine.open(length), ids, all_logits=True)  # [S, V]
-    engine.close()
-    nll = torch.nn.functional.cross_entropy(logits[:-1].double(), ids[1:], reduction="mean")
-    return math.exp(float(nll))
+PAGE = 16
+PREFIX = 2048
+ROWS = {  # name -> (kv_dtype, V rounded to E4M3 on the way in)
+    "bfloat16": ("bfloat16", False),
+    "fp8_e4m3": ("fp8_e4m3", False),
+    "int8": ("int8", False),
+    "kbf16_ve4m3": ("bfloat16", True),
+}
 
 
-@torch.no_grad()
-def half_ppl(model, tok, layout, half: int, length: int) -> float:
-    """Diagnostic: ``prefill_ppl`` with only K (``half=0``) or only V (1) rounded to E4M3 (per token and head,
-    power-of-two scale: E4M3's relative rounding does not depend on the scale, so this matches per-page
-    scales bar subnormals), the pages kept in the model's dtype."""
+def token_bytes(layout, v_e4m3: bool) -> float:
+    """Bytes one token takes in one layer's pages (scale rows included); ``v_e4m3``: K as stored, V in E4M3 pages
+    with a scale row."""
+    if not v_e4m3:
+        return layout.page_bytes / layout.page_size
+    n = layout.num_kv_heads * layout.head_dim
+    return n * layout.dtype_bytes + n * (layout.page_size + 1) / layout.page_size
+
+
+def e4m3_rounded(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., D]`` rounded to E4M3 with a power-of-two scale per vector (its dtype kept)."""
+    s = pow2_scale(x.float().abs().amax(-1, keepdim=True))
+    return ((x.float() / s).to(FP8).float() * s).to(x.dtype)
+
+
+@contextlib.contextmanager
+def values_rounded():
+    """The engine's K/V writes with V rounded to E4M3 first (the emulated ``kbf16_ve4m3`` row)."""
     import kvtier.engine.engine as engine_module
 
-    def rounded(x):  # [.., D] -> E4M3-rounded, same dtype
-        s = pow2_scale(x.float().abs().amax(-1, keepdim=True))
-        return ((x.float() / s).to(FP8).float() * s).to(x.dtype)
+    tokens, decode = engine_module.write_tokens, engine_module.write_decode
 
-    plain = engine_module.write_tokens
+    def write_tokens(table, layer, seq, kv, start):  # kv [2, n, N_kv, D]
+        tokens(table, layer, seq, torch.stack([kv[0], e4m3_rounded(kv[1])]), start)
 
-    def write(table, layer, seq, kv, start):
-        kv = kv.clone()
-        kv[half] = rounded(kv[half])
-        plain(table, layer, seq, kv, start)
+    def write_decode(pool, table, positions, key, value, page_size, scaled):  # value [B, N_kv, 1, D]
+        decode(pool, table, positions, key, e4m3_rounded(value), page_size, scaled)
 
-    engine_module.write_tokens = write
+    engine_module.write_tokens, engine_module.write_decode = write_tokens, write_decode
     try:
-        return prefill_ppl(model, tok, layout, length, 128)
+        yield
     finally:
-        engine_module.write_tokens = plain
+        engine_module.write_tokens, engine_module.write_decode = tokens, decode
+
+
+def engine_factory(model, layout, args, context: int, chunk: int = 512):
+    """A fresh exact engine: every page attended, half of them in host memory."""
+    pages = layout.pages_for(context + 64) + 4
+    return lambda: Engine(model, layout, [DeviceTier(layout, pages // 2, device=args.device), HostTier(layout, pages)],
+                          LRU(), All(), kernel=make_backend(args.kernel, args.device), prefill=ChunkedPrefill(chunk),
+                          config=EngineConfig(compile=False))  # graphs on a GPU; compiling would take minutes
+
+
+@torch.no_grad()
+def ctx2k(model, tok, layout, args) -> tuple[float, list[float]]:
+    """Pooled perplexity of the continuation over the slices, and each slice's."""
+    nll, per_slice = [], []
+    for s in range(args.slices):
+        task = Perplexity(text="opticks", length=PREFIX + args.continuation, prefix=PREFIX, offset=30000 * s)
+        res = task.run(engine_factory(model, layout, args, task.length), tok)
+        nll.append(res["nll_mean"] * res["scored_tokens"])
+        per_slice.append(res["perplexity"])
+    return math.exp(sum(nll) / (args.slices * args.continuation)), per_slice
+
+
+@torch.no_grad()
+def prefill_ppl(model, tok, layout, args) -> float:
+    ids = token_stream(tok, "opticks", PREFIX)  # [S]
+    engine = engine_factory(model, layout, args, PREFIX, chunk=128)()
+    logits = engine.prefill_sequence(engine.open(PREFIX), ids, all_logits=True)  # [S, V]
+    engine.close()
+    nll = torch.nn.functional.cross_entropy(logits[:-1].double().cpu(), ids[1:], reduction="mean")
+    return math.exp(float(nll))
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtype", default="float32", help="the model's dtype")
-    p.add_argument("--length", type=int, default=2048, help="tokens of the prefill perplexity slice")
-    p.add_argument("--stream", type=int, default=64, help="decode steps scored after the 2k prefill")
-    p.add_argument("--context", type=int, default=2048, help="passkey prompt tokens")
-    p.add_argument("--passkeys", type=int, default=5)
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    p.add_argument("--dtype", default="float32", help="the model's dtype (bf16 matmuls are slow on the CPU)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--kernel", default="torch", help="torch (any device) or triton (cuda)")
+    p.add_argument("--smollm2", default=None, help="the converted SmolLM2 folder (default: the package's)")
+    p.add_argument("--slices", type=int, default=3)
+    p.add_argument("--continuation", type=int, default=256)
+    p.add_argument("--prefill", action="store_true", help="also the 2,048-token chunked-prefill perplexity")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--halves", action="store_true", help="only the K-only / V-only E4M3 diagnostic (half_ppl)")
+    p.add_argument("--json", default="fp8_quality.json")
     args = p.parse_args(argv)
+    names = args.rows.split(",")
+    if "bfloat16" not in names or any(n not in ROWS for n in names):
+        raise SystemExit(f"--rows: names of {', '.join(ROWS)}, bfloat16 among them (the reference)")
     torch.set_num_threads(args.threads)
-    model, tok = load_model(None, dtype=args.dtype, device="cpu", attn_implementation=install())
-    model.eval()
-    layouts = {kv: kv_layout_for(model.config, page_size=16, dtype=model.dtype, kv_dtype=kv)
-               for kv in ("float32", "bfloat16", "fp8_e4m3")}
-    rows = {kv: {"kv_dtype": kv, "page_bytes": layout.page_bytes} for kv, layout in layouts.items()}
-    t0 = time.time()
-    if args.halves:
-        halves = {name: half_ppl(model, tok, layouts["float32"], h, args.length) for h, name in enumerate("KV")}
-        print(f"prefill ppl, only K / only V rounded to E4M3: {halves}")
-        write_json("fp8_quality_halves.json", {"args": vars(args), "ppl": halves})
-        return
-    for kv, layout in layouts.items():  # cheapest first, every kv dtype; progress as it goes
-        rows[kv]["prefill_ppl"] = prefill_ppl(model, tok, layout, args.length, 128)
-        print(kv, "prefill_ppl", rows[kv]["prefill_ppl"], f"{time.time() - t0:.0f}s", flush=True)
-    stream = Perplexity(text="opticks", length=2048 + args.stream, prefix=2048)
-    pk = Passkey(context_tokens=args.context, depths=tuple(np.linspace(0.1, 0.9, args.passkeys).round(3).tolist()),
-                 samples=1, max_new_tokens=8)
-    for kv in ("bfloat16", "fp8_e4m3"):  # the target's pair
-        res = stream.run(exact_engine(model, layouts[kv], stream.length), tok)
-        rows[kv]["stream_ppl"] = res["perplexity"]
-        print(kv, "stream_ppl", rows[kv]["stream_ppl"], f"{time.time() - t0:.0f}s", flush=True)
-    for kv in ("bfloat16", "fp8_e4m3"):
-        res = pk.run(exact_engine(model, layouts[kv], args.context), tok)
-        rows[kv].update(passkey=res["accuracy"], passkey_outputs=[r["output"] for r in res["records"]])
-        print(kv, "passkey", rows[kv]["passkey"], rows[kv]["passkey_outputs"], f"{time.time() - t0:.0f}s", flush=True)
-    base, fp8 = rows["bfloat16"], rows["fp8_e4m3"]
-    for r in rows.values():
-        for key in ("prefill_ppl", "stream_ppl"):
-            if key in r:
-                r[f"{key}_vs_bf16"] = r[key] / base[key] - 1
-    print(f"\nSmolLM2-135M, model {args.dtype}, CPU, exact scope (every page), page 16; (x%): vs bf16 pages")
-    print(f"| kv pages | page bytes | prefill ppl ({args.length} Opticks) | stream ppl (2k + {args.stream} decode) "
-          f"| passkey ({args.passkeys} x {args.context}) |")
-    print("| --- | --- | --- | --- | --- |")
-    for r in rows.values():
-        cells = [f"{r[k]:.3f} ({r[k + '_vs_bf16']:+.2%})" if k in r else "-" for k in ("prefill_ppl", "stream_ppl")]
-        pk_cell = f"{r['passkey']:.0%}" if "passkey" in r else "-"
-        print(f"| {r['kv_dtype']} | {r['page_bytes']} | {cells[0]} | {cells[1]} | {pk_cell} |")
-    print("targets: FP8 perplexity within 1% of bf16 pages:",
-          all(abs(fp8[f"{k}_vs_bf16"]) <= 0.01 for k in ("prefill_ppl", "stream_ppl")),
-          "| passkey unchanged:", fp8["passkey"] >= base["passkey"], f"| {time.time() - t0:.0f}s")
-    write_json("fp8_quality.json", {"model": "SmolLM2-135M-Instruct", "model_dtype": args.dtype, "args": vars(args),
-                                    "rows": list(rows.values())})
+    model, tok = load_model(args.smollm2, dtype=args.dtype, device=args.device, attn_implementation=install())
+    rows, t0 = [], time.time()
+    for name in names:
+        kv_dtype, v_e4m3 = ROWS[name]
+        layout = kv_layout_for(model.config, page_size=PAGE, dtype=model.dtype, kv_dtype=kv_dtype)
+        row = {"row": name, "kv_dtype": kv_dtype, "bytes_per_token_layer": token_bytes(layout, v_e4m3)}
+        with values_rounded() if v_e4m3 else contextlib.nullcontext():
+            row["ctx2k_ppl"], row["ctx2k_slices"] = ctx2k(model, tok, layout, args)
+            if args.prefill:
+                row["prefill_ppl"] = prefill_ppl(model, tok, layout, args)
+        rows.append(row)
+        print(row, f"{time.time() - t0:.0f}s", flush=True)
+    base = rows[names.index("bfloat16")]
+    keys = ["ctx2k_ppl"] + (["prefill_ppl"] if args.prefill else [])
+    for r in rows:
+        for key in keys:
+            r[f"{key}_vs_bf16"] = r[key] / base[key] - 1
+        r["bytes_vs_bf16"] = r["bytes_per_token_layer"] / base["bytes_per_token_layer"]
+    print(f"\nSmolLM2-135M, model {args.dtype}, {args.device} ({args.kernel} kernel), exact scope, page {PAGE}; "
+          f"ctx2k: {args.slices} slice(s) x {args.continuation} decode steps after {PREFIX}")
+    prefill = args.prefill
+    print("| pages | bytes / token / layer | ctx2k ppl (vs bf16) |" + (" prefill ppl (vs bf16) |" if prefill else ""))
+    print("| --- | ---: | ---: |" + (" ---: |" if prefill else ""))
+    for r in rows:
+        cells = [f"{r[k]:.4f} ({r[k + '_vs_bf16']:+.3%})" for k in keys]
+        size = f"{r['bytes_per_token_layer']:.0f} ({r['bytes_vs_bf16']:.3f}x)"
+        print(f"| {r['row']} | {size} | " + " | ".join(cells) + " |")
+    print(f"target: within 0.15% of bf16 | {time.time() - t0:.0f}s")
+    write_json(args.json, {"model": args.smollm2 or "SmolLM2-135M-Instruct", "args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ from kvtier.kernels.flashinfer import FlashInferBackend  # noqa: E402
 from kvtier.kernels.reference import TorchBackend, paged_attention_reference  # noqa: E402
 from kvtier.kernels.triton_decode import DecodeConfig, TritonBackend, default_decode_config  # noqa: E402
 from kvtier.kernels.triton_prefill import PrefillConfig  # noqa: E402
-from kvtier.quant import FP8, page_scales, quantize_pages  # noqa: E402
+from kvtier.quant import FP8, INT8, channel_steps, page_scales, quantize_pages  # noqa: E402
 
 DEVICE = "cpu" if ARGS.smoke else "cuda"
 
@@ -187,22 +187,28 @@ def check_backends(backends: dict, small: bool) -> list:
         cases.append(("decode", FP8, heads, lens, [1] * 5, False))
     cases.append(("prefill", FP8, PREFILL_HEADS, [110, 57] if small else [1300, 77],
                   [40, 17] if small else [300, 77], True))
+    for heads in DECODE_HEADS:  # int8 pages (steps and means per channel): triton and torch only
+        lens = torch.randint(1, 200 if small else 3000, (5,), generator=gen_lens).tolist()
+        cases.append(("decode", INT8, heads, lens, [1] * 5, False))
+    cases.append(("prefill", INT8, PREFILL_HEADS, [110, 57] if small else [1300, 77],
+                  [40, 17] if small else [300, 77], True))
     if small:
         cases = [(k, d, (4, 2, 32), lens, ql, c) for k, d, _, lens, ql, c in cases]
     rows = []
     for kind, dtype, heads, kv_lens, q_lens, causal in cases:
-        q, pool, batch = paged_problem(kv_lens, q_lens, heads, 16, torch.bfloat16 if dtype == FP8 else dtype, causal)
-        if dtype == FP8:  # random pages with scales from 2^-4 to 2^4, then quantized
-            q = q.to(torch.bfloat16)
+        eight_bit = dtype in (FP8, INT8)
+        q, pool, batch = paged_problem(kv_lens, q_lens, heads, 16, torch.bfloat16 if eight_bit else dtype, causal)
+        if eight_bit:  # random pages with scales from 2^-4 to 2^4 (int8: channel offsets too), then quantized
             spread = torch.exp2(torch.randint(-4, 5, (pool.shape[0], 2, 1, heads[1], 1), device=DEVICE).float())
-            pool = quantize_pages(torch.randn(pool.shape, device=DEVICE) * spread)
+            offsets = torch.randn(heads[1:], device=DEVICE) * 10 * (dtype == INT8)  # [N_kv, D]
+            pool = quantize_pages((torch.randn(pool.shape, device=DEVICE) + offsets) * spread, dtype)
         if kind == "decode_head_mask":  # each kv head sees about half of the pages, every last page
             batch.head_mask = torch.rand(batch.kv_indices.numel(), heads[1], device=DEVICE) < 0.5
             batch.head_mask[batch.kv_indptr[1:].long() - 1] = True
         scale = heads[2] ** -0.5
         ref = paged_attention_reference(q, pool, batch, scale, return_page_max=True)
         for name, backend in backends.items():
-            if dtype == FP8 and name == "flashinfer":
+            if eight_bit and name == "flashinfer":
                 continue  # FlashInfer's FP8 path takes one scale per call: timed on its own pages below
             if batch.head_mask is not None and not backend.supports_head_mask:
                 continue
@@ -311,8 +317,17 @@ def fp8_pools(buffer: torch.Tensor, nnz: int, heads) -> tuple[torch.Tensor, torc
     FlashInfer's plain pool ``[nnz, 2, 16, N_kv, D]``."""
     _, n_kv, dim = heads
     ours = buffer[:nnz * 2 * 17 * n_kv * dim].view(nnz, 2, 17, n_kv, dim)
-    page_scales(ours).fill_(1.0 / 64)
+    page_scales(ours, 16).fill_(1.0 / 64)
     return ours, buffer[:nnz * 2 * 16 * n_kv * dim].view(nnz, 2, 16, n_kv, dim)
+
+
+def int8_pool(buffer: torch.Tensor, nnz: int, heads) -> torch.Tensor:
+    """A view of the int8 ``buffer`` as kvtier's int8 pool ``[nnz, 2, 19, N_kv, D]``: steps 2^-6, means 0."""
+    _, n_kv, dim = heads
+    pool = buffer[:nnz * 2 * 19 * n_kv * dim].view(nnz, 2, 19, n_kv, dim)
+    channel_steps(pool, 16).fill_(-24)
+    pool[:, :, 17:].zero_()
+    return pool
 
 
 def timed(fn, graphs: bool, into: dict, name: str) -> float:
@@ -416,9 +431,14 @@ def tune_grids(smoke: bool) -> dict:
 
 
 def decode_problem(buffers: dict, heads, b, s, kv: str):
-    """q ``[B, H, D]``, the pool (a view of ``buffers[kv]``; FP8: kvtier's pages) and the batch of one decode cell."""
+    """q ``[B, H, D]``, the pool (a view of ``buffers[kv]``; FP8, int8: kvtier's pages) and the batch of one
+    decode cell."""
     q, pool, batch = paged_problem([s] * b, [1] * b, heads, 16, torch.bfloat16, False, buffers["bf16"])
-    return q, pool if kv == "bf16" else fp8_pools(buffers["fp8"], pool.shape[0], heads)[0], batch
+    if kv == "fp8":
+        pool = fp8_pools(buffers["fp8"], pool.shape[0], heads)[0]
+    elif kv == "int8":
+        pool = int8_pool(buffers["int8"], pool.shape[0], heads)
+    return q, pool, batch
 
 
 def time_decode(config, heads, q, pool, batch, page_max=False) -> float | None:
@@ -450,14 +470,14 @@ def tune_decode(buffers: dict, cases: list, grid: list, kv: str, top: int = 5) -
 
 
 def tune_page_max(buffers: dict, cases: list) -> list:
-    """Triton decode with and without page_max, and FP8 over bf16 pages, on each case: the default config and
-    the same with registers capped at 128 per thread (four programs of four warps per multiprocessor)."""
+    """Triton decode with and without page_max, and FP8 and int8 over bf16 pages, on each case: the default config
+    and the same with registers capped at 128 per thread (four programs of four warps per multiprocessor)."""
     results = []
     for heads, b, s in cases:
         ms = {}
-        for kv in ("bf16", "fp8"):
+        for kv in ("bf16", "fp8", "int8"):
             q, pool, batch = decode_problem(buffers, heads, b, s, kv)
-            default = default_decode_config(heads[2], 1 if kv == "fp8" else 2)
+            default = default_decode_config(heads[2], 2 if kv == "bf16" else 1)
             for cap in (None, 128):
                 cfg = dataclasses.replace(default, maxnreg=cap)
                 off, on = (time_decode(cfg, heads, q, pool, batch, page_max) for page_max in (False, True))
@@ -469,10 +489,10 @@ def tune_page_max(buffers: dict, cases: list) -> list:
                 overhead = f"{row['page_max_overhead']:+.1%}" if row["page_max_overhead"] is not None else "-"
                 print(f"tune page_max B={b} S={s} {heads} {kv} maxnreg={cap}: {off and round(off, 4)} ms, "
                       f"with page_max {on and round(on, 4)} ms ({overhead})", flush=True)
-        for cap in (None, 128):
-            if ms["bf16", cap] and ms["fp8", cap]:
-                print(f"tune fp8 / bf16 speed B={b} S={s} {heads} maxnreg={cap}: "
-                      f"{ms['bf16', cap] / ms['fp8', cap]:.2f}x", flush=True)
+        for cap, kv in itertools.product((None, 128), ("fp8", "int8")):
+            if ms["bf16", cap] and ms[kv, cap]:
+                print(f"tune {kv} / bf16 speed B={b} S={s} {heads} maxnreg={cap}: "
+                      f"{ms['bf16', cap] / ms[kv, cap]:.2f}x", flush=True)
     return results
 
 
@@ -591,6 +611,9 @@ def main():
     fp8 = torch.empty(max(page_rows(*c) for c in fp8_cells) * 17, dtype=torch.uint8,
                       device=DEVICE).random_(0, 0x7E).view(FP8)  # finite E4M3; every FP8 pool is a view of this
     buffers = {"bf16": buffer, "fp8": fp8}
+    if ARGS.tune:  # int8 pools (for tune_page_max) are views of this
+        rows = max(page_rows(*c) for c in tuned.get("fp8", [])) * 19
+        buffers["int8"] = torch.empty(rows, dtype=INT8, device=DEVICE).random_(-127, 128)
     if ARGS.tune:
         result["tuning"] = tune(buffers, ARGS.smoke, fp8_only=ARGS.tune_only)
         save()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.errors import ConfigError
+from kvtier.quant import SCALE_ROWS
 
 SUPPORTED_DTYPES = {
     "float32": torch.float32,
@@ -15,19 +16,21 @@ SUPPORTED_DTYPES = {
     "bfloat16": torch.bfloat16,
     "float8_e4m3fn": torch.float8_e4m3fn,
 }
+PAGE_ONLY_DTYPES = {"int8": torch.int8}  # a kv_dtype only: int8 pages (kvtier/quant.py), never a model's dtype
 KV_DTYPE_ALIASES = {"fp8_e4m3": "float8_e4m3fn"}  # the recipe's short name for FP8 E4M3 pages
-SCALED_KV_DTYPES = (torch.float8_e4m3fn,)  # stored as values plus per-page scales (kvtier/quant.py)
 
 
 def resolve_dtype(dtype: str | torch.dtype, field: str = "dtype") -> torch.dtype:
-    """Map a dtype name (or a torch dtype) to a supported torch dtype, or raise ConfigError."""
+    """Map a dtype name (or a torch dtype) to a supported torch dtype, or raise ConfigError; ``field="kv_dtype"``
+    also takes :data:`PAGE_ONLY_DTYPES`."""
+    supported = {**SUPPORTED_DTYPES, **PAGE_ONLY_DTYPES} if field == "kv_dtype" else SUPPORTED_DTYPES
     if isinstance(dtype, torch.dtype):
-        if dtype in SUPPORTED_DTYPES.values():
+        if dtype in supported.values():
             return dtype
         dtype = str(dtype).removeprefix("torch.")
-    if dtype not in SUPPORTED_DTYPES:
-        raise ConfigError(field, f"unsupported dtype {dtype!r}; use one of {sorted(SUPPORTED_DTYPES)}")
-    return SUPPORTED_DTYPES[dtype]
+    if dtype not in supported:
+        raise ConfigError(field, f"unsupported dtype {dtype!r}; use one of {sorted(supported)}")
+    return supported[dtype]
 
 
 def _positive(field: str, value: int) -> int:
@@ -44,9 +47,10 @@ class KVLayout:
     layer is ``[slots, 2, page_size, num_kv_heads, head_dim]``.
 
     ``dtype`` is the model's (what K/V arrive in and attention returns); ``kv_dtype`` is what pages
-    store (default: ``dtype``). ``kv_dtype="fp8_e4m3"`` stores FP8 E4M3 values with one scale per
-    (page, K/V, kv head) in one extra row of the page, so a page is ``[2, page_size + 1, N_kv, D]``
-    (:mod:`kvtier.quant` says why this granularity and where the scales sit).
+    store (default: ``dtype``). 8-bit pages keep their scales in ``R`` extra rows, ``[2, page_size + R, N_kv, D]``:
+    ``kv_dtype="fp8_e4m3"`` E4M3 values with one scale per (page, K/V, kv head) (R = 1); ``kv_dtype="int8"``
+    int8 steps per channel about the page's mean (R = 3; near bf16's perplexity). :mod:`kvtier.quant` says
+    why these granularities and where the scales sit.
 
     ``sliding_windows``: empty (every layer global) or one entry per layer, the number of keys a
     query of that layer sees (itself included, HF's ``sliding_window``), 0 for a global layer.
@@ -71,7 +75,7 @@ class KVLayout:
         kv_dtype = self.dtype if self.kv_dtype is None else KV_DTYPE_ALIASES.get(self.kv_dtype, self.kv_dtype)
         object.__setattr__(self, "kv_dtype", resolve_dtype(kv_dtype, "kv_dtype"))
         if self.scaled and self.head_dim % 4:
-            raise ConfigError("kv_dtype", f"FP8 pages keep each head's fp32 scale in its scale row: head_dim must be "
+            raise ConfigError("kv_dtype", f"8-bit pages keep each head's scales in their scale rows: head_dim must be "
                                           f"a multiple of 4, got {self.head_dim}")
         windows = tuple(self.sliding_windows or ())
         if windows and len(windows) != self.num_layers:
@@ -87,13 +91,18 @@ class KVLayout:
 
     @property
     def scaled(self) -> bool:
-        """Pages hold quantized values plus a scale row (``kv_dtype`` FP8)."""
-        return self.kv_dtype in SCALED_KV_DTYPES
+        """Pages hold quantized values plus rows of scales (``kv_dtype`` FP8 or int8)."""
+        return self.kv_dtype in SCALE_ROWS
+
+    @property
+    def scale_rows(self) -> int:
+        """Rows of scales after the values in each half of a page (0 for pages stored as they are)."""
+        return SCALE_ROWS.get(self.kv_dtype, 0)
 
     @property
     def page_shape(self) -> tuple[int, int, int, int]:
-        """Stored page: ``(2, page_size, num_kv_heads, head_dim)``, one row more with scales (FP8)."""
-        return (2, self.page_size + self.scaled, self.num_kv_heads, self.head_dim)
+        """Stored page: ``(2, page_size + scale_rows, num_kv_heads, head_dim)``."""
+        return (2, self.page_size + self.scale_rows, self.num_kv_heads, self.head_dim)
 
     @property
     def dtype_bytes(self) -> int:
@@ -102,8 +111,8 @@ class KVLayout:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one stored page of one layer (K and V, and the scale row of FP8 pages)."""
-        return 2 * (self.page_size + self.scaled) * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        """Bytes of one stored page of one layer (K and V, and the scale rows of 8-bit pages)."""
+        return 2 * (self.page_size + self.scale_rows) * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
     @property
     def token_bytes(self) -> int:

@@ -220,7 +220,7 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
 def kv_layout_for(config, page_size: int = 16, dtype: str | torch.dtype = torch.bfloat16,
                   kv_dtype: str | torch.dtype | None = None) -> KVLayout:
     """KVLayout (pages ``[2, page_size, num_kv_heads, head_dim]``, per-layer sliding windows) of a HF
-    model config, pages stored as ``kv_dtype`` (None: ``dtype``; ``"fp8_e4m3"``: FP8 with scales);
+    model config, pages stored as ``kv_dtype`` (None: ``dtype``; ``"fp8_e4m3"``, ``"int8"``: 8-bit with scales);
     UnsupportedAttentionError if kvtier cannot honour the model's attention."""
     _, kv_heads, head_dim = attention_dims(config)
     check_model_support(config)

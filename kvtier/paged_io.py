@@ -1,4 +1,4 @@
-"""The K/V write (bf16 and FP8 pages), for prefill chunks and decode rows, and token-level reads."""
+"""The K/V write (16/32-bit and 8-bit pages), for prefill chunks and decode rows, and token-level reads."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ def write_tokens(table: BlockTable, layer: int, seq: int, kv: torch.Tensor, star
     """Store ``kv [2, n, N_kv, D]`` as tokens ``start .. start+n-1`` of ``seq`` (pages already appended).
 
     Addressable tiers are written in place per token; other tiers by read-modify-write of whole
-    pages (a page whose first token is written starts from zeros). FP8 layouts quantize on the way
-    in (:func:`kvtier.quant.write_scaled`: each page's scale grows with its values).
+    pages (a page whose first token is written starts from zeros). 8-bit layouts quantize on the way
+    in (:func:`kvtier.quant.write_scaled`: each page's scales grow with its values).
     """
     n = kv.shape[1]
     P = table.layout.page_size
@@ -30,7 +30,7 @@ def write_tokens(table: BlockTable, layer: int, seq: int, kv: torch.Tensor, star
         chunk = kv if sel.size == n else kv[:, to_device([sel], kv.device, torch.int64)[0]]  # [2, m, N_kv, D]
         uniq, inv = np.unique(slots[sel], return_inverse=True)
         if pool is not None:
-            _store(table.layout.scaled, pool, uniq, inv, offs[sel], chunk)
+            _store(table.layout, pool, uniq, inv, offs[sel], chunk)
             continue
         u = torch.from_numpy(uniq)
         fresh = np.zeros(uniq.size, dtype=bool)  # a write from offset 0 starts a page: nothing to keep
@@ -39,17 +39,17 @@ def write_tokens(table: BlockTable, layer: int, seq: int, kv: torch.Tensor, star
         if not fresh.all():
             old = np.flatnonzero(~fresh)
             pages[torch.from_numpy(old)] = tier.read(layer, u[old]).to(pages.device)
-        _store(table.layout.scaled, pages, np.arange(uniq.size), inv, offs[sel], chunk)
+        _store(table.layout, pages, np.arange(uniq.size), inv, offs[sel], chunk)
         tier.write(layer, u, pages)
 
 
-def _store(scaled: bool, pool: torch.Tensor, pages: np.ndarray, inv: np.ndarray, offs: np.ndarray,
+def _store(layout, pool: torch.Tensor, pages: np.ndarray, inv: np.ndarray, offs: np.ndarray,
            kv: torch.Tensor) -> None:
     """Token ``i`` of ``kv [2, m, N_kv, D]`` into row ``offs[i]`` of slot ``pages[inv[i]]`` of ``pool``."""
     p, i, o = to_device([pages, inv, offs], pool.device, torch.int64)  # [u], [m], [m]
     kv = kv.to(pool.device)
-    if scaled:
-        write_scaled(pool, p, i, o, kv)
+    if layout.scaled:
+        write_scaled(pool, layout.page_size, p, i, o, kv)
     else:
         pool[p[i], :, o] = kv.transpose(0, 1).to(pool.dtype)
 
@@ -65,7 +65,7 @@ def read_tokens(table: BlockTable, layer: int, seq: int, device=None) -> torch.T
         sel = np.flatnonzero(tiers == t)
         pages[torch.from_numpy(sel).to(dev)] = table.tiers[t].read(layer, torch.from_numpy(slots[sel])).to(dev)
     if L.scaled:
-        pages = dequantize(pages).to(L.dtype)  # [n, 2, P, N_kv, D]
+        pages = dequantize(pages, L.page_size).to(L.dtype)  # [n, 2, P, N_kv, D]
     S = table.seq_len(seq)
     return pages.transpose(0, 1).reshape(2, -1, L.num_kv_heads, L.head_dim)[:, :S]  # [2, S, N_kv, D]
 
@@ -73,11 +73,11 @@ def read_tokens(table: BlockTable, layer: int, seq: int, device=None) -> torch.T
 def write_decode(pool: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, page_size: int, scaled: bool) -> None:
     """Each row's new K/V ``[B, N_kv, 1, D]`` into its page ``table [B, M]`` at ``positions [B]`` of the device
-    ``pool`` (``scaled``: FP8 pages, quantized against their scales); static shapes, no host work."""
+    ``pool`` (``scaled``: 8-bit pages, quantized against their scales); static shapes, no host work."""
     slot = table.gather(1, (positions // page_size)[:, None])[:, 0].long()  # [B] device slots
     kv = torch.stack([key[:, :, 0], value[:, :, 0]], 1)  # [B, 2, N_kv, D]
     if scaled:
-        write_scaled(pool, slot, torch.arange(slot.numel(), device=slot.device), positions.long() % page_size,
-                     kv.transpose(0, 1))
+        write_scaled(pool, page_size, slot, torch.arange(slot.numel(), device=slot.device),
+                     positions.long() % page_size, kv.transpose(0, 1))
     else:
         pool[slot, :, positions % page_size] = kv.to(pool.dtype)

@@ -1,21 +1,44 @@
-"""FP8 E4M3 KV pages: values plus one power-of-two scale per (page, K/V, kv head), stored in the page.
+"""8-bit KV pages: values plus what it takes to read them back, stored in extra rows of the page.
 
-A stored page is ``[2, P + 1, N_kv, D]`` float8_e4m3fn: rows ``0..P-1`` of each half hold K (V)
-divided by the scale, row ``P`` holds each head's fp32 scale in its first 4 bytes. The scales are
-bytes of the page, so every tier (device, host, disk, remote, and any tier that moves pages)
-carries them with no code of its own, and the disk/remote checksums cover them. Costs one row in
-``P + 1`` of storage; the kernels read 4 bytes of it per head.
+A stored page is ``[2, P + R, N_kv, D]`` of the pool's dtype: rows ``0..P-1`` of each half hold K (V), the
+``R`` rows after them their scales. They are bytes of the page, so every tier (device, host, disk,
+remote, and any tier that moves pages) carries them with no code of its own, and the disk/remote
+checksums cover them. Two formats, by the pool's dtype (``KVLayout.kv_dtype``, :data:`SCALE_ROWS`):
 
-Granularity, per (page, K/V, kv head) (KIVI, Liu et al. 2024, keeps per-channel K groups; vLLM
-and FlashInfer FP8 use one scale per layer): a page's scale comes from its own values at the
-moment they are written, so no calibration pass is needed, an outlier token costs precision only
-in its own page, and a page keeps its scale when it moves between tiers or is shared by forks.
+- ``float8_e4m3fn`` (recipe ``fp8_e4m3``, R = 1): the values divided by one power-of-two scale per (page,
+  K/V, kv head), as E4M3; row ``P`` holds each head's fp32 scale in its first 4 bytes. 2·(P + 1)/P bytes
+  per K/V pair (page 16: 0.53x bf16).
+- ``int8`` (R = 3): ``x = m + 2^(e/4) · c`` with ``c`` int8 in [-127, 127]: per (page, K/V, kv head,
+  channel) one step exponent ``e`` (row ``P``, an int8 each: steps from 2^-32 to 2^31.75, a quarter octave
+  apart) and the mean ``m`` of the channel over the page's tokens (bf16: row ``P + 1`` holds channels
+  ``[0, D/2)``, row ``P + 2`` channels ``[D/2, D)``). 2·(P + 3)/P bytes per K/V pair (page 16: 0.59x bf16).
 
-Scales are powers of two (as OCP MX's E8M0 scales): E4M3's relative precision is the same at any
-scale, so rounding the scale up to ``2^ceil(log2(amax / 448))`` costs at most the lowest binade,
-and when a later token of a partly filled page is larger than the page's range, the page's
-earlier values are rescaled by ``old / new`` (a power of two: exact, bar values falling below
-E4M3's smallest subnormal) and the scale grows. No value ever exceeds 448.
+Why int8 pages: E4M3 keeps 3 mantissa bits at any scale, so each ``q_i k_i`` term of a logit carries up to
+2^-4 of itself as error and the softmax exponentiates it (SmolLM2-135M, FP8 pages: +2.9% perplexity,
+K alone +2.4%). Per-channel E4M3 scales cannot help a floating-point format, whose relative rounding does
+not depend on the scale; removing each channel's page mean before rounding, SageAttention's K smoothing
+(Zhang et al. 2024, arXiv 2410.02367), leaves +1.0%. Integer steps per channel about the mean, KIVI's
+per-channel K (Liu et al. 2024, arXiv 2402.02750), spend all 8 bits on the channel's range within the
+page (RoPE turns K's slow channels into near-constant offsets over a page): -0.17% / -0.06% against bf16
+pages (ctx2k decode / 2k prefill; FP8 pages +2.8% / +3.0%), and V in the same format costs nothing where
+E4M3 V costs up to 0.5% on short contexts (``bench/fp8_quality.py``, bench/RESULTS.md). The mean is the page's own and stored in it, so the kernels
+read ``x`` back whole (``q·k = q·(k - m) + q·m`` in one dot) wherever the page goes, moved or shared: no
+softmax-invariance argument is needed.
+
+Granularity per page (KIVI keeps per-channel K groups; vLLM and FlashInfer FP8 use one scale per
+layer): a page's scales come from its own values at the moment they are written, so no calibration
+pass is needed, an outlier token costs precision only in its own page, and a page keeps its scales when
+it moves between tiers or is shared by forks.
+
+Growing pages. E4M3 scales are powers of two (as OCP MX's E8M0 scales), int8 steps quarter octaves (a
+power of two would waste up to one of int8's bits, a quarter octave at most 19% of the range: SmolLM2 on
+512 Opticks tokens, +0.25% perplexity against -0.08%), each the smallest that holds the values. When a later
+token of a partly filled page exceeds the page's range, the range grows and the page's earlier values are
+divided by ``new / old``: exact for E4M3 (a power of two, bar values falling below its smallest
+subnormal), rounded again for int8 (half to even: at most half the new step each time, so at most
+``0.5 / (1 - 2^-0.25) < 3.2`` final steps in all). An int8 page's mean is that of the tokens of the write
+that starts it (a prefill chunk: usually the whole page; a decode step: its first token) and stays. No
+value ever leaves its format's range (int8 steps saturate past 127 · 2^31.75).
 """
 
 from __future__ import annotations
@@ -23,23 +46,74 @@ from __future__ import annotations
 import torch
 
 FP8 = torch.float8_e4m3fn
+INT8 = torch.int8
 FP8_MAX = 448.0  # largest finite E4M3 value
-MIN_SCALE = 2.0 ** -100  # the scale of an all-zero page (any later value grows it)
+INT8_MAX = 127.0  # largest int8 step count used (symmetric)
+STEPS_PER_OCTAVE = 4  # int8 steps are 2^(e / 4), e an int8
+MIN_SCALE = 2.0 ** -100  # the scale of an all-zero FP8 page (any later value grows it)
+SCALE_ROWS = {FP8: 1, INT8: 3}  # stored dtype -> rows of scales after the values in each half of a page
 
 
-def page_values(pages: torch.Tensor) -> torch.Tensor:
-    """The value rows of stored pages ``[n, 2, P + 1, N_kv, D]``: a view ``[n, 2, P, N_kv, D]``."""
-    return pages[:, :, :-1]
+def is_scaled_pool(kv_pool: torch.Tensor, page_size: int) -> bool:
+    """Whether a pool ``[slots, 2, rows, N_kv, D]`` holds 8-bit pages with scale rows (checked: ``rows = P + R``,
+    ``D`` a multiple of 4; a ValueError names the shape it needs)."""
+    if kv_pool.dtype not in SCALE_ROWS:
+        return False
+    rows = SCALE_ROWS[kv_pool.dtype]
+    if kv_pool.shape[2] != page_size + rows or kv_pool.shape[-1] % 4:
+        raise ValueError(f"a {kv_pool.dtype} pool needs pages [2, page_size + {rows}, N_kv, D] (values plus {rows} "
+                         f"row(s) of scales, D a multiple of 4), got {tuple(kv_pool.shape[1:])} for page_size "
+                         f"{page_size}")
+    return True
 
 
-def page_scales(pages: torch.Tensor) -> torch.Tensor:
-    """The scales of stored pages ``[n, 2, P + 1, N_kv, D]``: a writable fp32 view ``[n, 2, N_kv]``."""
-    return pages[:, :, -1, :, :4].view(torch.float32)[..., 0]
+def page_values(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The value rows of stored pages ``[n, 2, P + R, N_kv, D]``: a view ``[n, 2, P, N_kv, D]``."""
+    return pages[:, :, :page_size]
 
 
-def dequantize(pages: torch.Tensor) -> torch.Tensor:
-    """Stored pages ``[n, 2, P + 1, N_kv, D]`` as fp32 ``[n, 2, P, N_kv, D]``."""
-    return page_values(pages).float() * page_scales(pages)[:, :, None, :, None]
+def page_scales(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """FP8 pages' scales ``[n, 2, N_kv]``: a writable fp32 view of the rows ``P`` of ``[n, 2, P + 1, N_kv, D]``."""
+    return pages[:, :, page_size, :, :4].view(torch.float32)[..., 0]
+
+
+def channel_steps(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """int8 pages' step exponents ``e`` ``[n, 2, N_kv, D]`` (a view of the rows ``P``): the steps are
+    :func:`step_of` ``(e)``."""
+    return pages[:, :, page_size]
+
+
+def step_of(e: torch.Tensor) -> torch.Tensor:
+    """The int8 step ``2^(e / 4)`` of exponents ``e`` (fp32, same shape)."""
+    return torch.exp2(e.float() / STEPS_PER_OCTAVE)
+
+
+def step_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """The smallest int8 exponent ``e`` with ``amax / 2^(e / 4) <= 127`` (int64, same shape; -128 for 0)."""
+    e = torch.ceil(STEPS_PER_OCTAVE * torch.log2(amax.float() / INT8_MAX)).clamp(-128, 127)  # -inf -> -128
+    e = e + ((amax > INT8_MAX * step_of(e)) & (e < 127)).float()  # log2's rounding, either way
+    e = e - ((amax <= INT8_MAX * step_of(e - 1)) & (e > -128)).float()
+    return e.long()
+
+
+def channel_means(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """int8 pages' means ``[n, 2, N_kv, D]`` (bf16, a copy: the rows ``P + 1``, ``P + 2`` are not one view)."""
+    return _means(pages[:, :, page_size + 1:page_size + 3])
+
+
+def _means(rows: torch.Tensor) -> torch.Tensor:
+    """The means held by the rows ``P + 1..P + 2`` ``[..., 2, N_kv, D]`` (int8 bytes) as bf16 ``[..., N_kv, D]``."""
+    halves = rows.view(torch.bfloat16)  # [..., 2, N_kv, D / 2]
+    return torch.cat([halves[..., 0, :, :], halves[..., 1, :, :]], -1)
+
+
+def dequantize(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Stored pages ``[n, 2, P + R, N_kv, D]`` as fp32 ``[n, 2, P, N_kv, D]``."""
+    values = page_values(pages, page_size).float()
+    if pages.dtype == FP8:
+        return values * page_scales(pages, page_size)[:, :, None, :, None]
+    step = step_of(channel_steps(pages, page_size))  # [n, 2, N_kv, D]
+    return values * step[:, :, None] + channel_means(pages, page_size).float()[:, :, None]
 
 
 def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -49,49 +123,71 @@ def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(x), exp - (mant == 0.5).to(exp.dtype))
 
 
-def quantize_pages(kv: torch.Tensor) -> torch.Tensor:
-    """Whole pages ``[n, 2, P, N_kv, D]`` (any float dtype) as stored FP8 pages ``[n, 2, P + 1, N_kv, D]``."""
+def quantize_pages(kv: torch.Tensor, dtype: torch.dtype = FP8) -> torch.Tensor:
+    """Whole pages ``[n, 2, P, N_kv, D]`` (any float dtype) as stored ``dtype`` pages ``[n, 2, P + R, N_kv, D]``."""
     n, _, page, n_kv, dim = kv.shape
-    out = torch.empty(n, 2, page + 1, n_kv, dim, dtype=FP8, device=kv.device)
+    out = torch.empty(n, 2, page + SCALE_ROWS[dtype], n_kv, dim, dtype=dtype, device=kv.device)
     tok = torch.arange(n * page, device=kv.device)  # [n * P]
-    write_scaled(out, torch.arange(n, device=kv.device), tok // page, tok % page,
+    write_scaled(out, page, torch.arange(n, device=kv.device), tok // page, tok % page,
                  kv.transpose(0, 1).reshape(2, n * page, n_kv, dim))
     return out
 
 
-def write_scaled(pool: torch.Tensor, pages: torch.Tensor, inv: torch.Tensor, offs: torch.Tensor,
+def write_scaled(pool: torch.Tensor, page_size: int, pages: torch.Tensor, inv: torch.Tensor, offs: torch.Tensor,
                  kv: torch.Tensor) -> None:
     """Quantize tokens ``kv [2, m, N_kv, D]`` into stored pages: token ``i`` goes to row ``offs[i]`` of
-    page ``pages[inv[i]]`` of ``pool [S, 2, P + 1, N_kv, D]``.
+    page ``pages[inv[i]]`` of ``pool [S, 2, P + R, N_kv, D]`` (FP8 or int8).
 
     ``pages [u]`` (distinct slots), ``inv [m]``, ``offs [m]`` are int64 on the pool's device. A page
-    written from row 0 starts afresh (zeros, no scale); a page whose new tokens exceed its range gets
-    the larger power-of-two scale and its earlier rows rescaled, exactly. No host sync.
+    written from row 0 starts afresh (zeros, no scale; an int8 page's mean from this write); a page whose
+    new tokens exceed its range gets the larger scale (step) and its earlier rows rescaled.
+    No host sync.
     """
-    n_pages = pages.numel()
-    values = page_values(pool)
-    tok_amax = kv.float().abs().amax(-1).transpose(0, 1)  # [m, 2, N_kv]
-    new_amax = torch.zeros(n_pages, *tok_amax.shape[1:], device=pool.device).scatter_reduce_(
-        0, inv[:, None, None].expand_as(tok_amax), tok_amax, "amax")  # [u, 2, N_kv]
-    fresh = torch.zeros(n_pages, device=pool.device).scatter_reduce_(
+    fresh = torch.zeros(pages.numel(), device=pool.device).scatter_reduce_(
         0, inv, (offs == 0).float(), "amax").bool()  # [u] starts at row 0
-    old = torch.where(fresh[:, None, None], 0.0, page_scales(pool)[pages])  # [u, 2, N_kv]
+    x = kv.float().transpose(0, 1)  # [m, 2, N_kv, D]
+    write = _write_e4m3 if pool.dtype == FP8 else _write_int8
+    write(pool, page_size, pages, inv, offs, x, fresh)
+
+
+def _write_e4m3(pool: torch.Tensor, page_size: int, pages: torch.Tensor, inv: torch.Tensor, offs: torch.Tensor,
+                x: torch.Tensor, fresh: torch.Tensor) -> None:
+    """Tokens ``x [m, 2, N_kv, D]`` (fp32) into FP8 pages (:func:`write_scaled`; ``fresh [u]``: written from row 0)."""
+    values = page_values(pool, page_size)  # [S, 2, P, N_kv, D]
+    tok_amax = x.abs().amax(-1)  # [m, 2, N_kv]
+    new_amax = torch.zeros(pages.numel(), *tok_amax.shape[1:], device=pool.device).scatter_reduce_(
+        0, inv[:, None, None].expand_as(tok_amax), tok_amax, "amax")  # [u, 2, N_kv]
+    old = torch.where(fresh[:, None, None], 0.0, page_scales(pool, page_size)[pages])  # [u, 2, N_kv]
     new = torch.maximum(old, pow2_scale(new_amax))  # [u, 2, N_kv]
     ratio = (old / new)[:, :, None, :, None]  # [u, 2, 1, N_kv, 1]: 1 kept, 2^-k grown, 0 fresh
-    kept = values[pages].float()  # [u, 2, P, N_kv, D]
-    values[pages] = torch.where(ratio > 0, kept * ratio, 0.0).to(FP8)
-    row = torch.zeros(n_pages, 2, pool.shape[3], pool.shape[4], dtype=FP8, device=pool.device)  # [u, 2, N_kv, D]
-    page_scales(row[:, :, None])[:] = new  # the whole scale row, padding zeroed: same bytes on every tier
-    pool[pages, :, -1] = row
-    tok_scale = new[inv][:, :, :, None]  # [m, 2, N_kv, 1]
-    values[pages[inv], :, offs] = (kv.transpose(0, 1).float() / tok_scale).to(FP8)  # [m, 2, N_kv, D]
+    values[pages] = torch.where(ratio > 0, values[pages].float() * ratio, 0.0).to(FP8)
+    row = torch.zeros(pages.numel(), 2, *x.shape[2:], dtype=FP8, device=pool.device)  # [u, 2, N_kv, D]
+    page_scales(row[:, :, None], 0)[:] = new  # the whole scale row, padding zeroed: same bytes on every tier
+    pool[pages, :, page_size] = row
+    values[pages[inv], :, offs] = (x / new[inv][..., None]).to(FP8)  # [m, 2, N_kv, D]
 
 
-def is_scaled_pool(kv_pool: torch.Tensor, page_size: int) -> bool:
-    """Whether a pool ``[slots, 2, rows, N_kv, D]`` holds FP8 pages with scale rows (checked: ``rows = P + 1``)."""
-    if kv_pool.dtype != FP8:
-        return False
-    if kv_pool.shape[2] != page_size + 1 or kv_pool.shape[-1] % 4:
-        raise ValueError(f"an FP8 pool needs pages [2, page_size + 1, N_kv, D] (values plus a scale row, D a "
-                         f"multiple of 4), got {tuple(kv_pool.shape[1:])} for page_size {page_size}")
-    return True
+def _write_int8(pool: torch.Tensor, page_size: int, pages: torch.Tensor, inv: torch.Tensor, offs: torch.Tensor,
+                x: torch.Tensor, fresh: torch.Tensor) -> None:
+    """Tokens ``x [m, 2, N_kv, D]`` (fp32) into int8 pages as steps about each channel's page mean (module
+    docstring; :func:`write_scaled`; ``fresh [u]``: written from row 0)."""
+    u, dim = pages.numel(), x.shape[-1]
+    values = page_values(pool, page_size)  # [S, 2, P, N_kv, D]
+    zeros = torch.zeros(u, *x.shape[1:], device=pool.device)  # [u, 2, N_kv, D]
+    count = torch.zeros(u, device=pool.device).index_add_(0, inv, torch.ones_like(inv, dtype=torch.float32))  # [u]
+    first = zeros.index_add(0, inv, x) / count[:, None, None, None]  # [u, 2, N_kv, D]: this write's mean
+    mean = torch.where(fresh[:, None, None, None], first.to(torch.bfloat16),
+                       _means(pool[pages, :, page_size + 1:])).float()  # [u, 2, N_kv, D] as stored
+    r = x - mean[inv]  # [m, 2, N_kv, D]
+    r_amax = zeros.scatter_reduce(0, inv[:, None, None, None].expand_as(r), r.abs(), "amax")  # [u, 2, N_kv, D]
+    need = step_exponent(r_amax)  # [u, 2, N_kv, D]
+    old = channel_steps(pool, page_size)[pages].long()  # (stale bytes on fresh pages: not used)
+    new = torch.where(fresh[:, None, None, None], need, torch.maximum(old, need))  # exponents only grow
+    kept = torch.where(fresh[:, None, None, None], 0.0, step_of(old - new))[:, :, None]  # [u, 2, 1, N_kv, D]
+    values[pages] = torch.round(values[pages].float() * kept).to(INT8)  # 1 kept, < 1 grown (rounded again)
+    rows = torch.zeros(u, 2, 3, *x.shape[2:], dtype=INT8, device=pool.device)  # [u, 2, 3, N_kv, D]
+    rows[:, :, 0] = new
+    means = rows[:, :, 1:].view(torch.bfloat16)  # [u, 2, 2, N_kv, D / 2]
+    means[:, :, 0], means[:, :, 1] = mean[..., :dim // 2], mean[..., dim // 2:]
+    pool[pages, :, page_size:] = rows
+    values[pages[inv], :, offs] = torch.round(r / step_of(new)[inv]).clamp(-INT8_MAX, INT8_MAX).to(INT8)

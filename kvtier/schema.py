@@ -87,7 +87,7 @@ class Recipe:
     logger: Any = MISSING
     scope: Any = MISSING  # which pages a decode step attends (_target_: a kvtier.scopes.Scope)
     page_size: int = 16
-    kv_dtype: Optional[str] = None  # None: the model's dtype; "fp8_e4m3": FP8 pages with per-page scales
+    kv_dtype: Optional[str] = None  # None: the model's dtype; "fp8_e4m3" / "int8": 8-bit pages with scales (quant.py)
     budget: Budget = field(default_factory=Budget)
     cache: Cache = field(default_factory=Cache)
     engine: EngineConfig = field(default_factory=EngineConfig)

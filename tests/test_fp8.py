@@ -67,11 +67,11 @@ def test_whole_pages_quantize_within_e4m3_rounding():
     kv[2, 0, 1, 1, 5] = 5e4  # an outlier: only its own (page, K, head) pays
     pages = quantize_pages(kv)
     assert pages.shape == (5, 2, 5, 3, 16) and pages.dtype == FP8
-    vals = page_values(pages).float()
+    vals = page_values(pages, 4).float()
     assert torch.isfinite(vals).all() and vals.abs().max() <= FP8_MAX
-    scales = page_scales(pages)  # [5, 2, 3]
+    scales = page_scales(pages, 4)  # [5, 2, 3]
     assert torch.equal(scales, pow2_scale(kv.abs().amax(dim=(2, 4))))
-    check_bound(dequantize(pages), kv, scales[:, :, None, :, None])
+    check_bound(dequantize(pages, 4), kv, scales[:, :, None, :, None])
 
 
 def test_a_page_that_grows_rescales_its_earlier_tokens_exactly():
@@ -83,17 +83,17 @@ def test_a_page_that_grows_rescales_its_earlier_tokens_exactly():
     pool = torch.full((3, *LAYOUT.page_shape), float("nan")).to(FP8)  # stale bytes in every slot
     seen = []
     for t in range(4):
-        write_scaled(pool, torch.tensor([1]), torch.tensor([0]), torch.tensor([t]), tokens[:, t:t + 1])
-        seen.append(page_scales(pool)[1].clone())
-        vals = page_values(pool)[1, :, :t + 1].float()
+        write_scaled(pool, 4, torch.tensor([1]), torch.tensor([0]), torch.tensor([t]), tokens[:, t:t + 1])
+        seen.append(page_scales(pool, 4)[1].clone())
+        vals = page_values(pool, 4)[1, :, :t + 1].float()
         assert torch.isfinite(vals).all() and vals.abs().max() <= FP8_MAX
         once = quantize_pages(torch.cat([tokens[:, :t + 1], torch.zeros(2, 3 - t, 2, 8)], 1)[None])
-        assert torch.equal(page_scales(pool)[1], page_scales(once)[0])
-        normal = page_values(once)[0, :, :t + 1].float().abs() >= 2.0 ** -6
-        assert torch.equal(page_values(pool)[1, :, :t + 1].float()[normal], page_values(once)[0, :, :t + 1].float()[normal])
+        assert torch.equal(page_scales(pool, 4)[1], page_scales(once, 4)[0])
+        normal = page_values(once, 4)[0, :, :t + 1].float().abs() >= 2.0 ** -6
+        assert torch.equal(page_values(pool, 4)[1, :, :t + 1].float()[normal], page_values(once, 4)[0, :, :t + 1].float()[normal])
     assert (seen[3] > seen[2]).all() and (seen[2] > seen[0]).all()  # it grew
-    scale = page_scales(pool)[1][:, None, :, None]  # [2, 1, N_kv, 1]
-    check_bound(page_values(pool)[1].float() * scale, tokens, scale)
+    scale = page_scales(pool, 4)[1][:, None, :, None]  # [2, 1, N_kv, 1]
+    check_bound(page_values(pool, 4)[1].float() * scale, tokens, scale)
 
 
 # -- every tier path ---------------------------------------------------------------------------
@@ -175,7 +175,7 @@ def test_corrupted_scale_on_disk_is_detected(tmp_path):
     pages = quantize_pages(torch.randn(8, 2, 4, 2, 8))
     tier.write(0, torch.arange(8), pages)
     off = scale_byte(LAYOUT, 5)
-    scale_bytes = np.float32(page_scales(pages)[5, 1, 1].item()).tobytes()  # the V scale of head 1
+    scale_bytes = np.float32(page_scales(pages, 4)[5, 1, 1].item()).tobytes()  # the V scale of head 1
     assert raw(pages)[5, off - 5 * LAYOUT.page_bytes] == scale_bytes[3]
     with open(tmp_path / "kv" / "layer_000.kv", "r+b") as f:
         f.seek(off)
@@ -225,7 +225,7 @@ def fp8_batch(kv_lens, q_lens, num_kv, group, dim, causal, seed, page=16, window
 def test_reference_attends_the_dequantized_pages():
     q, pool, batch = fp8_batch([37, 5], [1, 1], 2, 2, 16, False, seed=4)
     got = paged_attention_reference(q, pool, batch, 0.25, return_page_max=True)
-    want = paged_attention_reference(q, dequantize(pool), batch, 0.25, return_page_max=True)
+    want = paged_attention_reference(q, dequantize(pool, 16), batch, 0.25, return_page_max=True)
     assert torch.equal(got.out, want.out) and torch.equal(got.lse, want.lse)
     assert torch.equal(got.page_max, want.page_max)
 
@@ -267,7 +267,7 @@ def test_fp8_decode_with_16bit_queries_and_wide_scales(q_scale, v_shift, block_n
     scales): within bf16's tolerance, row by row, for page scales spread over 2^-20 .. 2^8 and any query range."""
     q, pool, batch = fp8_batch([150, 1, 70], [1] * 3, 2, 3, 32, False, seed=block_n, window_left=window_left,
                                exponents=(-13, 16))  # amax ~3 x 2^e: page scales ~2^(e - 7)
-    scales = page_scales(pool)
+    scales = page_scales(pool, 16)
     assert scales.min() <= 2.0 ** -18 and scales.max() >= 2.0 ** 6
     scales[:, 1] *= 2.0 ** v_shift
     backend = TritonBackend(decode_config=DecodeConfig(block_n=block_n, pages_per_split=4))
@@ -293,7 +293,7 @@ def test_a_pool_without_scale_rows_is_refused():
     backend = TritonBackend()
     backend.plan(batch, 1, 1, 16)
     with pytest.raises(ValueError, match="page_size \\+ 1"):
-        backend.run(q, page_values(pool).contiguous())
+        backend.run(q, page_values(pool, 16).contiguous())
 
 
 @INTERPRETED
@@ -322,8 +322,8 @@ def test_fp8_static_decode_reads_device_and_host_pages_with_their_scales(lists, 
     pm, pm_ref, pm_deq = (torch.full((2, 4 if lists is None else 3, n_kv * group), math.nan) for _ in range(3))
     out, lse = static_decode(q, dev_pool, host_pool, block_table, lens, plan, 0.2, pl, window_left, pm)
     ref = static_decode_reference(q, dev_pool, host_pool, block_table, lens, plan, 0.2, pl, window_left, pm_ref)
-    deq = static_decode_reference(q, dequantize(dev_pool), dequantize(host_pool), block_table, lens, plan, 0.2, pl,
-                                  window_left, pm_deq)
+    deq = static_decode_reference(q, dequantize(dev_pool, page), dequantize(host_pool, page), block_table, lens, plan,
+                                  0.2, pl, window_left, pm_deq)
     assert torch.equal(ref[0], deq[0]) and torch.equal(pm_ref, pm_deq)  # the reference attends the dequantized pages
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert rel_err(out, ref[0]) < tol and torch.allclose(lse, ref[1], atol=1e-4)

@@ -84,8 +84,8 @@ class PrefillAttention:
         window = self.layout.window(layer)
         out = []
         for call in calls:
-            pages = call.pool.index_select(0, call.batch.kv_indices.long())  # stored [n, 2, P (+1 FP8 scales), N_kv, D]
-            keys = (dequantize(pages) if self.layout.scaled else pages)[:, 0]  # [n, P, N_kv, D]
+            pages = call.pool.index_select(0, call.batch.kv_indices.long())  # [n, 2, P(+R), N_kv, D]
+            keys = (dequantize(pages, self.layout.page_size) if self.layout.scaled else pages)[:, 0]  # [n, P, N_kv, D]
             logical = torch.from_numpy(call.logical).to(q_rows.device)
             tokens = torch.from_numpy(call.tokens).to(q_rows.device)
             wl = window - 1 if window and call.batch.causal else -1

@@ -61,9 +61,9 @@ class FlashInferBackend(AttentionBackend):
             raise ConfigError("kernel", "page salience needs kernel=triton or kernel=torch; "
                                         "FlashInfer returns no per-page max logit")
         if is_scaled_pool(kv_pool, self.batch.page_size):
-            raise ConfigError("kernel", "kernel=flashinfer cannot read kvtier's FP8 pages: FlashInfer's FP8 path takes "
-                                        "one k_scale/v_scale per call, these pages carry one per (page, kv head); "
-                                        "use kernel=triton (or kernel=torch)")
+            raise ConfigError("kernel", "kernel=flashinfer cannot read kvtier's 8-bit pages: FlashInfer's FP8 path "
+                                        "takes one k_scale/v_scale per call, these pages carry theirs per page (int8 "
+                                        "pages per channel too); use kernel=triton (or kernel=torch)")
         if self.planned_dtypes != (q.dtype, kv_pool.dtype):
             self.plan_wrapper(q.dtype, kv_pool.dtype)
         wrapper = self.decode_wrapper if self.is_decode else self.prefill_wrapper

@@ -12,8 +12,8 @@ def paged_attention_reference(q: torch.Tensor, kv_pool: torch.Tensor, batch: Pag
                               return_page_max: bool = False) -> AttentionOutput:
     """Paged GQA attention in fp32, one sequence at a time.
 
-    q ``[Nq, H, D]``, kv_pool ``[slots, 2, P, N_kv, D]`` (FP8: ``[slots, 2, P + 1, N_kv, D]`` with scales,
-    dequantized here); see :mod:`kvtier.kernels.base` for the batch convention. Returns out ``[Nq, H, D]`` (q's dtype), lse ``[Nq, H]``, page_max ``[nnz, H]``.
+    q ``[Nq, H, D]``, kv_pool ``[slots, 2, P, N_kv, D]`` (8-bit: ``[slots, 2, P + R, N_kv, D]`` with scales,
+    dequantized here: :mod:`kvtier.quant`); see :mod:`kvtier.kernels.base` for the batch convention. Returns out ``[Nq, H, D]`` (q's dtype), lse ``[Nq, H]``, page_max ``[nnz, H]``.
     """
     n_q, heads, dim = q.shape
     page = batch.page_size
@@ -32,9 +32,9 @@ def paged_attention_reference(q: torch.Tensor, kv_pool: torch.Tensor, batch: Pag
         if q1 == q0 or p1 == p0:
             continue
         s_len = kv_lens[b]
-        pages = kv_pool.index_select(0, batch.kv_indices[p0:p1].long())  # [n, 2, P(+1), N_kv, D]
+        pages = kv_pool.index_select(0, batch.kv_indices[p0:p1].long())  # [n, 2, P(+R), N_kv, D]
         if scaled:
-            pages = dequantize(pages)  # [n, 2, P, N_kv, D] fp32
+            pages = dequantize(pages, page)  # [n, 2, P, N_kv, D] fp32
         k = pages[:, 0].reshape(-1, n_kv, dim)[:s_len].float()  # [S, N_kv, D]
         v = pages[:, 1].reshape(-1, n_kv, dim)[:s_len].float()
         qb = q[q0:q1].float().view(q1 - q0, n_kv, group, dim)  # [n, N_kv, G, D]; head h = kv h // G
@@ -90,12 +90,13 @@ def static_decode_reference(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: 
     batch and pages: the engine's decode step on the CPU and the kernel's oracle.
 
     The pools may live on different devices (host and staged pages are gathered on their pool's device).
-    ``plan`` is accepted for a drop-in signature and not needed.
+    Of ``plan`` only the page size is read.
     """
     n_q, heads, dim = q.shape
     n_kv = dev_pool.shape[3]
-    page = dev_pool.shape[2] - (dev_pool.dtype == torch.float8_e4m3fn)  # FP8 pages hold a scale row
-    as_f32 = dequantize if is_scaled_pool(dev_pool, page) else torch.Tensor.float  # [n, 2, P, N_kv, D] fp32
+    page = plan.page_size
+    scaled = is_scaled_pool(dev_pool, page)  # 8-bit pages hold rows of scales
+    as_f32 = (lambda pages: dequantize(pages, page)) if scaled else torch.Tensor.float  # [n, 2, P, N_kv, D] fp32
     dev = q.device
     max_pages = block_table.shape[1]
     longest = min(max_pages, int((seq_lens.max() + page - 1) // page)) if n_q else 0  # every page: only those held

@@ -39,9 +39,9 @@ import triton.language as tl
 from kvtier.errors import ConfigError
 from kvtier.kernels.base import AttentionBackend, AttentionOutput, PagedBatch, to_device
 from kvtier.kernels.triton_prefill import (LN2, LOG2E, PrefillConfig, check_page_size, dot_operand_dtype, finish_rows,
-                                           MIN_DOT, fit_shared_memory, online_softmax_step,
+                                           MIN_DOT, fit_shared_memory, int8_tile, online_softmax_step,
                                            paged_prefill, plan_prefill, query_operand, value_operand)
-from kvtier.quant import is_scaled_pool
+from kvtier.quant import INT8, is_scaled_pool
 
 MAX_SPLITS = 128  # most splits per sequence that plan_static_decode chooses
 STAGED = tl.constexpr(1 << 30)  # block-table values <= -STAGED are slots of the staging pool
@@ -188,12 +188,15 @@ def _static_split_kernel(
     HAS_HOST: tl.constexpr, HAS_STAGE: tl.constexpr, HAS_LIST: tl.constexpr, HAS_SPANS: tl.constexpr,
     WITH_PAGE_MAX: tl.constexpr, WITH_PAGE_LSE: tl.constexpr,
     DOT_F32: tl.constexpr, FP8_HALF: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
+    INT8: tl.constexpr,
 ):
     """One (sequence x split, kv head): rows ``[GROUP]`` of split ``c`` of sequence ``b``.
 
     FP8 pages (``SCALED``): the head's K (V) scale sits at row ``PAGE`` of the same page, read as fp32
-    through the page's own pointer, so host pages bring theirs too. Dot operands: fp32 with ``DOT_F32``;
-    with ``FP8_HALF`` (FP8 pages, 16-bit queries) fp16 for Q K^T and bf16 for P V; else q's dtype.
+    through the page's own pointer, so host pages bring theirs too; int8 pages (``INT8``): K and V read back
+    whole from their steps and means in rows ``PAGE..PAGE + 2`` (:func:`int8_tile`), the same way. Dot operands:
+    fp32 with ``DOT_F32``; with ``FP8_HALF`` (FP8 pages, 16-bit queries) fp16 for Q K^T and bf16 for P V; else
+    q's dtype.
     ``page_list`` rows are per sequence (``stride_plh = 0``) or per (sequence, kv head). ``spans [B, 2]``
     (``HAS_SPANS``): a token budget's ``(sinks, win_start)``, see :func:`static_decode`.
 
@@ -275,10 +278,13 @@ def _static_split_kernel(
             k_row = tl.where(loc <= -STAGED, stage_row, k_row)
         k_ptrs = k_row[:, None] + offs_d[None, :]  # [N, D]
         kv_mask = ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
+        scale_row = k_row + (PAGE - order % PAGE) * stride_p  # [N] the page's scale row, this head (8-bit pages)
+        if INT8:
+            k = int8_tile(k_ptrs, scale_row, offs_d, kv_mask, stride_p, HEAD_DIM).to(qt.dtype)  # [N, D]
+        else:
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
         s = tl.dot(qt, tl.trans(k), input_precision=PRECISION) * qk_scale  # [G, N] log2 units
         if SCALED:  # K = values * the page's scale, folded into the logits
-            scale_row = k_row + (PAGE - order % PAGE) * stride_p  # [N] the page's scale row, this head
             s = s * tl.load(scale_row.to(tl.pointer_type(tl.float32)), mask=ok, other=1.0)[None, :]
         s = tl.where(ok[None, :], s, float("-inf"))
         if PAGE_STATS:
@@ -290,8 +296,10 @@ def _static_split_kernel(
             if WITH_PAGE_LSE:
                 tl.store(pl_row + where, pl * 0.6931471805599453, mask=g_ok[:, None] & (pidx < i1)[None, :])
         p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)  # p [G, N]
-        v = tl.load(k_ptrs + stride_kv, mask=kv_mask, other=0.0)  # [N, D]
-        v = value_operand(v, qt, FP8_HALF, DOT_F32)
+        if INT8:
+            v = int8_tile(k_ptrs + stride_kv, scale_row + stride_kv, offs_d, kv_mask, stride_p, HEAD_DIM).to(qt.dtype)
+        else:
+            v = value_operand(tl.load(k_ptrs + stride_kv, mask=kv_mask, other=0.0), qt, FP8_HALF, DOT_F32)  # [N, D]
         if SCALED:  # V's scale on the probabilities (powers of two: exact)
             p = p * tl.load((scale_row + stride_kv).to(tl.pointer_type(tl.float32)), mask=ok, other=1.0)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)  # [G, D]
@@ -345,7 +353,8 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
                   stage_pool: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of ``q [B, H, D]`` over one layer's pools; no host sync, static shapes.
 
-    ``dev_pool [slots, 2, P, N_kv, D]`` (FP8: ``P + 1`` rows, dequantized in the kernel),
+    ``dev_pool [slots, 2, P, N_kv, D]`` (8-bit: ``P + R`` rows, dequantized in the kernel as :mod:`kvtier.quant`
+    stores them),
     ``host_pool`` / ``stage_pool`` ``[hslots, 2, P, N_kv, D]`` (pinned, same strides and dtype) or None;
     ``block_table [B, max_pages]`` int32 (module docstring; entries past a sequence's pages are never
     read); ``seq_lens [B]`` int32 (0: an inactive row, out 0, lse -inf); ``page_list [B, K]`` or
@@ -359,8 +368,9 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
     """
     n_q, heads, dim = q.shape
     page, n_kv = plan.page_size, dev_pool.shape[3]
-    scaled = is_scaled_pool(dev_pool, page)  # FP8 pages: [slots, 2, P + 1, N_kv, D]
-    if dev_pool.shape[2] != page + scaled:
+    scaled = is_scaled_pool(dev_pool, page)  # 8-bit pages: [slots, 2, P + R, N_kv, D]
+    int8 = dev_pool.dtype == INT8
+    if not scaled and dev_pool.shape[2] != page:
         raise ValueError(f"pool pages {tuple(dev_pool.shape[1:])} do not match the plan's page size {page}")
     n_listed = plan.max_pages if page_list is None else page_list.shape[-1]
     if (n_q, heads, dim, page, n_kv) != (plan.batch_size, plan.num_qo_heads, plan.head_dim, plan.page_size,
@@ -415,7 +425,8 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
             BLOCK_N=plan.block_n, HEAD_DIM=dim, BLOCK_D=block_d,
             HAS_HOST=host_pool is not None, HAS_STAGE=stage_pool is not None, HAS_LIST=page_list is not None,
             HAS_SPANS=spans is not None, WITH_PAGE_MAX=page_max is not None, WITH_PAGE_LSE=page_lse is not None,
-            DOT_F32=dot_f32, FP8_HALF=scaled and q.dtype != torch.float32, PRECISION=precision, SCALED=scaled,
+            DOT_F32=dot_f32, FP8_HALF=scaled and not int8 and q.dtype != torch.float32, PRECISION=precision,
+            SCALED=scaled and not int8, INT8=int8,
             num_warps=plan.config.num_warps, num_stages=stages, maxnreg=plan.config.maxnreg,
         )
         if not single:

@@ -24,13 +24,14 @@ import triton.language as tl
 
 from kvtier.errors import ConfigError
 from kvtier.kernels.base import AttentionOutput, PagedBatch, to_device
-from kvtier.quant import is_scaled_pool, page_scales
+from kvtier.quant import INT8, STEPS_PER_OCTAVE, is_scaled_pool, page_scales
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _INTERPRET = tl.constexpr(INTERPRET)  # the same, readable in kernels
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 NO_WINDOW = 1 << 30  # the kernels' window_left without a window: longer than any sequence
+_OCTAVE_STEP = tl.constexpr(1.0 / STEPS_PER_OCTAVE)  # int8 pages' step 2^(e * _OCTAVE_STEP)
 
 
 def dot_operand_dtype(dtype: torch.dtype) -> tuple:
@@ -55,21 +56,36 @@ def kernel_window(batch: PagedBatch) -> int:
 
 
 def scale_args(kv_pool: torch.Tensor, page_size: int) -> tuple:
-    """The kernels' scale arguments: ``(scales, stride_slot, stride_kv, stride_head, SCALED)``.
+    """The prefill kernel's scale arguments: ``(scales, stride_slot, stride_kv, stride_head, SCALED, INT8)``.
 
-    FP8 pools (:mod:`kvtier.quant`) pass their fp32 scale view ``[slots, 2, N_kv]``; other pools pass
+    FP8 pools (:mod:`kvtier.quant`) pass their fp32 scale view ``[slots, 2, N_kv]`` (``SCALED``); int8 pools
+    (``INT8``, whose kernels read their scale rows through the page) and pools stored as they are pass
     themselves as an unread placeholder.
     """
-    if not is_scaled_pool(kv_pool, page_size):
-        return kv_pool, 0, 0, 0, False
-    scales = page_scales(kv_pool)  # [slots, 2, N_kv] fp32 view of the scale rows
-    return (scales, *scales.stride(), True)
+    if not is_scaled_pool(kv_pool, page_size) or kv_pool.dtype == INT8:
+        return kv_pool, 0, 0, 0, False, kv_pool.dtype == INT8
+    scales = page_scales(kv_pool, page_size)  # [slots, 2, N_kv] fp32 view of the scale rows
+    return (scales, *scales.stride(), True, False)
 
 
 @triton.jit
 def token_scales(head_scales, slot, ok):
     """Scale of each token's page ``[N]`` (``head_scales``: the kv head's K or V scale of slot 0; 1 where not ok)."""
     return tl.load(head_scales + slot, mask=ok, other=1.0)
+
+
+@triton.jit
+def int8_tile(ptrs, scale_rows, offs_d, mask, stride_p, HEAD_DIM: tl.constexpr):
+    """An int8 page tile as fp32 ``[N, D]``: ``m + 2^(e/4) c`` (:mod:`kvtier.quant`), ``c`` the int8 values at ``ptrs
+    [N, D]``, ``e`` and ``m`` each token's page's exponents and means (``scale_rows [N]``: row ``P`` of the page,
+    this kv head and half; the means in rows ``P + 1``, channels ``< D/2``, and ``P + 2``); 0 where not ``mask``."""
+    c = tl.load(ptrs, mask=mask, other=0)
+    e = tl.load(scale_rows[:, None] + offs_d[None, :], mask=mask, other=0)
+    half: tl.constexpr = HEAD_DIM // 2
+    mean_at = scale_rows[:, None] + ((1 + offs_d // half) * stride_p + 2 * (offs_d % half))[None, :]
+    m = tl.load(mean_at.to(tl.pointer_type(tl.bfloat16)), mask=mask, other=0.0)
+    step = tl.exp2(e.to(tl.float32) * _OCTAVE_STEP)
+    return c.to(tl.float32) * step + m.to(tl.float32)
 
 
 @triton.jit
@@ -190,8 +206,8 @@ def plan_prefill(batch: PagedBatch, num_qo_heads: int, num_kv_heads: int,
 def _prefill_block(
     acc, m_i, l_i, qt, k_base, v_base, ks_base, vs_base, kv_indices, page_max, seq_p0, start, kv_len, lo, limit,
     row_ok, head0, stride_slot, stride_p, stride_pm, stride_ss, qk_scale,
-    MASKED: tl.constexpr, SCALED: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr, SCALED: tl.constexpr, INT8: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     WITH_PAGE_MAX: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Online-softmax step over keys ``[start, start + BLOCK_N)``; ``lo [M]`` / ``limit [M]`` are each
@@ -203,7 +219,11 @@ def _prefill_block(
     slot = tl.load(kv_indices + seq_p0 + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)  # [N]
     kv_off = (slot * stride_slot + (tok % PAGE) * stride_p)[:, None] + offs_d[None, :]  # [N, D]
     kv_mask = tok_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
+    scale_rows = slot * stride_slot + PAGE * stride_p  # [N] offset of each token's page's scale row (int8)
+    if INT8:  # K and V read back whole from their steps and means
+        k = int8_tile(k_base + kv_off, k_base + scale_rows, offs_d, kv_mask, stride_p, HEAD_DIM).to(qt.dtype)
+    else:
+        k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
     s = tl.dot(qt, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N] log2 units
     if SCALED:  # FP8 pages: K = values * the page's scale, folded into the logits
         s = s * token_scales(ks_base, slot * stride_ss, tok_ok)[None, :]
@@ -219,7 +239,10 @@ def _prefill_block(
         pm_ptrs = page_max + (seq_p0 + pg)[None, :] * stride_pm + (head0 + g)[:, None]
         tl.atomic_max(pm_ptrs, pm * 0.6931471805599453, mask=(g < GROUP)[:, None] & (pg * PAGE < kv_len)[None, :])
     p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)  # p [M, N]
-    v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
+    if INT8:
+        v = int8_tile(v_base + kv_off, v_base + scale_rows, offs_d, kv_mask, stride_p, HEAD_DIM).to(qt.dtype)
+    else:
+        v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
     if SCALED:  # V's scale on the probabilities (powers of two: exact)
         p = p * token_scales(vs_base, slot * stride_ss, tok_ok)[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(qt.dtype), v, input_precision=PRECISION)  # [M, D]
@@ -234,8 +257,8 @@ def _prefill_kernel(
     stride_ss, stride_skv, stride_sh,
     stride_on, stride_oh, stride_ln, stride_pm,
     qk_scale, window_left,
-    CAUSAL: tl.constexpr, SCALED: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, SCALED: tl.constexpr, INT8: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     WITH_PAGE_MAX: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One (query tile, kv head): rows ``[BLOCK_Q * G_PAD]`` of out ``[Nq, H, D]`` and lse ``[Nq, H]``."""
@@ -288,17 +311,17 @@ def _prefill_kernel(
         acc, m_i, l_i = _prefill_block(
             acc, m_i, l_i, qt, k_base, v_base, ks_base, vs_base, kv_indices, page_max, seq_p0, start, kv_len, lo,
             limit, row_ok, kvh * GROUP, stride_slot, stride_p, stride_pm, stride_ss, qk_scale,
-            True, SCALED, GROUP, G_PAD, BLOCK_Q, PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, WITH_PAGE_MAX, PRECISION)
+            True, SCALED, INT8, GROUP, G_PAD, BLOCK_Q, PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, WITH_PAGE_MAX, PRECISION)
     for start in range(win_end, full_end, BLOCK_N):  # every row sees the whole block
         acc, m_i, l_i = _prefill_block(
             acc, m_i, l_i, qt, k_base, v_base, ks_base, vs_base, kv_indices, page_max, seq_p0, start, kv_len, lo,
             limit, row_ok, kvh * GROUP, stride_slot, stride_p, stride_pm, stride_ss, qk_scale,
-            False, SCALED, GROUP, G_PAD, BLOCK_Q, PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, WITH_PAGE_MAX, PRECISION)
+            False, SCALED, INT8, GROUP, G_PAD, BLOCK_Q, PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, WITH_PAGE_MAX, PRECISION)
     for start in range(tl.maximum(full_end, win_end), hi, BLOCK_N):  # the causal diagonal: masked
         acc, m_i, l_i = _prefill_block(
             acc, m_i, l_i, qt, k_base, v_base, ks_base, vs_base, kv_indices, page_max, seq_p0, start, kv_len, lo,
             limit, row_ok, kvh * GROUP, stride_slot, stride_p, stride_pm, stride_ss, qk_scale,
-            True, SCALED, GROUP, G_PAD, BLOCK_Q, PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, WITH_PAGE_MAX, PRECISION)
+            True, SCALED, INT8, GROUP, G_PAD, BLOCK_Q, PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, WITH_PAGE_MAX, PRECISION)
 
     o, row_lse = finish_rows(acc, m_i, l_i, 0.6931471805599453)  # [M, D], [M] natural log
     o_rows = q_base + qi  # [M]
@@ -335,8 +358,8 @@ def fit_shared_memory(q_rows: int, block_n: int, num_stages: int, block_d: int, 
 
 def paged_prefill(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, plan: PrefillPlan, sm_scale: float,
                   return_page_max: bool = False) -> AttentionOutput:
-    """Chunked-prefill attention of ``q [Nq, H, D]`` over ``kv_pool [slots, 2, P, N_kv, D]`` (FP8: ``P + 1``
-    rows, dequantized in the kernel).
+    """Chunked-prefill attention of ``q [Nq, H, D]`` over ``kv_pool [slots, 2, P, N_kv, D]`` (8-bit: ``P + R``
+    rows, dequantized in the kernel as :mod:`kvtier.quant` stores them).
 
     Returns out ``[Nq, H, D]`` (q's dtype), lse ``[Nq, H]`` (natural log; -inf for a row that
     attends nothing) and optionally page_max ``[nnz, H]`` (-inf for a page no row sees).
@@ -353,7 +376,7 @@ def paged_prefill(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, pla
     lse = torch.empty(n_q, heads, dtype=torch.float32, device=q.device)  # [Nq, H]
     page_max = (torch.full((batch.kv_indices.numel(), heads), float("-inf"), dtype=torch.float32, device=q.device)
                 if return_page_max else None)
-    scales, stride_ss, stride_skv, stride_sh, scaled = scale_args(kv_pool, batch.page_size)
+    scales, stride_ss, stride_skv, stride_sh, scaled, int8 = scale_args(kv_pool, batch.page_size)
     _prefill_kernel[(plan.tile_seq.numel(), n_kv)](
         q, kv_pool, scales, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
         plan.tile_seq, plan.tile_q0,
@@ -363,8 +386,8 @@ def paged_prefill(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, pla
         stride_ss, stride_skv, stride_sh,
         out.stride(0), out.stride(1), lse.stride(0), heads,
         sm_scale * LOG2E, kernel_window(batch),
-        CAUSAL=batch.causal, SCALED=scaled, GROUP=heads // n_kv, G_PAD=plan.group_pad, BLOCK_Q=plan.block_q,
-        PAGE=batch.page_size, BLOCK_N=block_n, HEAD_DIM=dim, BLOCK_D=block_d,
+        CAUSAL=batch.causal, SCALED=scaled, INT8=int8, GROUP=heads // n_kv, G_PAD=plan.group_pad,
+        BLOCK_Q=plan.block_q, PAGE=batch.page_size, BLOCK_N=block_n, HEAD_DIM=dim, BLOCK_D=block_d,
         WITH_PAGE_MAX=return_page_max, DOT_F32=dot_f32, PRECISION=precision,
         num_warps=plan.config.num_warps, num_stages=num_stages,
     )
