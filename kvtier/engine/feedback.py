@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from kvtier.errors import KVTierError
-from kvtier.window import attended_range
 
 
 @dataclass
@@ -52,6 +51,7 @@ class Feedback:
         self.tokens = torch.zeros(engine.layout.num_layers, device=engine.device)  # [L] keys attended per row
         self._produced: list[Produced] = []
         self._prefill: list = []
+        self._windows = np.array([engine.layout.window(layer) for layer in range(engine.layout.num_layers)])  # [L]
 
     def state(self) -> list[torch.Tensor]:
         return [self.tokens]
@@ -206,14 +206,21 @@ class Feedback:
         picks = {k: v.numpy() for k, v in p.picks.items()}  # pinned host copies: numpy views, no copy
         stats = {name: {k: v.numpy() for k, v in store.items()} for name, store in
                  (("salience", p.salience), ("attention", p.mass)) if name in self.wants}
-        parts = []  # (layer [n], pid [n], {stat: [n, N_kv]}) per (layer width, row)
+        batch_rows = np.array([r for r, _, _ in rows])  # [R]
+        lens = np.array([n for _, _, n in rows])  # [R]
+        n_pages = np.array([pages.size for _, pages, _ in rows])  # [R]
+        pids = np.full((len(rows), n_pages.max()), -1, dtype=np.int64)  # [R, M] each row's pids, -1 beyond
+        for i, (_, pages, _) in enumerate(rows):
+            pids[i, :pages.size] = pages
+        parts = []  # (layer [u], pid [u], {stat: [u, N_kv]}) per layer width
         for key in dict.fromkeys(p.layer_width):
             layers = np.array([layer for layer, w in enumerate(p.layer_width) if w == key])  # [L']
-            for r, pages, n in rows:
-                at, logical, entry = self._attended(layers, pages, n, None if key[0] is None else picks[key][layers, r])
-                parts.append((layers[at], pages[logical],
-                              {name: self._per_page(store[key][layers, r], at, logical, entry)
-                               for name, store in stats.items()}))
+            at_rows = (layers[:, None], batch_rows[None, :])
+            lists = None if key[0] is None else picks[key][at_rows]  # [L', R, (N_kv,) K]
+            row, at, logical, entry = self._attended(layers, pids, n_pages, lens, lists)
+            parts.append((layers[at], pids[row, logical],
+                          {name: self._per_page(store[key][at_rows], row, at, logical, entry)
+                           for name, store in stats.items()}))
         layer = np.concatenate([x[0] for x in parts])
         pids = np.concatenate([x[1] for x in parts])
         if e.policy.hears_access:
@@ -225,39 +232,43 @@ class Feedback:
             else:
                 e.policy.on_attention(layer, pids, vals[None], p.step)
 
-    def _attended(self, layers: np.ndarray, pages: np.ndarray, n: int, lists: np.ndarray | None):
-        """The distinct pages a row of ``n`` tokens attended in each of ``layers``: ``(at [u], logical [u], entry)``
-        (index into ``layers``, logical page; sorted by layer, then page), and ``entry``: for page lists ``lists
-        [L', (1 or N_kv) * K]`` per valid entry ``(its page's index in the result, its kv head or None for shared
-        lists, its layer's index, its place in the list)``; for ``lists`` None (every live page the layer's window
-        shows) None."""
+    def _attended(self, layers: np.ndarray, pids: np.ndarray, n_pages: np.ndarray, lens: np.ndarray,
+                  lists: np.ndarray | None):
+        """The distinct pages each row (pids ``[R, M]``, ``n_pages [R]``, ``lens [R]`` tokens) attended in each of
+        ``layers [L']``: ``(row [u], at [u], logical [u], entry)`` (row, index into ``layers``, logical page; sorted by
+        row, layer, page), and ``entry``: for page lists ``lists [L', R, (1 or N_kv) * K]`` per valid entry ``(its
+        page's index in the result, its kv head or None for shared lists, its layer's index, its row, its place in
+        the list)``; for ``lists`` None (every live page the layer's window shows) None."""
         e = self.engine
+        R, M = pids.shape
         if lists is None:
-            first = np.array([attended_range(n - 1, 1, e.layout.page_size, e.layout.window(int(layer)))[0]
-                              for layer in layers])  # [L']
-            seen = (e.table.tier_of[layers[:, None], pages[None, :]] >= 0) & \
-                (np.arange(pages.size)[None, :] >= first[:, None])  # [L', n_pages]
-            at, logical = np.nonzero(seen)
-            return at, logical, None
+            window = self._windows[layers][:, None]  # [L', 1]
+            first = np.where(window > 0, np.maximum(lens[None, :] - window, 0) // e.layout.page_size, 0)  # [L', R]
+            logical = np.arange(M)
+            seen = (e.table.tier_of[layers[:, None, None], pids.clip(min=0)[None]] >= 0) & \
+                (logical < n_pages[:, None]) & (logical >= first[..., None])  # [L', R, M]
+            row, at, logical = np.nonzero(seen.transpose(1, 0, 2))  # sorted by row, layer, page
+            return row, at, logical, None
         width = lists.shape[-1]
-        lists = lists.reshape(layers.size, -1, width)  # [L', G, K]
-        li, head, k = np.nonzero((lists >= 0) & (lists < pages.size))
-        code, inverse = np.unique(li * pages.size + lists[li, head, k], return_inverse=True)
-        return code // pages.size, code % pages.size, (inverse, head if lists.shape[1] > 1 else None, li, k)
+        lists = lists.reshape(layers.size, R, -1, width)  # [L', R, G, K]
+        li, ri, head, k = np.nonzero((lists >= 0) & (lists < n_pages[None, :, None, None]))
+        code, inverse = np.unique((ri * layers.size + li) * M + lists[li, ri, head, k], return_inverse=True)
+        return (code // (layers.size * M), code // M % layers.size, code % M,
+                (inverse, head if lists.shape[2] > 1 else None, li, ri, k))
 
     @staticmethod
-    def _per_page(values: np.ndarray, at: np.ndarray, logical: np.ndarray, entry) -> np.ndarray:
-        """Per attended page ``[u, N_kv]`` from per-entry statistics ``values [L', K, N_kv]``: a per-kv-head list
+    def _per_page(values: np.ndarray, row: np.ndarray, at: np.ndarray, logical: np.ndarray, entry) -> np.ndarray:
+        """Per attended page ``[u, N_kv]`` from per-entry statistics ``values [L', R, K, N_kv]``: a per-kv-head list
         gives each head the value of its own entry for the page (0 where it did not list it)."""
         if entry is None:  # every page: entries are the logical pages
-            return values[at, logical]
-        page, head, li, k = entry
+            return values[at, row, logical]
+        page, head, li, ri, k = entry
         if head is None:
             out = np.empty((at.size, values.shape[-1]), dtype=np.float32)
-            out[page] = values[li, k]
+            out[page] = values[li, ri, k]
             return out
         out = np.zeros((at.size, values.shape[-1]), dtype=np.float32)
-        out[page, head] = values[li, k, head]
+        out[page, head] = values[li, ri, k, head]
         return out
 
 
