@@ -214,6 +214,7 @@ class Engine:
         self._plans: dict[tuple, object] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._last_event = None
+        self._prefill_queued = False  # a prefill step's K/V writes may still be queued on the GPU
         self._mode = "idle"  # idle | prefill | decode
         self._B = R
         self._dirty: set[int] = set()  # rows whose table entries changed since the last upload
@@ -301,6 +302,7 @@ class Engine:
         rows = [self._prefilling_row(s) for s in seqs]
         starts = [self.table.seq_len(s) for s in seqs]
         self._open_step(rows, q_len)
+        self._prefill_queued = True
         self._prefill_rows = [(s, r, a, q_len) for s, r, a in zip(seqs, rows, starts)]
         self._mode = "prefill"
 
@@ -376,7 +378,7 @@ class Engine:
         self.span_host[row] = 0
         self.win_start.pop(seq, None)
         self._dirty.add(row)
-        self._to_free.append((seq, self._last_event))
+        self._to_free.append((seq, self._queued_fence()))
 
     def read_sequence(self, seq: int, n: int) -> list[torch.Tensor]:
         """The first ``n`` tokens' K/V of ``seq`` per layer ``[2, n, N_kv, D]`` in host memory, in the model's dtype
@@ -700,7 +702,10 @@ class Engine:
         self.feedback.take(upto=self.step_idx + 1 - self.lookahead if self.lookahead else None)
         self._free_finished(block=False)
         self._drop_out_of_window()
-        self._schedule(reserve=self._reserve(rows), after_compute=False)
+        # pages a prefill step wrote may still be queued: the copies wait for the compute stream then; a decode
+        # step's unsettled pages are pinned instead (_pin_unsettled), so its copies need not wait
+        self._schedule(reserve=self._reserve(rows), after_compute=self._prefill_queued)
+        self._prefill_queued = False
         self.step_idx += 1
         self.policy.on_step(self.step_idx)
         for r in rows:
@@ -838,7 +843,7 @@ class Engine:
 
     def _switch_moved(self) -> None:
         """Point the table at the new place of every move issued (the step's compute waits for the copies)."""
-        moved = self.transfer.take_moved(fence=self._last_event)
+        moved = self.transfer.take_moved(fence=self._queued_fence)
         if not moved:
             return
         rows = [(r, self.table.pages(seq)) for r, seq in enumerate(self.row_seq)
@@ -872,6 +877,15 @@ class Engine:
                                       "pins more pages than the device tier holds")
                 self.mirror[layer, r, page] = self._encode(int(layer), np.array([pid]))[0]
             self._dirty.add(r)
+
+    def _queued_fence(self):
+        """An event after everything queued on the compute stream so far (every decode step and prefill chunk that
+        may still read a page's old place); None on a CPU, where nothing is queued."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def _wait_room(self) -> None:
         """Block until fenced moves release their device slots."""

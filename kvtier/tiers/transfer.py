@@ -217,10 +217,11 @@ class TransferEngine:
     def take_moved(self, fence=None) -> list[tuple[int, np.ndarray]]:
         """``[(layer, pids)]`` of every fenced move issued since the last call, landed or not: the current stream
         is ordered after their copies (the GPU waits, not the host), so the reader may point at the new place
-        now; their source slots are released once the copy has landed and ``fence`` (an event after every
-        queued reader of the old place) has passed."""
+        now; their source slots are released once the copy has landed and the fence (``fence()``: an event
+        after every queued reader of the old place, or None when nothing is queued) has passed."""
         self.poll()
         moved = self._landed + [p for p in self._pending if p.fenced and not p.reported]
+        fence = fence() if moved and fence is not None else None
         for p in moved:
             p.reported = True
             p.fence, p.fenced = fence, fence is not None  # no fence: no queued reader of the old place
