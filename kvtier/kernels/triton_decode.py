@@ -172,6 +172,21 @@ def _listed_range(list_row, i0, i1, first_page, n_pages, HAS_LIST: tl.constexpr,
 
 
 @triton.jit
+def _page_rows(dev_kv, host_kv, stage_kv, loc, row, stride_slot, HAS_HOST: tl.constexpr, HAS_STAGE: tl.constexpr):
+    """Pointers to offset ``row`` within the pages at block-table values ``loc`` (same shape): a device slot, a
+    host slot (its mapped address) or a staging slot."""
+    dev_row = dev_kv + (tl.maximum(loc, 0).to(tl.int64) * stride_slot + row)
+    rows = dev_row
+    if HAS_HOST:  # one load per element: a host page's pointer is its mapped address
+        host_row = host_kv + (tl.maximum(-loc - 1, 0).to(tl.int64) * stride_slot + row)
+        rows = tl.where(loc >= 0, dev_row, host_row)
+    if HAS_STAGE:  # a disk or remote page staged in pinned memory
+        stage_row = stage_kv + (tl.maximum(-loc - STAGED, 0).to(tl.int64) * stride_slot + row)
+        rows = tl.where(loc <= -STAGED, stage_row, rows)
+    return rows
+
+
+@triton.jit
 def _static_split_kernel(
     q, dev_kv, host_kv, stage_kv, block_table, seq_lens, page_list, spans,
     out, lse, page_max, page_lse,
@@ -256,6 +271,7 @@ def _static_split_kernel(
     bt_row = block_table + b * stride_bt
     for i in range(blk_lo, blk_hi, PPB):
         li = i + order // PAGE  # [N] listed index of each token
+        pidx = i + tl.arange(0, PPB)  # [PPB] listed index of each page
         in_split = li < i1
         if HAS_LIST:
             pg = tl.load(list_row + li, mask=in_split, other=-1)  # [N] logical page
@@ -267,21 +283,22 @@ def _static_split_kernel(
             ok = ok & ((tok < sinks) | (tok >= win_start) |
                        ((pg >= (sinks + PAGE - 1) // PAGE) & (pg < win_start // PAGE)))
         loc = tl.load(bt_row + pg, mask=ok, other=0)  # [N]
-        row = (order % PAGE) * stride_p + head_off  # [N]
-        dev_row = dev_kv + (tl.maximum(loc, 0).to(tl.int64) * stride_slot + row)  # [N] pointers
-        k_row = dev_row
-        if HAS_HOST:  # one load per element: a host page's pointer is its mapped address
-            host_row = host_kv + (tl.maximum(-loc - 1, 0).to(tl.int64) * stride_slot + row)
-            k_row = tl.where(loc >= 0, dev_row, host_row)  # [N]
-        if HAS_STAGE:  # a disk or remote page staged in pinned memory
-            stage_row = stage_kv + (tl.maximum(-loc - STAGED, 0).to(tl.int64) * stride_slot + row)
-            k_row = tl.where(loc <= -STAGED, stage_row, k_row)
+        k_row = _page_rows(dev_kv, host_kv, stage_kv, loc, (order % PAGE) * stride_p + head_off, stride_slot,
+                           HAS_HOST, HAS_STAGE)  # [N]
         k_ptrs = k_row[:, None] + offs_d[None, :]  # [N, D]
         kv_mask = ok[:, None] & d_ok[None, :]
-        scale_row = k_row + (PAGE - order % PAGE) * stride_p  # [N] the page's scale row, this head (8-bit pages)
-        if INT8:
-            k = int8_tile(k_ptrs, scale_row, offs_d, kv_mask, stride_p, HEAD_DIM).to(qt.dtype)  # [N, D]
+        if INT8:  # the block's whole pages: their steps and means read once per page
+            page_ok = tl.max(tl.reshape(ok, [PPB, PAGE]).to(tl.int32), axis=1) > 0  # [PPB] pages with a counted key
+            if HAS_LIST:
+                page_pg = tl.load(list_row + pidx, mask=page_ok, other=0)  # [PPB] logical page
+            else:
+                page_pg = pidx
+            page_loc = tl.load(bt_row + page_pg, mask=page_ok, other=0)  # [PPB]
+            scale_row = _page_rows(dev_kv, host_kv, stage_kv, page_loc, PAGE * stride_p + head_off, stride_slot,
+                                   HAS_HOST, HAS_STAGE)  # [PPB] each page's scale row, this head
+            k = int8_tile(k_ptrs, kv_mask, scale_row, page_ok, offs_d, stride_p, PAGE, HEAD_DIM).to(qt.dtype)
         else:
+            scale_row = k_row + (PAGE - order % PAGE) * stride_p  # [N] the page's scale row, this head (FP8 pages)
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
         s = tl.dot(qt, tl.trans(k), input_precision=PRECISION) * qk_scale  # [G, N] log2 units
         if SCALED:  # K = values * the page's scale, folded into the logits
@@ -289,7 +306,6 @@ def _static_split_kernel(
         s = tl.where(ok[None, :], s, float("-inf"))
         if PAGE_STATS:
             pm, pl = page_maxima(s, BLOCK_G, BLOCK_N, PAGE, WITH_PAGE_LSE)  # [G, PPB]
-            pidx = i + tl.arange(0, PPB)  # [PPB] listed index
             where = pidx[None, :] * stride_pk + heads[:, None] * stride_ph
             if WITH_PAGE_MAX:
                 tl.store(pm_row + where, pm * 0.6931471805599453, mask=g_ok[:, None] & (pidx < i1)[None, :])
@@ -297,7 +313,8 @@ def _static_split_kernel(
                 tl.store(pl_row + where, pl * 0.6931471805599453, mask=g_ok[:, None] & (pidx < i1)[None, :])
         p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)  # p [G, N]
         if INT8:
-            v = int8_tile(k_ptrs + stride_kv, scale_row + stride_kv, offs_d, kv_mask, stride_p, HEAD_DIM).to(qt.dtype)
+            v = int8_tile(k_ptrs + stride_kv, kv_mask, scale_row + stride_kv, page_ok, offs_d, stride_p, PAGE,
+                          HEAD_DIM).to(qt.dtype)  # [N, D]
         else:
             v = value_operand(tl.load(k_ptrs + stride_kv, mask=kv_mask, other=0.0), qt, FP8_HALF, DOT_F32)  # [N, D]
         if SCALED:  # V's scale on the probabilities (powers of two: exact)

@@ -75,17 +75,22 @@ def token_scales(head_scales, slot, ok):
 
 
 @triton.jit
-def int8_tile(ptrs, scale_rows, offs_d, mask, stride_p, HEAD_DIM: tl.constexpr):
-    """An int8 page tile as fp32 ``[N, D]``: ``m + 2^(e/4) c`` (:mod:`kvtier.quant`), ``c`` the int8 values at ``ptrs
-    [N, D]``, ``e`` and ``m`` each token's page's exponents and means (``scale_rows [N]``: row ``P`` of the page,
-    this kv head and half; the means in rows ``P + 1``, channels ``< D/2``, and ``P + 2``); 0 where not ``mask``."""
-    c = tl.load(ptrs, mask=mask, other=0)
-    e = tl.load(scale_rows[:, None] + offs_d[None, :], mask=mask, other=0)
+def int8_tile(ptrs, mask, page_rows, page_ok, offs_d, stride_p, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A tile of whole int8 pages as fp32 ``[N, D]``: ``m + 2^(e/4) c`` (:mod:`kvtier.quant`), ``c`` the int8 values
+    at ``ptrs [N, D]`` (tokens ``[j P, (j + 1) P)`` of page ``j``); ``e`` and ``m`` read and the steps
+    ``2^(e/4)`` taken once per page and channel, from ``page_rows [N / P]`` (row ``P`` of each page, this kv
+    head and half: the exponents; the means in rows ``P + 1``, channels ``< D/2``, and ``P + 2``) where
+    ``page_ok [N / P]``; 0 where not ``mask``."""
+    c = tl.load(ptrs, mask=mask, other=0)  # [N, D]
+    rows_mask = page_ok[:, None] & (offs_d < HEAD_DIM)[None, :]  # [N / P, D]
+    e = tl.load(page_rows[:, None] + offs_d[None, :], mask=rows_mask, other=0)  # [N / P, D]
     half: tl.constexpr = HEAD_DIM // 2
-    mean_at = scale_rows[:, None] + ((1 + offs_d // half) * stride_p + 2 * (offs_d % half))[None, :]
-    m = tl.load(mean_at.to(tl.pointer_type(tl.bfloat16)), mask=mask, other=0.0)
-    step = tl.exp2(e.to(tl.float32) * _OCTAVE_STEP)
-    return c.to(tl.float32) * step + m.to(tl.float32)
+    mean_at = page_rows[:, None] + ((1 + offs_d // half) * stride_p + 2 * (offs_d % half))[None, :]  # [N / P, D]
+    m = tl.load(mean_at.to(tl.pointer_type(tl.bfloat16)), mask=rows_mask, other=0.0).to(tl.float32)
+    step = tl.exp2(e.to(tl.float32) * _OCTAVE_STEP)  # [N / P, D]
+    c3 = tl.reshape(c, (page_rows.shape[0], PAGE, c.shape[1])).to(tl.float32)  # [N / P, P, D]
+    x = tl.reshape(c3 * step[:, None, :] + m[:, None, :], (c.shape[0], c.shape[1]))  # [N, D]
+    return tl.where(mask, x, 0.0)
 
 
 @triton.jit
@@ -219,9 +224,13 @@ def _prefill_block(
     slot = tl.load(kv_indices + seq_p0 + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)  # [N]
     kv_off = (slot * stride_slot + (tok % PAGE) * stride_p)[:, None] + offs_d[None, :]  # [N, D]
     kv_mask = tok_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    scale_rows = slot * stride_slot + PAGE * stride_p  # [N] offset of each token's page's scale row (int8)
-    if INT8:  # K and V read back whole from their steps and means
-        k = int8_tile(k_base + kv_off, k_base + scale_rows, offs_d, kv_mask, stride_p, HEAD_DIM).to(qt.dtype)
+    pg = start // PAGE + tl.arange(0, BLOCK_N // PAGE)  # [NP] local page (blocks start on a page)
+    pg_ok = pg * PAGE < kv_len  # [NP]
+    if INT8:  # K and V read back whole from their steps and means, read once per page
+        pg_slot = tl.load(kv_indices + seq_p0 + pg, mask=pg_ok, other=0).to(tl.int64)  # [NP]
+        scale_rows = pg_slot * stride_slot + PAGE * stride_p  # [NP] offset of each page's scale row
+        k = int8_tile(k_base + kv_off, kv_mask, k_base + scale_rows, pg_ok, offs_d, stride_p, PAGE,
+                      HEAD_DIM).to(qt.dtype)
     else:
         k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
     s = tl.dot(qt, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N] log2 units
@@ -235,12 +244,12 @@ def _prefill_block(
         pm = tl.max(tl.reshape(s_rows, [BLOCK_Q, G_PAD, BLOCK_N // PAGE, PAGE]), axis=3)  # [Q, G, NP]
         pm = tl.max(pm, axis=0)  # [G, NP]
         g = tl.arange(0, G_PAD)
-        pg = start // PAGE + tl.arange(0, BLOCK_N // PAGE)  # [NP] local page
         pm_ptrs = page_max + (seq_p0 + pg)[None, :] * stride_pm + (head0 + g)[:, None]
-        tl.atomic_max(pm_ptrs, pm * 0.6931471805599453, mask=(g < GROUP)[:, None] & (pg * PAGE < kv_len)[None, :])
+        tl.atomic_max(pm_ptrs, pm * 0.6931471805599453, mask=(g < GROUP)[:, None] & pg_ok[None, :])
     p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)  # p [M, N]
     if INT8:
-        v = int8_tile(v_base + kv_off, v_base + scale_rows, offs_d, kv_mask, stride_p, HEAD_DIM).to(qt.dtype)
+        v = int8_tile(v_base + kv_off, kv_mask, v_base + scale_rows, pg_ok, offs_d, stride_p, PAGE,
+                      HEAD_DIM).to(qt.dtype)
     else:
         v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
     if SCALED:  # V's scale on the probabilities (powers of two: exact)
