@@ -3,7 +3,8 @@ from each page's elementwise key min/max (the engine's :class:`~kvtier.engine.st
 
 Without a token budget, the ``pages`` best per step with the sink pages and the tail forced in; under a
 budget, the budget's middle pages. Options (token budgets; off by default): ``rank="quest_head"``
-(each query head's bounds as a softmax over the candidates, max over heads), ``per_head`` (each kv
+(each query head's bounds as a softmax over the candidates, max over heads), ``rank="gauss"`` (each page's
+attention mass estimated from its keys' channel means and variances: :func:`gauss_mass`), ``per_head`` (each kv
 head its own pages, as Quest chooses per head), ``query_rows`` (the bound is the max over the layer's
 last decode queries of the row), ``policy_share`` (that share of the pages by the policy's rank, the
 rest by the bound). With ``recall_slots`` each layer also keeps that many device slots that the
@@ -21,7 +22,7 @@ from kvtier.errors import ConfigError
 from kvtier.scopes.base import DROPPED_LOC, Scope, StepView, best_of, budget_pick, window_pages
 from kvtier.scopes.simple import live_pages
 
-RANKS = ("quest", "quest_head")
+RANKS = ("quest", "quest_head", "gauss")
 
 
 class TopK(Scope):
@@ -92,14 +93,19 @@ class TopK(Scope):
         rows); per kv head: max over its group's query heads."""
         keys = self.engine.keys
         pids = view.pids[:view.batch].long().clamp(min=0)  # [B, M]
-        kmin, kmax = keys.key_min[layer][pids], keys.key_max[layer][pids]  # [B, M, N_kv, D]
-        ub = torch.stack([quest_bound(q[:, i], kmin, kmax) for i in range(q.shape[1])]).amax(0)  # [B, M, H]
+        if self.rank == "gauss":  # estimated attention mass per head: summed over the heads that share the choice
+            ub = torch.stack([gauss_mass(q[:, i], keys, layer, pids, cand) for i in range(q.shape[1])]).amax(0)
+            reduce = torch.sum
+        else:
+            kmin, kmax = keys.key_min[layer][pids], keys.key_max[layer][pids]  # [B, M, N_kv, D]
+            ub = torch.stack([quest_bound(q[:, i], kmin, kmax) for i in range(q.shape[1])]).amax(0)  # [B, M, H]
+            reduce = torch.amax
         if self.rank == "quest_head":  # each head's bounds as a softmax over the candidates
             ub = torch.softmax(ub.masked_fill(~cand[..., None], float("-inf")) * q.shape[-1] ** -0.5, dim=1)
         if kv_head is not None:
             n_kv = self.engine.layout.num_kv_heads
-            return ub.view(*ub.shape[:2], n_kv, -1)[:, :, kv_head].amax(-1)
-        return ub.amax(-1)
+            return reduce(ub.view(*ub.shape[:2], n_kv, -1)[:, :, kv_head], -1)
+        return reduce(ub, -1)
 
     def _remember(self, layer: int, q: torch.Tensor, B: int) -> torch.Tensor:
         """Add the decode query ``q [B, H, D]``; the last ``query_rows`` queries of each row ``[B, r, H, D]``."""
@@ -138,3 +144,24 @@ class TopK(Scope):
         forced_list = torch.where(forced, logical, M).sort(dim=1).values[:, :width - self.pages]
         forced_list = torch.where(forced_list < M, forced_list, -1)
         return torch.cat([forced_list, best], 1).to(torch.int32)
+
+
+def gauss_mass(q: torch.Tensor, keys, layer: int, pids: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    """Each candidate page's share of a head's attention ``[B, M, H]`` for the query ``q [B, H, D]``, estimated from
+    the page's key statistics (``keys``: :class:`~kvtier.engine.stats.KeyStats`; pids ``[B, M]``, ``cand [B, M]``)
+    with q·k taken as Gaussian over the page's keys (channel means mu and variances var, channels independent):
+    log sum_t exp(s q·k_t) ~ log n + s q·mu + s^2 / 2 sum_d q_d^2 var_d, ``s = D^-1/2``, normalised over the
+    candidates: the Gaussian moment-generating function E[exp(s q·k)] = exp(s q·mu + s^2/2 q^T Sigma q) applied
+    to the page's keys for this query (Expected Attention, Devoto et al., 2025, arXiv:2510.00636, applies the
+    same identity to a distribution of queries). Quest's bound (Tang et al., 2024) favours a page with one wide
+    channel range; this favours the pages whose keys the query meets on average, and their spread."""
+    B, H, D = q.shape
+    n = keys.count[layer][pids]  # [B, M]
+    mu = keys.key_sum[layer][pids] / n.clamp(min=1)[..., None, None]  # [B, M, N_kv, D]
+    var = (keys.key_sq[layer][pids] / n.clamp(min=1)[..., None, None] - mu.square()).clamp(min=0)
+    n_kv, s = mu.shape[2], D ** -0.5
+    qg = q.float().view(B, 1, n_kv, H // n_kv, D)  # [B, 1, N_kv, G, D]
+    log_z = (n.clamp(min=1).log()[..., None, None] + s * (qg * mu[:, :, :, None]).sum(-1)
+             + 0.5 * s * s * (qg.square() * var[:, :, :, None]).sum(-1)).flatten(2)  # [B, M, H]
+    return torch.softmax(log_z.masked_fill(~(cand & (n > 0))[..., None], float("-inf")), dim=1).nan_to_num(0.0)
+

@@ -1,0 +1,163 @@
+"""How much of recall's loss is the selection unit? Oracle choices (by the true attention of the current query)
+at the same attended-key budget, on the ctx2k protocol of ``bench/policy_study.py`` (real SmolLM2-135M, fp32,
+2,048 tokens prefilled exactly, then ``--continuation`` teacher-forced tokens, slices at offsets 0, 30k, 60k).
+
+Each decode step attends the sinks (4 tokens), the recent window (64 tokens) and a middle chosen by the oracle so
+that ``--fraction`` of the context is attended (issue 24's question: can recall get within 1% of the full cache?):
+- ``mass<P>_all``: pages of P tokens by their true attention mass summed over every head, one set for all heads
+  (what ``topk`` chooses with a perfect score); ``mass<P>_group``: the same per kv head (its query group's mass);
+- ``quest<P>_all`` (Quest's bound, what ``topk`` chooses today), ``mean<P>_*`` (q·mean key), ``gauss<P>_*`` (the
+  mass estimated from each page's channel means and variances, :func:`page_scores`): scorers, not oracles;
+- ``token_group``: single tokens per kv head (the max probability over its group);
+- ``token_head``: single tokens per query head.
+Scores here read every key (a page's statistics are computed on the fly): what a scorer could do
+with per-page statistics, not its cost. It runs the model's own attention (HF, sdpa for the prefill) with a registered attention function that masks the
+keys outside the choice before the softmax; no kvtier kernel is involved. An upper bound for a scorer, not a method.
+
+    .venv/bin/python -m bench.selection_oracle --slices 3      # bench/selection_oracle.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
+
+from bench.common import write_json
+from kvtier.data import token_stream
+from kvtier.models import load_model
+
+SINKS, WINDOW, PREFIX = 4, 64, 2048
+MODES = ["exact", "mass16_all", "mass16_group", "mass4_group", "token_group", "token_head", "quest16_all", "mean16_all",
+         "gauss16_all", "gauss16_group", "gauss4_group"]
+STATE = {"mode": "exact", "fraction": 0.2}
+
+
+def page_scores(scorer: str, prob: torch.Tensor, logits: torch.Tensor, q: torch.Tensor, k: torch.Tensor, P: int,
+                scaling: float) -> torch.Tensor:
+    """Per (head, page) scores ``[B, H, pages]`` of one decode query: ``mass`` the true attention mass (the
+    oracle); ``quest`` the bound of q·k from each page's channel min/max (Tang et al., 2024); ``mean`` q·(mean
+    key); ``gauss`` the page's attention mass estimated from its keys' channel means and variances, treating q·k
+    as Gaussian: log sum_t exp(s q·k_t) ~ log n + s q·mu + s^2/2 sum_d q_d^2 var_d, normalised over the pages."""
+    B, H, S = prob.shape
+    pages = -(-S // P)
+    pad = pages * P - S
+    if scorer == "mass":
+        return torch.nn.functional.pad(prob, (0, pad)).view(B, H, pages, P).sum(-1)
+    kp = torch.nn.functional.pad(k.float(), (0, 0, 0, pad)).view(B, H, pages, P, -1)  # [B, H, pages, P, D]
+    n = torch.full((pages,), float(P), device=k.device)
+    n[-1] = P - pad
+    valid = (torch.arange(pages * P, device=k.device) < S).view(pages, P)[None, None, :, :, None]  # [1, 1, pages, P, 1]
+    qf = q.float()[:, :, 0]  # [B, H, D]
+    if scorer == "quest":
+        kmin = torch.where(valid, kp, float("inf")).amin(3)  # [B, H, pages, D]
+        kmax = torch.where(valid, kp, float("-inf")).amax(3)
+        return torch.maximum(qf[:, :, None] * kmin, qf[:, :, None] * kmax).sum(-1)  # [B, H, pages]
+    mu = kp.sum(3) / n[:, None]  # [B, H, pages, D]
+    if scorer == "mean":
+        return (qf[:, :, None] * mu).sum(-1)
+    var = (kp.square().sum(3) / n[:, None] - mu.square()).clamp(min=0)  # [B, H, pages, D]
+    log_z = n.log() + scaling * (qf[:, :, None] * mu).sum(-1) + 0.5 * scaling ** 2 * (qf[:, :, None] ** 2 * var).sum(-1)
+    return torch.softmax(log_z, -1)  # [B, H, pages] estimated mass
+
+
+def keep_mask(logits: torch.Tensor, q: torch.Tensor, k: torch.Tensor, scaling: float, n_kv: int, mode: str,
+              fraction: float) -> torch.Tensor:
+    """Keys kept ``[B, H, 1, S]`` (bool) for one decode query ``q [B, H, 1, D]`` over keys ``k [B, H, S, D]``
+    (its scaled ``logits [B, H, 1, S]``)."""
+    B, H, _, S = logits.shape
+    G = H // n_kv
+    budget = max(int(fraction * S), SINKS + WINDOW)
+    pos = torch.arange(S, device=logits.device)
+    forced = (pos < SINKS) | (pos >= S - WINDOW)  # [S]
+    middle = budget - int(forced.sum())
+    if middle <= 0:
+        return forced.expand(B, H, 1, S)
+    prob = torch.softmax(logits.float(), -1)[:, :, 0]  # [B, H, S]
+    if mode == "token_head":
+        score = prob  # [B, H, S]
+    elif mode == "token_group":
+        score = prob.view(B, n_kv, G, S).amax(2).repeat_interleave(G, 1)  # [B, H, S]
+    else:
+        scorer, rest = mode.split("_")[0].rstrip("0123456789"), mode.split("_")
+        P, share = int(rest[0][len(scorer):]), rest[1]
+        ps = page_scores(scorer, prob, logits, q, k, P, scaling)  # [B, H, pages]
+        if share == "group":
+            ps = ps.view(B, n_kv, G, -1)
+            ps = (ps.sum(2) if scorer in ("mass", "gauss") else ps.amax(2)).repeat_interleave(G, 1)
+        else:
+            ps = (ps.sum(1) if scorer in ("mass", "gauss") else ps.amax(1))[:, None].expand(B, H, -1)
+        score = ps.repeat_interleave(P, -1)[..., :S]  # every token of a page takes its page's score
+        middle = (middle // P) * P
+    score = score.masked_fill(forced, float("-inf"))
+    picked = torch.zeros(B, H, S, dtype=torch.bool, device=logits.device)
+    picked.scatter_(-1, score.topk(middle, -1).indices, True)
+    return (picked | forced)[:, :, None]
+
+
+def oracle_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """sdpa for the prefill; a decode query attends the oracle's choice (``STATE``)."""
+    if query.shape[2] > 1 or STATE["mode"] == "exact":
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    n_kv, H = key.shape[1], query.shape[1]
+    k = key.repeat_interleave(H // n_kv, 1)  # [B, H, S, D]
+    v = value.repeat_interleave(H // n_kv, 1)
+    logits = (query.float() @ k.float().transpose(-1, -2)) * scaling  # [B, H, 1, S]
+    keep = keep_mask(logits, query, k, scaling, n_kv, STATE["mode"], STATE["fraction"])
+    out = torch.softmax(logits.masked_fill(~keep, float("-inf")), -1) @ v.float()  # [B, H, 1, D]
+    return out.to(query.dtype).transpose(1, 2), None
+
+
+@torch.no_grad()
+def slice_nll(model, ids: torch.Tensor) -> torch.Tensor:
+    """NLL ``[len(ids) - PREFIX]`` of the continuation: an exact prefill of ``ids[:PREFIX]``, then one token a step."""
+    out = model(ids[None, :PREFIX], use_cache=True)
+    cache, logits = out.past_key_values, out.logits[0, -1]
+    nll = []
+    for i in range(PREFIX, ids.numel()):
+        nll.append(-torch.log_softmax(logits.double(), -1)[ids[i]])
+        if i + 1 < ids.numel():
+            out = model(ids[None, i:i + 1], past_key_values=cache, use_cache=True)
+            cache, logits = out.past_key_values, out.logits[0, -1]
+    return torch.stack(nll)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--fraction", type=float, default=0.2)
+    ap.add_argument("--slices", type=int, default=3)
+    ap.add_argument("--continuation", type=int, default=256)
+    ap.add_argument("--smollm2", default=None)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", default="selection_oracle.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    AttentionInterface.register("oracle", oracle_attention)
+    AttentionMaskInterface.register("oracle", AttentionMaskInterface._global_mapping["sdpa"])
+    model, tok = load_model(args.smollm2, dtype="float32")
+    model.set_attn_implementation("oracle")
+    STATE["fraction"] = args.fraction
+    texts = [token_stream(tok, "opticks", 30000 * s + PREFIX + args.continuation)[30000 * s:] for s in range(args.slices)]
+    rows = []
+    for mode in args.modes.split(","):
+        STATE["mode"] = mode
+        t0 = time.perf_counter()
+        nll = [slice_nll(model, ids) for ids in texts]
+        row = {"mode": mode, "ppl": math.exp(float(torch.cat(nll).mean())),
+               "slices": [math.exp(float(x.mean())) for x in nll], "seconds": time.perf_counter() - t0}
+        rows.append(row)
+        base = rows[0]["ppl"]
+        print(f"| {mode} | {row['ppl']:.4f} | {100 * (row['ppl'] / base - 1):+.2f}% | "
+              f"{' / '.join(f'{x:.3f}' for x in row['slices'])} |", flush=True)
+    write_json(args.json, {"args": vars(args), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
