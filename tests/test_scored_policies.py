@@ -444,7 +444,7 @@ def gaussian_pages(n_pages: int, page: int, seed: int) -> torch.Tensor:
 
 def test_gauss_mass_is_the_log_normal_estimate_from_each_pages_keys():
     """``rank=gauss``'s page scores from KeyStats equal the estimate computed from the keys themselves: per head,
-    log n + s q·mean + s^2/2 sum_d q_d^2 var_d, a softmax over the candidates (others 0)."""
+    log n + s q·mean + s^2/2 sum_d q_d^2 var_d, a softmax over the row's pages, 0 outside the candidates."""
     from kvtier.scopes.topk import gauss_mass
 
     n_pages, page = 12, 4
@@ -454,12 +454,13 @@ def test_gauss_mass_is_the_log_normal_estimate_from_each_pages_keys():
     stats.add(0, pids.repeat_interleave(page), keys.reshape(-1, N_KV, D))
     q = torch.randn(2, 6, D, generator=torch.Generator().manual_seed(4))  # [B, H, D]
     cand = torch.rand(2, n_pages, generator=torch.Generator().manual_seed(5)) < 0.7  # [B, M]
-    got = gauss_mass(q, stats, 0, pids.expand(2, -1), cand)  # [B, M, H]
+    live = torch.arange(n_pages)[None, :] < torch.tensor([[n_pages], [n_pages - 3]])  # [B, M] row 1: 3 pages fewer
+    got = gauss_mass(q, stats, 0, pids.expand(2, -1), live, cand)  # [B, M, H]
     kk = keys.repeat_interleave(3, dim=2)  # [M, P, H, D] each query head's keys
     mean, var = kk.mean(1), kk.var(1, unbiased=False)  # [M, H, D]
     s = D ** -0.5
     log_z = np.log(page) + s * (q[:, None] * mean).sum(-1) + 0.5 * s * s * (q[:, None] ** 2 * var).sum(-1)  # [B, M, H]
-    want = torch.softmax(log_z.masked_fill(~cand[..., None], float("-inf")), dim=1)
+    want = torch.softmax(log_z.masked_fill(~live[..., None], float("-inf")), dim=1).masked_fill(~cand[..., None], 0)
     assert torch.allclose(got, want, atol=1e-5)
 
 
@@ -481,7 +482,7 @@ def test_gauss_choice_tracks_the_true_attention_mass_better_than_quests_bound():
         logits = (q[0, :, None, None] * keys.repeat_interleave(3, dim=2).permute(2, 0, 1, 3)).sum(-1) * D ** -0.5
         mass = torch.softmax(logits.reshape(6, -1), -1).view(6, n_pages, page).sum(-1).sum(0)  # [M] over heads
         cand = torch.ones(1, n_pages, dtype=torch.bool)
-        picks = {"gauss": best_of(gauss_mass(q, stats, 0, pids[None], cand).sum(-1), cand, k)[0],
+        picks = {"gauss": best_of(gauss_mass(q, stats, 0, pids[None], cand, cand).sum(-1), cand, k)[0],
                  "quest": best_of(quest_bound(q, stats.key_min[0][pids][None], stats.key_max[0][pids][None]).amax(-1),
                                   cand, k)[0],
                  "oracle": mass.topk(k).indices}

@@ -94,7 +94,8 @@ class TopK(Scope):
         keys = self.engine.keys
         pids = view.pids[:view.batch].long().clamp(min=0)  # [B, M]
         if self.rank == "gauss":  # estimated attention mass per head: summed over the heads that share the choice
-            ub = torch.stack([gauss_mass(q[:, i], keys, layer, pids, cand) for i in range(q.shape[1])]).amax(0)
+            live = view.pids[:view.batch] >= 0  # [B, M]
+            ub = torch.stack([gauss_mass(q[:, i], keys, layer, pids, live, cand) for i in range(q.shape[1])]).amax(0)
             reduce = torch.sum
         else:
             kmin, kmax = keys.key_min[layer][pids], keys.key_max[layer][pids]  # [B, M, N_kv, D]
@@ -146,12 +147,14 @@ class TopK(Scope):
         return torch.cat([forced_list, best], 1).to(torch.int32)
 
 
-def gauss_mass(q: torch.Tensor, keys, layer: int, pids: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
-    """Each candidate page's share of a head's attention ``[B, M, H]`` for the query ``q [B, H, D]``, estimated from
-    the page's key statistics (``keys``: :class:`~kvtier.engine.stats.KeyStats`; pids ``[B, M]``, ``cand [B, M]``)
-    with q·k taken as Gaussian over the page's keys (channel means mu and variances var, channels independent):
-    log sum_t exp(s q·k_t) ~ log n + s q·mu + s^2 / 2 sum_d q_d^2 var_d, ``s = D^-1/2``, normalised over the
-    candidates: the Gaussian moment-generating function E[exp(s q·k)] = exp(s q·mu + s^2/2 q^T Sigma q) applied
+def gauss_mass(q: torch.Tensor, keys, layer: int, pids: torch.Tensor, live: torch.Tensor,
+               cand: torch.Tensor) -> torch.Tensor:
+    """Each candidate page's share of a head's attention ``[B, M, H]`` (0 for the others) for the query ``q [B, H,
+    D]``, estimated from the page's key statistics (``keys``: :class:`~kvtier.engine.stats.KeyStats`; pids ``[B, M]``,
+    the row's pages ``live [B, M]``, ``cand [B, M]``) with q·k taken as Gaussian over the page's keys (channel
+    means mu and variances var, channels independent): log sum_t exp(s q·k_t) ~ log n + s q·mu + s^2 / 2 sum_d
+    q_d^2 var_d, ``s = D^-1/2``, normalised over every live page (sinks and window included: a head that attends
+    its sinks gives the middle little, so the heads' sum weighs the heads that look there): the Gaussian moment-generating function E[exp(s q·k)] = exp(s q·mu + s^2/2 q^T Sigma q) applied
     to the page's keys for this query (Expected Attention, Devoto et al., 2025, arXiv:2510.00636, applies the
     same identity to a distribution of queries). Quest's bound (Tang et al., 2024) favours a page with one wide
     channel range; this favours the pages whose keys the query meets on average, and their spread."""
@@ -163,5 +166,6 @@ def gauss_mass(q: torch.Tensor, keys, layer: int, pids: torch.Tensor, cand: torc
     qg = q.float().view(B, 1, n_kv, H // n_kv, D)  # [B, 1, N_kv, G, D]
     log_z = (n.clamp(min=1).log()[..., None, None] + s * (qg * mu[:, :, :, None]).sum(-1)
              + 0.5 * s * s * (qg.square() * var[:, :, :, None]).sum(-1)).flatten(2)  # [B, M, H]
-    return torch.softmax(log_z.masked_fill(~(cand & (n > 0))[..., None], float("-inf")), dim=1).nan_to_num(0.0)
+    share = torch.softmax(log_z.masked_fill(~(live & (n > 0))[..., None], float("-inf")), dim=1).nan_to_num(0.0)
+    return share.masked_fill(~cand[..., None], 0.0)
 
