@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from types import SimpleNamespace
 
 import torch
 from transformers import AttentionInterface
@@ -30,7 +31,9 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from bench.common import write_json
 from kvtier.data import token_stream
+from kvtier.engine.stats import quest_bound
 from kvtier.models import load_model
+from kvtier.scopes.topk import gauss_mass
 
 SINKS, WINDOW, PREFIX = 4, 64, 2048
 MODES = ["exact", "mass16_all", "mass16_group", "mass4_group", "token_group", "token_head", "quest16_all", "mean16_all",
@@ -38,39 +41,41 @@ MODES = ["exact", "mass16_all", "mass16_group", "mass4_group", "token_group", "t
 STATE = {"mode": "exact", "fraction": 0.2}
 
 
-def page_scores(scorer: str, prob: torch.Tensor, logits: torch.Tensor, q: torch.Tensor, k: torch.Tensor, P: int,
-                scaling: float) -> torch.Tensor:
-    """Per (head, page) scores ``[B, H, pages]`` of one decode query: ``mass`` the true attention mass (the
-    oracle); ``quest`` the bound of q·k from each page's channel min/max (Tang et al., 2024); ``mean`` q·(mean
-    key); ``gauss`` the page's attention mass estimated from its keys' channel means and variances, treating q·k
-    as Gaussian: log sum_t exp(s q·k_t) ~ log n + s q·mu + s^2/2 sum_d q_d^2 var_d, normalised over the pages."""
+def page_scores(scorer: str, prob: torch.Tensor, q: torch.Tensor, key: torch.Tensor, P: int) -> torch.Tensor:
+    """Per (query head, page) scores ``[B, H, pages]`` of one decode query ``q [B, H, 1, D]`` (attention ``prob [B,
+    H, S]``) over ``key [B, N_kv, S, D]``: ``mass`` the true attention mass (the oracle); ``quest`` Quest's bound
+    (:func:`kvtier.engine.stats.quest_bound`, Tang et al., 2024); ``mean`` q·(mean key); ``gauss`` the estimated
+    share of the head's attention that ``topk rank=gauss`` uses (:func:`kvtier.scopes.topk.gauss_mass`), from
+    each page's key statistics as :class:`~kvtier.engine.stats.KeyStats` keeps them."""
     B, H, S = prob.shape
     pages = -(-S // P)
     pad = pages * P - S
     if scorer == "mass":
         return torch.nn.functional.pad(prob, (0, pad)).view(B, H, pages, P).sum(-1)
-    kp = torch.nn.functional.pad(k.float(), (0, 0, 0, pad)).view(B, H, pages, P, -1)  # [B, H, pages, P, D]
-    n = torch.full((pages,), float(P), device=k.device)
-    n[-1] = P - pad
-    valid = (torch.arange(pages * P, device=k.device) < S).view(pages, P)[None, None, :, :, None]  # [1, 1, pages, P, 1]
-    qf = q.float()[:, :, 0]  # [B, H, D]
+    kp = torch.nn.functional.pad(key.float(), (0, 0, 0, pad)).view(B, -1, pages, P, key.shape[-1])  # [B, N_kv, pages, P, D]
+    kp = kp.permute(0, 2, 3, 1, 4)  # [B, pages, P, N_kv, D]
+    valid = (torch.arange(pages * P, device=key.device) < S).view(1, pages, P, 1, 1)
+    qf = q[:, :, 0].float()  # [B, H, D]
     if scorer == "quest":
-        kmin = torch.where(valid, kp, float("inf")).amin(3)  # [B, H, pages, D]
-        kmax = torch.where(valid, kp, float("-inf")).amax(3)
-        return torch.maximum(qf[:, :, None] * kmin, qf[:, :, None] * kmax).sum(-1)  # [B, H, pages]
-    mu = kp.sum(3) / n[:, None]  # [B, H, pages, D]
+        kmin = torch.where(valid, kp, float("inf")).amin(2)  # [B, pages, N_kv, D]
+        kmax = torch.where(valid, kp, float("-inf")).amax(2)
+        return quest_bound(qf, kmin, kmax).transpose(1, 2)  # [B, H, pages]
+    pids = torch.arange(B * pages, device=key.device).view(B, pages)  # each row its own pages
+    stats = SimpleNamespace(count=valid.sum(2).float().view(1, pages).expand(B, pages).reshape(1, -1),  # layer 0
+                            key_sum=kp.sum(2).flatten(0, 1)[None], key_sq=kp.square().sum(2).flatten(0, 1)[None])
     if scorer == "mean":
-        return (qf[:, :, None] * mu).sum(-1)
-    var = (kp.square().sum(3) / n[:, None] - mu.square()).clamp(min=0)  # [B, H, pages, D]
-    log_z = n.log() + scaling * (qf[:, :, None] * mu).sum(-1) + 0.5 * scaling ** 2 * (qf[:, :, None] ** 2 * var).sum(-1)
-    return torch.softmax(log_z, -1)  # [B, H, pages] estimated mass
+        mu = stats.key_sum[0][pids] / stats.count[0][pids][..., None, None]  # [B, pages, N_kv, D]
+        qg = qf.view(B, 1, mu.shape[2], -1, mu.shape[-1])  # [B, 1, N_kv, G, D]
+        return (qg * mu[:, :, :, None]).sum(-1).flatten(2).transpose(1, 2)  # [B, H, pages]
+    every = torch.ones(B, pages, dtype=torch.bool, device=key.device)
+    return gauss_mass(qf, stats, 0, pids, every, every).transpose(1, 2)  # [B, H, pages]
 
 
-def keep_mask(logits: torch.Tensor, q: torch.Tensor, k: torch.Tensor, scaling: float, n_kv: int, mode: str,
-              fraction: float) -> torch.Tensor:
-    """Keys kept ``[B, H, 1, S]`` (bool) for one decode query ``q [B, H, 1, D]`` over keys ``k [B, H, S, D]``
-    (its scaled ``logits [B, H, 1, S]``)."""
+def keep_mask(logits: torch.Tensor, q: torch.Tensor, key: torch.Tensor, mode: str, fraction: float) -> torch.Tensor:
+    """Keys kept ``[B, H, 1, S]`` (bool) for one decode query ``q [B, H, 1, D]`` over ``key [B, N_kv, S, D]`` (its
+    scaled ``logits [B, H, 1, S]``)."""
     B, H, _, S = logits.shape
+    n_kv = key.shape[1]
     G = H // n_kv
     budget = max(int(fraction * S), SINKS + WINDOW)
     pos = torch.arange(S, device=logits.device)
@@ -86,7 +91,7 @@ def keep_mask(logits: torch.Tensor, q: torch.Tensor, k: torch.Tensor, scaling: f
     else:
         scorer, rest = mode.split("_")[0].rstrip("0123456789"), mode.split("_")
         P, share = int(rest[0][len(scorer):]), rest[1]
-        ps = page_scores(scorer, prob, logits, q, k, P, scaling)  # [B, H, pages]
+        ps = page_scores(scorer, prob, q, key, P)  # [B, H, pages]
         if share == "group":
             ps = ps.view(B, n_kv, G, -1)
             ps = (ps.sum(2) if scorer in ("mass", "gauss") else ps.amax(2)).repeat_interleave(G, 1)
@@ -109,7 +114,7 @@ def oracle_attention(module, query, key, value, attention_mask, dropout: float =
     k = key.repeat_interleave(H // n_kv, 1)  # [B, H, S, D]
     v = value.repeat_interleave(H // n_kv, 1)
     logits = (query.float() @ k.float().transpose(-1, -2)) * scaling  # [B, H, 1, S]
-    keep = keep_mask(logits, query, k, scaling, n_kv, STATE["mode"], STATE["fraction"])
+    keep = keep_mask(logits, query, key, STATE["mode"], STATE["fraction"])
     out = torch.softmax(logits.masked_fill(~keep, float("-inf")), -1) @ v.float()  # [B, H, 1, D]
     return out.to(query.dtype).transpose(1, 2), None
 

@@ -12,6 +12,12 @@ from __future__ import annotations
 import numpy as np
 
 
+def first_page(start, window, page_size: int):
+    """The first logical page a query at ``start`` sees through a window of ``window`` keys (0: a global layer,
+    page 0): ints or numpy arrays, broadcast against each other."""
+    return np.where(np.asarray(window) > 0, np.maximum(np.asarray(start) - window + 1, 0) // page_size, 0)
+
+
 def attended_range(start: int, q_len: int, page_size: int, window: int) -> tuple[int, int]:
     """``(first, tail_from)`` logical pages for the queries at positions ``[start, start + q_len)``.
 
@@ -23,7 +29,7 @@ def attended_range(start: int, q_len: int, page_size: int, window: int) -> tuple
     tail = start // page_size
     if not window:
         return 0, tail
-    first = max(0, start - window + 1) // page_size
+    first = int(first_page(start, window, page_size))
     seen_whole = first * page_size >= start + q_len - window  # the last query sees all of page `first`
     return first, tail if seen_whole else first
 

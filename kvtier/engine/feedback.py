@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from kvtier.errors import KVTierError
+from kvtier.window import first_page
 
 
 @dataclass
@@ -242,8 +243,7 @@ class Feedback:
         e = self.engine
         R, M = pids.shape
         if lists is None:
-            window = self._windows[layers][:, None]  # [L', 1]
-            first = np.where(window > 0, np.maximum(lens[None, :] - window, 0) // e.layout.page_size, 0)  # [L', R]
+            first = first_page(lens[None, :] - 1, self._windows[layers][:, None], e.layout.page_size)  # [L', R]
             logical = np.arange(M)
             seen = (e.table.tier_of[layers[:, None, None], pids.clip(min=0)[None]] >= 0) & \
                 (logical < n_pages[:, None]) & (logical >= first[..., None])  # [L', R, M]

@@ -90,7 +90,8 @@ class TopK(Scope):
     def _scores(self, layer: int, q: torch.Tensor, view: StepView, cand: torch.Tensor,
                 kv_head: int | None = None) -> torch.Tensor:
         """Page scores ``[B, M]`` of the candidates ``cand [B, M]`` for the row queries ``q [B, r, H, D]`` (max over
-        rows); per kv head: max over its group's query heads."""
+        rows), over the query heads (per kv head: its group's): the max of Quest's bounds, the sum of ``gauss``'s
+        estimated shares."""
         keys = self.engine.keys
         pids = view.pids[:view.batch].long().clamp(min=0)  # [B, M]
         if self.rank == "gauss":  # estimated attention mass per head: summed over the heads that share the choice
@@ -154,8 +155,9 @@ def gauss_mass(q: torch.Tensor, keys, layer: int, pids: torch.Tensor, live: torc
     the row's pages ``live [B, M]``, ``cand [B, M]``) with q·k taken as Gaussian over the page's keys (channel
     means mu and variances var, channels independent): log sum_t exp(s q·k_t) ~ log n + s q·mu + s^2 / 2 sum_d
     q_d^2 var_d, ``s = D^-1/2``, normalised over every live page (sinks and window included: a head that attends
-    its sinks gives the middle little, so the heads' sum weighs the heads that look there): the Gaussian moment-generating function E[exp(s q·k)] = exp(s q·mu + s^2/2 q^T Sigma q) applied
-    to the page's keys for this query (Expected Attention, Devoto et al., 2025, arXiv:2510.00636, applies the
+    its sinks gives the middle little, so the heads' sum weighs the heads that look there). That is the Gaussian
+    moment-generating function E[exp(s q·k)] = exp(s q·mu + s^2/2 q^T Sigma q) applied to the page's keys for this
+    query (Expected Attention, Devoto et al., 2025, arXiv:2510.00636, applies the
     same identity to a distribution of queries). Quest's bound (Tang et al., 2024) favours a page with one wide
     channel range; this favours the pages whose keys the query meets on average, and their spread."""
     B, H, D = q.shape
@@ -168,4 +170,3 @@ def gauss_mass(q: torch.Tensor, keys, layer: int, pids: torch.Tensor, live: torc
              + 0.5 * s * s * (qg.square() * var[:, :, :, None]).sum(-1)).flatten(2)  # [B, M, H]
     share = torch.softmax(log_z.masked_fill(~(live & (n > 0))[..., None], float("-inf")), dim=1).nan_to_num(0.0)
     return share.masked_fill(~cand[..., None], 0.0)
-
