@@ -16,7 +16,11 @@ page 16, bf16 and FP8 pages (cells whose bf16 KV exceeds ``KV_LIMIT_BYTES`` are 
 Each cell times Triton, Triton with page_max and FlashInfer with both ``use_tensor_cores`` settings
 (the faster is the cell's anchor); FP8 cells give Triton kvtier's FP8 pages (per-page scales in a
 scale row) and FlashInfer its own FP8 path (plain E4M3 pages, one k/v scale per call). (5) chunked
-prefill chunk x prefix (32/8, D=128, causal). Times are ``triton.testing.do_bench`` medians (L2
+prefill chunk x prefix (32/8, D=128, causal), (6) Quest's fused page choice (``triton_page_choice``: one
+launch per layer, checked against its torch oracle on each shape's random bounds, ties included) beside the
+decode it feeds (k=64 picked pages of 16 tokens per row) and the torch choice, at B=1 x 512 and 8192
+pages scored and B=16 x 512, both head shapes; its anchor is the fused choice / that decode at B=1 x 8192,
+32/8 D=128. Times are ``triton.testing.do_bench`` medians (L2
 flushed between runs). The decode table gives each cell's KV GB/s as a fraction of the measured
 read ceiling, Triton / FlashInfer-best speed, page_max overhead and FP8 / bf16 speed. JSON goes to
 ``$OUT/kernels.json`` if ``OUT`` is set, else ``bench/kernels.json``.
@@ -44,6 +48,8 @@ DECODE_HEADS = [(32, 8, 128), (9, 3, 64)]  # (query heads, kv heads, head dim)
 GRID_BATCHES = [1, 8, 16, 64, 256]
 GRID_CONTEXTS = [1024, 8192, 32768, 131072]
 PREFILL_HEADS = (32, 8, 128)
+CHOICE_SHAPES = [(1, 512), (1, 8192), (16, 512)]  # (B, pages scored per row) of the page choice timings
+CHOICE_K = 64  # pages picked per row
 
 
 def parse_args():
@@ -67,8 +73,9 @@ import triton  # noqa: E402
 
 from kvtier.kernels.base import PagedBatch  # noqa: E402
 from kvtier.kernels.flashinfer import FlashInferBackend  # noqa: E402
-from kvtier.kernels.reference import TorchBackend, paged_attention_reference  # noqa: E402
+from kvtier.kernels.reference import TorchBackend, page_choice_reference, paged_attention_reference  # noqa: E402
 from kvtier.kernels.triton_decode import DecodeConfig, TritonBackend, default_decode_config  # noqa: E402
+from kvtier.kernels.triton_page_choice import ChoiceWork, page_choice  # noqa: E402
 from kvtier.kernels.triton_prefill import PrefillConfig  # noqa: E402
 from kvtier.quant import FP8, INT8, channel_steps, page_scales, quantize_pages  # noqa: E402
 
@@ -523,6 +530,40 @@ def tune(buffers: dict, smoke: bool, fp8_only: bool) -> list:
     return results
 
 
+def page_choice_timings(smoke: bool) -> list:
+    """Quest's fused page choice vs its torch oracle (equal picks; every other pid shared, so ties occur) and
+    timed beside the decode of the pages it picks (``CHOICE_K`` per row) and the torch choice."""
+    rows = []
+    shapes, heads_list, k = ([(1, 40), (3, 70)], [(4, 2, 32)], 4) if smoke else (CHOICE_SHAPES, DECODE_HEADS, CHOICE_K)
+    for heads, (b, m) in itertools.product(heads_list, shapes):
+        n_qo, n_kv, dim = heads
+        kmin = torch.randn(b * m, n_kv, dim, device=DEVICE)  # [capacity, N_kv, D] one layer's key bounds
+        kmax = kmin + torch.rand_like(kmin)
+        pids = torch.randint(0, b * m // 2, (b, m), device=DEVICE, dtype=torch.int32)  # [B, M] shared pids: ties
+        cand = torch.rand(b, m, device=DEVICE) < 0.9  # [B, M]
+        q = torch.randn(b, n_qo, dim, dtype=torch.bfloat16, device=DEVICE)
+        work = ChoiceWork.make(b, m, DEVICE)
+        fused = lambda: page_choice(q, kmin, kmax, pids, cand, k, work=work)  # noqa: E731
+        oracle = lambda: page_choice_reference(q, kmin, kmax, pids, cand, k)  # noqa: E731
+        row = {"heads": heads, "B": b, "pages": m, "k": k, "ok": torch.equal(fused().long(), oracle().long()),
+               "graph_ms": {}}
+        graphs = DEVICE == "cuda"
+        row["choice_ms"] = timed(fused, graphs, row["graph_ms"], "choice")
+        row["choice_torch_ms"] = time_ms(oracle)
+        dq, pool, batch = paged_problem([k * 16] * b, [1] * b, heads, 16, torch.bfloat16, False)
+        decode = TritonBackend()
+        decode.plan(batch, *heads)
+        row["decode_ms"] = timed(lambda: decode.run(dq, pool), graphs, row["graph_ms"], "decode")
+        row["choice_over_decode"] = row["choice_ms"] / row["decode_ms"]
+        row["bounds_gbps"] = 2 * b * m * n_kv * dim * 4 / row["choice_ms"] / 1e6  # key min/max bytes read
+        rows.append(row)
+        print(f"page choice {heads} B={b} pages={m} k={k}: fused {row['choice_ms']:.4f} ms (graph "
+              f"{row['graph_ms'].get('choice')}), torch {row['choice_torch_ms']:.4f} ms, decode of the picks "
+              f"{row['decode_ms']:.4f} ms, bounds {row['bounds_gbps']:.0f} GB/s, {'ok' if row['ok'] else 'FAIL'}",
+              flush=True)
+    return rows
+
+
 def report_tuning(rows, top: int = 5):
     for r in sorted(rows, key=lambda r: r["ms"])[:top]:
         print(f"tune {r['kind']} {r['shape']}: {r['ms']:.4f} ms {r['config']}", flush=True)
@@ -627,7 +668,13 @@ def main():
     result["timings"] = []
     sweep(buffer, fi, ARGS.quick, ARGS.smoke, result["timings"], save)
     print_table(result["timings"], result["ceilings"])
+    result["page_choice"] = page_choice_timings(ARGS.smoke)
+    result["checks"] += [{"kind": "page_choice", "dtype": "bf16", "heads": r["heads"], "backend": "triton",
+                          "ok": r["ok"], "out_rel_err": 0.0 if r["ok"] else math.inf} for r in result["page_choice"]]
+    save()
     result["targets"] = print_grid(result["decode_grid"], skipped, result["ceilings"])
+    anchor = [r for r in result["page_choice"] if (tuple(r["heads"]), r["B"], r["pages"]) == ((32, 8, 128), 1, 8192)]
+    result["targets"]["page_choice_over_decode_B1_8192_32_8"] = anchor[0]["choice_over_decode"] if anchor else None
     prefill = {r["backend"]: r["ms"] for r in result["timings"] if r["shape"].startswith("chunk=2048 prefix=32768")
                and not r["shape"].endswith("fp8")}
     if "flashinfer" in prefill:

@@ -5,7 +5,7 @@
 - :class:`QueryStats`: the last ``rows`` queries of every layer of the first row (TOVA/Quest read the
   newest, Expected Attention their mean and variance).
 - :func:`quest_bound`: Quest's bound of q·k from a page's key min / max (the ``topk`` scope and the
-  ``quest`` policy).
+  ``quest`` policy); :func:`page_bounds` of a row's pages by pid, :func:`head_max` over a row's query heads.
 - :func:`page_mass`: the attention probability mass each listed page gets from chosen query rows of a
   prefill chunk (decode rows get theirs from the kernel's per-page LSE).
 """
@@ -113,6 +113,21 @@ def quest_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torc
     qg = q.float().view(B, 1, n_kv, H // n_kv, D)  # [B, 1, N_kv, G, D]
     ub = torch.maximum(qg * kmin[:, :, :, None], qg * kmax[:, :, :, None]).sum(-1)  # [B, M, N_kv, G]
     return ub.flatten(2)
+
+
+def page_bounds(q: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, pids: torch.Tensor) -> torch.Tensor:
+    """Quest's bound per (row, page, query head) ``[B, M, H]``, max over the query rows ``q [B, r, H, D]``, of the
+    pages ``pids [B, M]`` (-1: read as pid 0) of one layer's key bounds ``key_min``/``key_max [pids, N_kv, D]``."""
+    p = pids.long().clamp(min=0)  # [B, M]
+    kmin, kmax = key_min[p], key_max[p]  # [B, M, N_kv, D]
+    return torch.stack([quest_bound(q[:, i], kmin, kmax) for i in range(q.shape[1])]).amax(0)
+
+
+def head_max(ub: torch.Tensor, num_kv_heads: int, kv_head: int | None = None) -> torch.Tensor:
+    """``ub [B, M, H]`` -> ``[B, M]``: the max over every query head, or over kv head ``kv_head``'s group."""
+    if kv_head is None:
+        return ub.amax(-1)
+    return ub.view(*ub.shape[:2], num_kv_heads, -1)[:, :, kv_head].amax(-1)
 
 
 def page_mass(keys: torch.Tensor, logical: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor, lse: torch.Tensor,

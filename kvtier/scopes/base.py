@@ -163,11 +163,16 @@ def budget_pick(layers: int | range, view: StepView, candidate_score, device_onl
     return torch.where(whole, every, listed)
 
 
-def best_of(score: torch.Tensor, cand: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``k`` candidates ``cand [..., M]`` with the highest ``score [..., M]``: logical pages ``[..., k]`` (-1 none)."""
-    masked = torch.where(cand, score, float("-inf"))
-    best, idx = torch.topk(masked, min(k, masked.shape[-1]), dim=-1)
-    out = torch.where(best > float("-inf"), idx, -1)
+def best_of(score: torch.Tensor, cand: torch.Tensor, k: int, count: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``k`` (per row at most ``count [...]``) candidates ``cand [..., M]`` with the highest ``score [..., M]``:
+    logical pages ``[..., k]`` in page order, then -1. Equal scores: the lower page first; a candidate scored
+    -inf or NaN is never taken (the rule of :mod:`kvtier.kernels.triton_page_choice`)."""
+    M = score.shape[-1]
+    ok = cand & (score > float("-inf"))  # [..., M]
+    order = torch.where(ok, score, float("-inf")).argsort(dim=-1, descending=True, stable=True)  # [..., M] best first
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(M, device=score.device).expand_as(order))
+    keep = ok & (rank < (k if count is None else count.clamp(max=k)[..., None]))  # [..., M]
+    out = compact(keep)[..., :k]
     if out.shape[-1] < k:
         out = torch.cat([out, out.new_full((*out.shape[:-1], k - out.shape[-1]), -1)], -1)
     return out

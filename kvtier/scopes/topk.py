@@ -9,6 +9,12 @@ head its own pages, as Quest chooses per head), ``query_rows`` (the bound is the
 last decode queries of the row), ``policy_share`` (that share of the pages by the policy's rank, the
 rest by the bound). With ``recall_slots`` each layer also keeps that many device slots that the
 captured step fills with its own picks read from the host (:class:`~kvtier.scopes.recall.RecallCache`).
+
+On the Triton backend (a GPU, or the CPU under TRITON_INTERPRET=1) the bound and the choice of a layer are one
+launch (:mod:`kvtier.kernels.triton_page_choice`); on the torch backend its oracle
+(:func:`~kvtier.kernels.reference.page_choice_reference`) chooses the same pages. ``rank="quest_head"`` (a
+softmax over the candidates per head) and ``rank="gauss"`` always run in torch. Equal scores: the lower page first; picks are
+listed in page order.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ import torch
 
 from kvtier.budget import TokenBudget
 from kvtier.checks import check_topk_options
-from kvtier.engine.stats import quest_bound
+from kvtier.engine.stats import head_max, page_bounds
 from kvtier.errors import ConfigError
+from kvtier.kernels.reference import page_choice_reference
 from kvtier.scopes.base import DROPPED_LOC, Scope, StepView, best_of, budget_pick, window_pages
 from kvtier.scopes.simple import live_pages
 
@@ -55,6 +62,12 @@ class TopK(Scope):
         self.recent = None  # [L, R, query_rows, H, D] the last decode queries of each (layer, row), made at the first
         L, R = engine.layout.num_layers, engine.config.max_batch
         self.seen = torch.zeros(L, R, dtype=torch.int64, device=engine.device)
+        self.fused = engine.kernel.name == "triton"  # the page choice as one Triton launch per layer
+        if self.fused:  # imported here: triton.jit picks compiled or interpreted kernels (TRITON_INTERPRET) at import
+            from kvtier.kernels.triton_page_choice import ChoiceWork, page_choice
+
+            self._fused_choice = page_choice
+            self.work = ChoiceWork.make(R, engine.max_pages, engine.device)
 
     def reset_row(self, row: int) -> None:
         self.seen[:, row] = 0
@@ -73,7 +86,7 @@ class TopK(Scope):
         if view.budget is None:
             return self._pick_pages(layer, q[:, 0], view)
         if self.per_head:
-            per_head = [budget_pick(layer, view, lambda c, k, h=h: best_of(self._scores(layer, q, view, c, h), c, k),
+            per_head = [budget_pick(layer, view, lambda c, k, h=h: self._choose(layer, q, view, c, k, kv_head=h),
                                     device_only=False) for h in range(self.engine.layout.num_kv_heads)]
             return torch.stack(per_head, 1)  # [B, N_kv, K]
         return budget_pick(layer, view, lambda c, k: self._middle(layer, q, view, c, k), device_only=False)
@@ -81,33 +94,33 @@ class TopK(Scope):
     def _middle(self, layer, q, view, cand, k):
         k_policy = int(round(self.policy_share * k))
         if not k_policy:
-            return best_of(self._scores(layer, q, view, cand), cand, k)
+            return self._choose(layer, q, view, cand, k)
         by_policy = best_of(-view.rank[layer, :view.batch].float(), cand, k_policy)  # [B, k_policy]
         taken = torch.zeros_like(cand).scatter_(1, by_policy.clamp(min=0).long(), by_policy >= 0)
-        rest = best_of(self._scores(layer, q, view, cand & ~taken), cand & ~taken, k - k_policy)
+        rest = self._choose(layer, q, view, cand & ~taken, k - k_policy)
         return torch.cat([by_policy, rest], 1)
 
-    def _scores(self, layer: int, q: torch.Tensor, view: StepView, cand: torch.Tensor,
-                kv_head: int | None = None) -> torch.Tensor:
-        """Page scores ``[B, M]`` of the candidates ``cand [B, M]`` for the row queries ``q [B, r, H, D]`` (max over
-        rows), over the query heads (per kv head: its group's): the max of Quest's bounds, the sum of ``gauss``'s
-        estimated shares."""
-        keys = self.engine.keys
-        pids = view.pids[:view.batch].long().clamp(min=0)  # [B, M]
+    def _choose(self, layer: int, q: torch.Tensor, view: StepView, cand: torch.Tensor, k: int,
+                count: torch.Tensor | None = None, kv_head: int | None = None) -> torch.Tensor:
+        """The best ``k`` (at most ``count [B]``) candidates ``cand [B, M]`` for the row queries ``q [B, r, H, D]``:
+        ``[B, k]`` logical pages in page order, -1 none. Scores over the query heads (per kv head: its group's):
+        the max of Quest's bounds, the sum of ``gauss``'s estimated shares."""
+        keys, pids = self.engine.keys, view.pids[:view.batch]  # [B, M]
+        n_kv = self.engine.layout.num_kv_heads
         if self.rank == "gauss":  # estimated attention mass per head: summed over the heads that share the choice
-            live = view.pids[:view.batch] >= 0  # [B, M]
-            ub = torch.stack([gauss_mass(q[:, i], keys, layer, pids, live, cand) for i in range(q.shape[1])]).amax(0)
-            reduce = torch.sum
-        else:
-            kmin, kmax = keys.key_min[layer][pids], keys.key_max[layer][pids]  # [B, M, N_kv, D]
-            ub = torch.stack([quest_bound(q[:, i], kmin, kmax) for i in range(q.shape[1])]).amax(0)  # [B, M, H]
-            reduce = torch.amax
+            live = pids >= 0  # [B, M]
+            ub = torch.stack([gauss_mass(q[:, i], keys, layer, pids.long().clamp(min=0), live, cand)
+                              for i in range(q.shape[1])]).amax(0)  # [B, M, H]
+            score = ub.sum(-1) if kv_head is None else ub.view(*ub.shape[:2], n_kv, -1)[:, :, kv_head].sum(-1)
+            return best_of(score, cand & live, k, count)
         if self.rank == "quest_head":  # each head's bounds as a softmax over the candidates
+            ub = page_bounds(q, keys.key_min[layer], keys.key_max[layer], pids)  # [B, M, H]
             ub = torch.softmax(ub.masked_fill(~cand[..., None], float("-inf")) * q.shape[-1] ** -0.5, dim=1)
-        if kv_head is not None:
-            n_kv = self.engine.layout.num_kv_heads
-            return reduce(ub.view(*ub.shape[:2], n_kv, -1)[:, :, kv_head], -1)
-        return reduce(ub, -1)
+            return best_of(head_max(ub, n_kv, kv_head), cand & (pids >= 0), k, count)
+        if self.fused:
+            return self._fused_choice(q, keys.key_min[layer], keys.key_max[layer], pids, cand, k, count, kv_head,
+                                      self.work)
+        return page_choice_reference(q, keys.key_min[layer], keys.key_max[layer], pids, cand, k, count, kv_head)
 
     def _remember(self, layer: int, q: torch.Tensor, B: int) -> torch.Tensor:
         """Add the decode query ``q [B, H, D]``; the last ``query_rows`` queries of each row ``[B, r, H, D]``."""
@@ -139,10 +152,8 @@ class TopK(Scope):
         forced = ((logical >= tail_from[:, None]) | (logical < -(-self.sinks // P))) & (logical >= first[:, None]) & live
         free = live & ~forced & (logical >= first[:, None])
         n_forced = forced.sum(1)  # [B]
-        scores = self._scores(layer, q[:, None], view, free)
-        best = best_of(scores, free, self.pages)  # [B, pages] best first
         room = (self.pages - n_forced).clamp(min=0)  # [B]
-        best = torch.where(torch.arange(self.pages, device=table.device)[None, :] < room[:, None], best, -1)
+        best = self._choose(layer, q[:, None], view, free, self.pages, count=room)  # [B, pages]
         forced_list = torch.where(forced, logical, M).sort(dim=1).values[:, :width - self.pages]
         forced_list = torch.where(forced_list < M, forced_list, -1)
         return torch.cat([forced_list, best], 1).to(torch.int32)
