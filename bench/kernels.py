@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python bench/kernels.py [--quick] [--tune]     # from the repository root, on a GPU
     PYTHONPATH=. python bench/kernels.py --tune-only            # sections (1)-(3), FP8 tuning only
+    PYTHONPATH=. python bench/kernels.py --choice-only          # sections (1), (2) and (6)
     PYTHONPATH=. python bench/kernels.py --smoke                # CPU: tiny shapes, Triton interpreter
 
 Sections, in order: (1) the device's copy ceiling (device-to-device copy, read+write bytes) and
@@ -59,6 +60,8 @@ def parse_args():
     ap.add_argument("--tune-only", action="store_true",
                     help="ceilings, checks (torch and triton) and the FP8 decode / page_max tuning only: no "
                          "FlashInfer, bf16 and prefill sweeps, decode grid or prefill timings (a short GPU call)")
+    ap.add_argument("--choice-only", action="store_true",
+                    help="ceilings, checks (torch and triton) and section (6), the fused page choice, only")
     ap.add_argument("--smoke", action="store_true", help="CPU run of the whole script on tiny shapes (interpreter)")
     args = ap.parse_args()
     args.tune = args.tune or args.tune_only
@@ -635,12 +638,17 @@ def main():
 
     result["ceilings"] = measure_ceilings(0.01 if ARGS.smoke else 4.0)
     print("ceilings", result["ceilings"], flush=True)
-    fi = None if ARGS.tune_only else flashinfer_or_none()  # (its first calls may compile)
+    fi = None if ARGS.tune_only or ARGS.choice_only else flashinfer_or_none()  # (its first calls may compile)
     backends = {"torch": TorchBackend(), "triton": TritonBackend()}
     if fi is not None:
         backends["flashinfer"] = fi
     result["checks"] = check_backends(backends, small=ARGS.smoke)
     save()
+    if ARGS.choice_only:
+        result["page_choice"] = page_choice_timings(ARGS.smoke)
+        save()
+        report_checks(result["checks"] + choice_checks(result["page_choice"]))
+        return
     tuned = tune_cases(ARGS.smoke) if ARGS.tune else {}
     cells, skipped = ([], []) if ARGS.tune_only else decode_cells(ARGS.quick, ARGS.smoke)
     fp8_cells = cells + tuned.get("fp8", [])
@@ -669,8 +677,7 @@ def main():
     sweep(buffer, fi, ARGS.quick, ARGS.smoke, result["timings"], save)
     print_table(result["timings"], result["ceilings"])
     result["page_choice"] = page_choice_timings(ARGS.smoke)
-    result["checks"] += [{"kind": "page_choice", "dtype": "bf16", "heads": r["heads"], "backend": "triton",
-                          "ok": r["ok"], "out_rel_err": 0.0 if r["ok"] else math.inf} for r in result["page_choice"]]
+    result["checks"] += choice_checks(result["page_choice"])
     save()
     result["targets"] = print_grid(result["decode_grid"], skipped, result["ceilings"])
     anchor = [r for r in result["page_choice"] if (tuple(r["heads"]), r["B"], r["pages"]) == ((32, 8, 128), 1, 8192)]
@@ -683,6 +690,12 @@ def main():
               f"{prefill['flashinfer']:.3f} ms = {prefill['triton'] / prefill['flashinfer']:.2f}x (target <= 1.15x)")
     save()
     report_checks(result["checks"])
+
+
+def choice_checks(rows: list) -> list:
+    """The page choice timings' equality with the torch oracle, as check rows."""
+    return [{"kind": "page_choice", "dtype": "bf16", "heads": r["heads"], "backend": "triton", "ok": r["ok"],
+             "out_rel_err": 0.0 if r["ok"] else math.inf} for r in rows]
 
 
 def report_checks(checks: list) -> None:
