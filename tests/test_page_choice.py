@@ -7,6 +7,8 @@ rows and one kv head's group. The choice must be the oracle's exactly: the same 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -20,6 +22,10 @@ import kvtier.scopes.topk as topk_module
 from kvtier.scopes import TopK
 from kvtier.scopes.base import best_of
 from kvtier.tiers import DeviceTier, HostTier
+
+DEV = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"  # where the Triton kernel runs
+needs_triton = pytest.mark.skipif(DEV == "cuda" and not torch.cuda.is_available(),
+                                  reason="Triton needs a GPU or TRITON_INTERPRET=1")
 
 
 def problem(gen, B, M, H, n_kv, D=64, rows=1, dtype=torch.float32):
@@ -48,15 +54,16 @@ CASES = [  # (B, M, H, N_kv, rows, kv_head, dtype)
 ]
 
 
+@needs_triton
 @pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}-M{c[1]}-{c[2]}/{c[3]}-r{c[4]}-h{c[5]}" for c in CASES])
 def test_fused_choice_equals_the_reference(case):
     B, M, H, n_kv, rows, kv_head, dtype = case
     gen = torch.Generator().manual_seed(CASES.index(case))
-    q, kmin, kmax, pids, cand = problem(gen, B, M, H, n_kv, rows=rows, dtype=dtype)
+    q, kmin, kmax, pids, cand = (t.to(DEV) for t in problem(gen, B, M, H, n_kv, rows=rows, dtype=dtype))
     n_cand = int((cand & (pids >= 0)).sum(1).max())
-    work = ChoiceWork.make(B, M, "cpu")  # one scratch for every call: the tickets reset themselves
+    work = ChoiceWork.make(B, M, DEV)  # one scratch for every call: the tickets reset themselves
     for k in sorted({1, 2, max(1, n_cand // 2), n_cand, n_cand + 3, M + 5}):
-        count = torch.randint(0, k + 2, (B,), generator=gen)
+        count = torch.randint(0, k + 2, (B,), generator=gen).to(DEV)
         for c in (None, count):
             got = page_choice(q, kmin, kmax, pids, cand, k, c, kv_head, work)
             want = page_choice_reference(q, kmin, kmax, pids, cand, k, c, kv_head)
@@ -64,16 +71,17 @@ def test_fused_choice_equals_the_reference(case):
     assert int(work.tickets.abs().sum()) == 0
 
 
+@needs_triton
 def test_equal_scores_take_the_lower_page_first():
     """Every page scored alike: the first k candidates in page order (int8 mask), in both."""
     B, M, n_kv, D = 2, 50, 2, 64
-    kmin = torch.zeros(1, n_kv, D)
-    pids = torch.zeros(B, M, dtype=torch.int32)
-    cand = (torch.arange(M) % 3 != 0).expand(B, M).to(torch.int8)
-    q = torch.randn(B, 4, D)
-    want = torch.arange(M)[cand[0].bool()][:7]
+    kmin = torch.zeros(1, n_kv, D, device=DEV)
+    pids = torch.zeros(B, M, dtype=torch.int32, device=DEV)
+    cand = (torch.arange(M, device=DEV) % 3 != 0).expand(B, M).to(torch.int8)
+    q = torch.randn(B, 4, D, device=DEV)
+    want = torch.arange(M)[cand[0].bool().cpu()][:7]
     for choose in (page_choice, page_choice_reference):
-        got = choose(q, kmin, kmin + 1, pids, cand, 7, torch.tensor([7, 3]))
+        got = choose(q, kmin, kmin + 1, pids, cand, 7, torch.tensor([7, 3], device=DEV)).cpu()
         assert got[0].tolist() == want.tolist() and got[1].tolist() == want[:3].tolist() + [-1] * 4
 
 
@@ -91,6 +99,7 @@ def tiny():
     return model, kv_layout_for(model.config, page_size=8, dtype=torch.float32)
 
 
+@needs_triton
 @pytest.mark.parametrize("scope,budget", [(dict(pages=4), None),
                                           (dict(per_head=True, query_rows=2), (40, 4, 8)),
                                           (dict(policy_share=0.5), (48, 4, 8))])
@@ -104,8 +113,9 @@ def test_topk_chooses_with_the_fused_kernel_as_with_torch(tiny, monkeypatch, sco
 
     def both(q, key_min, key_max, pids, cand, k, count=None, kv_head=None):
         want = page_choice_reference(q, key_min, key_max, pids, cand, k, count, kv_head)
-        got = page_choice(q, key_min, key_max, pids, cand, k, count, kv_head)
-        assert torch.equal(got.long(), want.long())
+        on = [t if t is None else t.to(DEV) for t in (q, key_min, key_max, pids, cand, count)]
+        got = page_choice(*on[:5], k, on[5], kv_head)
+        assert torch.equal(got.long().cpu(), want.long())
         calls.append(int((want >= 0).sum()))
         return want
 
