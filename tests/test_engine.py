@@ -321,6 +321,28 @@ def test_the_policy_hears_accesses_only_when_it_listens(tiny, policy, hears):
         assert len(set(steps)) >= 2 * layout.page_size - 1
 
 
+def test_every_page_of_every_layer_is_heard_in_one_call_as_page_by_page(tiny):
+    """Scope ``all`` without sliding windows: LRU hears each step's pages for every layer at once
+    (``layer=slice(None)``) and ends in the state the per-(layer, page) feed gives."""
+    model, layout = tiny
+    states, calls = [], []
+    for every_layer_at_once in (True, False):
+        policy = LRU()
+        engine = make(model, layout, [DeviceTier(layout, 40, device="cpu"), HostTier(layout, 64)], policy,
+                      chunk=32, max_batch=2, max_context=128)
+        engine.feedback._all_pages_every_layer = every_layer_at_once
+        real_access = policy.on_access
+        policy.on_access = lambda layer, pids, step: calls.append(type(layer)) or real_access(layer, pids, step)
+        for n, seed in ((70, 0), (45, 1)):
+            engine.add(torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)))
+        for _ in range(2 * layout.page_size):
+            engine.step()
+        del policy.on_access
+        states.append(policy.last_access.copy())
+    assert slice in calls and np.ndarray in calls  # both forms ran
+    assert np.array_equal(states[0], states[1])
+
+
 def test_a_host_running_ahead_reserves_the_pages_its_next_steps_append(tiny):
     """With lookahead 2 each plan keeps device room for the pages the rows append in the next steps
     (lengths counted in pages, a full page included), so a growing row never needs a plan of its own."""

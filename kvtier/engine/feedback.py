@@ -53,6 +53,8 @@ class Feedback:
         self._produced: list[Produced] = []
         self._prefill: list = []
         self._windows = np.array([engine.layout.window(layer) for layer in range(engine.layout.num_layers)])  # [L]
+        # no sliding window: a layer that attends every page sees each row's every page (none is dropped)
+        self._all_pages_every_layer = not self._windows.any()
 
     def state(self) -> list[torch.Tensor]:
         return [self.tokens]
@@ -195,7 +197,8 @@ class Feedback:
 
     def _feed(self, p: Produced) -> None:
         """The policy hears the pages step ``p`` attended and their statistics: one call per hook for every layer
-        (``layer`` is then the ``[n]`` layer of each page), pids in each row's page order."""
+        (``layer`` is then the ``[n]`` layer of each page, or ``slice(None)`` when every layer attended every page
+        of every row and only accesses are heard), pids in each row's page order."""
         e = self.engine
         rows = [(r, e.table.pages(s)[:e.layout.pages_for(n)], n) for r, x in enumerate(p.rows) if x is not None
                 for s, n in [x] if s in e.table.seqs]
@@ -207,6 +210,9 @@ class Feedback:
         picks = {k: v.numpy() for k, v in p.picks.items()}  # pinned host copies: numpy views, no copy
         stats = {name: {k: v.numpy() for k, v in store.items()} for name, store in
                  (("salience", p.salience), ("attention", p.mass)) if name in self.wants}
+        if not stats and self._all_pages_every_layer and all(w is None for w, _ in p.layer_width):
+            e.policy.on_access(slice(None), np.concatenate([pages for _, pages, _ in rows]), p.step)
+            return
         batch_rows = np.array([r for r, _, _ in rows])  # [R]
         lens = np.array([n for _, _, n in rows])  # [R]
         n_pages = np.array([pages.size for _, pages, _ in rows])  # [R]

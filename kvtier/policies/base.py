@@ -86,8 +86,9 @@ class Policy(ABC):
     def on_append(self, pids: np.ndarray, step: int) -> None:
         """New pages were created."""
 
-    def on_access(self, layer: int | np.ndarray, pids: np.ndarray, step: int) -> None:
-        """Pages of ``layer`` were attended at ``step``."""
+    def on_access(self, layer: int | np.ndarray | slice, pids: np.ndarray, step: int) -> None:
+        """Pages of ``layer`` were attended at ``step``: ``layer`` an int, the ``[n]`` layer of each of ``pids [n]``,
+        or ``slice(None)``: every layer attended every one of ``pids`` (index ``[layer, pids]`` arrays with it)."""
 
     def on_salience(self, layer: int | np.ndarray, pids: np.ndarray, scores: np.ndarray, step: int) -> None:
         """Observed salience ``scores [n, N_kv]`` (max attention probability per kv head) of pages of ``layer``."""

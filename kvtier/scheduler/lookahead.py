@@ -35,6 +35,26 @@ def page_info(table, step: int) -> PageInfo:
     return PageInfo(pids[first], logical[first], seq_len[first], table.layout.page_size, step)
 
 
+def order_ranks(rows: np.ndarray, flags: np.ndarray) -> np.ndarray:
+    """Place ``[L, n]`` of each page in its layer's order: ``flags [L, n]`` ascending, then priority ``rows [1 or L,
+    n]`` descending, ties to the earlier page. A stable sort by priority, then a stable (radix) sort of that order by
+    the flags; layers with the same flags and priority row (most, when the priority is the same for every layer) are
+    ranked once."""
+    L, n = flags.shape
+    by_prio = np.argsort(-rows, axis=1, kind="stable")  # [1 or L, n]
+    rank = np.empty((L, n), dtype=np.int64)
+    ranked: dict = {}
+    for layer in range(L):
+        p = layer if rows.shape[0] > 1 else 0
+        key = (p, flags[layer].tobytes())
+        if key not in ranked:
+            order = by_prio[p][np.argsort(flags[layer, by_prio[p]], kind="stable")]  # [n]
+            ranked[key] = np.empty(n, dtype=np.int64)
+            ranked[key][order] = np.arange(n)
+        rank[layer] = ranked[key]
+    return rank
+
+
 @dataclass
 class LookaheadScheduler(Scheduler):
     max_moves_per_step: int | None = None  # per layer; None = unbounded
@@ -63,13 +83,7 @@ class LookaheadScheduler(Scheduler):
         room = free + resident.sum(1) - reserve  # slots held elsewhere do not count
         keep = pinned & resident
         cand = (resident | admit | pinned) & (prio > -np.inf) & (tier >= 0)  # tier < 0: dropped
-        # [L, n] candidates, pinned, then best first (ties: the earlier page): a stable sort by priority (once when
-        # it is the same for every layer), then a stable sort of that order by the two flags (a radix sort)
-        by_prio = np.broadcast_to(np.argsort(-rows, axis=1, kind="stable"), (L, n))
-        flags = (2 * ~cand + ~pinned).astype(np.int8)  # [L, n]
-        order = np.take_along_axis(by_prio, np.argsort(np.take_along_axis(flags, by_prio, 1), 1, kind="stable"), 1)
-        rank = np.empty_like(order)
-        np.put_along_axis(rank, order, np.arange(n)[None, :], axis=1)  # [L, n] place of each page in order
+        rank = order_ranks(rows, (2 * ~cand + ~pinned).astype(np.int8))  # [L, n] candidates, pinned, best first
         want = (cand & (rank < np.maximum(room, keep.sum(1))[:, None])) | keep
         demote = resident & ~want & ~pinned
         promote = ~resident & want
