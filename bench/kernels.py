@@ -80,7 +80,7 @@ from kvtier.kernels.reference import TorchBackend, page_choice_reference, paged_
 from kvtier.kernels.triton_decode import DecodeConfig, TritonBackend, default_decode_config  # noqa: E402
 from kvtier.kernels.triton_page_choice import ChoiceWork, page_choice  # noqa: E402
 from kvtier.kernels.triton_prefill import PrefillConfig  # noqa: E402
-from kvtier.quant import FP8, INT8, channel_steps, page_scales, quantize_pages  # noqa: E402
+from kvtier.quant import FP8, INT8, channel_steps, dequantize, page_scales, quantize_pages  # noqa: E402
 
 DEVICE = "cpu" if ARGS.smoke else "cuda"
 
@@ -216,7 +216,10 @@ def check_backends(backends: dict, small: bool) -> list:
             batch.head_mask = torch.rand(batch.kv_indices.numel(), heads[1], device=DEVICE) < 0.5
             batch.head_mask[batch.kv_indptr[1:].long() - 1] = True
         scale = heads[2] ** -0.5
-        ref = paged_attention_reference(q, pool, batch, scale, return_page_max=True)
+        # int8 pages: the kernel's tl.dot meets 16-bit queries with the dequantized pages rounded to the query's dtype
+        # (as tests/test_int8_pages.py's oracle); FP8 values times their scale are exact in the oracle's fp32
+        operands = dequantize(pool, 16).to(q.dtype).float() if dtype == INT8 and DEVICE == "cuda" else pool
+        ref = paged_attention_reference(q, operands, batch, scale, return_page_max=True)
         for name, backend in backends.items():
             if eight_bit and name == "flashinfer":
                 continue  # FlashInfer's FP8 path takes one scale per call: timed on its own pages below

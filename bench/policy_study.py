@@ -133,11 +133,12 @@ def run_one(args, protocol, config, fraction, tokens=None) -> dict:
             results.append(run_press(task, press_name(config), budget, model, tok, args.sinks, args.window))
         else:
             model, tok = model_for(install(), args.device)
-            layout = kv_layout_for(model.config, page_size=args.page, dtype=torch.float32)
+            layout = kv_layout_for(model.config, page_size=args.page, dtype=torch.float32, kv_dtype=args.kv_dtype)
             results.append(task.run(engine_factory(model, layout, config, budget, args, context), tok))
     streaming = config.endswith("sink_window") and not config.startswith("topk")
     kvpress = config.startswith("kvpress:")  # no pages, no window: the press keeps budget pairs
     row = {"protocol": protocol, "config": config, "budget_tokens": budget, "page": None if kvpress else args.page,
+           "kv_dtype": None if kvpress else args.kv_dtype or "float32",
            "window": None if config == "exact" or kvpress else budget - args.sinks if streaming else args.window,
            "fraction": round(budget / context, 4), "wall_s": round(time.time() - t0, 1)}
     if kvpress:
@@ -176,12 +177,14 @@ def table(rows) -> str:
 
 
 def label(row) -> str:
-    """A configuration's name in plots: config, and its window / page size when not the defaults."""
+    """A configuration's name in plots: config, and its window / page size / page format when not the defaults."""
     extra = []
     if row.get("window") not in (None, 64) and not row["config"].startswith(("resident:sink", "once:sink")):
         extra.append(f"w{row['window']}")
     if row.get("page", 16) not in (16, None):
         extra.append(f"p{row['page']}")
+    if row.get("kv_dtype") not in (None, "float32"):
+        extra.append(row["kv_dtype"])
     return row["config"] + (f" ({', '.join(extra)})" if extra else "")
 
 
@@ -224,6 +227,8 @@ def parse_args(argv=None):
     p.add_argument("--fractions", default="0.2")
     p.add_argument("--tokens", type=int, default=None, help="budget in tokens (overrides --fractions)")
     p.add_argument("--page", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--kv-dtype", default=None, help="the pages' format: bfloat16, float16, fp8_e4m3, int8 (default: "
+                                                     "the model's float32)")
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--query-rows", type=int, default=1, help="topk: score pages by the last N decode queries")
