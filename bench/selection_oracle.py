@@ -8,6 +8,10 @@ that ``--fraction`` of the context is attended (issue 24's question: can recall 
   (what ``topk`` chooses with a perfect score); ``mass<P>_group``: the same per kv head (its query group's mass);
 - ``quest<P>_all`` (Quest's bound, what ``topk`` chooses today), ``mean<P>_*`` (q·mean key), ``gauss<P>_*`` (the
   mass estimated from each page's channel means and variances, :func:`page_scores`): scorers, not oracles;
+- ``sketch<P>_*``: the mass of each page under approximate logits from rank-``--sketch-rank`` keys (each kv head's
+  keys projected on their top principal directions, ShadowKV's low-rank key cache, Sun et al., 2024,
+  arXiv:2410.21465; here from the post-RoPE keys of the whole context at every step: an upper bound for the sketch);
+  ``P=1``: single tokens;
 - ``token_group``: single tokens per kv head (the max probability over its group);
 - ``token_head``: single tokens per query head.
 Scores here read every key (a page's statistics are computed on the fly): what a scorer could do
@@ -38,7 +42,7 @@ from kvtier.scopes.topk import gauss_mass
 SINKS, WINDOW, PREFIX = 4, 64, 2048
 MODES = ["exact", "mass16_all", "mass16_group", "mass4_group", "token_group", "token_head", "quest16_all", "mean16_all",
          "gauss16_all", "gauss16_group", "gauss4_group"]
-STATE = {"mode": "exact", "fraction": 0.2}
+STATE = {"mode": "exact", "fraction": 0.2, "sketch_rank": 16}
 
 
 def page_scores(scorer: str, prob: torch.Tensor, q: torch.Tensor, key: torch.Tensor, P: int) -> torch.Tensor:
@@ -50,6 +54,14 @@ def page_scores(scorer: str, prob: torch.Tensor, q: torch.Tensor, key: torch.Ten
     B, H, S = prob.shape
     pages = -(-S // P)
     pad = pages * P - S
+    if scorer == "sketch":  # the true softmax, of approximate logits from rank-r keys
+        kf = key.float()  # [B, N_kv, S, D]
+        n_kv, D = kf.shape[1], kf.shape[-1]
+        basis = torch.linalg.eigh(kf.transpose(-1, -2) @ kf).eigenvectors[..., -STATE["sketch_rank"]:]  # [B, N_kv, D, r]
+        qg = q[:, :, 0].float().view(B, n_kv, H // n_kv, D) @ basis  # [B, N_kv, G, r]
+        approx = (qg @ (kf @ basis).transpose(-1, -2)).flatten(1, 2) * D ** -0.5  # [B, H, S]
+        prob = torch.softmax(approx, -1)
+        scorer = "mass"
     if scorer == "mass":
         return torch.nn.functional.pad(prob, (0, pad)).view(B, H, pages, P).sum(-1)
     kp = torch.nn.functional.pad(key.float(), (0, 0, 0, pad)).view(B, -1, pages, P, key.shape[-1])  # [B, N_kv, pages, P, D]
@@ -94,9 +106,9 @@ def keep_mask(logits: torch.Tensor, q: torch.Tensor, key: torch.Tensor, mode: st
         ps = page_scores(scorer, prob, q, key, P)  # [B, H, pages]
         if share == "group":
             ps = ps.view(B, n_kv, G, -1)
-            ps = (ps.sum(2) if scorer in ("mass", "gauss") else ps.amax(2)).repeat_interleave(G, 1)
+            ps = (ps.sum(2) if scorer in ("mass", "gauss", "sketch") else ps.amax(2)).repeat_interleave(G, 1)
         else:
-            ps = (ps.sum(1) if scorer in ("mass", "gauss") else ps.amax(1))[:, None].expand(B, H, -1)
+            ps = (ps.sum(1) if scorer in ("mass", "gauss", "sketch") else ps.amax(1))[:, None].expand(B, H, -1)
         score = ps.repeat_interleave(P, -1)[..., :S]  # every token of a page takes its page's score
         middle = (middle // P) * P
     score = score.masked_fill(forced, float("-inf"))
@@ -141,6 +153,7 @@ def main() -> None:
     ap.add_argument("--continuation", type=int, default=256)
     ap.add_argument("--smollm2", default=None)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--sketch-rank", type=int, default=16, help="sketch<P>_* modes: the keys' rank")
     ap.add_argument("--json", default="selection_oracle.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -148,7 +161,7 @@ def main() -> None:
     AttentionMaskInterface.register("oracle", AttentionMaskInterface._global_mapping["sdpa"])
     model, tok = load_model(args.smollm2, dtype="float32")
     model.set_attn_implementation("oracle")
-    STATE["fraction"] = args.fraction
+    STATE["fraction"], STATE["sketch_rank"] = args.fraction, args.sketch_rank
     texts = [token_stream(tok, "opticks", 30000 * s + PREFIX + args.continuation)[30000 * s:] for s in range(args.slices)]
     rows = []
     for mode in args.modes.split(","):

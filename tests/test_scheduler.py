@@ -120,3 +120,22 @@ def test_bad_scheduler_config():
     with pytest.raises(ConfigError) as e:
         LookaheadScheduler(max_moves_per_step=0)
     assert e.value.field == "scheduler.placement.max_moves_per_step"
+
+
+def test_order_ranks_is_the_flags_then_priority_order():
+    """Each layer's place of a page: flags ascending, priority descending, ties to the earlier page (a lexsort),
+    whether the priority is one row for every layer or one per layer, with equal and distinct layers."""
+    from kvtier.scheduler.lookahead import order_ranks
+
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        L, n = int(rng.integers(1, 6)), int(rng.integers(1, 40))
+        rows = rng.integers(0, 4, (int(rng.choice([1, L])), n)).astype(float)  # ties on purpose
+        rows[rng.random(rows.shape) < 0.1] = np.inf
+        flags = rng.integers(0, 4, (L, n)).astype(np.int8)
+        if rng.random() < 0.5:
+            flags[:] = flags[0]
+        prio = np.broadcast_to(rows, (L, n))
+        for layer, rank in enumerate(order_ranks(rows, flags)):
+            order = np.lexsort((np.arange(n), -prio[layer], flags[layer]))  # last key first
+            assert (rank[order] == np.arange(n)).all()
