@@ -17,7 +17,8 @@ Configurations (``--configs``, names below): ``exact`` (scope all); ``<scope>:<p
 scope ``resident`` (continuous eviction), ``once`` (compress once after the prefill, resident) or
 ``topk`` (recall; the policy only places pages), ``topk_head`` (Quest with per-head
 normalisation), ``topk_perhead`` (each kv head its own Quest pages), ``topk_gauss`` (pages by their estimated
-attention mass, ``rank=gauss``) and ``topk_gausshead`` (the same per kv head). Every budgeted run attends ``--sinks`` sink tokens and a recent window of
+attention mass, ``rank=gauss``), ``topk_gausshead`` (the same per kv head), ``topk_sketch`` / ``topk_sketchhead``
+(by their mass under rank-16 sketched keys, ``rank=sketch``; all heads / per kv head). Every budgeted run attends ``--sinks`` sink tokens and a recent window of
 ``--window`` tokens (StreamingLLM, ``resident:sink_window``: all of the rest).
 
 ``kvpress:<press>`` (``streaming_llm``, ``tova``, ``snapkv``, ``observed_attention``, ``expected_attention``,
@@ -101,8 +102,9 @@ def engine_factory(model, layout, config: str, budget: int, args, context: int):
     def make():
         policy = POLICIES[name](sinks=args.sinks, window=window)
         if scope.startswith("topk"):
-            rank = {"topk_head": "quest_head", "topk_gauss": "gauss", "topk_gausshead": "gauss"}.get(scope, "quest")
-            chooser = TopK(rank=rank, per_head=scope in ("topk_perhead", "topk_gausshead"),
+            rank = {"topk_head": "quest_head", "topk_gauss": "gauss", "topk_gausshead": "gauss", "topk_sketch": "sketch",
+                    "topk_sketchhead": "sketch"}.get(scope, "quest")
+            chooser = TopK(rank=rank, per_head=scope in ("topk_perhead", "topk_gausshead", "topk_sketchhead"),
                            query_rows=args.query_rows, policy_share=args.policy_share, sinks=args.sinks)
         else:
             chooser = Resident()

@@ -489,3 +489,92 @@ def test_gauss_choice_tracks_the_true_attention_mass_better_than_quests_bound():
         for name, chosen in picks.items():
             held[name] += float(mass[chosen].sum()) / 10
     assert held["gauss"] > held["quest"] + 0.1 and held["oracle"] >= held["gauss"]
+
+
+def test_a_full_rank_sketch_gives_each_pages_true_attention_share():
+    """``rank=sketch`` with r = D: the sketch is the keys in another basis, so each page's share is exactly its
+    share of the head's softmax over every stored key (keys written after the fit sketched as they come, pages
+    partly filled, a row with fewer pages, holes in the candidates)."""
+    from kvtier.scopes.topk import sketch_mass
+
+    n_pages, page, full = 12, 4, 7
+    keys = gaussian_pages(n_pages, page, seed=7)  # [M, P, N_kv, D]
+    stats = KeyStats(LAYOUT, n_pages, "cpu", sketch_rank=D)
+    pids = torch.arange(n_pages)
+    stats.add(0, pids[:full].repeat_interleave(page), keys[:full].reshape(-1, N_KV, D))  # 7 full pages
+    stats.fit_sketch([(np.arange(full), [keys[:full].reshape(-1, N_KV, D)])])
+    rest = pids[full:]
+    stats.add(0, rest.repeat_interleave(2), keys[full:, :2].reshape(-1, N_KV, D))  # then 2 keys of each other page
+    stats.add(0, rest, keys[full:, 2])  # and one more (a decode step's rows)
+    stored = torch.cat([torch.full((full,), page), torch.full((n_pages - full,), 3)])  # [M] keys per page
+    q = torch.randn(2, 6, D, generator=torch.Generator().manual_seed(8))  # [B, H, D]
+    cand = torch.rand(2, n_pages, generator=torch.Generator().manual_seed(9)) < 0.7  # [B, M]
+    live = torch.arange(n_pages)[None, :] < torch.tensor([[n_pages], [n_pages - 3]])  # [B, M]
+    got = sketch_mass(q, stats, 0, pids.expand(2, -1), live, cand)  # [B, M, H]
+    logits = torch.einsum("bhd,mphd->bmph", q, keys.repeat_interleave(3, dim=2)) * D ** -0.5  # [B, M, P, H]
+    ok = (torch.arange(page)[None, :] < stored[:, None])[None, :, :, None] & live[:, :, None, None]
+    mass = torch.softmax(logits.masked_fill(~ok, float("-inf")).flatten(1, 2), 1).view_as(logits).sum(2)  # [B, M, H]
+    assert torch.allclose(got, mass.masked_fill(~cand[..., None], 0), atol=1e-5)
+
+
+def test_a_low_rank_sketch_is_the_keys_on_their_principal_directions():
+    """r < D: the basis is orthonormal, spans the keys' top principal directions (keys of rank r are kept exactly),
+    and every stored key's sketch is its projection on it."""
+    n_pages, page, r = 6, 4, 3
+    g = torch.Generator().manual_seed(10)
+    keys = torch.einsum("snr,nrd->snd", torch.randn(n_pages * page, N_KV, r, generator=g),
+                        torch.randn(N_KV, r, D, generator=g))  # [S, N_kv, D] of rank r per kv head
+    stats = KeyStats(LAYOUT, n_pages, "cpu", sketch_rank=r)
+    pids = torch.arange(n_pages).repeat_interleave(page)
+    stats.add(0, pids[:12], keys[:12])
+    stats.fit_sketch([(np.arange(3), [keys[:12]])])
+    stats.add(0, pids[12:], keys[12:])
+    basis = stats.basis[0]  # [N_kv, D, r]
+    assert torch.allclose(basis.transpose(1, 2) @ basis, torch.eye(r).expand(N_KV, r, r), atol=1e-5)
+    sketch = stats.sketch[0, :n_pages].reshape(-1, N_KV, r)  # [S, N_kv, r]
+    assert torch.allclose(sketch, torch.einsum("snd,ndr->snr", keys, basis), atol=1e-4)
+    assert torch.allclose(torch.einsum("snr,ndr->snd", sketch, basis), keys, atol=1e-3)  # rank r: kept exactly
+
+
+def test_topk_sketch_in_the_engine_sketches_every_key_it_stores():
+    """An engine with ``rank=sketch`` under a token budget: the basis is fitted at the first choice, and after
+    decode steps (pages on the device and the host) every stored key's sketch is its projection on the basis."""
+    from kvtier.budget import TokenBudget
+    from kvtier.engine import Engine, EngineConfig
+    from kvtier.models import kv_layout_for, tiny_llama
+    from kvtier.scheduler.chunked_prefill import ChunkedPrefill
+    from kvtier.scopes import TopK
+
+    model = tiny_llama(seed=1)
+    layout = kv_layout_for(model.config, page_size=8, dtype=torch.float32)
+    engine = Engine(model, layout, [DeviceTier(layout, 40, device="cpu"), HostTier(layout, 64)],
+                    H2O(sinks=4, window=8), TopK(rank="sketch", per_head=True, sketch_rank=5),
+                    prefill=ChunkedPrefill(32), budget=TokenBudget(40, 4, 8, 8, "continuous"), exact_prefill=True,
+                    config=EngineConfig(max_batch=2, max_context=160))
+    for n, seed in ((70, 0), (45, 1)):
+        engine.add(torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)))
+    for _ in range(12):
+        engine.step()
+    stats = engine.keys
+    assert stats.basis is not None and stats.basis.shape[-1] == 5
+    for seq in engine.table.seqs:
+        pids = torch.from_numpy(engine.table.pages(seq))
+        n = engine.table.seq_len(seq)
+        for layer, kv in enumerate(engine.read_sequence(seq, n)):
+            tok = torch.arange(n)
+            want = torch.einsum("snd,ndr->snr", kv[0].float(), stats.basis[layer])  # [S, N_kv, r]
+            assert torch.allclose(stats.sketch[layer, pids[tok // 8], tok % 8], want, atol=1e-4), (seq, layer)
+
+
+def test_topk_sketch_refuses_a_rank_past_the_head_dim():
+    from kvtier.budget import TokenBudget
+    from kvtier.engine import Engine, EngineConfig
+    from kvtier.models import kv_layout_for, tiny_llama
+    from kvtier.scopes import TopK
+
+    model = tiny_llama(seed=1)
+    layout = kv_layout_for(model.config, page_size=8, dtype=torch.float32)
+    with pytest.raises(ConfigError, match="scope.sketch_rank"):
+        Engine(model, layout, [DeviceTier(layout, 40, device="cpu")], H2O(sinks=4, window=8),
+               TopK(rank="sketch", sketch_rank=layout.head_dim + 1), budget=TokenBudget(40, 4, 8, 8, "continuous"),
+               config=EngineConfig(max_context=64))

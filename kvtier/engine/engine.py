@@ -184,7 +184,8 @@ class Engine:
         self.lens = np.zeros(R, dtype=np.int64)  # host copy of seq_lens
         self.win_start: dict[int, int] = {}  # sequence -> the window's start fixed by compress-once
         needs = policy.needs
-        self.keys = KeyStats(layout, _pid_capacity(held), dev) if self.scope.needs_keys or "keys" in needs else None
+        self.keys = KeyStats(layout, _pid_capacity(held), dev, getattr(self.scope, "sketch_rank", 0)) \
+            if self.scope.needs_keys or "keys" in needs else None
         self.queries = None  # QueryStats, made once the heads are known (the first attention call)
         policy.reset(L)
         policy.bind(self.keys, None)
@@ -491,7 +492,7 @@ class Engine:
         """Device state a step advances besides the pages: input tokens, counters, statistics, the recall cache."""
         state = [self.tokens, self.counts, *self.feedback.state()]
         if self.keys is not None:
-            state += [getattr(self.keys, name) for name in KeyStats.FILL]
+            state += self.keys.tensors()
         if self.queries is not None:
             state += [self.queries.ring, self.queries.seen]
         if getattr(self.scope, "recent", None) is not None:

@@ -19,29 +19,60 @@ import torch
 class KeyStats:
     """Key statistics per (layer, pid, kv head): ``key_min``/``key_max``/``key_sum``/``key_sq`` are
     ``[L, pids, N_kv, D]``, ``norm_sum`` ``[L, pids, N_kv]``, ``count`` ``[L, pids]`` (float32), allocated
-    once for ``capacity`` pids (the table never names more pages than its tiers hold)."""
+    once for ``capacity`` pids (the table never names more pages than its tiers hold).
+
+    With ``sketch_rank`` r > 0, also a low-rank sketch of every key (ShadowKV's low-rank key cache, Sun et al.,
+    2024, arXiv:2410.21465): ``basis [L, N_kv, D, r]``, each (layer, kv head)'s top r principal directions of the
+    keys stored when :meth:`fit_sketch` runs, and ``sketch [L, pids, P, N_kv, r]``, each token's key in that basis
+    (written for every key from then on)."""
 
     FILL = {"key_min": float("inf"), "key_max": float("-inf"), "key_sum": 0.0, "key_sq": 0.0, "norm_sum": 0.0,
             "count": 0.0}
 
-    def __init__(self, layout, capacity: int, device):
+    def __init__(self, layout, capacity: int, device, sketch_rank: int = 0):
         self.layout, self.device = layout, device
         L, N, D = layout.num_layers, layout.num_kv_heads, layout.head_dim
         shapes = {"key_min": (L, capacity, N, D), "key_max": (L, capacity, N, D), "key_sum": (L, capacity, N, D),
                   "key_sq": (L, capacity, N, D), "norm_sum": (L, capacity, N), "count": (L, capacity)}
         for name, shape in shapes.items():
             setattr(self, name, torch.full(shape, self.FILL[name], device=device))
+        self.basis = None  # [L, N_kv, D, r] once fitted
+        self.sketch = torch.zeros(L, capacity, layout.page_size, N, sketch_rank, device=device) if sketch_rank \
+            else None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every statistic (what a captured step advances)."""
+        return [getattr(self, name) for name in self.FILL] + ([self.sketch] if self.sketch is not None else [])
 
     def on_append(self, pids: np.ndarray) -> None:
         """Fresh pages (a recycled pid forgets its keys)."""
         idx = torch.from_numpy(np.asarray(pids, dtype=np.int64)).to(self.device)
         for name, fill in self.FILL.items():
             getattr(self, name)[:, idx] = fill
+        if self.sketch is not None:
+            self.sketch[:, idx] = 0.0
 
     def on_copy(self, src: int, dst: int) -> None:
-        for name in self.FILL:
-            t = getattr(self, name)
+        for t in self.tensors():
             t[:, dst] = t[:, src]
+
+    def fit_sketch(self, sequences: list) -> None:
+        """Fix the basis from the keys of ``sequences`` ``[(pids [n], per layer keys [S, N_kv, D])]`` (every stored
+        token) and sketch those keys; later writes are sketched as they come."""
+        L, N, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim
+        P, r = self.layout.page_size, self.sketch.shape[-1]
+        second = torch.zeros(L, N, D, D, device=self.device)  # [L, N_kv, D, D] sum of k k^T
+        for _, keys in sequences:
+            for layer, k in enumerate(keys):
+                k = k.to(self.device, torch.float32)  # [S, N_kv, D]
+                second[layer] += torch.einsum("snd,sne->nde", k, k)
+        self.basis = torch.linalg.eigh(second).eigenvectors[..., -r:]  # [L, N_kv, D, r] largest last
+        for pids, keys in sequences:
+            for layer, k in enumerate(keys):
+                tok = torch.arange(k.shape[0], device=self.device)
+                page = torch.as_tensor(pids, device=self.device)[tok // P]
+                self.sketch[layer, page, tok % P] = torch.einsum("snd,ndr->snr", k.to(self.device, torch.float32),
+                                                                 self.basis[layer])
 
     def add(self, layer: int, pids: torch.Tensor, keys: torch.Tensor) -> None:
         """Keys ``[n, N_kv, D]`` of ``layer`` written into pages ``pids [n]`` (device int64; repeats allowed)."""
@@ -56,6 +87,8 @@ class KeyStats:
         k = keys.float()  # [L', n, N_kv, D]
         on = torch.ones(k.shape[:2], device=k.device) if live is None else live.float().expand(k.shape[:2])  # [L', n]
         mask = on[..., None, None] > 0
+        if self.basis is not None:
+            self._sketch(layers, pids, k, mask[..., 0, 0])
         idx = pids[None, :, None, None].expand_as(k)
         self.key_min[layers].scatter_reduce_(1, idx, torch.where(mask, k, float("inf")), reduce="amin")
         self.key_max[layers].scatter_reduce_(1, idx, torch.where(mask, k, float("-inf")), reduce="amax")
@@ -64,6 +97,20 @@ class KeyStats:
         self.key_sq[layers].index_add_(1, pids, k * k)
         self.norm_sum[layers].index_add_(1, pids, k.norm(dim=-1))
         self.count[layers].index_add_(1, pids, on)
+
+
+    def _sketch(self, layers: slice, pids: torch.Tensor, k: torch.Tensor, on: torch.Tensor) -> None:
+        """Sketch keys ``k [L', n, N_kv, D]`` written into pages ``pids [n]`` (a page's keys consecutive, after the
+        ``count`` it holds); rows not ``on [L', n]`` change nothing."""
+        n = pids.numel()
+        i = torch.arange(n, device=pids.device)
+        run_start = torch.where(torch.cat([i[:1] == 0, pids[1:] != pids[:-1]]), i, 0).cummax(0).values  # [n]
+        offset = (self.count[layers][:, pids].long() + (i - run_start)).clamp(max=self.layout.page_size - 1)  # [L', n]
+        sketch = self.sketch[layers]  # [L', pids, P, N_kv, r]
+        lay = torch.arange(sketch.shape[0], device=pids.device)[:, None].expand_as(offset)
+        new = torch.einsum("lnkd,lkdr->lnkr", k, self.basis[layers])  # [L', n, N_kv, r]
+        old = sketch[lay, pids.expand_as(offset), offset]
+        sketch[lay, pids.expand_as(offset), offset] = torch.where(on[..., None, None], new, old)
 
 
 class QueryStats:

@@ -4,7 +4,8 @@ from each page's elementwise key min/max (the engine's :class:`~kvtier.engine.st
 Without a token budget, the ``pages`` best per step with the sink pages and the tail forced in; under a
 budget, the budget's middle pages. Options (token budgets; off by default): ``rank="quest_head"``
 (each query head's bounds as a softmax over the candidates, max over heads), ``rank="gauss"`` (each page's
-attention mass estimated from its keys' channel means and variances: :func:`gauss_mass`), ``per_head`` (each kv
+attention mass estimated from its keys' channel means and variances: :func:`gauss_mass`), ``rank="sketch"`` (each
+page's attention mass under approximate logits from rank-``sketch_rank`` keys: :func:`sketch_mass`), ``per_head`` (each kv
 head its own pages, as Quest chooses per head), ``query_rows`` (the bound is the max over the layer's
 last decode queries of the row), ``policy_share`` (that share of the pages by the policy's rank, the
 rest by the bound). With ``recall_slots`` each layer also keeps that many device slots that the
@@ -13,7 +14,7 @@ captured step fills with its own picks read from the host (:class:`~kvtier.scope
 On the Triton backend (a GPU, or the CPU under TRITON_INTERPRET=1) the bound and the choice of a layer are one
 launch (:mod:`kvtier.kernels.triton_page_choice`); on the torch backend its oracle
 (:func:`~kvtier.kernels.reference.page_choice_reference`) chooses the same pages. ``rank="quest_head"`` (a
-softmax over the candidates per head) and ``rank="gauss"`` always run in torch. Equal scores: the lower page first; picks are
+softmax over the candidates per head), ``rank="gauss"`` and ``rank="sketch"`` always run in torch. Equal scores: the lower page first; picks are
 listed in page order.
 """
 
@@ -29,7 +30,7 @@ from kvtier.kernels.reference import page_choice_reference
 from kvtier.scopes.base import DROPPED_LOC, Scope, StepView, best_of, budget_pick, window_pages
 from kvtier.scopes.simple import live_pages
 
-RANKS = ("quest", "quest_head", "gauss")
+RANKS = ("quest", "quest_head", "gauss", "sketch")
 
 
 class TopK(Scope):
@@ -37,14 +38,15 @@ class TopK(Scope):
     needs_keys = True
 
     def __init__(self, pages: int | None = None, rank: str = "quest", per_head: bool = False, query_rows: int = 1,
-                 policy_share: float = 0.0, recall_slots: int = 0, sinks: int = 4):
+                 policy_share: float = 0.0, recall_slots: int = 0, sinks: int = 4, sketch_rank: int = 16):
         for key, v, low in (("scope.pages", pages, 1), ("scope.recall_slots", recall_slots, 0),
-                            ("scope.sinks", sinks, 0)):
+                            ("scope.sinks", sinks, 0), ("scope.sketch_rank", sketch_rank, 1)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
                 raise ConfigError(key, f"must be an integer >= {low}, got {v!r}")
         check_topk_options(rank, query_rows, policy_share)
         self.pages, self.rank, self.per_head, self.query_rows = pages, rank, per_head, query_rows
         self.policy_share, self.recall_slots, self.sinks = float(policy_share), recall_slots, sinks
+        self.sketch_rank = sketch_rank if rank == "sketch" else 0  # KeyStats keeps the sketch when > 0
 
     def needs_rank(self, budget: TokenBudget | None) -> bool:
         return budget is not None and budget.mode == "continuous" and self.policy_share > 0
@@ -59,6 +61,12 @@ class TopK(Scope):
                                                          "cache.attend_budget=true (Python: budget=)")
         if engine.budget is None and self.pages is None:
             raise ConfigError("scope.pages", "scope 'topk' needs pages >= 1 (or a token budget)")
+        if self.sketch_rank and engine.graphs:
+            raise ConfigError("scope.rank", "rank 'sketch' fits its key basis on the host at the first choice: run "
+                                            "the engine without CUDA graphs (engine.graphs=false)")
+        if self.sketch_rank > engine.layout.head_dim:
+            raise ConfigError("scope.sketch_rank", f"must be at most the head dim {engine.layout.head_dim}, got "
+                                                   f"{self.sketch_rank}")
         self.recent = None  # [L, R, query_rows, H, D] the last decode queries of each (layer, row), made at the first
         L, R = engine.layout.num_layers, engine.config.max_batch
         self.seen = torch.zeros(L, R, dtype=torch.int64, device=engine.device)
@@ -107,9 +115,12 @@ class TopK(Scope):
         the max of Quest's bounds, the sum of ``gauss``'s estimated shares."""
         keys, pids = self.engine.keys, view.pids[:view.batch]  # [B, M]
         n_kv = self.engine.layout.num_kv_heads
-        if self.rank == "gauss":  # estimated attention mass per head: summed over the heads that share the choice
+        if self.rank in ("gauss", "sketch"):  # estimated attention mass per head: summed over the heads sharing
             live = pids >= 0  # [B, M]
-            ub = torch.stack([gauss_mass(q[:, i], keys, layer, pids.long().clamp(min=0), live, cand)
+            if self.rank == "sketch" and keys.basis is None:
+                self._fit_sketch()
+            mass = gauss_mass if self.rank == "gauss" else sketch_mass
+            ub = torch.stack([mass(q[:, i], keys, layer, pids.long().clamp(min=0), live, cand)
                               for i in range(q.shape[1])]).amax(0)  # [B, M, H]
             score = ub.sum(-1) if kv_head is None else ub.view(*ub.shape[:2], n_kv, -1)[:, :, kv_head].sum(-1)
             return best_of(score, cand & live, k, count)
@@ -121,6 +132,12 @@ class TopK(Scope):
             return self._fused_choice(q, keys.key_min[layer], keys.key_max[layer], pids, cand, k, count, kv_head,
                                       self.work)
         return page_choice_reference(q, keys.key_min[layer], keys.key_max[layer], pids, cand, k, count, kv_head)
+
+    def _fit_sketch(self) -> None:
+        """The sketch's basis from every key stored now (read from wherever its page lives)."""
+        e = self.engine
+        e.keys.fit_sketch([(e.table.pages(seq), [kv[0] for kv in e.read_sequence(seq, e.table.seq_len(seq))])
+                           for seq in e.table.seqs])
 
     def _remember(self, layer: int, q: torch.Tensor, B: int) -> torch.Tensor:
         """Add the decode query ``q [B, H, D]``; the last ``query_rows`` queries of each row ``[B, r, H, D]``."""
@@ -179,5 +196,29 @@ def gauss_mass(q: torch.Tensor, keys, layer: int, pids: torch.Tensor, live: torc
     qg = q.float().view(B, 1, n_kv, H // n_kv, D)  # [B, 1, N_kv, G, D]
     log_z = (n.clamp(min=1).log()[..., None, None] + s * (qg * mu[:, :, :, None]).sum(-1)
              + 0.5 * s * s * (qg.square() * var[:, :, :, None]).sum(-1)).flatten(2)  # [B, M, H]
-    share = torch.softmax(log_z.masked_fill(~(live & (n > 0))[..., None], float("-inf")), dim=1).nan_to_num(0.0)
+    return shares(log_z, live & (n > 0), cand)
+
+
+def sketch_mass(q: torch.Tensor, keys, layer: int, pids: torch.Tensor, live: torch.Tensor,
+                cand: torch.Tensor) -> torch.Tensor:
+    """Each candidate page's share of a head's attention ``[B, M, H]`` (0 for the others) for the query ``q [B, H,
+    D]`` under approximate logits from the keys' low-rank sketch (``keys.sketch``/``keys.basis``: the keys on their
+    top principal directions, ShadowKV's low-rank key cache, Sun et al., 2024, arXiv:2410.21465): the log-sum-exp
+    of each page's approximate logits, normalised over every live page as :func:`gauss_mass`. Reads r/D of the
+    keys' bytes."""
+    B, H, D = q.shape
+    n = keys.count[layer][pids]  # [B, M]
+    y = keys.sketch[layer][pids]  # [B, M, P, N_kv, r]
+    n_kv, P = y.shape[3], y.shape[2]
+    qr = torch.einsum("bkgd,kdr->bkgr", q.float().view(B, n_kv, H // n_kv, D), keys.basis[layer])  # [B, N_kv, G, r]
+    logits = torch.einsum("bmpkr,bkgr->bmpkg", y, qr) * D ** -0.5  # [B, M, P, N_kv, G]
+    stored = torch.arange(P, device=q.device) < n[..., None]  # [B, M, P]
+    log_z = logits.masked_fill(~stored[..., None, None], float("-inf")).logsumexp(2).flatten(2)  # [B, M, H]
+    return shares(log_z, live & (n > 0), cand)
+
+
+def shares(log_z: torch.Tensor, live: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    """Each head's softmax over the ``live [B, M]`` pages of their log masses ``log_z [B, M, H]``, 0 outside
+    ``cand [B, M]``."""
+    share = torch.softmax(log_z.masked_fill(~live[..., None], float("-inf")), dim=1).nan_to_num(0.0)
     return share.masked_fill(~cand[..., None], 0.0)
