@@ -173,7 +173,7 @@ class BlockTable:
 
     def occupancy(self) -> dict[str, list[int]]:
         """Pages in use per tier, per layer."""
-        return {t.name: [t.num_used(layer) for layer in range(self.layout.num_layers)] for t in self.tiers}
+        return {t.name: t.num_used(np.arange(self.layout.num_layers)).tolist() for t in self.tiers}
 
     # -- internals ---------------------------------------------------------------------------
     def _seq(self, seq: int) -> SeqState:

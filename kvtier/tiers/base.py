@@ -87,7 +87,8 @@ class Tier(ABC):
         n = self._top[layer]
         return int(n) if np.ndim(n) == 0 else n.copy()
 
-    def num_used(self, layer: int) -> int:
+    def num_used(self, layer):
+        """Used slots of ``layer``: an int, or ``[k]`` for ``[k]`` layers."""
         return self.capacity - self.num_free(layer)
 
     def allocated_slots(self, layer: int) -> np.ndarray:
