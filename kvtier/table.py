@@ -114,20 +114,18 @@ class BlockTable:
             raise KVTierError(f"append of {n_tokens} tokens to sequence {seq}; need at least 1")
         copy_last = bool(s.length % P) and self.ref[s.pids[-1]] > 1
         need = self.layout.pages_for(s.length + n_tokens) - len(s.pids) + copy_last
-        for layer in range(self.layout.num_layers):
-            free = sum(t.num_free(layer) for t in self.tiers)
-            if free < need:
-                raise TierFullError(f"layer {layer}: {need} new pages needed, {free} free over all tiers; "
-                                    "raise the lowest tier's capacity or free sequences")
+        free = sum(t.num_free(np.arange(self.layout.num_layers)) for t in self.tiers)  # [L]
+        if (free < need).any():
+            layer = int(np.argmax(free < need))
+            raise TierFullError(f"layer {layer}: {need} new pages needed, {free[layer]} free over all tiers; "
+                                "raise the lowest tier's capacity or free sequences")
         cow = []
         if copy_last:
             old = s.pids[-1]
             new = self._new_page()
+            self._place(new, prefer=self.tier_of[:, old])
             for layer in range(self.layout.num_layers):
-                t = self.tier_of[layer, old]
-                tier = self.tiers[t]
-                data = tier.read(layer, torch.tensor([self.slot_of[layer, old]]))
-                self._place(layer, new, [t] + list(range(len(self.tiers))))
+                data = self.tiers[self.tier_of[layer, old]].read(layer, torch.tensor([self.slot_of[layer, old]]))
                 self.tiers[self.tier_of[layer, new]].write(layer, torch.tensor([self.slot_of[layer, new]]), data)
             self.ref[old] -= 1
             s.pids[-1] = new
@@ -136,20 +134,21 @@ class BlockTable:
         new_pids = []
         for _ in range(need):
             pid = self._new_page()
-            for layer in range(self.layout.num_layers):
-                self._place(layer, pid, range(len(self.tiers)))
+            self._place(pid)
             s.pids.append(pid)
             new_pids.append(pid)
         s.length += n_tokens
         return new_pids, cow
 
     # -- physical pages ----------------------------------------------------------------------
-    def locate(self, layer: int, pids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(tier index ``[n]``, slot ``[n]``) of ``pids`` in ``layer``."""
+    def locate(self, layer, pids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(tier index, slot) of ``pids`` in ``layer`` (an int, or layers broadcast against ``pids``), each of
+        the broadcast shape."""
         return self.tier_of[layer, pids], self.slot_of[layer, pids]
 
-    def relocate(self, layer: int, pids: np.ndarray, tier: int, slots: np.ndarray) -> None:
-        """Record that ``pids`` of ``layer`` now live in ``tiers[tier]`` at ``slots`` (data already copied)."""
+    def relocate(self, layer, pids: np.ndarray, tier, slots: np.ndarray) -> None:
+        """Record that ``pids`` ``[n]`` of ``layer`` (an int or ``[n]``) now live in ``tiers[tier]`` (an int or
+        ``[n]``) at ``slots`` ``[n]`` (data already copied)."""
         self.tier_of[layer, pids] = tier
         self.slot_of[layer, pids] = slots
 
@@ -174,7 +173,7 @@ class BlockTable:
 
     def occupancy(self) -> dict[str, list[int]]:
         """Pages in use per tier, per layer."""
-        return {t.name: [t.num_used(layer) for layer in range(self.layout.num_layers)] for t in self.tiers}
+        return {t.name: t.num_used(np.arange(self.layout.num_layers)).tolist() for t in self.tiers}
 
     # -- internals ---------------------------------------------------------------------------
     def _seq(self, seq: int) -> SeqState:
@@ -199,19 +198,27 @@ class BlockTable:
         self.ref, self.pinned = pad(self.ref, 0), pad(self.pinned, False)
         self._free_pids.extend(range(new - 1, old - 1, -1))
 
-    def _place(self, layer: int, pid: int, order) -> None:
-        for t in order:
-            if self.tiers[t].num_free(layer) > 0:
-                self.tier_of[layer, pid] = t
-                self.slot_of[layer, pid] = int(self.tiers[t].alloc(layer, 1)[0])
-                return
-        raise TierFullError(f"layer {layer}: every tier is full; add capacity to the lowest tier")
+    def _place(self, pid: int, prefer: np.ndarray | None = None) -> None:
+        """Give ``pid`` a slot in every layer: in its ``prefer [L]`` tier where that has room, else the fastest
+        tier with room."""
+        L = self.layout.num_layers
+        has = np.stack([t.num_free(np.arange(L)) for t in self.tiers]) > 0  # [T, L]
+        if not has.any(0).all():
+            raise TierFullError(f"layer {int(np.flatnonzero(~has.any(0))[0])}: every tier is full; add capacity to "
+                                "the lowest tier")
+        tier = has.argmax(0)  # [L]
+        if prefer is not None:
+            tier = np.where(has[prefer, np.arange(L)], prefer, tier)
+        for t in np.unique(tier):
+            layers = np.flatnonzero(tier == t)
+            self.tier_of[layers, pid] = t
+            self.slot_of[layers, pid] = self.tiers[t].alloc(layers).numpy()
 
     def _release(self, pid: int) -> None:
-        for layer in range(self.layout.num_layers):
-            t = self.tier_of[layer, pid]
+        for t in np.unique(self.tier_of[:, pid]):
             if t >= 0:
-                self.tiers[t].free(layer, torch.tensor([self.slot_of[layer, pid]]))
+                layers = np.flatnonzero(self.tier_of[:, pid] == t)
+                self.tiers[t].free(layers, torch.from_numpy(self.slot_of[layers, pid]))
         self.tier_of[:, pid] = -1
         self.slot_of[:, pid] = -1
         self.ref[pid] = 0

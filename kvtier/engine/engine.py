@@ -164,8 +164,8 @@ class Engine:
         self._step_queries: dict = {}  # layer -> the first row's decode query [H, D]
         self.buckets = config.buckets or tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < R} | {R}))
         self.lookahead = config.lookahead
-        self.scratch = np.array([int(tiers[0].alloc(layer, 1)[0]) if scratch else 0 for layer in range(L)],
-                                dtype=np.int32)
+        self._layers = np.arange(L)  # [L]
+        self.scratch = (tiers[0].alloc(self._layers).numpy() if scratch else np.zeros(L)).astype(np.int32)  # [L]
         self.mirror = np.repeat(self.scratch[:, None, None], R, 1).repeat(M, 2)  # [L, R, M] host copy of locations
         self.pid_mirror = np.full((R, M), -1, dtype=np.int32)  # [R, M] pid of each logical page
         dev = self.device
@@ -199,7 +199,7 @@ class Engine:
             if self.host is None:
                 raise ConfigError("scope.recall_slots", "the recall cache holds pages picked from the host tier: "
                                                         "add a host tier")
-            slots = np.stack([tiers[0].alloc(layer, self.scope.recall_slots).numpy() for layer in range(L)])  # [L, C]
+            slots = tiers[0].alloc(self._layers, self.scope.recall_slots).numpy().reshape(L, -1)  # [L, C]
             self.recall = RecallCache(slots, M, self.scratch, dev, compile=compiled)
             self.block_table = self.home.clone()  # the overlay's output, never the host's copy
         self.width = self.scope.width(budget, budget is not None and budget.mode == "once", M)
@@ -742,8 +742,7 @@ class Engine:
             self.policy.on_append(pids, self.step_idx)
             self.pid_mirror[row, first:first + pids.size] = pids
             if row not in self._prefilling:
-                for layer in range(self.layout.num_layers):
-                    self.mirror[layer, row, first:first + pids.size] = self._encode(layer, pids)
+                self.mirror[:, row, first:first + pids.size] = self._encode(self._layers[:, None], pids)
             self._dirty.add(row)
         length = self.table.seq_len(seq)
         if row not in self._prefilling:
@@ -754,20 +753,24 @@ class Engine:
     def _place_row(self, row: int, seq: int) -> None:
         """Point ``row``'s table at ``seq``'s pages (a sequence that starts decoding)."""
         pids = self.table.pages(seq)
-        for layer in range(self.layout.num_layers):
-            self.transfer.wait(layer, pids)  # pages moved while it prefilled are read at their new place
-            self.mirror[layer, row, :pids.size] = self._encode(layer, pids)
+        self.transfer.wait(None, pids)  # pages moved while it prefilled are read at their new place
+        self.mirror[:, row, :pids.size] = self._encode(self._layers[:, None], pids)
         self.pid_mirror[row, :pids.size] = pids
         self.lens[row] = self.table.seq_len(seq)
         self._dirty.add(row)
 
-    def _encode(self, layer: int, pids: np.ndarray) -> np.ndarray:
-        """Block-table values of ``pids`` in ``layer``: device slot, host slot ``-s - 1``, staged slot, or dropped."""
+    def _encode(self, layer, pids: np.ndarray) -> np.ndarray:
+        """Block-table values of ``pids`` in ``layer`` (an int, or layers broadcast against ``pids``; the broadcast
+        shape): device slot, host slot ``-s - 1``, staged slot, or dropped."""
         tiers, slots = self.table.locate(layer, pids)
         loc = np.where(tiers == 0, slots, -slots - 1)
         far = (tiers > 1) | ((tiers == 1) & (self.host is None))
         if far.any():
-            loc[far] = self.staging.encode(layer, pids[far]) if self.staging is not None else DROPPED_LOC
+            if self.staging is None:
+                loc[far] = DROPPED_LOC
+            else:
+                layers, pids = np.broadcast_arrays(layer, pids)
+                loc[far] = self.staging.encode(layers[far], pids[far])
         return np.where(tiers < 0, DROPPED_LOC, loc).astype(np.int32)
 
     def _spans(self, seq: int, n: int) -> tuple[int, int]:
@@ -798,7 +801,7 @@ class Engine:
         self.rank[:, rows] = torch.from_numpy(rank).to(self.device, non_blocking=True)
 
     def _device_free(self) -> int:
-        return min(self.table.tiers[0].num_free(layer) for layer in range(self.layout.num_layers))
+        return int(self.table.tiers[0].num_free(self._layers).min())
 
     def _schedule(self, reserve: int, after_compute: bool) -> None:
         """Plan and issue moves (every step: a policy's priorities follow its statistics, the positions, the
@@ -822,13 +825,13 @@ class Engine:
             except TierFullError:  # room the tier above frees once its moves' fences pass
                 self._wait_room()
                 self.transfer.migrate_many(moves, after_compute=after_compute, fenced=True)
-        free = {m.layer: self.table.tiers[0].num_free(m.layer) - reserve for m in plan.promote}
+        free = self.table.tiers[0].num_free(self._layers) - reserve  # [L]
         if self.lookahead <= 1 and any(m.pids.size > free[m.layer] for m in plan.promote):
             # slots the demotions free once copied: the host waits for the copies only (its last step is done),
             # so promotions land as on a CPU, where copies are synchronous; with lookahead >= 2 the host does
             # not wait for the GPU, and such promotions follow a step later
             self._wait_room()
-            free = {m.layer: self.table.tiers[0].num_free(m.layer) - reserve for m in plan.promote}
+            free = self.table.tiers[0].num_free(self._layers) - reserve
         promote = [(m.layer, m.pids[:max(free[m.layer], 0)], m.dst) for m in plan.promote]
         self.transfer.migrate_many(promote, after_compute=after_compute, fenced=True)
         self._switch_moved()
@@ -843,22 +846,32 @@ class Engine:
             self.table.set_pinned(prev, pinned)
 
     def _switch_moved(self) -> None:
-        """Point the table at the new place of every move issued (the step's compute waits for the copies)."""
-        moved = self.transfer.take_moved(fence=self._queued_fence)
-        if not moved:
+        """Point the table at the new place of every move issued (the step's compute waits for the copies): one
+        pass over the moved ``(layer, pid)`` pairs of every layer, each written where a row holds its pid."""
+        layers, pids = self.transfer.take_moved(fence=self._queued_fence)  # [n]
+        rows = [r for r, seq in enumerate(self.row_seq) if seq is not None and r not in self._prefilling]
+        if not pids.size or not rows:
             return
-        rows = [(r, self.table.pages(seq)) for r, seq in enumerate(self.row_seq)
-                if seq is not None and r not in self._prefilling]
-        if not rows:
+        pages = [self.table.pages(self.row_seq[r]) for r in rows]
+        sizes = np.array([p.size for p in pages])
+        held = np.concatenate(pages)  # [N] every row's pages (a shared page: each holder)
+        row_of = np.repeat(rows, sizes)  # [N]
+        logical = np.arange(held.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)  # [N]
+        moved, which = np.unique(pids, return_inverse=True)  # [u] distinct moved pids; [n] each pair's
+        index = np.full(self.table.ref.size, -1, dtype=np.int64)  # pid -> its place in ``moved``
+        index[moved] = np.arange(moved.size)
+        hit = np.flatnonzero(index[held] >= 0)  # [h] held entries of a moved pid, in the rows' order
+        if not hit.size:
             return
-        held = np.concatenate([pages for _, pages in rows])  # [N] every row's pages (a shared page: each holder)
-        row_of = np.concatenate([np.full(pages.size, r) for r, pages in rows])  # [N]
-        logical = np.concatenate([np.arange(pages.size) for _, pages in rows])  # [N]
-        for layer, pids in moved:
-            hit = np.isin(held, pids)  # [N]
-            if hit.any():
-                self.mirror[layer, row_of[hit], logical[hit]] = self._encode(layer, held[hit])
-                self._dirty.update(np.unique(row_of[hit]).tolist())
+        count = np.bincount(which, minlength=moved.size)  # [u] pairs of each moved pid
+        pairs = np.argsort(which, kind="stable")  # pairs grouped by pid, in issue order
+        k = index[held[hit]]  # [h]
+        per = count[k]  # [h] pairs each held entry takes
+        at = np.repeat(np.cumsum(count)[k] - per - np.cumsum(per) + per, per) + np.arange(per.sum())
+        entry = np.repeat(hit, per)  # [m] (held entry, moved pair): per layer in the rows' page order
+        layer = layers[pairs[at]]  # [m]
+        self.mirror[layer, row_of[entry], logical[entry]] = self._encode(layer, held[entry])
+        self._dirty.update(np.unique(row_of[entry]).tolist())
 
     def _ensure_tails(self, active: list[int]) -> None:
         """The page each row writes this step must be in the device pool."""
@@ -990,26 +1003,30 @@ class _Staging:
     def pool(self, layer: int) -> torch.Tensor:
         return self.pools[layer]
 
-    def encode(self, layer: int, pids: np.ndarray) -> np.ndarray:
-        """Staged slots of ``pids`` (read from their tier now where not staged at their current place)."""
-        tiers, slots = self.engine.table.locate(layer, pids)
-        where, out, todo = self.where[layer], np.empty(pids.size, dtype=np.int64), []
-        for i, (pid, t, s) in enumerate(zip(pids.tolist(), tiers.tolist(), slots.tolist())):
+    def encode(self, layers: np.ndarray, pids: np.ndarray) -> np.ndarray:
+        """Staged slots of ``pids`` ``[n]`` in ``layers`` ``[n]`` (read from their tier now where not staged at their
+        current place)."""
+        tiers, slots = self.engine.table.locate(layers, pids)
+        out, todo = np.empty(pids.size, dtype=np.int64), []
+        for i, (layer, pid, t, s) in enumerate(zip(layers.tolist(), pids.tolist(), tiers.tolist(), slots.tolist())):
+            where, free = self.where[layer], self.free[layer]
             got = where.get(pid)
             if got is not None and got[1:] == (t, s):
                 out[i] = got[0]
                 continue
             if got is not None:
-                self.free[layer].append(got[0])
-            if not self.free[layer]:
+                free.append(got[0])
+            if not free:
                 raise KVTierError(f"layer {layer}: the staging pool holds {self.capacity} disk/remote pages; a step "
                                   "lists more: raise engine.max_batch's pages or keep fewer pages far away")
-            slot = self.free[layer].pop()
+            slot = free.pop()
             where[pid] = (slot, t, s)
             out[i] = slot
-            todo.append((i, t, s, slot))
-        for t in {x[1] for x in todo}:
-            mine = [x for x in todo if x[1] == t]
+            todo.append((layer, t, s, slot))
+        reads: dict[tuple, list] = {}  # (layer, tier) -> its todo entries
+        for x in todo:
+            reads.setdefault(x[:2], []).append(x)
+        for (layer, t), mine in reads.items():
             tier = self.engine.table.tiers[t]
             pages = tier.read(layer, torch.tensor([x[2] for x in mine]))
             self.pools[layer][torch.tensor([x[3] for x in mine])] = pages.to(self.pools.device)

@@ -79,7 +79,7 @@ class LookaheadScheduler(Scheduler):
         device = table.tiers[0]
         tier = table.tier_of[:, info.pids]  # [L, n]
         resident = tier == 0
-        free = np.array([device.num_free(layer) for layer in range(L)])  # [L]
+        free = device.num_free(np.arange(L))  # [L]
         room = free + resident.sum(1) - reserve  # slots held elsewhere do not count
         keep = pinned & resident
         cand = (resident | admit | pinned) & (prio > -np.inf) & (tier >= 0)  # tier < 0: dropped

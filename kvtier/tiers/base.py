@@ -49,34 +49,46 @@ class Tier(ABC):
         self._used = np.zeros((L, capacity), dtype=bool)  # [L, cap]
 
     # -- bookkeeping -------------------------------------------------------------------------
-    def alloc(self, layer: int, n: int) -> torch.Tensor:
-        """Reserve ``n`` slots in ``layer``'s pool: int64 ``[n]``; raises TierFullError."""
-        top = int(self._top[layer])
-        if n > top:
-            raise TierFullError(f"tier '{self.name}' layer {layer}: asked for {n} pages, {top} of {self.capacity} "
-                                "free; raise this tier's capacity or let the scheduler demote pages first")
-        slots = self._stack[layer, top - n:top][::-1].copy()
-        self._top[layer] = top - n
-        self._used[layer, slots] = True
+    def alloc(self, layer, n: int = 1) -> torch.Tensor:
+        """Reserve ``n`` slots in each of ``layer`` (an int, or ``[k]`` layers, repeats allowed): int64 ``[k * n]``,
+        ``n`` per entry in order (a layer's k-th slot is its k-th off the free stack); raises TierFullError
+        before reserving any."""
+        layers = np.repeat(np.asarray(layer, dtype=np.int64).reshape(-1), n)  # [k * n]
+        count = np.bincount(layers, minlength=self._top.size)  # [L]
+        short = np.flatnonzero(count > self._top)
+        if short.size:
+            layer, top = int(short[0]), int(self._top[short[0]])
+            raise TierFullError(f"tier '{self.name}' layer {layer}: asked for {count[layer]} pages, {top} of "
+                                f"{self.capacity} free; raise this tier's capacity or let the scheduler demote "
+                                "pages first")
+        slots = self._stack[layers, self._top[layers] - 1 - _rank_in_layer(layers, count)]
+        self._top -= count
+        self._used[layers, slots] = True
         return torch.from_numpy(slots)
 
-    def free(self, layer: int, slots: torch.Tensor) -> None:
-        """Return slots to the pool; freeing a slot twice raises."""
+    def free(self, layer, slots: torch.Tensor) -> None:
+        """Return ``slots`` ``[n]`` of ``layer`` (an int, or ``[n]``: each slot's layer) to the pool; a slot that is
+        not allocated, or given twice, raises KVTierError before any is freed."""
         s = np.asarray(slots.cpu(), dtype=np.int64).reshape(-1)
         if s.size == 0:
             return
-        if (s < 0).any() or (s >= self.capacity).any() or not self._used[layer, s].all() \
-                or np.unique(s).size != s.size:
-            raise KVTierError(f"tier '{self.name}' layer {layer}: free of slots not allocated: {s.tolist()}")
-        self._used[layer, s] = False
-        top = int(self._top[layer])
-        self._stack[layer, top:top + s.size] = s
-        self._top[layer] = top + s.size
+        layers = np.broadcast_to(np.asarray(layer, dtype=np.int64), s.shape)  # [n]
+        if (s < 0).any() or (s >= self.capacity).any() or not self._used[layers, s].all() \
+                or np.unique(layers * self.capacity + s).size != s.size:
+            where = f"layer {layer}" if np.ndim(layer) == 0 else f"layers {layers.tolist()}"
+            raise KVTierError(f"tier '{self.name}' {where}: free of slots not allocated: {s.tolist()}")
+        self._used[layers, s] = False
+        count = np.bincount(layers, minlength=self._top.size)  # [L]
+        self._stack[layers, self._top[layers] + _rank_in_layer(layers, count)] = s
+        self._top += count
 
-    def num_free(self, layer: int) -> int:
-        return int(self._top[layer])
+    def num_free(self, layer):
+        """Free slots of ``layer``: an int, or ``[k]`` for ``[k]`` layers."""
+        n = self._top[layer]
+        return int(n) if np.ndim(n) == 0 else n.copy()
 
-    def num_used(self, layer: int) -> int:
+    def num_used(self, layer):
+        """Used slots of ``layer``: an int, or ``[k]`` for ``[k]`` layers."""
         return self.capacity - self.num_free(layer)
 
     def allocated_slots(self, layer: int) -> np.ndarray:
@@ -117,3 +129,11 @@ class Tier(ABC):
             raise ValueError(f"tier '{self.name}': pages of shape {tuple(pages.shape)}, expected {want}")
         if pages.dtype != self.layout.kv_dtype:
             raise ValueError(f"tier '{self.name}': pages of dtype {pages.dtype}, expected {self.layout.kv_dtype}")
+
+
+def _rank_in_layer(layers: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """``[n]``: how many earlier entries of ``layers`` ``[n]`` name the same layer (``count [L]``: entries per layer)."""
+    order = np.argsort(layers, kind="stable")
+    rank = np.empty_like(layers)
+    rank[order] = np.arange(layers.size) - (np.cumsum(count) - count)[layers[order]]
+    return rank

@@ -261,13 +261,16 @@ class DiskTier(Tier):
 
     def free(self, layer, slots):
         super().free(layer, slots)
-        s = np.sort(slot_array(self, slots))
-        self._meta[layer, s, 1] = 0
-        try:
-            self._write_meta(layer, s, _runs(s))
-        except OSError as e:
-            raise TierIOError(f"disk tier '{self.name}': invalidating freed slots in {self._sum_path(layer)} "
-                              f"failed ({e})") from e
+        slots = slot_array(self, slots)
+        layers = np.broadcast_to(np.asarray(layer, dtype=np.int64), slots.shape)
+        for layer in np.unique(layers).tolist():
+            s = np.sort(slots[layers == layer])
+            self._meta[layer, s, 1] = 0
+            try:
+                self._write_meta(layer, s, _runs(s))
+            except OSError as e:
+                raise TierIOError(f"disk tier '{self.name}': invalidating freed slots in {self._sum_path(layer)} "
+                                  f"failed ({e})") from e
 
     def close(self) -> None:
         """Close the files and delete them (and the directory, if this tier made it) unless ``keep``."""

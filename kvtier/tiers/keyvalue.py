@@ -135,9 +135,10 @@ class KeyValueTier(Tier):
         """
         super().free(layer, slots)
         s = slot_array(self, slots)
-        self._valid[layer, s] = False
-        if s.size:
-            self._delete([self.key(layer, int(i)) for i in s])
+        layers = np.broadcast_to(np.asarray(layer, dtype=np.int64), s.shape)
+        self._valid[layers, s] = False
+        for layer in np.unique(layers).tolist():  # one round trip per layer: its keys share a hash slot
+            self._delete([self.key(layer, i) for i in s[layers == layer].tolist()])
 
     def close(self) -> None:
         """Delete this tier's keys when the store is reachable, then disconnect."""

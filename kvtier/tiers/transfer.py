@@ -1,7 +1,8 @@
 """TransferEngine: batched page moves between tiers, asynchronous on a side CUDA stream.
 
-One call moves a batch of (layer, pid) pages: one gather from the source pool, one bulk copy,
-one scatter into the destination pool (not one copy per page). The BlockTable is updated at
+One call moves a batch of (layer, pid) pages, every layer together: one gather from the source pool, one
+bulk copy, one scatter into the destination pool (not one copy per page), one completion event and one
+pending record for the whole batch (its readers look pages up by (layer, pid)). The BlockTable is updated at
 submit time; a reader must :meth:`wait` on the pages first (on the GPU the compute stream
 waits on the copy's event, the host does not block). Source slots are released only once the
 copy has completed, so they cannot be reused while still being read.
@@ -34,13 +35,29 @@ if TYPE_CHECKING:
 
 @dataclass
 class _Pending:
+    """One batch of moves: pages ``(layers[i], pids[i])`` ``[n]`` under one completion event."""
+
     event: "torch.cuda.Event | None"
-    layer: int
+    layers: np.ndarray
     pids: np.ndarray
-    release: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (tier, slots) to free when done
+    release: list[tuple[int, np.ndarray, np.ndarray]] = field(default_factory=list)  # (tier, layers, slots) to free
     fenced: bool = False  # release waits for ``fence`` too
     fence: "torch.cuda.Event | None" = None
     reported: bool = False  # handed out by take_moved
+
+    def touches(self, layer=None, pids=None) -> bool:
+        """Whether the batch moves any of ``pids`` (None: any page) in ``layer`` (None: any layer; an int; or
+        ``[n]``, the layer of each of ``pids``)."""
+        if np.ndim(layer) == 1:
+            return bool(np.isin(_pair_keys(self.layers, self.pids, pids), _pair_keys(layer, pids, self.pids)).any())
+        mine = self.pids if layer is None else self.pids[self.layers == layer]
+        return bool(mine.size) if pids is None else bool(np.isin(mine, pids).any())
+
+
+def _pair_keys(layers, pids: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """One int64 per ``(layer, pid)``, comparable with the keys of ``other``'s pids (same width)."""
+    width = int(max(pids.max(initial=0), other.max(initial=0))) + 1
+    return np.asarray(layers, dtype=np.int64) * width + pids
 
 
 class TransferEngine:
@@ -77,69 +94,70 @@ class TransferEngine:
         self.migrate_many([(layer, pids, dst)], after_compute, fenced)
 
     def migrate_many(self, moves, after_compute: bool = True, fenced: bool = False) -> None:
-        """Moves ``[(layer, pids, dst tier)]`` issued together: between addressable pools one copy launch per
-        (source tier, destination tier) covers every layer (page ``(layer, slot)`` at ``layer * capacity +
-        slot`` of :meth:`Tier.pools`), and one completion event covers them all."""
-        batch = []  # (layer, pids, source tiers, source slots, dst, dst slots)
-        for layer, pids, dst in moves:
-            pids = np.asarray(pids, dtype=np.int64)
-            src_tiers, src_slots = self.table.locate(layer, pids)
-            move = src_tiers != dst
-            if not move.any():
-                continue
-            pids, src_tiers, src_slots = pids[move], src_tiers[move], src_slots[move]
-            self._wait_pids(layer, pids)  # a page moves once its previous move has landed
-            dst_tier = self.table.tiers[dst]
-            if dst_tier.num_free(layer) < pids.size:
-                self.synchronize()  # slots vacated by earlier moves are released once those land
-            dst_slots = dst_tier.alloc(layer, pids.size).numpy()  # [n]; raises TierFullError before any copy
-            batch.append((layer, pids, src_tiers, src_slots, dst, dst_slots))
-        if not batch:
+        """Moves ``[(layer, pids, dst tier)]`` issued together as one batch of ``(layer, pid)`` pages, built with
+        array ops over every layer: between addressable pools one copy launch per (source tier, destination
+        tier) covers every layer (page ``(layer, slot)`` at ``layer * capacity + slot`` of :meth:`Tier.pools`),
+        and one completion event covers them all."""
+        moves = [(layer, np.asarray(pids, dtype=np.int64).reshape(-1), dst) for layer, pids, dst in moves]
+        if not moves:
             return
-        pendings = [_Pending(None, layer, pids, fenced=fenced) for layer, pids, *_ in batch]
-        groups: dict[tuple[int, int], list] = {}  # (source tier, dst tier) -> [(layer, src slots, dst slots)]
-        for pending, (layer, _, src_tiers, src_slots, dst, dst_slots) in zip(pendings, batch):
-            for t in np.unique(src_tiers):
-                sel = np.flatnonzero(src_tiers == t)
-                groups.setdefault((int(t), dst), []).append((layer, src_slots[sel], dst_slots[sel]))
-                pending.release.append((int(t), torch.from_numpy(src_slots[sel])))
+        sizes = [pids.size for _, pids, _ in moves]
+        layers = np.repeat(np.array([m[0] for m in moves], dtype=np.int64), sizes)  # [n]
+        dsts = np.repeat(np.array([m[2] for m in moves], dtype=np.int64), sizes)  # [n]
+        pids = np.concatenate([m[1] for m in moves])  # [n]
+        src_tiers, src_slots = self.table.locate(layers, pids)  # [n]
+        move = src_tiers != dsts  # pages already there are skipped
+        if not move.any():
+            return
+        layers, dsts, pids, src_tiers, src_slots = layers[move], dsts[move], pids[move], src_tiers[move], src_slots[move]
+        self._wait_pids(layers, pids)  # a page moves once its previous move has landed
+        L, tiers = self.table.layout.num_layers, self.table.tiers
+        need = {int(d): np.bincount(layers[dsts == d], minlength=L) for d in np.unique(dsts)}  # dst -> [L]
+        if any((n > tiers[d].num_free(np.arange(L))).any() for d, n in need.items()):
+            self.synchronize()  # slots vacated by earlier moves are released once those land
+        dst_slots = np.empty_like(pids)  # [n]
+        for d in need:
+            sel = dsts == d
+            dst_slots[sel] = tiers[d].alloc(layers[sel]).numpy()  # raises TierFullError before any copy
+        pending = _Pending(None, layers, pids, fenced=fenced)
+        pair = src_tiers.astype(np.int64) * len(tiers) + dsts  # [n] (source tier, dst tier)
         stream_ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         if self.stream is not None and after_compute:
             self.stream.wait_stream(torch.cuda.current_stream())  # pages written by compute first
         with stream_ctx:
-            for (src, dst), parts in groups.items():
-                self._copy(src, dst, parts)
-        for layer, pids, _, _, dst, dst_slots in batch:
-            self.table.relocate(layer, pids, dst, dst_slots)
-        event = None
+            for p in _in_order(pair):
+                sel = pair == p
+                self._copy(int(p) // len(tiers), int(p) % len(tiers), layers[sel], src_slots[sel], dst_slots[sel])
+        for t in _in_order(src_tiers):
+            sel = src_tiers == t
+            pending.release.append((int(t), layers[sel], src_slots[sel]))
+        self.table.relocate(layers, pids, dsts, dst_slots)
         if self.asynchronous:
-            event = self._new_event()
-            event.record(self.stream)
-        for pending in pendings:
-            pending.event = event
-            if self.asynchronous:
-                self._pending.append(pending)
-                continue
-            if fenced:  # a synchronous copy has landed; no reader runs ahead of the host
-                self._landed.append(pending)
-                pending.reported = True
-            self._release(pending)
+            pending.event = self._new_event()
+            pending.event.record(self.stream)
+            self._pending.append(pending)
+            return
+        if fenced:  # a synchronous copy has landed; no reader runs ahead of the host
+            self._landed.append(pending)
+            pending.reported = True
+        self._release(pending)
 
-    def _copy(self, src: int, dst: int, parts: list) -> None:
-        """Copy ``[(layer, src slots, dst slots)]`` from ``tiers[src]`` to ``tiers[dst]``, counting bytes."""
+    def _copy(self, src: int, dst: int, layers: np.ndarray, src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
+        """Copy pages ``(layers[i], src_slots[i])`` of ``tiers[src]`` to ``(layers[i], dst_slots[i])`` of
+        ``tiers[dst]`` (all ``[n]``), counting bytes."""
         src_tier, dst_tier = self.table.tiers[src], self.table.tiers[dst]
         src_all, dst_all = src_tier.pools(), dst_tier.pools()
-        n = sum(s.size for _, s, _ in parts)
         if self.use_kernel(src_all, dst_all):  # one launch for every layer
-            flat_src = np.concatenate([layer * src_tier.capacity + s for layer, s, _ in parts])
-            flat_dst = np.concatenate([layer * dst_tier.capacity + d for layer, _, d in parts])
-            copy_pages(src_all, torch.from_numpy(flat_src), dst_all, torch.from_numpy(flat_dst))
+            copy_pages(src_all, torch.from_numpy(layers * src_tier.capacity + src_slots), dst_all,
+                       torch.from_numpy(layers * dst_tier.capacity + dst_slots))
         else:
-            for layer, s, d in parts:
-                dst_tier.write(layer, torch.from_numpy(d), src_tier.read(layer, torch.from_numpy(s)))
+            for layer in _in_order(layers).tolist():
+                sel = layers == layer
+                pages = src_tier.read(layer, torch.from_numpy(src_slots[sel]))
+                dst_tier.write(layer, torch.from_numpy(dst_slots[sel]), pages)
         link = f"{src_tier.name}->{dst_tier.name}"
-        self.bytes_moved[link] += n * self.table.layout.page_bytes
-        self.pages_moved[link] += n
+        self.bytes_moved[link] += src_slots.size * self.table.layout.page_bytes
+        self.pages_moved[link] += src_slots.size
 
     def gather(self, layer: int, pids: np.ndarray, device) -> tuple[torch.Tensor, Counter]:
         """Copies of ``pids``'s pages of ``layer`` in one temporary pool ``[n, 2, P, N_kv, D]`` on ``device``
@@ -171,15 +189,15 @@ class TransferEngine:
         pids = np.asarray(pids, dtype=np.int64)
         mask = np.zeros(pids.size, dtype=bool)
         for p in self._pending:
-            if p.layer == layer and not p.event.query():
-                mask |= np.isin(pids, p.pids)
+            if not p.event.query():
+                mask |= np.isin(pids, p.pids[p.layers == layer])
         return mask
 
     def wait(self, layer: int | None = None, pids=None) -> None:
         """Order the current stream after every in-flight copy touching these pages (all if None)."""
         self.poll()
         for p in self._pending:
-            if (layer is None or p.layer == layer) and (pids is None or np.isin(p.pids, pids).any()):
+            if p.touches(layer, pids):
                 if self.stream is not None:
                     torch.cuda.current_stream().wait_event(p.event)  # the GPU waits, the host runs on
                 else:
@@ -214,11 +232,12 @@ class TransferEngine:
                 self._release(p)
         self._pending = still
 
-    def take_moved(self, fence=None) -> list[tuple[int, np.ndarray]]:
-        """``[(layer, pids)]`` of every fenced move issued since the last call, landed or not: the current stream
-        is ordered after their copies (the GPU waits, not the host), so the reader may point at the new place
-        now; their source slots are released once the copy has landed and the fence (``fence()``: an event
-        after every queued reader of the old place, or None when nothing is queued) has passed."""
+    def take_moved(self, fence=None) -> tuple[np.ndarray, np.ndarray]:
+        """``(layers [n], pids [n])``: the pages of every fenced move issued since the last call, landed or not:
+        the current stream is ordered after their copies (the GPU waits, not the host), so the reader may point
+        at the new place now; their source slots are released once the copy has landed and the fence
+        (``fence()``: an event after every queued reader of the old place, or None when nothing is queued) has
+        passed."""
         self.poll()
         moved = self._landed + [p for p in self._pending if p.fenced and not p.reported]
         fence = fence() if moved and fence is not None else None
@@ -228,18 +247,26 @@ class TransferEngine:
             if self.stream is not None and not p.event.query():
                 torch.cuda.current_stream().wait_event(p.event)
         self._landed = []
-        return [(p.layer, p.pids) for p in moved]
+        if not moved:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        return np.concatenate([p.layers for p in moved]), np.concatenate([p.pids for p in moved])
 
-    def _wait_pids(self, layer: int, pids: np.ndarray) -> None:
+    def _wait_pids(self, layers: np.ndarray, pids: np.ndarray) -> None:
+        """Block until no copy of a page ``(layers[i], pids[i])`` is in flight."""
         waited = False
         for p in self._pending:
-            if p.layer == layer and not p.event.query() and np.isin(p.pids, pids).any():
+            if not p.event.query() and p.touches(layers, pids):
                 p.event.synchronize()
                 waited = True
         if waited:
             self.poll()
 
     def _release(self, p: _Pending) -> None:
-        for t, slots in p.release:
-            self.table.tiers[t].free(p.layer, slots)
+        for t, layers, slots in p.release:
+            self.table.tiers[t].free(layers, torch.from_numpy(slots))
 
+
+def _in_order(x: np.ndarray) -> np.ndarray:
+    """The distinct values of ``x`` ``[n]`` in order of first appearance."""
+    values, first = np.unique(x, return_index=True)
+    return values[np.argsort(first)]
