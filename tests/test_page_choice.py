@@ -132,10 +132,12 @@ def test_topk_chooses_with_the_fused_kernel_as_with_torch(tiny, monkeypatch, sco
     assert calls and sum(calls) > 0
 
 
+@needs_triton
 def test_topk_on_the_triton_backend_binds_the_fused_choice(tiny):
     from kvtier.kernels.registry import make_backend
 
-    model, layout = tiny
-    engine = Engine(model, layout, [DeviceTier(layout, 24, device="cpu")], LRU(), TopK(4),
-                    kernel=make_backend("triton", "cpu"), config=EngineConfig(max_batch=2, max_context=160))
+    _, layout = tiny
+    model = tiny_llama(seed=1).to(DEV)
+    engine = Engine(model, layout, [DeviceTier(layout, 24, device=DEV)], LRU(), TopK(4),
+                    kernel=make_backend("triton", DEV), config=EngineConfig(max_batch=2, max_context=160))
     assert engine.scope.fused and engine.scope.work.images.shape[0] == 2
