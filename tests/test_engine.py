@@ -343,6 +343,31 @@ def test_every_page_of_every_layer_is_heard_in_one_call_as_page_by_page(tiny):
     assert np.array_equal(states[0], states[1])
 
 
+def test_a_decoding_row_whose_last_page_is_shared_writes_a_copy(tiny):
+    """Copy-on-write under decode: a sequence shares its partly filled last page with a fork; the row's next write
+    goes to its private copy (the block table and the engine's mirror point at it), the fork keeps its tokens, and the
+    row's logits are those of a run without the fork."""
+    model, layout = tiny
+    prompt = torch.randint(0, 256, (45,), generator=torch.Generator().manual_seed(11))
+    runs = []
+    for fork in (False, True):
+        engine = make(model, layout, [DeviceTier(layout, 40, device="cpu"), HostTier(layout, 64)], LRU(),
+                      max_context=128)
+        engine.add(prompt)
+        engine.step()
+        seq = engine.row_seq[0]
+        if fork:
+            engine.table.fork(seq, 999)  # 46 tokens: the last page holds 6 of 8
+            before = read_tokens(engine.table, 0, 999)
+        logits = torch.stack([engine.step()[0].clone() for _ in range(4)])
+        if fork:
+            assert torch.equal(read_tokens(engine.table, 0, 999), before)
+            last = engine.table.pages(seq)[-2]  # the copied page (a page was appended after it)
+            assert last not in engine.table.pages(999) and engine.pid_mirror[0, 5] == last
+        runs.append(logits)
+    assert torch.equal(runs[0], runs[1])
+
+
 def test_a_host_running_ahead_reserves_the_pages_its_next_steps_append(tiny):
     """With lookahead 2 each plan keeps device room for the pages the rows append in the next steps
     (lengths counted in pages, a full page included), so a growing row never needs a plan of its own."""

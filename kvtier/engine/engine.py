@@ -730,15 +730,15 @@ class Engine:
             self._schedule(reserve=need, after_compute=True)
             if self._device_free() < need:
                 self._wait_room()
-        first = self.table.num_pages(seq)
         new, cow = self.table.append(seq, n)
-        for old, fresh in cow:
+        for old, fresh in cow:  # a shared, partly filled last page copied before its first write
             if self.keys is not None:
                 self.keys.on_copy(old, fresh)
-        if new:
-            pids = np.asarray(new, dtype=np.int64)
-            if self.keys is not None:
-                self.keys.on_append(pids)
+        if new or cow:
+            if self.keys is not None and new:
+                self.keys.on_append(np.asarray(new, dtype=np.int64))
+            first = self.table.num_pages(seq) - len(new) - len(cow)  # the copied page is pointed at anew too
+            pids = self.table.pages(seq)[first:]
             self.policy.on_append(pids, self.step_idx)
             self.pid_mirror[row, first:first + pids.size] = pids
             if row not in self._prefilling:
