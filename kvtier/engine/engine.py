@@ -867,7 +867,9 @@ class Engine:
         pairs = np.argsort(which, kind="stable")  # pairs grouped by pid, in issue order
         k = index[held[hit]]  # [h]
         per = count[k]  # [h] pairs each held entry takes
-        at = np.repeat(np.cumsum(count)[k] - per - np.cumsum(per) + per, per) + np.arange(per.sum())
+        # each held entry's pairs: its pid's group in ``pairs`` starts at cumsum(count)[k] - per, and entry j's
+        # pairs sit at places cumsum(per)[j] - per[j] ... of the output
+        at = np.repeat(np.cumsum(count)[k] - np.cumsum(per), per) + np.arange(per.sum())
         entry = np.repeat(hit, per)  # [m] (held entry, moved pair): per layer in the rows' page order
         layer = layers[pairs[at]]  # [m]
         self.mirror[layer, row_of[entry], logical[entry]] = self._encode(layer, held[entry])

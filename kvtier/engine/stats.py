@@ -5,7 +5,7 @@
 - :class:`QueryStats`: the last ``rows`` queries of every layer of the first row (TOVA/Quest read the
   newest, Expected Attention their mean and variance).
 - :func:`quest_bound`: Quest's bound of q·k from a page's key min / max (the ``topk`` scope and the
-  ``quest`` policy); :func:`page_bounds` of a row's pages by pid, :func:`head_max` over a row's query heads.
+  ``quest`` policy); :func:`page_bounds` of a row's pages by pid, :func:`over_heads` reduces scores over a row's query heads.
 - :func:`page_mass`: the attention probability mass each listed page gets from chosen query rows of a
   prefill chunk (decode rows get theirs from the kernel's per-page LSE).
 """
@@ -61,18 +61,17 @@ class KeyStats:
         token) and sketch those keys; later writes are sketched as they come."""
         L, N, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim
         P, r = self.layout.page_size, self.sketch.shape[-1]
+        sequences = [(pids, [k.to(self.device, torch.float32) for k in keys]) for pids, keys in sequences]
         second = torch.zeros(L, N, D, D, device=self.device)  # [L, N_kv, D, D] sum of k k^T
         for _, keys in sequences:
-            for layer, k in enumerate(keys):
-                k = k.to(self.device, torch.float32)  # [S, N_kv, D]
+            for layer, k in enumerate(keys):  # k [S, N_kv, D]
                 second[layer] += torch.einsum("snd,sne->nde", k, k)
         self.basis = torch.linalg.eigh(second).eigenvectors[..., -r:]  # [L, N_kv, D, r] largest last
         for pids, keys in sequences:
             for layer, k in enumerate(keys):
                 tok = torch.arange(k.shape[0], device=self.device)
                 page = torch.as_tensor(pids, device=self.device)[tok // P]
-                self.sketch[layer, page, tok % P] = torch.einsum("snd,ndr->snr", k.to(self.device, torch.float32),
-                                                                 self.basis[layer])
+                self.sketch[layer, page, tok % P] = torch.einsum("snd,ndr->snr", k, self.basis[layer])
 
     def add(self, layer: int, pids: torch.Tensor, keys: torch.Tensor) -> None:
         """Keys ``[n, N_kv, D]`` of ``layer`` written into pages ``pids [n]`` (device int64; repeats allowed)."""
@@ -97,7 +96,6 @@ class KeyStats:
         self.key_sq[layers].index_add_(1, pids, k * k)
         self.norm_sum[layers].index_add_(1, pids, k.norm(dim=-1))
         self.count[layers].index_add_(1, pids, on)
-
 
     def _sketch(self, layers: slice, pids: torch.Tensor, k: torch.Tensor, on: torch.Tensor) -> None:
         """Sketch keys ``k [L', n, N_kv, D]`` written into pages ``pids [n]`` (a page's keys consecutive, after the
@@ -170,11 +168,12 @@ def page_bounds(q: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, p
     return torch.stack([quest_bound(q[:, i], kmin, kmax) for i in range(q.shape[1])]).amax(0)
 
 
-def head_max(ub: torch.Tensor, num_kv_heads: int, kv_head: int | None = None) -> torch.Tensor:
-    """``ub [B, M, H]`` -> ``[B, M]``: the max over every query head, or over kv head ``kv_head``'s group."""
+def over_heads(ub: torch.Tensor, num_kv_heads: int, kv_head: int | None = None, reduce=torch.amax) -> torch.Tensor:
+    """``ub [B, M, H]`` -> ``[B, M]``: ``reduce`` (max or sum) over every query head, or over kv head ``kv_head``'s
+    group."""
     if kv_head is None:
-        return ub.amax(-1)
-    return ub.view(*ub.shape[:2], num_kv_heads, -1)[:, :, kv_head].amax(-1)
+        return reduce(ub, -1)
+    return reduce(ub.view(*ub.shape[:2], num_kv_heads, -1)[:, :, kv_head], -1)
 
 
 def page_mass(keys: torch.Tensor, logical: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor, lse: torch.Tensor,

@@ -24,7 +24,7 @@ import torch
 
 from kvtier.budget import TokenBudget
 from kvtier.checks import check_topk_options
-from kvtier.engine.stats import head_max, page_bounds
+from kvtier.engine.stats import over_heads, page_bounds
 from kvtier.errors import ConfigError
 from kvtier.kernels.reference import page_choice_reference
 from kvtier.scopes.base import DROPPED_LOC, Scope, StepView, best_of, budget_pick, window_pages
@@ -112,7 +112,7 @@ class TopK(Scope):
                 count: torch.Tensor | None = None, kv_head: int | None = None) -> torch.Tensor:
         """The best ``k`` (at most ``count [B]``) candidates ``cand [B, M]`` for the row queries ``q [B, r, H, D]``:
         ``[B, k]`` logical pages in page order, -1 none. Scores over the query heads (per kv head: its group's):
-        the max of Quest's bounds, the sum of ``gauss``'s estimated shares."""
+        the max of Quest's bounds, the sum of ``gauss``'s and ``sketch``'s estimated shares."""
         keys, pids = self.engine.keys, view.pids[:view.batch]  # [B, M]
         n_kv = self.engine.layout.num_kv_heads
         if self.rank in ("gauss", "sketch"):  # estimated attention mass per head: summed over the heads sharing
@@ -122,12 +122,11 @@ class TopK(Scope):
             mass = gauss_mass if self.rank == "gauss" else sketch_mass
             ub = torch.stack([mass(q[:, i], keys, layer, pids.long().clamp(min=0), live, cand)
                               for i in range(q.shape[1])]).amax(0)  # [B, M, H]
-            score = ub.sum(-1) if kv_head is None else ub.view(*ub.shape[:2], n_kv, -1)[:, :, kv_head].sum(-1)
-            return best_of(score, cand & live, k, count)
+            return best_of(over_heads(ub, n_kv, kv_head, torch.sum), cand & live, k, count)
         if self.rank == "quest_head":  # each head's bounds as a softmax over the candidates
             ub = page_bounds(q, keys.key_min[layer], keys.key_max[layer], pids)  # [B, M, H]
             ub = torch.softmax(ub.masked_fill(~cand[..., None], float("-inf")) * q.shape[-1] ** -0.5, dim=1)
-            return best_of(head_max(ub, n_kv, kv_head), cand & (pids >= 0), k, count)
+            return best_of(over_heads(ub, n_kv, kv_head), cand & (pids >= 0), k, count)
         if self.fused:
             return self._fused_choice(q, keys.key_min[layer], keys.key_max[layer], pids, cand, k, count, kv_head,
                                       self.work)
