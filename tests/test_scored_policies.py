@@ -566,7 +566,7 @@ def test_topk_sketch_in_the_engine_sketches_every_key_it_stores():
             assert torch.allclose(stats.sketch[layer, pids[tok // 8], tok % 8], want, atol=1e-4), (seq, layer)
 
 
-def test_topk_sketch_refuses_a_rank_past_the_head_dim():
+def test_topk_sketch_refuses_a_rank_past_the_head_dim_and_a_rank_without_the_sketch():
     from kvtier.budget import TokenBudget
     from kvtier.engine import Engine, EngineConfig
     from kvtier.models import kv_layout_for, tiny_llama
@@ -578,3 +578,5 @@ def test_topk_sketch_refuses_a_rank_past_the_head_dim():
         Engine(model, layout, [DeviceTier(layout, 40, device="cpu")], H2O(sinks=4, window=8),
                TopK(rank="sketch", sketch_rank=layout.head_dim + 1), budget=TokenBudget(40, 4, 8, 8, "continuous"),
                config=EngineConfig(max_context=64))
+    with pytest.raises(ConfigError, match="scope.sketch_rank.*only rank 'sketch'"):
+        TopK(rank="gauss", sketch_rank=8)

@@ -5,7 +5,7 @@ Without a token budget, the ``pages`` best per step with the sink pages and the 
 budget, the budget's middle pages. Options (token budgets; off by default): ``rank="quest_head"``
 (each query head's bounds as a softmax over the candidates, max over heads), ``rank="gauss"`` (each page's
 attention mass estimated from its keys' channel means and variances: :func:`gauss_mass`), ``rank="sketch"`` (each
-page's attention mass under approximate logits from rank-``sketch_rank`` keys: :func:`sketch_mass`), ``per_head`` (each kv
+page's attention mass under approximate logits from rank-``sketch_rank`` keys, 16 unless set: :func:`sketch_mass`), ``per_head`` (each kv
 head its own pages, as Quest chooses per head), ``query_rows`` (the bound is the max over the layer's
 last decode queries of the row), ``policy_share`` (that share of the pages by the policy's rank, the
 rest by the bound). With ``recall_slots`` each layer also keeps that many device slots that the
@@ -38,7 +38,7 @@ class TopK(Scope):
     needs_keys = True
 
     def __init__(self, pages: int | None = None, rank: str = "quest", per_head: bool = False, query_rows: int = 1,
-                 policy_share: float = 0.0, recall_slots: int = 0, sinks: int = 4, sketch_rank: int = 16):
+                 policy_share: float = 0.0, recall_slots: int = 0, sinks: int = 4, sketch_rank: int | None = None):
         for key, v, low in (("scope.pages", pages, 1), ("scope.recall_slots", recall_slots, 0),
                             ("scope.sinks", sinks, 0), ("scope.sketch_rank", sketch_rank, 1)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
@@ -46,7 +46,10 @@ class TopK(Scope):
         check_topk_options(rank, query_rows, policy_share)
         self.pages, self.rank, self.per_head, self.query_rows = pages, rank, per_head, query_rows
         self.policy_share, self.recall_slots, self.sinks = float(policy_share), recall_slots, sinks
-        self.sketch_rank = sketch_rank if rank == "sketch" else 0  # KeyStats keeps the sketch when > 0
+        if sketch_rank is not None and rank != "sketch":
+            raise ConfigError("scope.sketch_rank", f"only rank 'sketch' keeps a key sketch (rank is {rank!r}): set "
+                                                   "scope.rank=sketch or leave sketch_rank null")
+        self.sketch_rank = (sketch_rank or 16) if rank == "sketch" else 0  # KeyStats keeps the sketch when > 0
 
     def needs_rank(self, budget: TokenBudget | None) -> bool:
         return budget is not None and budget.mode == "continuous" and self.policy_share > 0
