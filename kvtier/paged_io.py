@@ -30,7 +30,7 @@ def write_tokens(table: BlockTable, layer: int, seq: int, kv: torch.Tensor, star
         chunk = kv if sel.size == n else kv[:, to_device([sel], kv.device, torch.int64)[0]]  # [2, m, N_kv, D]
         uniq, inv = np.unique(slots[sel], return_inverse=True)
         if pool is not None:
-            _store(table.layout, pool, uniq, inv, offs[sel], chunk)
+            store_rows(table.layout, pool, *to_device([uniq, inv, offs[sel]], pool.device, torch.int64), chunk)
             continue
         u = torch.from_numpy(uniq)
         fresh = np.zeros(uniq.size, dtype=bool)  # a write from offset 0 starts a page: nothing to keep
@@ -39,14 +39,14 @@ def write_tokens(table: BlockTable, layer: int, seq: int, kv: torch.Tensor, star
         if not fresh.all():
             old = np.flatnonzero(~fresh)
             pages[torch.from_numpy(old)] = tier.read(layer, u[old]).to(pages.device)
-        _store(table.layout, pages, np.arange(uniq.size), inv, offs[sel], chunk)
+        store_rows(table.layout, pages, *to_device([np.arange(uniq.size), inv, offs[sel]], "cpu", torch.int64), chunk)
         tier.write(layer, u, pages)
 
 
-def _store(layout, pool: torch.Tensor, pages: np.ndarray, inv: np.ndarray, offs: np.ndarray,
-           kv: torch.Tensor) -> None:
-    """Token ``i`` of ``kv [2, m, N_kv, D]`` into row ``offs[i]`` of slot ``pages[inv[i]]`` of ``pool``."""
-    p, i, o = to_device([pages, inv, offs], pool.device, torch.int64)  # [u], [m], [m]
+def store_rows(layout, pool: torch.Tensor, p: torch.Tensor, i: torch.Tensor, o: torch.Tensor,
+               kv: torch.Tensor) -> None:
+    """Token ``t`` of ``kv [2, m, N_kv, D]`` into row ``o[t]`` of slot ``p[i[t]]`` of ``pool``: ``p [u]`` distinct
+    slots, ``i [m]``, ``o [m]`` int64 on the pool's device; no host work."""
     kv = kv.to(pool.device)
     if layout.scaled:
         write_scaled(pool, layout.page_size, p, i, o, kv)

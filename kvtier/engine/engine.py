@@ -21,7 +21,10 @@ A step is **plan -> run -> feedback**:
 3. feedback: those buffers are copied to pinned host memory and an event marks the step's end; the
    host goes on with the next step and takes them when the lookahead bound says so.
 
-Prefill chunks run eagerly through the same store/attend (:mod:`kvtier.engine.prefill`). The step's
+A step is an iteration (:meth:`Engine.iterate`): one forward over a token row of decode rows, then prompt chunks
+of several sequences; the chunks are written and attended through the same store/attend
+(:mod:`kvtier.engine.prefill`: one varlen call per layer, planned once per iteration), and an iteration whose
+pages are all in HBM is replayed from a CUDA graph per (decode rows, token bucket). The step's
 research semantics live here once: the token budget (sinks, the policy-ranked or Quest-chosen middle,
 the recent window), compress-once when the prompt is in (``budget.mode == "once"``), sliding windows
 with their dropped pages, every scorer's statistics, fidelity as an observer of the step's
@@ -41,7 +44,7 @@ from kvtier.cache_base import ACTIVE_CACHE, PassCache
 from kvtier.checks import check_decode_kernel, check_device_room, check_salience
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.feedback import Feedback
-from kvtier.engine.prefill import PrefillAttention
+from kvtier.engine.prefill import CAPTURE_TOKENS, Chunk, PrefillAttention
 from kvtier.engine.runner import make_runner
 from kvtier.engine.stats import KeyStats, QueryStats
 from kvtier.errors import ConfigError, KVTierError, TierFullError
@@ -50,7 +53,7 @@ from kvtier.kernels.reference import TorchBackend
 from kvtier.kernels.registry import make_backend
 from kvtier.layout import KVLayout
 from kvtier.metrics import CacheStats, synchronize
-from kvtier.paged_io import read_tokens, write_decode, write_tokens
+from kvtier.paged_io import read_tokens, store_rows, write_decode, write_tokens
 from kvtier.policies.base import Policy
 from kvtier.policies.stats import NEEDS
 from kvtier.scheduler.base import Scheduler
@@ -62,9 +65,18 @@ from kvtier.scopes.recall import RecallCache
 from kvtier.table import BlockTable
 from kvtier.tiers.base import Tier
 from kvtier.tiers.transfer import TransferEngine
-from kvtier.window import attended_range, out_of_window
+from kvtier.window import out_of_window
 
+TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, CAPTURE_TOKENS)  # chunk tokens a captured iteration is padded to
 STAGED = 1 << 30  # block-table values <= -STAGED: slots of the staging pool (kvtier.kernels.triton_decode)
+
+
+@dataclasses.dataclass
+class Iteration:
+    """What one :meth:`Engine.iterate` computed."""
+
+    logits: torch.Tensor | None  # [B, V] the decode rows' (row r is Engine.row_seq[r]); None: no decode rows
+    chunk_logits: list  # per chunk [q or 1, V]
 
 
 def tally(table: torch.Tensor, lens: torch.Tensor, page_list: torch.Tensor | None, page_size: int) -> torch.Tensor:
@@ -204,7 +216,10 @@ class Engine:
             self.block_table = self.home.clone()  # the overlay's output, never the host's copy
         self.width = self.scope.width(budget, budget is not None and budget.mode == "once", M)
         self.feedback = Feedback(self)
-        self.prefill_attention = PrefillAttention(self.table, self.transfer, self.kernel, self.stats)
+        self.prefill_attention = PrefillAttention(self.table, self.transfer, self.kernel, self.stats, R, M,
+                                                  self.scratch if scratch else None)
+        if model is not None:  # the Triton kernel's tiles are planned with the iteration
+            self.prefill_attention.heads = model.config.num_attention_heads
         self.kv = PassCache(self)
         self.step_idx = -1
         self.dropped_any = False
@@ -216,11 +231,12 @@ class Engine:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._last_event = None
         self._prefill_queued = False  # a prefill step's K/V writes may still be queued on the GPU
-        self._mode = "idle"  # idle | prefill | decode
+        self._mode = "idle"  # idle | prefill | decode | mixed (decode rows, then prefill chunks, in one token row)
         self._B = R
         self._dirty: set[int] = set()  # rows whose table entries changed since the last upload
         self._prefilling: set[int] = set()  # rows opened and not yet decoding (their table row: scratch)
-        self._prefill_rows: list = []  # (seq, row, start, q) of the chunk being computed
+        self._chunks: list[Chunk] = []  # the prefill chunks of the iteration being computed
+        self._bucket: int | None = None  # their padded token count when the iteration is captured
 
     # -- construction checks -------------------------------------------------------------------
     def _check_feedback(self) -> None:
@@ -281,31 +297,16 @@ class Engine:
         self.scope.reset_row(row)
         return seq
 
-    @torch.no_grad()
     def prefill_chunk(self, seq: int, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
-        """Compute the next prompt tokens ``ids [q]`` of an opened ``seq``: logits ``[q or 1, V]``."""
-        ids = self._check_ids(ids)
-        self._prefilling_row(seq)
-        start, q = self.table.seq_len(seq), int(ids.numel())
-        self.begin_prefill([seq], q)
-        pos = torch.arange(start, start + q, device=self.device)[None]  # [1, q]
-        token = ACTIVE_CACHE.set(self.kv)
-        try:
-            out = self._forward_eager(ids.view(1, q).to(self.device), pos, last_only=not all_logits)[0]
-        finally:
-            ACTIVE_CACHE.reset(token)
-            self._mode = "idle"
-        return out
+        """Compute the next prompt tokens ``ids [q]`` of an opened ``seq`` (an iteration of that chunk alone):
+        logits ``[q or 1, V]``."""
+        return self.iterate([(seq, ids)], decode=False, all_logits=all_logits).chunk_logits[0]
 
     def begin_prefill(self, seqs: list[int], q_len: int) -> None:
         """Open a step in which each of ``seqs`` (opened, not decoding) grows by ``q_len`` prompt tokens;
-        its layers are then written and attended by :meth:`store` / :meth:`attend` (any driver)."""
-        rows = [self._prefilling_row(s) for s in seqs]
-        starts = [self.table.seq_len(s) for s in seqs]
-        self._open_step(rows, q_len)
-        self._prefill_queued = True
-        self._prefill_rows = [(s, r, a, q_len) for s, r, a in zip(seqs, rows, starts)]
-        self._mode = "prefill"
+        its layers are then written and attended by :meth:`store` / :meth:`attend` (any driver) as ``[len(seqs),
+        heads, q_len, D]``."""
+        self._begin([(s, q_len) for s in seqs], decode=False)
 
     def start_decode(self, seq: int, next_token) -> None:
         """``seq``'s prompt is in its pages: (compress it once, under such a budget) and decode it from the next
@@ -358,7 +359,7 @@ class Engine:
         returns ``[2, end - start, N_kv, D]`` (stored KV, or synthetic context for benchmarks)."""
         seq = self.open(n_tokens)
         for a, b in self.prefill.chunks(n_tokens):
-            self.begin_prefill([seq], b - a)
+            self._begin([(seq, b - a)], decode=False)
             for layer in range(self.layout.num_layers):
                 kv = kv_of(layer, a, b).transpose(1, 2)[:, None]  # [2, 1, N_kv, q, D]
                 self.store(layer, kv[0], kv[1])
@@ -400,11 +401,17 @@ class Engine:
         return self.config.max_batch
 
     @property
+    def decodes_like_prefill(self) -> bool:
+        """A decode row attends what a prefill query at its place would (scope all, no token budget): a prompt's
+        last token may run as its sequence's first decode row."""
+        return isinstance(self.scope, All) and self.budget is None
+
+    @property
     def running(self) -> list[int]:
         """Sequences decoding now."""
         return [s for r, s in enumerate(self.row_seq) if s is not None and r not in self._prefilling]
 
-    # -- decode --------------------------------------------------------------------------------
+    # -- iterations ----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, tokens: dict[int, int] | None = None) -> torch.Tensor:
         """One decode token for every running sequence: logits ``[rows of the bucket, V]`` (device).
@@ -412,43 +419,155 @@ class Engine:
         Each sequence's input is its greedy token from the last step (or prefill), unless ``tokens``
         (sequence -> token id) forces it. Row r of the result is ``self.row_seq[r]``.
         """
-        if self.runner is None:
-            raise ConfigError("model", "this engine has no model to run; drive it through TieredKVCache")
         self._sync()
         t0, measuring = time.perf_counter(), self.stats.fidelity_s
-        B = self.begin_decode(tokens)
-        if self.graphs:
-            self._replay(B)
-        else:
-            self._decode(B)
-        self.end_decode()
+        logits = self.iterate(tokens=tokens).logits
         self._sync()
         self.tpot_s.append(time.perf_counter() - t0 - (self.stats.fidelity_s - measuring))
-        return self.logits[:B]
+        return logits
+
+    @torch.no_grad()
+    def iterate(self, chunks=(), decode: bool = True, tokens: dict[int, int] | None = None,
+                all_logits: bool = False) -> Iteration:
+        """One forward over a token row that holds a decode token of every running sequence (``decode``) and
+        the prompt chunks ``chunks`` (``(sequence, ids [q])`` of opened sequences, several prompts at once).
+
+        Decode rows attend through the decode kernel as in :meth:`step` (the whole step, without chunks, is one
+        CUDA-graph replay); the chunks' tokens through one varlen prefill call per layer
+        (:mod:`kvtier.engine.prefill`). ``all_logits``: every chunk token's logits, else each chunk's last.
+        """
+        if self.runner is None:
+            raise ConfigError("model", "this engine has no model to run; drive it through TieredKVCache")
+        ids = [self._check_ids(x).to(self.device) for _, x in chunks]
+        T = sum(int(x.numel()) for x in ids)
+        bucket = next((b for b in TOKEN_BUCKETS if b >= T), None) if ids and self._capturable(all_logits) else None
+        B = self._begin([(seq, int(x.numel())) for (seq, _), x in zip(chunks, ids)], decode, tokens, bucket)
+        if not ids:
+            if self.graphs:
+                self._replay(B, lambda: self._decode(B))
+            else:
+                self._decode(B)
+            self.end_decode()
+            return Iteration(self.logits[:B], [])
+        lens = [c.q_len for c in self._chunks]
+        ends = B + np.cumsum(lens)  # [n] one past each chunk's last token
+        keep = np.arange(B + T) if all_logits else np.concatenate([np.arange(B), ends - 1])  # [k]
+        pos = torch.from_numpy(np.concatenate([np.arange(c.start, c.start + c.q_len) for c in self._chunks]))
+        Tb = self.prefill_attention.tokens
+        try:
+            if self._bucket is not None:  # captured at a token bucket: the inputs into the static buffers, padded
+                R = self.config.max_batch
+                inputs = self._iteration_inputs()
+                inputs["ids"][:Tb].copy_(torch.nn.functional.pad(torch.cat(ids), (0, Tb - T)))
+                inputs["pos"][:Tb].copy_(torch.nn.functional.pad(pos, (0, Tb - T)), non_blocking=True)
+                inputs["keep"][:B + R].copy_(torch.from_numpy(np.pad(keep, (0, B + R - keep.size))), non_blocking=True)
+                self._replay(("iteration", B, Tb, self.prefill_attention.shape()),
+                             lambda: self._captured_iteration(B, Tb))
+                logits = inputs["logits"][:keep.size].clone()
+            else:
+                row = torch.cat([self.tokens[:B]] + ids)[None]  # [1, B + T]
+                positions = torch.cat([self.positions[:B], pos.to(self.device)])[None]  # [1, B + T]
+                logits = self._run_iteration(row, positions, torch.from_numpy(keep).to(self.device), B)  # [k, V]
+        finally:
+            self._mode = "idle" if not B else "decode"
+        if B:
+            self.end_decode()
+        cuts = np.concatenate([[0], np.cumsum(lens) if all_logits else np.arange(1, len(lens) + 1)]) + B
+        return Iteration(self.logits[:B] if B else None, [logits[a:b] for a, b in zip(cuts, cuts[1:])])
+
+    def _capturable(self, all_logits: bool) -> bool:
+        """Can an iteration with chunks be captured (when every page it reads is on the device)? Its per-layer work
+        must be device work only: no per-token logits, no key / query / attention statistics of the chunks, 16/32-bit
+        pages, the Triton kernel and a scratch slot for the padding."""
+        return bool(self.graphs) and not all_logits and self.keys is None and not self.feedback.wants and \
+            "queries" not in self.policy.needs and not self.layout.scaled and self.config.max_batch > 1 and \
+            self.prefill_attention.triton
+
+    def _iteration_inputs(self) -> dict:
+        """Static inputs and outputs of captured iterations: chunk token ids and positions ``[CAPTURE_TOKENS]``, the
+        kept token indices ``[2R]`` and their logits ``[2R, V]``."""
+        if not hasattr(self, "_inputs"):
+            R, dev = self.config.max_batch, self.device
+            self._inputs = {"ids": torch.zeros(CAPTURE_TOKENS, dtype=torch.int64, device=dev),
+                            "pos": torch.zeros(CAPTURE_TOKENS, dtype=torch.int64, device=dev),
+                            "keep": torch.zeros(2 * R, dtype=torch.int64, device=dev),
+                            "logits": torch.zeros(2 * R, self.model.config.vocab_size, device=dev)}
+        return self._inputs
+
+    def _captured_iteration(self, B: int, Tb: int) -> None:
+        inputs, R = self._iteration_inputs(), self.config.max_batch
+        row = torch.cat([self.tokens[:B], inputs["ids"][:Tb]])[None]  # [1, B + Tb]
+        positions = torch.cat([self.positions[:B], inputs["pos"][:Tb]])[None]
+        inputs["logits"][:B + R] = self._run_iteration(row, positions, inputs["keep"][:B + R], B)
+
+    def _run_iteration(self, row: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, B: int) -> torch.Tensor:
+        """The forward of an iteration's token row ``[1, B + T]`` (decode rows first): logits of the tokens ``keep``
+        ``[k, V]``; the decode rows' logits and greedy next tokens into ``logits[:B]`` / ``tokens[:B]``."""
+        token = ACTIVE_CACHE.set(self.kv)
+        try:
+            logits = self.runner.forward(row, positions, self.kv, keep)[0]  # [k, V]
+        finally:
+            ACTIVE_CACHE.reset(token)
+        if B:
+            self._finish_step(B)
+            self.logits[:B] = logits[:B]
+            self.tokens[:B] = logits[:B].argmax(-1)
+            if self.recall is not None:
+                self.recall.next_step()
+        return logits
+
+    def _begin(self, prefill: list[tuple[int, int]], decode: bool, tokens: dict[int, int] | None = None,
+               bucket: int | None = None) -> int:
+        """Plan an iteration (host work, uploads): a decode row for every running sequence (``decode``) and the
+        prompt chunks ``prefill`` (``(sequence, tokens)``), padded to ``bucket`` tokens (a captured iteration) when
+        every page they read is then on the device. Its decode bucket's row count (0: no decode rows)."""
+        active = [r for r, s in enumerate(self.row_seq) if s is not None and r not in self._prefilling] \
+            if decode else []
+        if decode and not active:
+            raise KVTierError("no running sequence: add() one first")
+        if not decode and not prefill:
+            raise KVTierError("an iteration needs decode rows or prompt chunks")
+        rows = [self._prefilling_row(s) for s, _ in prefill]
+        offsets = np.concatenate([[0], np.cumsum([q for _, q in prefill])]).tolist()
+        chunks = [Chunk(s, r, self.table.seq_len(s), q, a) for (s, q), r, a in zip(prefill, rows, offsets)]
+        if len(set(rows)) < len(rows):
+            raise KVTierError(f"two chunks of one sequence in one iteration: {[s for s, _ in prefill]}")
+        self._drop_step_state()  # what a step that did not finish (an error mid-forward) left
+        self._open_step(active + rows, [1] * len(active) + [c.q_len for c in chunks])
+        B = 0
+        if active:
+            B = next(b for b in self.buckets if b > max(active))
+            self._switch_moved()
+            self._ensure_tails(active)
+            for r in active:
+                self.span_host[r] = self._spans(self.row_seq[r], int(self.lens[r]))
+            if tokens:
+                for seq, tok in tokens.items():
+                    if seq not in self.row_seq:
+                        raise KVTierError(f"token for unknown sequence {seq!r}")
+                    self.tokens[self.row_seq.index(seq)] = int(tok)
+            if self.rank is not None:
+                self._upload_rank(active)
+            self._upload()
+        self._prefill_queued = bool(chunks)
+        self._chunks = chunks
+        if chunks:
+            T = sum(c.q_len for c in chunks)
+            device_only = self.scope.prefill_device_only and not self.exact_prefill
+            self.prefill_attention.begin(chunks, device_only, bucket or T)
+            if bucket is not None and not self.prefill_attention.planned_all:  # some call reads pages off the device
+                bucket = None
+                self.prefill_attention.begin(chunks, device_only, T)
+            self._bucket = bucket
+            for layer in self.prefill_attention.planned:  # what they attend is known now: the policy hears it
+                self._accessed(layer, self.prefill_attention.calls(layer))
+        self._B = B
+        self._mode = "mixed" if chunks and active else "prefill" if chunks else "decode"
+        return B
 
     def begin_decode(self, tokens: dict[int, int] | None = None) -> int:
         """Plan a decode step for every running sequence (host work, uploads); the bucket's row count."""
-        active = [r for r, s in enumerate(self.row_seq) if s is not None and r not in self._prefilling]
-        if not active:
-            raise KVTierError("no running sequence: add() one first")
-        B = next(b for b in self.buckets if b > max(active))
-        self._drop_step_state()  # what a step that did not finish (an error mid-forward) left
-        self._open_step(active, 1)
-        self._switch_moved()
-        self._ensure_tails(active)
-        for r in active:
-            self.span_host[r] = self._spans(self.row_seq[r], int(self.lens[r]))
-        if tokens:
-            for seq, tok in tokens.items():
-                if seq not in self.row_seq:
-                    raise KVTierError(f"token for unknown sequence {seq!r}")
-                self.tokens[self.row_seq.index(seq)] = int(tok)
-        if self.rank is not None:
-            self._upload_rank(active)
-        self._upload()
-        self._B = B
-        self._mode = "decode"
-        return B
+        return self._begin([], True, tokens)
 
     def end_decode(self) -> None:
         """The step's statistics towards the host, and the event that marks its end."""
@@ -462,7 +581,7 @@ class Engine:
         """The captured work: ``tokens[:B]`` -> ``logits[:B]``, greedy next tokens into ``tokens[:B]``."""
         token = ACTIVE_CACHE.set(self.kv)
         try:
-            logits = self._forward(self.tokens[:B, None], self.positions[:B, None], self.kv, last_only=True)
+            logits = self._forward(self.tokens[:B, None], self.positions[:B, None], self.kv, 1)
         finally:
             ACTIVE_CACHE.reset(token)
         self._finish_step(B)
@@ -471,19 +590,21 @@ class Engine:
         if self.recall is not None:
             self.recall.next_step()
 
-    def _replay(self, B: int) -> None:
-        graph = self._graphs.get(B)
+    def _replay(self, key, work) -> None:
+        """Replay the CUDA graph of ``key`` (a decode bucket, or an iteration's rows and token bucket), captured from
+        ``work`` at its first use."""
+        graph = self._graphs.get(key)
         if graph is None:
             saved = [t.clone() for t in self._step_state()]
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self._decode(B)  # warm-up: Triton compiles, cuBLAS picks kernels
+                work()  # warm-up: Triton compiles, cuBLAS picks kernels
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self._decode(B)
-            self._graphs[B] = graph
+                work()
+            self._graphs[key] = graph
             for t, before in zip(self._step_state(), saved):  # the warm-up step did not happen
                 t.copy_(before)
         graph.replay()
@@ -501,11 +622,6 @@ class Engine:
             state += [self.recall.page, self.recall.stamp, self.recall.step, self.recall.copied]
         return state
 
-    def _forward_eager(self, ids, pos, last_only: bool) -> torch.Tensor:
-        if self.runner is None:
-            raise ConfigError("model", "this engine has no model to run; drive it through TieredKVCache")
-        return self.runner.forward(ids, pos, self.kv, last_only)
-
     # -- what the attention modules call (left out of torch.compile: host logic, Triton launches) --
     @torch.compiler.disable
     def store(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -514,14 +630,21 @@ class Engine:
             raise ConfigError("layout.head_dim", f"the model's K/V have {key.shape[1]} kv heads of {key.shape[-1]} "
                                                  f"dims, the layout {self.layout.num_kv_heads} of "
                                                  f"{self.layout.head_dim}: build it with kv_layout_for(model.config)")
-        if self._mode == "prefill":
-            for b, (seq, row, start, q) in enumerate(self._prefill_rows):
-                kv = torch.stack([key[b], value[b]]).transpose(1, 2)  # [2, q, N_kv, D]
-                write_tokens(self.table, layer, seq, kv, start)
+        if self._mode in ("prefill", "mixed"):
+            keys, values = self._chunk_tokens(key), self._chunk_tokens(value)  # [T, N_kv, D]
+            planned = self.prefill_attention.writes.get(layer)
+            if planned is not None:  # every token's page on the device: one write of all chunks
+                store_rows(self.layout, self.table.tiers[0].pool(layer), *planned, torch.stack([keys, values]))
+            for c in self._chunks if planned is None or self.keys is not None else ():
+                kv = torch.stack([keys[c.offset:c.offset + c.q_len], values[c.offset:c.offset + c.q_len]])
+                if planned is None:
+                    write_tokens(self.table, layer, c.seq, kv, c.start)  # kv [2, q, N_kv, D]
                 if self.keys is not None:
-                    pids = self.table.pages(seq)[np.arange(start, start + q) // self.layout.page_size]
+                    pids = self.table.pages(c.seq)[np.arange(c.start, c.start + c.q_len) // self.layout.page_size]
                     self.keys.add(layer, torch.from_numpy(pids).to(self.device), kv[0].to(self.device))
-            return
+            if self._mode == "prefill":
+                return
+            key, value = self._decode_rows(key), self._decode_rows(value)
         B = self._B
         if self.recall is not None:
             self.recall.overlay(layer, self.home[layer, :B], self.block_table[layer, :B])
@@ -539,49 +662,65 @@ class Engine:
                                       query.shape[-1], self.device)
             self.policy.bind(self.keys, self.queries)
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-        if self.queries is not None and self._mode == "decode":
-            self._step_queries[layer] = query[0, :, 0]  # [H, D], into the ring when the step ends
-        elif self.queries is not None:
-            self.queries.add(layer, query[0, :, -self.queries.rows:].transpose(0, 1))
-        if self._mode == "prefill":
-            return self._attend_prefill(layer, query, scale)
-        if self._mode != "decode":
+        if self._mode not in ("prefill", "decode", "mixed"):
             raise KVTierError("attend outside a step: the model's attention must run inside Engine.step or a "
                               "TieredKVCache")
-        return self._attend_decode(layer, query, scale)
+        if self._mode == "prefill":
+            if self.queries is not None:  # the first chunk's newest query rows
+                c = self._chunks[0]
+                last = self._chunk_tokens(query)[c.offset:c.offset + c.q_len][-self.queries.rows:]  # [r, H, D]
+                self.queries.add(layer, last)
+            out = self._attend_prefill(layer, self._chunk_tokens(query).contiguous(), scale)  # [T, H, D]
+            return out.view(query.shape[0], -1, *out.shape[1:])  # [B, q, H, D]
+        decode = self._decode_rows(query) if self._mode == "mixed" else query  # [B, H, 1, D]
+        if self.queries is not None:
+            self._step_queries[layer] = decode[0, :, 0]  # [H, D], into the ring when the step ends
+        out = self._attend_decode(layer, decode, scale)  # [B, 1, H, D]
+        if self._mode == "decode":
+            return out
+        chunks = self._attend_prefill(layer, self._chunk_tokens(query).contiguous(), scale)  # [T, H, D]
+        return torch.cat([out[:, 0], chunks])[None]  # [1, B + T, H, D]
 
-    def _attend_prefill(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
-        outs = []
-        want = self.feedback.wants
-        for b, (seq, row, start, q_len) in enumerate(self._prefill_rows):
-            P = self.layout.page_size
-            first, tail_from = attended_range(start, q_len, P, self.layout.window(layer))
-            pids = self.table.pages(seq)
-            live = self.table.tier_of[layer, pids] >= 0
-            chosen = np.flatnonzero(live[first:]) + first
-            exact = self.exact_prefill and row in self._prefilling
-            if self.scope.prefill_device_only and not exact:
-                on_dev = self.table.tier_of[layer, pids] == 0
-                chosen = chosen[on_dev[chosen] | (chosen >= tail_from)]
-            calls = self.prefill_attention.calls(seq, layer, chosen, q_len, tail_from)
-            q = query[b].transpose(0, 1).contiguous()  # [q, H, D]
-            out, lse = self.prefill_attention.run(calls, q, scale)
-            outs.append(out)
-            attended = np.concatenate([c.pids for c in calls])
-            self.stats.attended_pages += attended.size
-            self.stats.resident_pages += int(sum(c.resident.sum() for c in calls))
-            self.policy.on_access(layer, attended, self.step_idx)
-            if "salience" in want:
-                for pids_, sal in self.prefill_attention.salience(calls, q[-1:], lse[-1:], scale):
-                    self.feedback.prefill_salience(layer, pids_, sal)
-            rows = self.policy.attention_rows
-            if "attention" in want and rows != 0:  # one row of the policy's window per query row, all calls' pages
-                r = q_len if rows is None else min(rows, q_len)
-                pos = torch.arange(start + q_len - r, start + q_len, device=q.device)
-                parts = self.prefill_attention.mass(calls, q[q_len - r:], lse[q_len - r:], pos, scale, layer)
+    def _accessed(self, layer: int, calls: list) -> None:
+        """The pages a layer's chunk calls attend: counted, and heard by the policy."""
+        attended = np.concatenate([c.pids for c in calls])
+        self.stats.attended_pages += attended.size
+        self.stats.resident_pages += int(sum(c.resident.sum() for c in calls))
+        self.policy.on_access(layer, attended, self.step_idx)
+
+    def _chunk_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """The prefill chunks' tokens of an attention input ``x [B', N, q, D]``, one chunk after another:
+        ``[T, N, D]`` (mixed: the token row after the decode rows; prefill: every row's ``q``)."""
+        if self._mode == "mixed":
+            return x[0, :, self._B:].transpose(0, 1)
+        return x.transpose(1, 2).reshape(-1, *x.shape[1:2], x.shape[-1])
+
+    def _decode_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The decode rows of a mixed iteration's attention input ``x [1, N, B + T, D]``: ``[B, N, 1, D]``."""
+        return x[0, :, :self._B].transpose(0, 1)[:, :, None]
+
+    def _attend_prefill(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """The chunks' queries ``q [T, H, D]`` over their rows' pages: ``[T, H, D]``; their statistics to the
+        policy."""
+        chunks, want = self._chunks, self.feedback.wants
+        calls = self.prefill_attention.calls(layer)
+        out, lse = self.prefill_attention.run(calls, q, scale)
+        if layer not in self.prefill_attention.planned:
+            self._accessed(layer, calls)
+        if "salience" in want:
+            last = torch.tensor([c.offset + c.q_len - 1 for c in chunks], device=q.device)  # [R]
+            for pids, sal in self.prefill_attention.salience(calls, q[last], lse[last], scale):
+                self.feedback.prefill_salience(layer, pids, sal)
+        rows = self.policy.attention_rows
+        if "attention" in want and rows != 0:  # one row of the policy's window per query row, all calls' pages
+            for i, c in enumerate(chunks):
+                r = c.q_len if rows is None else min(rows, c.q_len)
+                a = c.offset + c.q_len - r
+                pos = torch.arange(c.start + c.q_len - r, c.start + c.q_len, device=q.device)
+                parts = self.prefill_attention.mass(calls, i, q[a:a + r], lse[a:a + r], pos, scale, layer)
                 self.feedback.prefill_attention(layer, np.concatenate([p for p, _ in parts]),
                                                 torch.cat([m for _, m in parts], 1))
-        return torch.stack(outs)  # [B, q, H, D]
+        return out
 
     def _attend_decode(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
         B, H, _, D = query.shape
@@ -698,7 +837,7 @@ class Engine:
         return self._plans[key]
 
     # -- host bookkeeping ----------------------------------------------------------------------
-    def _open_step(self, rows: list[int], q_len: int) -> None:
+    def _open_step(self, rows: list[int], q_lens: list[int]) -> None:
         """Plan: the policy hears the past, pages leave sliding windows, the scheduler moves pages, rows grow."""
         self.feedback.take(upto=self.step_idx + 1 - self.lookahead if self.lookahead else None)
         self._free_finished(block=False)
@@ -709,8 +848,8 @@ class Engine:
         self._prefill_queued = False
         self.step_idx += 1
         self.policy.on_step(self.step_idx)
-        for r in rows:
-            self._grow(self.row_seq[r], r, q_len)
+        for r, q in zip(rows, q_lens):
+            self._grow(self.row_seq[r], r, q)
         self.stats.observe_occupancy(self.step_idx, self.table)
 
     def _reserve(self, rows: list[int]) -> int:

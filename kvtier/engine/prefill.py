@@ -1,107 +1,322 @@
-"""Attention of a prefill chunk over a row's chosen pages, wherever they live (eager, one row at a time).
+"""Attention of an iteration's prefill chunks over their rows' chosen pages, wherever they live: at most two
+varlen calls per layer for every chunk of the iteration (FlashInfer's batch prefill over paged KV).
 
-The chosen pages split into two calls, merged by LSE: the pages every query of the chunk sees whole
-(before ``tail_from``: any subset of them is exact), and the tail (from ``tail_from`` on: the chunk's own
-pages and, on a sliding layer, the page the window cuts), attended in one causal call with the layer's
-``window_left``. A call reads the device pool in place when all its pages are there, else one
-temporary pool gathered from their tiers (:meth:`kvtier.tiers.transfer.TransferEngine.gather`).
+Each row's chosen pages split into the pages every query of its chunk sees whole (before ``tail_from``: any
+subset of them is exact) and the tail (from ``tail_from`` on: the chunk's own pages and, on a sliding layer,
+the page the window cuts). A row that attends every page from its first lists them all in the causal call.
+So one layer makes a non-causal call over the rows' whole-seen subsets (only when some row has one) and one
+causal call over the tails with the layer's ``window_left``, merged by LSE. A call reads the device pool in
+place when all its pages are there, else one temporary pool gathered from their tiers
+(:meth:`kvtier.tiers.transfer.TransferEngine.gather`). :meth:`PrefillAttention.begin` plans once per
+iteration the calls of every layer whose pages are all on the device (they differ only in slots), and where
+those layers' K/V writes of the chunks' tokens go (:attr:`PrefillAttention.writes`).
 
-It also gives what the policy's statistics need: per page the salience of the chunk's last query row
-(one extra pass of that row) and the attention mass of its newest rows (:func:`kvtier.engine.stats.page_mass`).
+It also gives what the policy's statistics need: per page the salience of each chunk's last query row (one
+extra pass of those rows) and the attention mass of its newest rows (:func:`kvtier.engine.stats.page_mass`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from kvtier.engine.stats import page_mass
-from kvtier.kernels.base import PagedBatch, page_salience
+from kvtier.errors import KVTierError
+from kvtier.kernels.base import PagedBatch, page_salience, to_device
 from kvtier.kernels.merge import merge_many
 from kvtier.quant import dequantize
+from kvtier.window import attended_range
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A prefill chunk of one iteration: ``q_len`` prompt tokens of ``seq`` (engine row ``row``) from position
+    ``start``; its tokens are ``[offset, offset + q_len)`` of the iteration's prefill tokens."""
+
+    seq: int
+    row: int
+    start: int
+    q_len: int
+    offset: int
 
 
 @dataclass
 class Call:
-    """One attention call: some pages of the row, read from one pool."""
+    """One attention call: some pages of every chunk's row, read from one pool."""
 
     pool: torch.Tensor  # [slots, 2, P, N_kv, D]
     batch: PagedBatch
-    pids: np.ndarray  # [n] pid of each listed page
-    logical: np.ndarray  # [n] logical page numbers
-    tokens: np.ndarray  # [n] tokens counted per page
-    resident: np.ndarray  # [n] read in place from the device tier
+    pids: np.ndarray  # [nnz] pid of each listed page, rows one after another
+    logical: np.ndarray  # [nnz] logical page numbers
+    tokens: np.ndarray  # [nnz] tokens counted per page
+    resident: np.ndarray  # [nnz] read in place from the device tier
+    row_ptr: np.ndarray  # [R+1] the chunks' segments of the lists
+    layer: int
+
+
+CAPTURE_TOKENS = 1024  # an iteration of up to this many chunk tokens plans into static buffers (capturable)
+
+
+def _put(dst: torch.Tensor, src: np.ndarray) -> None:
+    """Host values into the start of a device array (no sync)."""
+    dst[:src.size].copy_(torch.from_numpy(np.ascontiguousarray(src)).to(dst.dtype), non_blocking=True)
+
+
+def _put_rows(dst: torch.Tensor, rows: np.ndarray, src: np.ndarray) -> None:
+    """``src [r, n]`` into rows ``rows [r]`` of a device array ``[R', >= n]``, columns ``[0, n)``."""
+    index = torch.from_numpy(rows).to(dst.device)
+    dst[index, :src.shape[1]] = torch.from_numpy(np.ascontiguousarray(src)).to(dst.device, dst.dtype, non_blocking=True)
+
+
+class _Lists:
+    """Device arrays of an iteration's planned chunk calls and K/V writes for up to ``cap`` chunk tokens. Made once
+    for :data:`CAPTURE_TOKENS` (every iteration that fits reads the same addresses, so it can be captured), or for
+    one larger iteration."""
+
+    def __init__(self, cap: int, layers: int, rows: int, max_pages: int, tiles: int, device):
+        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
+        self.cap, self.tiles = cap, tiles
+        self.slots = torch.zeros(layers, cap + 1, **i64)  # per layer the written pages' slots; the last: scratch
+        self.inv = torch.zeros(cap, **i64)  # [T] index into slots of each token's page
+        self.offs = torch.zeros(cap, **i64)  # [T] row of each token in its page
+        self.qo = torch.zeros(rows + 2, **i32)  # row `rows` (+1): empty, for the padding tiles
+        self.kv_ptr = torch.zeros(layers, 2, rows + 2, **i32)  # per layer, per call (whole-seen subsets, tails)
+        self.last = torch.zeros(layers, 2, rows + 1, **i32)
+        self.indices = torch.zeros(layers, 2, rows * max_pages, **i32)
+        self.tile_seq = torch.zeros(tiles, **i32)
+        self.tile_q0 = torch.zeros(tiles, **i32)
 
 
 class PrefillAttention:
-    """Prefill calls over a :class:`~kvtier.table.BlockTable`'s pages with ``backend``."""
+    """Prefill calls over a :class:`~kvtier.table.BlockTable`'s pages with ``backend``; ``rows`` and ``max_pages``
+    bound the chunks and their pages, ``scratch [L]`` is a device slot per layer that nothing reads (or None)."""
 
-    def __init__(self, table, transfer, backend, stats):
+    def __init__(self, table, transfer, backend, stats, rows: int, max_pages: int, scratch: np.ndarray | None):
         self.table, self.transfer, self.backend, self.stats = table, transfer, backend, stats
         self.layout = table.layout
         self.device = table.tiers[0].device
+        self.rows, self.max_pages, self.scratch = rows, max_pages, scratch
+        self.heads: int | None = None  # query heads, once known (the tiles of the Triton kernel depend on them)
+        self.chunks: list[Chunk] = []
+        self.device_only = False
+        self.tokens = 0  # the iteration's chunk tokens, padding included
+        self._planned: dict[int, list[Call]] = {}  # layer -> its calls, planned by begin
+        self.writes: dict[int, tuple] = {}  # layer -> (slots [u], inv [T], offs [T]) of the chunks' tokens
+        self._static: _Lists | None = None
+        self._lists: _Lists | None = None
+        self._tiles = None  # the Triton kernel's tile plan of the iteration (None: the backend plans each call)
 
-    def calls(self, seq: int, layer: int, chosen: np.ndarray, q_len: int, tail_from: int) -> list[Call]:
-        """The row's ``chosen`` logical pages (sorted) as at most two calls: the whole ones, then the tail."""
-        n = self.table.num_pages(seq)
-        middle, tail = chosen[chosen < tail_from], np.arange(tail_from, n)
-        window = self.layout.window(layer)
+    @property
+    def planned(self) -> dict[int, list[Call]]:
+        """layer -> its calls, planned at :meth:`begin`."""
+        return self._planned
+
+    @property
+    def triton(self) -> bool:
+        """The backend is the Triton kernel (planned calls then read the lists' tiles)."""
+        from kvtier.kernels.triton_decode import TritonBackend
+        return isinstance(self.backend, TritonBackend)
+
+    def begin(self, chunks: list[Chunk], device_only: bool, tokens: int) -> None:
+        """An iteration's chunks (their pages appended), attending with ``device_only`` the device's pages and
+        each tail; ``tokens``: their token count with padding (padded tokens write the scratch slot, attend
+        nothing). The layers that hold on the device every page the tokens write get their writes planned, those
+        that hold every page their calls read get their calls planned: into the lists, one copy per array."""
+        self.chunks, self.device_only, self.tokens, self._planned, self.writes = chunks, device_only, tokens, {}, {}
+        L, R, M, P = self.layout.num_layers, self.rows, self.max_pages, self.layout.page_size
+        if tokens <= CAPTURE_TOKENS:
+            if self._static is None:
+                self._static = _Lists(CAPTURE_TOKENS, L, R, M, self._tile_count(CAPTURE_TOKENS), self.device)
+            lists = self._lists = self._static
+        else:
+            lists = self._lists = _Lists(tokens, L, R, M, self._tile_count(tokens), self.device)
+        pids = np.concatenate([self.table.pages(c.seq) for c in chunks])
+        self.transfer.wait(None, pids)
+        pos = [np.arange(c.start, c.start + c.q_len) for c in chunks]
+        written, inv = np.unique(np.concatenate([self.table.pages(c.seq)[p // P] for c, p in zip(chunks, pos)]),
+                                 return_inverse=True)  # [u] pages the tokens go to, [T] the page of each
+        T, u = inv.size, written.size
+        pad = tokens - T
+        if pad and self.scratch is None:
+            raise KVTierError("padded chunk tokens need the engine's scratch slot (max_batch > 1)")
+        layers = np.flatnonzero((self.table.tier_of[:, written] == 0).all(1))  # [L'] holding them on the device
+        _put(lists.inv, np.concatenate([inv, np.full(pad, lists.cap)]))
+        _put(lists.offs, np.concatenate(pos + [np.zeros(pad, dtype=np.int64)]) % P)
+        if self.scratch is not None:
+            _put(lists.slots[:, lists.cap], self.scratch)
+        if layers.size:
+            _put_rows(lists.slots, layers, self.table.slot_of[layers[:, None], written])
+        for layer in layers:  # captured writes index the whole row (u differs between replays); 8-bit: exactly u
+            slots = lists.slots[layer] if lists is self._static and not self.layout.scaled else lists.slots[layer, :u]
+            self.writes[int(layer)] = (slots, lists.inv[:tokens], lists.offs[:tokens])
+        empty = R + 1 - len(chunks)  # rows after the chunks' (the last one always): no query, no page
+        qo = np.concatenate([[0], np.cumsum([c.q_len for c in chunks]), np.full(empty, T)])  # [R+2]
+        _put(lists.qo, qo)
+        self._tiles = None
+        if self.heads is not None and self.triton:
+            self._plan_tiles()
+        plans = {}  # layer -> [(pids, logical, tokens, row_ptr, causal)] of its calls, all pages on the device
+        for layer in range(L):
+            parts = self._parts(layer)
+            if all((self.table.tier_of[layer, part[0]] == 0).all() for part in parts):
+                plans[layer] = parts
+        width = max((part[0].size for parts in plans.values() for part in parts), default=0)
+        kv_ptr = np.zeros((L, 2, R + 2), dtype=np.int64)
+        last = np.zeros((L, 2, R + 1), dtype=np.int64)
+        indices = np.zeros((L, 2, width), dtype=np.int64)
+        for layer, parts in plans.items():
+            for k, (pids_k, _, tokens_k, row_ptr, _) in enumerate(parts):
+                n = pids_k.size
+                kv_ptr[layer, k] = np.concatenate([row_ptr, np.full(empty, n)])
+                ends = row_ptr[1:] - 1  # [n] each row's last listed page
+                last[layer, k, :len(chunks)] = np.where(np.diff(row_ptr) > 0, tokens_k[np.maximum(ends, 0)] if n else 0, 0)
+                indices[layer, k, :n] = self.table.slot_of[layer, pids_k]
+        if plans:
+            _put(lists.kv_ptr.view(-1), kv_ptr.reshape(-1))
+            _put(lists.last.view(-1), last.reshape(-1))
+            lists.indices[:, :, :width].copy_(torch.from_numpy(indices).to(lists.indices.dtype), non_blocking=True)
+        window_left = {layer: self.layout.window(layer) - 1 if self.layout.window(layer) else -1 for layer in plans}
+        for layer, parts in plans.items():
+            calls = []
+            for k, (pids_k, logical, tokens_k, row_ptr, causal) in enumerate(parts):
+                batch = PagedBatch(lists.qo, lists.kv_ptr[layer, k], lists.indices[layer, k, :pids_k.size],
+                                   lists.last[layer, k], P, causal, qo, kv_ptr[layer, k],
+                                   window_left[layer] if causal else -1)
+                calls.append(Call(self.table.tiers[0].pool(layer), batch, pids_k, logical, tokens_k,
+                                  np.ones(pids_k.size, dtype=bool), row_ptr, layer))
+            self._planned[layer] = calls
+
+    @property
+    def planned_all(self) -> bool:
+        """Every layer's K/V writes and calls are planned, into the static lists (a capturable iteration)."""
+        L = self.layout.num_layers
+        return self._lists is self._static and len(self._planned) == L and len(self.writes) == L and \
+            (self._tiles is not None or not self.triton)
+
+    def shape(self) -> tuple:
+        """What a captured iteration's kernels depend on besides the token bucket: the calls of each layer."""
+        return tuple(len(self._planned[layer]) for layer in range(self.layout.num_layers))
+
+    def _parts(self, layer: int) -> list[tuple]:
+        """The chunks' live pages of ``layer`` (``device_only``: the device's, and each tail) as at most two calls,
+        the subsets seen whole (non-causal; when some row has one) and the tails (causal): per call ``(pids [nnz],
+        logical [nnz], tokens [nnz], row_ptr [n+1], causal)``, rows one after another."""
+        chunks, P, window = self.chunks, self.layout.page_size, self.layout.window(layer)
+        whole, tails = [], []
+        for c in chunks:
+            first, tail_from = attended_range(c.start, c.q_len, P, window)
+            tier = self.table.tier_of[layer, self.table.pages(c.seq)]
+            keep = tier[first:tail_from] == 0 if self.device_only else tier[first:tail_from] >= 0
+            if keep.all():  # every page from the first, contiguous: the causal call takes them all
+                whole.append(np.zeros(0, dtype=np.int64))
+                tails.append(np.arange(first, tier.size))
+            else:
+                whole.append(np.flatnonzero(keep) + first)
+                tails.append(np.arange(tail_from, tier.size))
+        parts = [(whole, False)] if any(w.size for w in whole) else []
         out = []
-        if middle.size:
-            out.append(self._call(seq, layer, middle, q_len, causal=False, window_left=-1))
-        out.append(self._call(seq, layer, tail, q_len, causal=True, window_left=window - 1 if window else -1))
+        for logical, causal in parts + [(tails, True)]:
+            tokens = []
+            for c, lg in zip(chunks, logical):
+                t = np.full(lg.size, P)
+                if lg.size and lg[-1] == self.table.num_pages(c.seq) - 1:
+                    t[-1] = (self.table.seq_len(c.seq) - 1) % P + 1
+                tokens.append(t)
+            pids = np.concatenate([self.table.pages(c.seq)[lg] for c, lg in zip(chunks, logical)])
+            row_ptr = np.concatenate([[0], np.cumsum([lg.size for lg in logical])])
+            out.append((pids, np.concatenate(logical), np.concatenate(tokens), row_ptr, causal))
         return out
 
+    def _tile_count(self, tokens: int) -> int:
+        """Tiles the Triton kernel launches for ``tokens`` padded chunk tokens, at most (one query per tile)."""
+        return tokens + self.rows
+
+    def _plan_tiles(self) -> None:
+        """The Triton kernel's query tiles of the planned calls, into the lists: a grid fixed by the padded token
+        count (each chunk's tiles, then tiles of the empty last row)."""
+        from kvtier.kernels.triton_prefill import PrefillPlan
+        import triton
+
+        config = self.backend.prefill_config
+        group_pad = triton.next_power_of_2(self.heads // self.layout.num_kv_heads)
+        block_q = max(1, config.block_m // group_pad)
+        per = -(-np.array([c.q_len for c in self.chunks]) // block_q)  # [n] tiles of each chunk
+        grid = -(-self.tokens // block_q) + self.rows
+        seq = np.concatenate([np.repeat(np.arange(per.size), per), np.full(grid - per.sum(), self.rows)])  # [grid]
+        q0 = np.zeros(grid, dtype=np.int64)
+        q0[:per.sum()] = (np.arange(per.sum()) - np.repeat(np.cumsum(per) - per, per)) * block_q
+        lists = self._lists
+        _put(lists.tile_seq[:grid], seq)
+        _put(lists.tile_q0[:grid], q0)
+        self._tiles = PrefillPlan(lists.tile_seq[:grid], lists.tile_q0[:grid], block_q, group_pad,
+                                  max(config.block_n, self.layout.page_size), config)
+
+    def calls(self, layer: int) -> list[Call]:
+        """``layer``'s calls (:meth:`_parts`): planned at :meth:`begin`, or now, each from the device pool when all
+        its pages are there, else from a pool gathered from their tiers."""
+        if layer in self._planned:
+            return self._planned[layer]
+        window = self.layout.window(layer)
+        return [self._call(layer, *part, window - 1 if window and part[4] else -1) for part in self._parts(layer)]
+
     def run(self, calls: list[Call], q: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q [q, H, D]`` over the calls, merged: ``(out [q, H, D], lse [q, H])``."""
+        """``q [T, H, D]`` (the chunks' tokens one after another) over the calls, merged: ``(out [T, H, D], lse
+        [T, H])``."""
         results = []
         for call in calls:
-            self.backend.plan(call.batch, q.shape[1], self.layout.num_kv_heads, q.shape[2], scale)
-            res = self.backend.run(q, call.pool)
+            if any(call is c for c in self._planned.get(call.layer, ())) and self.triton:  # planned: the lists' tiles
+                from kvtier.kernels.triton_prefill import paged_prefill
+
+                if self._tiles is None:  # the heads were not known at begin
+                    self.heads = q.shape[1]
+                    self._plan_tiles()
+                res = paged_prefill(q, call.pool, call.batch, self._tiles, scale)
+            else:
+                self.backend.plan(call.batch, q.shape[1], self.layout.num_kv_heads, q.shape[2], scale)
+                res = self.backend.run(q, call.pool)
             results.append((res.out, res.lse))
         return merge_many(results)
 
     def salience(self, calls: list[Call], q_last: torch.Tensor, lse_last: torch.Tensor,
                  scale: float) -> list[tuple[np.ndarray, torch.Tensor]]:
-        """Per call ``(pids, max attention probability [n, N_kv])`` of the last query row ``q_last [1, H, D]``
-        against its final ``lse_last [1, H]``: one extra 1-row pass per call."""
+        """Per call ``(pids, max attention probability [nnz, N_kv])`` of each chunk's last query row ``q_last
+        [R, H, D]`` against its final ``lse_last [R, H]``: one extra pass of R rows per call."""
         out = []
+        n = q_last.shape[0]
         for call in calls:
-            b = call.batch
-            single = PagedBatch(torch.arange(2, dtype=torch.int32, device=b.kv_indptr.device), b.kv_indptr,
-                                b.kv_indices, b.kv_last_page_len, b.page_size, False, np.arange(2), b.host_kv_indptr,
-                                b.window_left)
-            self.backend.plan(single, q_last.shape[1], self.layout.num_kv_heads, q_last.shape[2], scale)
-            page_max = self.backend.run(q_last, call.pool, return_page_max=True).page_max  # [n, H]
-            out.append((call.pids, page_salience(page_max, lse_last, single, self.layout.num_kv_heads)))
+            b = call.batch  # a planned call's lists have empty rows after the chunks'
+            rows = torch.arange(n + 1, dtype=torch.int32, device=b.kv_indptr.device)
+            last = PagedBatch(rows, b.kv_indptr[:n + 1], b.kv_indices, b.kv_last_page_len[:n], b.page_size, False,
+                              np.arange(n + 1), b.host_kv_indptr[:n + 1], b.window_left)
+            self.backend.plan(last, q_last.shape[1], self.layout.num_kv_heads, q_last.shape[2], scale)
+            page_max = self.backend.run(q_last, call.pool, return_page_max=True).page_max  # [nnz, H]
+            out.append((call.pids, page_salience(page_max, lse_last, last, self.layout.num_kv_heads)))
         return out
 
-    def mass(self, calls: list[Call], q_rows: torch.Tensor, lse_rows: torch.Tensor, pos: torch.Tensor,
+    def mass(self, calls: list[Call], i: int, q_rows: torch.Tensor, lse_rows: torch.Tensor, pos: torch.Tensor,
              scale: float, layer: int) -> list[tuple[np.ndarray, torch.Tensor]]:
-        """Per call ``(pids, attention mass [r, n, N_kv])`` of the rows ``q_rows [r, H, D]`` at ``pos [r]``."""
+        """Per call ``(pids, attention mass [r, n, N_kv])`` of chunk ``i``'s rows ``q_rows [r, H, D]`` at
+        ``pos [r]`` over its pages in the call."""
         window = self.layout.window(layer)
         out = []
         for call in calls:
-            pages = call.pool.index_select(0, call.batch.kv_indices.long())  # [n, 2, P(+R), N_kv, D]
+            a, b = call.row_ptr[i], call.row_ptr[i + 1]
+            index = call.batch.kv_indices[a:b].long()
+            pages = call.pool.index_select(0, index)  # [n, 2, P(+R), N_kv, D]
             keys = (dequantize(pages, self.layout.page_size) if self.layout.scaled else pages)[:, 0]  # [n, P, N_kv, D]
-            logical = torch.from_numpy(call.logical).to(q_rows.device)
-            tokens = torch.from_numpy(call.tokens).to(q_rows.device)
+            logical = torch.from_numpy(call.logical[a:b]).to(q_rows.device)
+            tokens = torch.from_numpy(call.tokens[a:b]).to(q_rows.device)
             wl = window - 1 if window and call.batch.causal else -1
-            out.append((call.pids, page_mass(keys.to(q_rows.device), logical, tokens, q_rows, lse_rows, pos, scale,
-                                             self.layout.num_kv_heads, wl)))
+            out.append((call.pids[a:b], page_mass(keys.to(q_rows.device), logical, tokens, q_rows, lse_rows, pos,
+                                                  scale, self.layout.num_kv_heads, wl)))
         return out
 
-    def _call(self, seq: int, layer: int, logical: np.ndarray, q_len: int, causal: bool, window_left: int) -> Call:
-        P = self.layout.page_size
-        pids = self.table.pages(seq)[logical]
+    def _call(self, layer: int, pids: np.ndarray, logical: np.ndarray, tokens: np.ndarray, row_ptr: np.ndarray,
+              causal: bool, window_left: int) -> Call:
         self.transfer.wait(layer, pids)
         tiers, slots = self.table.locate(layer, pids)
-        length = self.table.seq_len(seq)
-        tokens = np.full(logical.size, P)
-        if logical.size and logical[-1] == self.table.num_pages(seq) - 1:
-            tokens[-1] = (length - 1) % P + 1
         if (tiers == 0).all():
             pool, indices = self.table.tiers[0].pool(layer), slots
         else:
@@ -109,6 +324,9 @@ class PrefillAttention:
             indices = np.arange(pids.size)
             for link, nbytes in links.items():
                 self.stats.add_fetch(link, nbytes)
-        batch = PagedBatch.from_host([0, q_len], [0, pids.size], indices, [int(tokens[-1]) if pids.size else 0], P,
-                                     causal, self.device, window_left)
-        return Call(pool, batch, pids, logical, tokens, tiers == 0)
+        qo = np.concatenate([[0], np.cumsum([c.q_len for c in self.chunks])])  # [n+1]
+        ends = row_ptr[1:] - 1
+        last = np.where(np.diff(row_ptr) > 0, tokens[np.maximum(ends, 0)] if tokens.size else 0, 0)
+        batch = PagedBatch.from_host(qo, row_ptr, indices, last, self.layout.page_size, causal, self.device,
+                                     window_left)
+        return Call(pool, batch, pids, logical, tokens, tiers == 0, row_ptr, layer)

@@ -29,12 +29,13 @@ class HFRunner:
     def __init__(self, model):
         self.model = model
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv, last_only: bool) -> torch.Tensor:
-        """``ids [B, q]`` at ``positions [B, q]`` -> logits ``[B, q or 1, V]`` (float32); ``kv`` is what the
-        attention modules see as ``past_key_values``."""
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv, keep) -> torch.Tensor:
+        """``ids [B, q]`` at ``positions [B, q]`` -> logits ``[B, k, V]`` (float32) of the tokens ``keep`` names
+        (HF's ``logits_to_keep``: an int n, the last n, 0 all; or a tensor of token indices ``[k]``); ``kv`` is
+        what the attention modules see as ``past_key_values``."""
         use_hook(self.model)
         out = self.model(input_ids=ids, position_ids=positions, cache_position=positions[0], past_key_values=kv,
-                         use_cache=True, logits_to_keep=1 if last_only else 0)
+                         use_cache=True, logits_to_keep=keep)
         return out.logits.float()
 
 
@@ -49,15 +50,15 @@ class LlamaRunner:
         self.model = model
         self.base = model.model
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv, last_only: bool) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv, keep) -> torch.Tensor:
+        """As :meth:`HFRunner.forward`."""
         use_hook(self.model)  # another user may have switched it
         hidden = self.base.embed_tokens(ids)  # [B, q, hidden]
         rope = self.base.rotary_emb(hidden, positions)  # (cos, sin) [B, q, D]
         for layer in self.base.layers:
             hidden = layer(hidden, attention_mask=None, position_ids=positions, past_key_values=kv,
                            use_cache=True, position_embeddings=rope)
-        if last_only:
-            hidden = hidden[:, -1:]
+        hidden = hidden[:, keep] if isinstance(keep, torch.Tensor) else hidden[:, -keep:]  # [B, k, hidden]
         return self.model.lm_head(self.base.norm(hidden)).float()
 
 

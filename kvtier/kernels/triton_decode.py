@@ -493,6 +493,7 @@ class TritonBackend(AttentionBackend):
     def __init__(self, decode_config: DecodeConfig | None = None, prefill_config: PrefillConfig = PrefillConfig()):
         self.decode_config = decode_config  # None: default_decode_config(head_dim, the pool's bytes per value)
         self.prefill_config = prefill_config
+        self._prefill_key = None  # (qo_indptr, heads, kv heads, page size) of the last prefill plan
 
     def plan(self, batch: PagedBatch, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              sm_scale: float | None = None) -> None:
@@ -505,8 +506,12 @@ class TritonBackend(AttentionBackend):
             raise ConfigError("kernel", "the Triton prefill kernel does not take a per-head page choice "
                                         "(head_mask): it is for decode steps; use kernel=torch")
         self.decode_plans: dict[int, StaticDecodePlan] = {}  # bytes per value of the pool -> plan
-        self.prefill_plan = None if self.is_decode else plan_prefill(batch, num_qo_heads, num_kv_heads,
-                                                                     self.prefill_config)
+        key = (batch.qo_indptr, num_qo_heads, num_kv_heads, batch.page_size)  # the tiles depend on these only
+        if self.is_decode:
+            self.prefill_plan = None
+        elif self._prefill_key is None or key[0] is not self._prefill_key[0] or key[1:] != self._prefill_key[1:]:
+            self.prefill_plan = plan_prefill(batch, num_qo_heads, num_kv_heads, self.prefill_config)
+            self._prefill_key = key  # layers of one iteration share their calls' qo_indptr: planned once
         self.table = as_block_table(batch) if self.is_decode else None
 
     def run(self, q: torch.Tensor, kv_pool: torch.Tensor, return_page_max: bool = False) -> AttentionOutput:

@@ -2,9 +2,15 @@
 
 Each iteration has a token budget shared by decode tokens (one per running request) and prefill
 chunks (Sarathi-Serve, Agrawal et al. OSDI'24; vLLM v1's unified budget): running requests decode
-first, the rest of the budget goes to prompt chunks, the oldest request first, and a request that
-finishes its prompt emits its first token at once. The chunks run as their own passes just before
-the iteration's batched decode step, so a long prompt delays a decode token by one chunk at most.
+first, the rest of the budget goes to prompt chunks, the oldest request first (several prompts' chunks
+may share an iteration), and a request that finishes its prompt emits its first token at once. The
+decode tokens and the chunks run as one forward (:meth:`kvtier.engine.Engine.iterate`); an iteration
+without chunks is the engine's captured decode step. Each iteration's composition (decode rows, prefill
+tokens, chunks) is recorded in :attr:`ServeStats.composition`.
+
+With scope ``all`` and no token budget a request whose uncached prompt suffix is a single token (a
+radix hit of all but its last token) joins the decode rows at once, fed that token: its first token
+costs one decode step (:attr:`kvtier.engine.Engine.decodes_like_prefill`).
 
 A new request starts from the longest cached page-aligned prefix of its prompt (:class:`RadixCache`
 over the engine's block table, whichever tier the pages are in: prefill gathers them, decode reads
@@ -30,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvtier.errors import ConfigError, TierFullError
+from kvtier.errors import ConfigError, KVTierError, TierFullError
 from kvtier.engine import Engine
 from kvtier.serve.radix import PrefixMatch, RadixCache
 
@@ -73,6 +79,8 @@ class ServeStats:
     swaps: int = 0
     recomputes: int = 0
     peak_running: int = 0  # most requests decoding in one iteration
+    composition: list = field(default_factory=list)  # per iteration (decode rows, prefill tokens, chunks)
+    iteration_s: list = field(default_factory=list)  # per iteration, seconds from its start to its tokens
     occupancy: list = field(default_factory=list)  # (time s, {tier: pages used in layer 0}, radix pages)
 
 
@@ -117,32 +125,55 @@ class ServeScheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.active
 
+    def drop_prefix_cache(self) -> None:
+        """Give every page of the prefix tree back to the engine (an idle scheduler handing its engine on): the
+        finished sequences' pages first, so that no tree page is still shared with one."""
+        if not self.idle:
+            raise KVTierError("drop_prefix_cache needs an idle scheduler: requests still hold tree pages")
+        self.engine.reclaim()
+        if self.tree is not None:
+            self.tree.evict(self.tree.num_pages)
+
     # -- one iteration -------------------------------------------------------------------------
     def iterate(self) -> list[RequestState]:
         """Make room (evict, preempt), spend the budget on prompt chunks, then decode one token for every
         running request. Returns the requests that finished."""
         self.stats.iterations += 1
+        t0 = self.clock()
         self._make_room()
-        budget = self.budget - sum(s.decoding for s in self.active)
-        finished = self._prefill(budget)
-        self.stats.peak_running = max(self.stats.peak_running, sum(s.decoding for s in self.active))
-        if any(s.decoding for s in self.active):
-            logits = self.engine.step()
-            now = self.clock()
-            next_tok = logits.argmax(-1).tolist()
-            for row, seq in enumerate(self.engine.row_seq[:len(next_tok)]):
-                state = self._by_seq(seq)
-                if state is not None and state.decoding:
-                    self._emit(state, next_tok[row], now, finished)
+        decoding = [s for s in self.active if s.decoding]
+        finished: list[RequestState] = []
+        chunks = self._chunks(self.budget - len(decoding), finished)
+        decoding = [s for s in self.active if s.decoding]  # with those that joined as decode rows
+        self.stats.peak_running = max(self.stats.peak_running, len(decoding))
+        self.stats.composition.append((len(decoding), sum(len(ids) for _, ids in chunks), len(chunks)))
+        if not decoding and not chunks:
+            self._record()
+            self.stats.iteration_s.append(self.clock() - t0)
+            return finished
+        out = self.engine.iterate([(s.seq, torch.from_numpy(ids)) for s, ids in chunks], decode=bool(decoding))
+        next_tok = out.logits.argmax(-1).tolist() if out.logits is not None else []  # the host waits for them
+        firsts = torch.stack([x[-1] for x in out.chunk_logits]).argmax(-1).tolist() if chunks else []
+        now = self.clock()
+        self.stats.iteration_s.append(now - t0)
+        for state in decoding:
+            self._emit(state, next_tok[self.engine.row_seq.index(state.seq)], now, finished)
+        for (state, _), first in zip(chunks, firsts):
+            if self.engine.table.seq_len(state.seq) == len(state.tokens):
+                self._start_decode(state, first, finished)
         self._record()
         return finished
 
-    def _prefill(self, budget: int) -> list[RequestState]:
-        finished = []
+    def _chunks(self, budget: int, finished: list) -> list[tuple[RequestState, np.ndarray]]:
+        """Admit requests and cut the iteration's prompt chunks ``(state, ids)`` from ``budget`` tokens, oldest
+        request first."""
+        chunks, pages = [], 0
         order = [s for s in self.active if not s.decoding] + list(self.waiting)
         for state in order:
             if budget <= 0:
                 break
+            if state.seq is None and self._shares_in_flight(state):
+                break  # it waits until that prompt is in the tree, then matches it (SGLang's in-batch prefix check)
             if state.seq is None and not self._admit(state):
                 if not self.active:
                     raise TierFullError(f"request {state.req.rid}: {len(state.tokens)} tokens do not fit the engine's "
@@ -152,14 +183,29 @@ class ServeScheduler:
                 continue
             tokens = state.tokens
             done = self.engine.table.seq_len(state.seq)
+            if len(tokens) - done == 1 and not state.output and self.engine.decodes_like_prefill:
+                if not self._room(pages + 1):
+                    break
+                self._start_decode(state, int(tokens[-1]), finished, emit=False)  # a decode row from now on
+                budget -= 1
+                continue
             q = min(budget, len(tokens) - done)
-            if not self._room(self.engine.layout.pages_for(done + q) - self.engine.table.num_pages(state.seq)):
+            need = self.engine.layout.pages_for(done + q) - self.engine.table.num_pages(state.seq)
+            if not self._room(pages + need):
                 break
-            logits = self.engine.prefill_chunk(state.seq, torch.from_numpy(tokens[done:done + q]))
+            pages += need
+            chunks.append((state, tokens[done:done + q]))
             budget -= q
-            if done + q == len(tokens):
-                self._start_decode(state, int(logits[-1].argmax()), finished)
-        return finished
+        return chunks
+
+    def _shares_in_flight(self, state: RequestState) -> bool:
+        """Does ``state``'s first page of tokens equal that of a request still prefilling (not in the tree yet)?"""
+        if self.tree is None:
+            return False
+        P = self.engine.layout.page_size
+        head = state.tokens[:P]
+        return head.size == P and any(not s.decoding and s.seq is not None and np.array_equal(s.tokens[:P], head)
+                                      for s in self.active)
 
     def _admit(self, state: RequestState) -> bool:
         """Give ``state`` a row: swap it back in, or open it on its longest cached prefix."""
@@ -195,13 +241,16 @@ class ServeScheduler:
         self.active.append(state)
         return True
 
-    def _start_decode(self, state: RequestState, first: int, finished: list) -> None:
+    def _start_decode(self, state: RequestState, first: int, finished: list, emit: bool = True) -> None:
+        """``state``'s prompt is in: it decodes from the next iteration, fed ``first`` (its first output token,
+        emitted now; without ``emit``, its last prompt token, whose output the next iteration emits)."""
         if self.tree is not None:
-            self.tree.insert(state.tokens, self.engine.table.pages(state.seq), after=state.match)
+            n = self.engine.table.seq_len(state.seq)
+            self.tree.insert(state.tokens[:n], self.engine.table.pages(state.seq), after=state.match)
         resumed = bool(state.output)  # recomputed after a preemption: its next input is known
         self.engine.start_decode(state.seq, state.output[-1] if resumed else first)
         state.decoding = True
-        if not resumed:
+        if emit and not resumed:
             self._emit(state, first, self.clock(), finished)
 
     def _emit(self, state: RequestState, token: int, now: float, finished: list) -> None:
