@@ -92,15 +92,17 @@ class BlockTable:
 
     def release(self, pids) -> list[int]:
         """One holder fewer of each of ``pids``; pages no one holds are freed. Returns the freed pids."""
-        freed = []
-        for pid in pids:
-            if self.ref[pid] < 1:
-                raise KVTierError(f"release of page {pid}, which no one holds")
-            self.ref[pid] -= 1
-            if self.ref[pid] == 0:
-                self._release(pid)
-                freed.append(int(pid))
-        return freed
+        pids = np.asarray(pids, dtype=np.int64).reshape(-1)
+        held = np.zeros(self.ref.shape, dtype=np.int64)
+        np.add.at(held, pids, 1)  # a pid may be listed more than once
+        if (held > self.ref).any():
+            raise KVTierError(f"release of pages no one holds: {np.flatnonzero(held > self.ref).tolist()}")
+        self.ref -= held.astype(self.ref.dtype)
+        gone = (self.ref == 0) & (held > 0)  # their last holder went
+        freed = np.asarray([p for p in dict.fromkeys(pids.tolist()) if gone[p]], dtype=np.int64)  # in the order given
+        if freed.size:
+            self._release(freed)
+        return freed.tolist()
 
     def append(self, seq: int, n_tokens: int) -> tuple[list[int], list[tuple[int, int]]]:
         """Grow ``seq`` by ``n_tokens``: returns (new pids, copy-on-write pairs (old pid, new pid)).
@@ -131,12 +133,10 @@ class BlockTable:
             s.pids[-1] = new
             cow.append((old, new))
         need = self.layout.pages_for(s.length + n_tokens) - len(s.pids)
-        new_pids = []
-        for _ in range(need):
-            pid = self._new_page()
-            self._place(pid)
-            s.pids.append(pid)
-            new_pids.append(pid)
+        new_pids = [self._new_page() for _ in range(need)]
+        if new_pids:
+            self._place_new(np.asarray(new_pids, dtype=np.int64))
+        s.pids.extend(new_pids)
         s.length += n_tokens
         return new_pids, cow
 
@@ -214,13 +214,25 @@ class BlockTable:
             self.tier_of[layers, pid] = t
             self.slot_of[layers, pid] = self.tiers[t].alloc(layers).numpy()
 
-    def _release(self, pid: int) -> None:
-        for t in np.unique(self.tier_of[:, pid]):
-            if t >= 0:
-                layers = np.flatnonzero(self.tier_of[:, pid] == t)
-                self.tiers[t].free(layers, torch.from_numpy(self.slot_of[layers, pid]))
-        self.tier_of[:, pid] = -1
-        self.slot_of[:, pid] = -1
-        self.ref[pid] = 0
-        self.pinned[pid] = False
-        self._free_pids.append(pid)
+    def _place_new(self, pids: np.ndarray) -> None:
+        """Give ``pids [k]`` a slot in every layer, in order: each the fastest tier with room after the ones before
+        (one allocation per tier; the checked room suffices)."""
+        L = self.layout.num_layers
+        free = np.stack([t.num_free(np.arange(L)) for t in self.tiers])  # [T, L]
+        tier = (np.arange(pids.size)[:, None, None] >= np.cumsum(free, 0)[None]).sum(1)  # [k, L]
+        for t in np.unique(tier):
+            k, layers = np.nonzero(tier == t)  # pid-major: a layer's earlier pid takes its earlier slot
+            self.tier_of[layers, pids[k]] = t
+            self.slot_of[layers, pids[k]] = self.tiers[t].alloc(layers).numpy()
+
+    def _release(self, pids: np.ndarray) -> None:
+        """Free ``pids [n]`` in every layer: one call per tier with each slot's layer."""
+        tier = self.tier_of[:, pids]  # [L, n]
+        for t in np.unique(tier[tier >= 0]):
+            layers, cols = np.nonzero(tier == t)
+            self.tiers[t].free(layers, torch.from_numpy(self.slot_of[layers, pids[cols]]))
+        self.tier_of[:, pids] = -1
+        self.slot_of[:, pids] = -1
+        self.ref[pids] = 0
+        self.pinned[pids] = False
+        self._free_pids.extend(pids.tolist())

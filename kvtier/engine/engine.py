@@ -559,8 +559,8 @@ class Engine:
                 bucket = None
                 self.prefill_attention.begin(chunks, device_only, T)
             self._bucket = bucket
-            for layer in self.prefill_attention.planned:  # what they attend is known now: the policy hears it
-                self._accessed(layer, self.prefill_attention.calls(layer))
+            for layers, calls in self.prefill_attention.groups:  # what they attend is known now: the policy hears it
+                self._accessed(layers, calls)
         self._B = B
         self._mode = "mixed" if chunks and active else "prefill" if chunks else "decode"
         return B
@@ -681,12 +681,18 @@ class Engine:
         chunks = self._attend_prefill(layer, self._chunk_tokens(query).contiguous(), scale)  # [T, H, D]
         return torch.cat([out[:, 0], chunks])[None]  # [1, B + T, H, D]
 
-    def _accessed(self, layer: int, calls: list) -> None:
-        """The pages a layer's chunk calls attend: counted, and heard by the policy."""
+    def _accessed(self, layers, calls: list) -> None:
+        """The pages chunk calls attend in a layer, or alike in each of ``layers [L']``: counted, heard by the policy."""
         attended = np.concatenate([c.pids for c in calls])
-        self.stats.attended_pages += attended.size
-        self.stats.resident_pages += int(sum(c.resident.sum() for c in calls))
-        self.policy.on_access(layer, attended, self.step_idx)
+        n = np.size(layers)
+        self.stats.attended_pages += attended.size * n
+        self.stats.resident_pages += int(sum(c.resident.sum() for c in calls)) * n
+        if np.ndim(layers) == 0:
+            self.policy.on_access(int(layers), attended, self.step_idx)
+        elif n == self.layout.num_layers:
+            self.policy.on_access(slice(None), attended, self.step_idx)
+        else:
+            self.policy.on_access(np.repeat(layers, attended.size), np.tile(attended, n), self.step_idx)
 
     def _chunk_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """The prefill chunks' tokens of an attention input ``x [B', N, q, D]``, one chunk after another:

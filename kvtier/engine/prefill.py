@@ -87,6 +87,8 @@ class _Lists:
         self.indices = torch.zeros(layers, 2, rows * max_pages, **i32)
         self.tile_seq = torch.zeros(tiles, **i32)
         self.tile_q0 = torch.zeros(tiles, **i32)
+        self.rows = [[(self.kv_ptr[layer, k], self.last[layer, k], self.indices[layer, k]) for k in range(2)]
+                     for layer in range(layers)]  # each (layer, call)'s views, made once
 
 
 class PrefillAttention:
@@ -103,6 +105,7 @@ class PrefillAttention:
         self.device_only = False
         self.tokens = 0  # the iteration's chunk tokens, padding included
         self._planned: dict[int, list[Call]] = {}  # layer -> its calls, planned by begin
+        self.groups: list[tuple] = []  # (layers [L'], the calls of its first) of the planned layers, alike
         self.writes: dict[int, tuple] = {}  # layer -> (slots [u], inv [T], offs [T]) of the chunks' tokens
         self._static: _Lists | None = None
         self._lists: _Lists | None = None
@@ -157,36 +160,43 @@ class PrefillAttention:
         self._tiles = None
         if self.heads is not None and self.triton:
             self._plan_tiles()
-        plans = {}  # layer -> [(pids, logical, tokens, row_ptr, causal)] of its calls, all pages on the device
+        tier = self.table.tier_of[:, pids]  # [L, n]: layers alike in window and in every page's tier plan alike
+        alike: dict[tuple, list[int]] = {}
         for layer in range(L):
-            parts = self._parts(layer)
-            if all((self.table.tier_of[layer, part[0]] == 0).all() for part in parts):
-                plans[layer] = parts
-        width = max((part[0].size for parts in plans.values() for part in parts), default=0)
+            alike.setdefault((self.layout.window(layer), tier[layer].tobytes()), []).append(layer)
+        plans = []  # (layers [L'], their calls' [(pids, logical, tokens, row_ptr, causal)]): all pages on the device
+        for layers in map(np.asarray, alike.values()):
+            parts = self._parts(int(layers[0]))
+            if all((self.table.tier_of[layers[0], part[0]] == 0).all() for part in parts):
+                plans.append((layers, parts))
+        width = max((part[0].size for _, parts in plans for part in parts), default=0)
         kv_ptr = np.zeros((L, 2, R + 2), dtype=np.int64)
         last = np.zeros((L, 2, R + 1), dtype=np.int64)
         indices = np.zeros((L, 2, width), dtype=np.int64)
-        for layer, parts in plans.items():
+        for layers, parts in plans:
             for k, (pids_k, _, tokens_k, row_ptr, _) in enumerate(parts):
                 n = pids_k.size
-                kv_ptr[layer, k] = np.concatenate([row_ptr, np.full(empty, n)])
+                kv_ptr[layers, k] = np.concatenate([row_ptr, np.full(empty, n)])
                 ends = row_ptr[1:] - 1  # [n] each row's last listed page
-                last[layer, k, :len(chunks)] = np.where(np.diff(row_ptr) > 0, tokens_k[np.maximum(ends, 0)] if n else 0, 0)
-                indices[layer, k, :n] = self.table.slot_of[layer, pids_k]
+                last[layers, k, :len(chunks)] = np.where(np.diff(row_ptr) > 0, tokens_k[np.maximum(ends, 0)] if n else 0, 0)
+                indices[layers, k, :n] = self.table.slot_of[layers[:, None], pids_k]
         if plans:
             _put(lists.kv_ptr.view(-1), kv_ptr.reshape(-1))
             _put(lists.last.view(-1), last.reshape(-1))
             lists.indices[:, :, :width].copy_(torch.from_numpy(indices).to(lists.indices.dtype), non_blocking=True)
-        window_left = {layer: self.layout.window(layer) - 1 if self.layout.window(layer) else -1 for layer in plans}
-        for layer, parts in plans.items():
-            calls = []
-            for k, (pids_k, logical, tokens_k, row_ptr, causal) in enumerate(parts):
-                batch = PagedBatch(lists.qo, lists.kv_ptr[layer, k], lists.indices[layer, k, :pids_k.size],
-                                   lists.last[layer, k], P, causal, qo, kv_ptr[layer, k],
-                                   window_left[layer] if causal else -1)
-                calls.append(Call(self.table.tiers[0].pool(layer), batch, pids_k, logical, tokens_k,
-                                  np.ones(pids_k.size, dtype=bool), row_ptr, layer))
-            self._planned[layer] = calls
+        self.groups = []
+        for layers, parts in plans:
+            window = self.layout.window(int(layers[0]))
+            for layer in layers.tolist():
+                calls = []
+                for k, (pids_k, logical, tokens_k, row_ptr, causal) in enumerate(parts):
+                    ptr, last_len, index = lists.rows[layer][k]
+                    batch = PagedBatch(lists.qo, ptr, index[:pids_k.size], last_len, P, causal, qo, kv_ptr[layer, k],
+                                       window - 1 if window and causal else -1)
+                    calls.append(Call(self.table.tiers[0].pool(layer), batch, pids_k, logical, tokens_k,
+                                      np.ones(pids_k.size, dtype=bool), row_ptr, layer))
+                self._planned[layer] = calls
+            self.groups.append((layers, self._planned[int(layers[0])]))
 
     @property
     def planned_all(self) -> bool:
