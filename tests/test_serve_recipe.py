@@ -26,6 +26,8 @@ def test_serve_trace_recipe(tmp_path):
     # every conversation request starts with the trace's shared block 0: later ones reuse its pages
     assert r["prefix_hit_tokens"] > 0
     assert set(r["occupancy"]["pages"]) == {"device", "host"} and len(r["occupancy"]["time_s"]) == r["iterations"]
+    it = r["iteration"]  # what the iterations held: some carried chunks, every prompt token went through one
+    assert 0 < it["with_chunks"] <= 1 and it["chunk_tokens_mean"] > 0 and 0 < it["time_p50_s"] <= it["time_p99_s"]
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["goodput_rps"] == m["goodput_rps"]
     rows = metrics_table(m).columns[0]._cells
     assert "ITL p50 / p99" in rows and "tier-1 hit rate" not in rows  # the console shows the serving figures

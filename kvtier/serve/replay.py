@@ -93,7 +93,18 @@ def summarize(sched: ServeScheduler, slo: SLO, t0: float) -> dict:
         "prefix_hit_tokens": st.cached_tokens / st.prompt_tokens if st.prompt_tokens else 0.0,
         "preemptions": {"swap": st.swaps, "recompute": st.recomputes},
         "iterations": st.iterations, "peak_running": st.peak_running,
+        "iteration": _composition(st),
         "occupancy": {"time_s": [t - t0 for t, _, _ in st.occupancy],
                       "pages": {tier: [occ.get(tier, 0) for _, occ, _ in st.occupancy] for tier in tiers},
                       "radix_pages": [n for _, _, n in st.occupancy]},
     }
+
+
+def _composition(st) -> dict:
+    """What the iterations held: mean decode rows and chunk tokens, the share with chunks, time p50 / p99."""
+    comp = np.asarray(st.composition, dtype=float).reshape(-1, 3)  # [iterations, (decode rows, tokens, chunks)]
+    if not comp.size:
+        return {}
+    return {"decode_rows_mean": float(comp[:, 0].mean()), "chunk_tokens_mean": float(comp[:, 1].mean()),
+            "with_chunks": float((comp[:, 2] > 0).mean()), "chunks_max": int(comp[:, 2].max()),
+            "time_p50_s": percentile(st.iteration_s, 50), "time_p99_s": percentile(st.iteration_s, 99)}
