@@ -191,8 +191,9 @@ class PrefillAttention:
                 calls = []
                 for k, (pids_k, logical, tokens_k, row_ptr, causal) in enumerate(parts):
                     ptr, last_len, index = lists.rows[layer][k]
-                    batch = PagedBatch(lists.qo, ptr, index[:pids_k.size], last_len, P, causal, qo, kv_ptr[layer, k],
-                                       window - 1 if window and causal else -1)
+                    r = R + 1 if self.triton else len(chunks)  # the Triton tiles' padding row, else the chunks'
+                    batch = PagedBatch(lists.qo[:r + 1], ptr[:r + 1], index[:pids_k.size], last_len[:r], P, causal,
+                                       qo[:r + 1], kv_ptr[layer, k, :r + 1], window - 1 if window and causal else -1)
                     calls.append(Call(self.table.tiers[0].pool(layer), batch, pids_k, logical, tokens_k,
                                       np.ones(pids_k.size, dtype=bool), row_ptr, layer))
                 self._planned[layer] = calls
