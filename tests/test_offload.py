@@ -108,3 +108,14 @@ def test_the_readmes_first_example_runs(capsys):
     exec(compile(block, "README.md", "exec"), {})
     printed = capsys.readouterr().out.strip()
     assert 0 <= float(printed.rsplit(" ", 1)[-1]) < 1  # the tier-1 hit rate: some pages were off the device
+
+
+def test_the_readmes_engine_example_runs():
+    """The README's engine block, as written: a prompt in, a step, a second prompt's chunk beside the decode."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = next(b.split("```", 1)[0] for b in readme.split("```python\n")[1:] if "engine.iterate" in b)
+    scope: dict = {}
+    exec(compile(block, "README.md", "exec"), scope)
+    out, engine = scope["out"], scope["engine"]
+    assert out.logits.shape == (1, engine.model.config.vocab_size)  # the one decoding row
+    assert [x.shape[0] for x in out.chunk_logits] == [1]
