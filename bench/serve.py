@@ -249,6 +249,15 @@ def scaled_slo(sched: ServeScheduler, ids: np.ndarray, new: int) -> tuple[SLO, l
                   "ttft_ms": slo.ttft_s * 1e3, "itl_p99_ms": slo.itl_s * 1e3}]
 
 
+def fresh_scheduler(eng: Engine, budget: int, used: list) -> ServeScheduler:
+    """A new scheduler on ``eng`` (prefix cache on, recompute on preemption); the last of ``used`` first gives its
+    prefix tree's pages back."""
+    if used:
+        used[-1].drop_prefix_cache()
+    used.append(ServeScheduler(eng, token_budget=budget, prefix_cache=True, preempt="recompute"))
+    return used[-1]
+
+
 def goodput_rows(model, rng, sz: Sizes, rates: list[float], n_requests: int, sessions_hbm: int) -> list[dict]:
     V, S, new = model.config.vocab_size, sz.long, sz.new
     hbm = sessions_hbm * ((S + new) // PAGE + 2)
@@ -259,20 +268,13 @@ def goodput_rows(model, rng, sz: Sizes, rates: list[float], n_requests: int, ses
     for system, tiered in SYSTEMS:
         eng = engine_for(model, hbm, 4 * hbm if tiered else 0, max_batch=sz.batch, max_context=S + new + 16,
                          window=S // 5 if tiered else None)
-        last = []
-
-        def scheduler():  # a fresh one per use; the last one's prefix tree gives its pages back first
-            if last:
-                last[-1].drop_prefix_cache()
-            last.append(ServeScheduler(eng, token_budget=sz.budget, prefix_cache=True, preempt="recompute"))
-            return last[-1]
-
-        warm_up(scheduler(), rng, V, S, new, sessions_hbm + 1)
+        used: list[ServeScheduler] = []
+        warm_up(fresh_scheduler(eng, sz.budget, used), rng, V, S, new, sessions_hbm + 1)
         if not tiered:
-            slo, slo_rows = scaled_slo(scheduler(), prompt(rng, S, V), new)
+            slo, slo_rows = scaled_slo(fresh_scheduler(eng, sz.budget, used), prompt(rng, S, V), new)
             rows += slo_rows
         for rate, reqs in workload.items():
-            sched = scheduler()
+            sched = fresh_scheduler(eng, sz.budget, used)
             t = time.perf_counter()
             out = replay(sched, reqs, SLO())
             scaled_rps, scaled_met = slo.goodput(sched.done)
@@ -285,7 +287,7 @@ def goodput_rows(model, rng, sz: Sizes, rates: list[float], n_requests: int, ses
                          "wall_s": time.perf_counter() - t})
             print(rows[-1], flush=True)
         eng.close()
-        del eng, scheduler, sched, last
+        del eng, sched, used
         release_memory()
     return rows + sustained_rows(rows)
 

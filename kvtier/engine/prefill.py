@@ -17,14 +17,14 @@ extra pass of those rows) and the attention mass of its newest rows (:func:`kvti
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvtier.engine.stats import page_mass
 from kvtier.errors import KVTierError
-from kvtier.kernels.base import PagedBatch, page_salience, to_device
+from kvtier.kernels.base import PagedBatch, page_salience
 from kvtier.kernels.merge import merge_many
 from kvtier.quant import dequantize
 from kvtier.window import attended_range
@@ -77,7 +77,7 @@ class _Lists:
 
     def __init__(self, cap: int, layers: int, rows: int, max_pages: int, tiles: int, device):
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
-        self.cap, self.tiles = cap, tiles
+        self.cap = cap
         self.slots = torch.zeros(layers, cap + 1, **i64)  # per layer the written pages' slots; the last: scratch
         self.inv = torch.zeros(cap, **i64)  # [T] index into slots of each token's page
         self.offs = torch.zeros(cap, **i64)  # [T] row of each token in its page
@@ -128,7 +128,7 @@ class PrefillAttention:
         nothing). The layers that hold on the device every page the tokens write get their writes planned, those
         that hold every page their calls read get their calls planned: into the lists, one copy per array."""
         self.chunks, self.device_only, self.tokens, self._planned, self.writes = chunks, device_only, tokens, {}, {}
-        L, R, M, P = self.layout.num_layers, self.rows, self.max_pages, self.layout.page_size
+        L, R, M = self.layout.num_layers, self.rows, self.max_pages
         if tokens <= CAPTURE_TOKENS:
             if self._static is None:
                 self._static = _Lists(CAPTURE_TOKENS, L, R, M, self._tile_count(CAPTURE_TOKENS), self.device)
@@ -137,6 +137,19 @@ class PrefillAttention:
             lists = self._lists = _Lists(tokens, L, R, M, self._tile_count(tokens), self.device)
         pids = np.concatenate([self.table.pages(c.seq) for c in chunks])
         self.transfer.wait(None, pids)
+        self._plan_writes(lists)
+        empty = R + 1 - len(chunks)  # rows after the chunks' (the last one always): no query, no page
+        T = sum(c.q_len for c in chunks)
+        qo = np.concatenate([[0], np.cumsum([c.q_len for c in chunks]), np.full(empty, T)])  # [R+2]
+        _put(lists.qo, qo)
+        self._tiles = None
+        if self.heads is not None and self.triton:
+            self._plan_tiles()
+        self._plan_calls(lists, pids, qo)
+
+    def _plan_writes(self, lists: _Lists) -> None:
+        """Where the chunks' tokens go, for the layers that hold every page they write on the device."""
+        chunks, tokens, P = self.chunks, self.tokens, self.layout.page_size
         pos = [np.arange(c.start, c.start + c.q_len) for c in chunks]
         written, inv = np.unique(np.concatenate([self.table.pages(c.seq)[p // P] for c, p in zip(chunks, pos)]),
                                  return_inverse=True)  # [u] pages the tokens go to, [T] the page of each
@@ -154,12 +167,12 @@ class PrefillAttention:
         for layer in layers:  # captured writes index the whole row (u differs between replays); 8-bit: exactly u
             slots = lists.slots[layer] if lists is self._static and not self.layout.scaled else lists.slots[layer, :u]
             self.writes[int(layer)] = (slots, lists.inv[:tokens], lists.offs[:tokens])
-        empty = R + 1 - len(chunks)  # rows after the chunks' (the last one always): no query, no page
-        qo = np.concatenate([[0], np.cumsum([c.q_len for c in chunks]), np.full(empty, T)])  # [R+2]
-        _put(lists.qo, qo)
-        self._tiles = None
-        if self.heads is not None and self.triton:
-            self._plan_tiles()
+
+    def _plan_calls(self, lists: _Lists, pids: np.ndarray, qo: np.ndarray) -> None:
+        """The calls of the layers that hold every page their calls read on the device (``pids``: the chunks' rows'
+        pages, ``qo [R+2]``), per group of alike layers."""
+        chunks, L, R, P = self.chunks, self.layout.num_layers, self.rows, self.layout.page_size
+        empty = R + 1 - len(chunks)
         tier = self.table.tier_of[:, pids]  # [L, n]: layers alike in window and in every page's tier plan alike
         alike: dict[tuple, list[int]] = {}
         for layer in range(L):
