@@ -1,0 +1,26 @@
+"""The serving bench's CPU smoke run (tiny fp32 model, tiny sizes): every part runs and writes its rows."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_serve_bench_smoke(tmp_path):
+    out = tmp_path / "serve.json"
+    subprocess.run([sys.executable, "-m", "bench.serve", "--smoke", "--rates", "4", "--requests", "4", "--json",
+                    str(out)], cwd=ROOT, check=True, capture_output=True, timeout=600)
+    rows = json.loads(out.read_text())["rows"]
+    systems = {(r["part"], r["system"]) for r in rows}
+    for system in ("floor (compute)", "cold, one chunk", "cold, chunks of 512", "radix hit"):
+        assert ("ttft 128", system) in systems
+    hit = next(r for r in rows if r["system"] == "radix hit")
+    assert hit["cached_tokens"] == 128 and 0 < hit["x_cold"]
+    chunked = [r for r in rows if r["part"].startswith("itl") and "x_target" in r]
+    assert len(chunked) == 2 and all(r["slowest_iterations"] for r in chunked)
+    replays = [r for r in rows if r["part"] == "goodput" and "rate_rps" in r]
+    assert {r["system"] for r in replays} == {"all-HBM", "tiered 20% HBM + host"}
+    assert all(r["cached_share"] > 0 for r in replays)  # the trace's requests share prefixes
+    assert len([r for r in rows if r["part"] == "sustained"]) == 2
