@@ -461,7 +461,7 @@ class Engine:
                 inputs["ids"][:Tb].copy_(torch.nn.functional.pad(torch.cat(ids), (0, Tb - T)))
                 inputs["pos"][:Tb].copy_(torch.nn.functional.pad(pos, (0, Tb - T)), non_blocking=True)
                 inputs["keep"][:B + R].copy_(torch.from_numpy(np.pad(keep, (0, B + R - keep.size))), non_blocking=True)
-                self._replay(("iteration", B, Tb, self.prefill_attention.shape()),
+                self._replay(("iteration", B, Tb, self.prefill_attention.shape(), self.prefill_attention.version),
                              lambda: self._captured_iteration(B, Tb))
                 logits = inputs["logits"][:keep.size].clone()
             else:

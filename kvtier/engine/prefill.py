@@ -75,7 +75,7 @@ class _Lists:
     for :data:`CAPTURE_TOKENS` (every iteration that fits reads the same addresses, so it can be captured), or for
     one larger iteration."""
 
-    def __init__(self, cap: int, layers: int, rows: int, max_pages: int, tiles: int, device):
+    def __init__(self, cap: int, layers: int, rows: int, width: int, tiles: int, device):
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
         self.cap = cap
         self.slots = torch.zeros(layers, cap + 1, **i64)  # per layer the written pages' slots; the last: scratch
@@ -84,7 +84,7 @@ class _Lists:
         self.qo = torch.zeros(rows + 2, **i32)  # row `rows` (+1): empty, for the padding tiles
         self.kv_ptr = torch.zeros(layers, 2, rows + 2, **i32)  # per layer, per call (whole-seen subsets, tails)
         self.last = torch.zeros(layers, 2, rows + 1, **i32)
-        self.indices = torch.zeros(layers, 2, rows * max_pages, **i32)
+        self.indices = torch.zeros(layers, 2, width, **i32)  # the calls' pages (grown by PrefillAttention.begin)
         self.tile_seq = torch.zeros(tiles, **i32)
         self.tile_q0 = torch.zeros(tiles, **i32)
         self.rows = [[(self.kv_ptr[layer, k], self.last[layer, k], self.indices[layer, k]) for k in range(2)]
@@ -108,6 +108,7 @@ class PrefillAttention:
         self.groups: list[tuple] = []  # (layers [L'], the calls of its first) of the planned layers, alike
         self.writes: dict[int, tuple] = {}  # layer -> (slots [u], inv [T], offs [T]) of the chunks' tokens
         self._static: _Lists | None = None
+        self.version = 0  # counts the static lists made (a captured iteration reads one set)
         self._lists: _Lists | None = None
         self._tiles = None  # the Triton kernel's tile plan of the iteration (None: the backend plans each call)
 
@@ -129,13 +130,16 @@ class PrefillAttention:
         that hold every page their calls read get their calls planned: into the lists, one copy per array."""
         self.chunks, self.device_only, self.tokens, self._planned, self.writes = chunks, device_only, tokens, {}, {}
         L, R, M = self.layout.num_layers, self.rows, self.max_pages
+        pids = np.concatenate([self.table.pages(c.seq) for c in chunks])
+        width = pids.size  # a call lists at most every page of the chunks' rows
         if tokens <= CAPTURE_TOKENS:
-            if self._static is None:
-                self._static = _Lists(CAPTURE_TOKENS, L, R, M, self._tile_count(CAPTURE_TOKENS), self.device)
+            if self._static is None or self._static.indices.shape[-1] < width:  # grown: graphs of the old ones go
+                self._static = _Lists(CAPTURE_TOKENS, L, R, max(2 * width, 2 * M), self._tile_count(CAPTURE_TOKENS),
+                                      self.device)
+                self.version += 1
             lists = self._lists = self._static
         else:
-            lists = self._lists = _Lists(tokens, L, R, M, self._tile_count(tokens), self.device)
-        pids = np.concatenate([self.table.pages(c.seq) for c in chunks])
+            lists = self._lists = _Lists(tokens, L, R, width, self._tile_count(tokens), self.device)
         self.transfer.wait(None, pids)
         self._plan_writes(lists)
         empty = R + 1 - len(chunks)  # rows after the chunks' (the last one always): no query, no page
