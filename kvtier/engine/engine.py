@@ -237,6 +237,7 @@ class Engine:
         self._prefilling: set[int] = set()  # rows opened and not yet decoding (their table row: scratch)
         self._chunks: list[Chunk] = []  # the prefill chunks of the iteration being computed
         self._bucket: int | None = None  # their padded token count when the iteration is captured
+        self._inputs: dict | None = None  # static inputs and outputs of captured iterations
 
     # -- construction checks -------------------------------------------------------------------
     def _check_feedback(self) -> None:
@@ -486,7 +487,7 @@ class Engine:
     def _iteration_inputs(self) -> dict:
         """Static inputs and outputs of captured iterations: chunk token ids and positions ``[CAPTURE_TOKENS]``, the
         kept token indices ``[2R]`` and their logits ``[2R, V]``."""
-        if not hasattr(self, "_inputs"):
+        if self._inputs is None:
             R, dev = self.config.max_batch, self.device
             self._inputs = {"ids": torch.zeros(CAPTURE_TOKENS, dtype=torch.int64, device=dev),
                             "pos": torch.zeros(CAPTURE_TOKENS, dtype=torch.int64, device=dev),
