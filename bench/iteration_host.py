@@ -1,0 +1,71 @@
+"""Host time of a serving iteration's bookkeeping (no model, no GPU): the engine's plan of an iteration with 16 decode
+rows and a 256-token prompt chunk at the Llama-8B layer count, and the free of a finished 8k-token sequence.
+
+Both run before the GPU work of an iteration can start (the serve scheduler waits for each iteration's tokens), so
+they add to the iteration time in full.
+
+    PYTHONPATH=. python3 -m bench.iteration_host        # table + bench/iteration_host.json, ~10 s on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench.common import print_table, write_json
+from kvtier.engine import Engine, EngineConfig
+from kvtier.layout import KVLayout
+from kvtier.policies import LRU
+from kvtier.tiers import DeviceTier
+
+LAYERS, PAGE, ROWS, CONTEXT, PROMPT, CHUNK = 32, 16, 16, 2048, 8192, 256
+
+
+def engine() -> Engine:
+    """An engine of Llama-8B's layer count over tiny pages (the bookkeeping does not depend on the page bytes)."""
+    layout = KVLayout(num_layers=LAYERS, num_kv_heads=1, head_dim=8, page_size=PAGE, dtype=torch.float32)
+    pages = ROWS * (CONTEXT + 2 * PAGE) // PAGE + 2 * PROMPT // PAGE
+    return Engine(None, layout, [DeviceTier(layout, pages, device="cpu")], LRU(), "all",
+                  config=EngineConfig(max_batch=ROWS + 2, max_context=PROMPT + 64))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--json", default="iteration_host.json")
+    args = ap.parse_args()
+    eng = engine()
+    kv = lambda layer, a, b: torch.zeros(2, b - a, 1, 8)  # noqa: E731
+    for _ in range(ROWS):
+        eng.add_written(CONTEXT, kv)
+    seq = eng.open(PROMPT)
+
+    def plan():  # the host part of one iteration: 16 decode rows and the prompt's next chunk
+        eng._begin([(seq, CHUNK)], decode=True)
+        eng._drop_step_state()
+        eng._mode = "idle"
+
+    for _ in range(3):
+        plan()
+    t = time.perf_counter()
+    for _ in range(args.repeat):
+        plan()
+    plan_ms = (time.perf_counter() - t) / args.repeat * 1e3
+    frees = []
+    for _ in range(3):
+        done = eng.add_written(PROMPT, kv)
+        t = time.perf_counter()
+        eng.finish(done)
+        eng.reclaim()
+        frees.append((time.perf_counter() - t) * 1e3)
+    rows = [{"work": f"plan: {ROWS} decode rows + a {CHUNK}-token chunk, {LAYERS} layers", "ms": plan_ms},
+            {"work": f"free a finished {PROMPT}-token sequence ({PROMPT // PAGE} pages x {LAYERS} layers)",
+             "ms": min(frees)}]
+    print_table("serving iteration bookkeeping on the host (CPU)", rows, ["work", "ms"])
+    write_json(args.json, {"rows": rows, "repeat": args.repeat})
+
+
+if __name__ == "__main__":
+    main()
