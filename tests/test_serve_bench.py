@@ -24,3 +24,11 @@ def test_serve_bench_smoke(tmp_path):
     assert {r["system"] for r in replays} == {"all-HBM", "tiered 20% HBM + host"}
     assert all(r["cached_share"] > 0 for r in replays)  # the trace's requests share prefixes
     assert len([r for r in rows if r["part"] == "sustained"]) == 2
+
+
+def test_iteration_host_bench_runs(tmp_path):
+    out = tmp_path / "host.json"
+    subprocess.run([sys.executable, "-m", "bench.iteration_host", "--repeat", "2", "--json", str(out)], cwd=ROOT,
+                   check=True, capture_output=True, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["work"].split(":")[0].split(" ")[0] for r in rows] == ["plan", "free"] and all(r["ms"] > 0 for r in rows)
