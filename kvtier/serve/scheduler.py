@@ -314,9 +314,6 @@ class ServeScheduler:
         self.active.remove(state)
         state.seq, state.match = None, None
 
-    def _by_seq(self, seq) -> RequestState | None:
-        return next((s for s in self.active if s.seq == seq), None) if seq is not None else None
-
     def _record(self) -> None:
         occ = {t.name: t.num_used(0) for t in self.engine.table.tiers}
         self.stats.occupancy.append((self.clock(), occ, self.tree.num_pages if self.tree is not None else 0))
