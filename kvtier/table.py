@@ -93,13 +93,12 @@ class BlockTable:
     def release(self, pids) -> list[int]:
         """One holder fewer of each of ``pids``; pages no one holds are freed. Returns the freed pids."""
         pids = np.asarray(pids, dtype=np.int64).reshape(-1)
-        held = np.zeros(self.ref.shape, dtype=np.int64)
-        np.add.at(held, pids, 1)  # a pid may be listed more than once
-        if (held > self.ref).any():
-            raise KVTierError(f"release of pages no one holds: {np.flatnonzero(held > self.ref).tolist()}")
-        self.ref -= held.astype(self.ref.dtype)
-        gone = (self.ref == 0) & (held > 0)  # their last holder went
-        freed = np.asarray([p for p in dict.fromkeys(pids.tolist()) if gone[p]], dtype=np.int64)  # in the order given
+        uniq, count = np.unique(pids, return_counts=True)  # a pid may be listed more than once
+        if (count > self.ref[uniq]).any():
+            raise KVTierError(f"release of pages no one holds: {uniq[count > self.ref[uniq]].tolist()}")
+        self.ref[uniq] -= count.astype(self.ref.dtype)
+        gone = set(uniq[self.ref[uniq] == 0].tolist())  # their last holder went
+        freed = np.asarray([p for p in dict.fromkeys(pids.tolist()) if p in gone], dtype=np.int64)  # in the order given
         if freed.size:
             self._release(freed)
         return freed.tolist()

@@ -13,8 +13,10 @@ class EngineConfig:
 
     ``max_batch``: rows decoded together; ``max_context``: tokens per sequence (None: what the tiers
     hold); ``buckets``: batch sizes captured (None: powers of two up to ``max_batch``); ``graphs``: replay
-    each decode step as a CUDA graph (None: on a GPU, unless fidelity is measured); ``compile``:
-    ``torch.compile`` the small ops between attention calls (None: on a GPU); ``lookahead``: the
+    each decode step, and each iteration with prompt chunks whose pages are in HBM, as a CUDA graph (None: on a
+    GPU, unless fidelity is measured); ``compile``:
+    ``torch.compile`` the small ops between attention calls of decode steps (None: on a GPU; iterations with
+    prompt chunks run the model's forward as it is, captured at token buckets); ``lookahead``: the
     policy hears step ``t``'s statistics before step ``t + lookahead`` is planned (1: before the next,
     the host waits for each step; 2: the host plans a step while the GPU runs the one before; 0: the
     policy hears nothing); ``runner``: ``auto`` (the compact Llama-family forward where it applies),

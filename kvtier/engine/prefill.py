@@ -54,6 +54,7 @@ class Call:
     resident: np.ndarray  # [nnz] read in place from the device tier
     row_ptr: np.ndarray  # [R+1] the chunks' segments of the lists
     layer: int
+    planned: bool = False  # its lists are the iteration's static ones (the Triton kernel reads their tiles)
 
 
 CAPTURE_TOKENS = 1024  # an iteration of up to this many chunk tokens plans into static buffers (capturable)
@@ -68,6 +69,13 @@ def _put_rows(dst: torch.Tensor, rows: np.ndarray, src: np.ndarray) -> None:
     """``src [r, n]`` into rows ``rows [r]`` of a device array ``[R', >= n]``, columns ``[0, n)``."""
     index = torch.from_numpy(rows).to(dst.device)
     dst[index, :src.shape[1]] = torch.from_numpy(np.ascontiguousarray(src)).to(dst.device, dst.dtype, non_blocking=True)
+
+
+def _last_page_lens(tokens: np.ndarray, row_ptr: np.ndarray) -> np.ndarray:
+    """Tokens of each row's last listed page ``[n]`` (0 for a row that lists none), from the pages' ``tokens [nnz]``."""
+    if not tokens.size:
+        return np.zeros(row_ptr.size - 1, dtype=np.int64)
+    return np.where(np.diff(row_ptr) > 0, tokens[np.maximum(row_ptr[1:] - 1, 0)], 0)
 
 
 class _Lists:
@@ -100,11 +108,13 @@ class PrefillAttention:
         self.layout = table.layout
         self.device = table.tiers[0].device
         self.rows, self.max_pages, self.scratch = rows, max_pages, scratch
+        from kvtier.kernels.triton_decode import TritonBackend
+        self.triton = isinstance(backend, TritonBackend)  # planned calls then read the lists' tiles
         self.heads: int | None = None  # query heads, once known (the tiles of the Triton kernel depend on them)
         self.chunks: list[Chunk] = []
         self.device_only = False
         self.tokens = 0  # the iteration's chunk tokens, padding included
-        self._planned: dict[int, list[Call]] = {}  # layer -> its calls, planned by begin
+        self.planned: dict[int, list[Call]] = {}  # layer -> its calls, planned by begin
         self.groups: list[tuple] = []  # (layers [L'], the calls of its first) of the planned layers, alike
         self.writes: dict[int, tuple] = {}  # layer -> (slots [u], inv [T], offs [T]) of the chunks' tokens
         self._static: _Lists | None = None
@@ -112,23 +122,12 @@ class PrefillAttention:
         self._lists: _Lists | None = None
         self._tiles = None  # the Triton kernel's tile plan of the iteration (None: the backend plans each call)
 
-    @property
-    def planned(self) -> dict[int, list[Call]]:
-        """layer -> its calls, planned at :meth:`begin`."""
-        return self._planned
-
-    @property
-    def triton(self) -> bool:
-        """The backend is the Triton kernel (planned calls then read the lists' tiles)."""
-        from kvtier.kernels.triton_decode import TritonBackend
-        return isinstance(self.backend, TritonBackend)
-
     def begin(self, chunks: list[Chunk], device_only: bool, tokens: int) -> None:
         """An iteration's chunks (their pages appended), attending with ``device_only`` the device's pages and
         each tail; ``tokens``: their token count with padding (padded tokens write the scratch slot, attend
         nothing). The layers that hold on the device every page the tokens write get their writes planned, those
         that hold every page their calls read get their calls planned: into the lists, one copy per array."""
-        self.chunks, self.device_only, self.tokens, self._planned, self.writes = chunks, device_only, tokens, {}, {}
+        self.chunks, self.device_only, self.tokens, self.planned, self.writes = chunks, device_only, tokens, {}, {}
         L, R, M = self.layout.num_layers, self.rows, self.max_pages
         pids = np.concatenate([self.table.pages(c.seq) for c in chunks])
         width = pids.size  # a call lists at most every page of the chunks' rows
@@ -194,8 +193,7 @@ class PrefillAttention:
             for k, (pids_k, _, tokens_k, row_ptr, _) in enumerate(parts):
                 n = pids_k.size
                 kv_ptr[layers, k] = np.concatenate([row_ptr, np.full(empty, n)])
-                ends = row_ptr[1:] - 1  # [n] each row's last listed page
-                last[layers, k, :len(chunks)] = np.where(np.diff(row_ptr) > 0, tokens_k[np.maximum(ends, 0)] if n else 0, 0)
+                last[layers, k, :len(chunks)] = _last_page_lens(tokens_k, row_ptr)
                 indices[layers, k, :n] = self.table.slot_of[layers[:, None], pids_k]
         if plans:
             _put(lists.kv_ptr.view(-1), kv_ptr.reshape(-1))
@@ -212,20 +210,20 @@ class PrefillAttention:
                     batch = PagedBatch(lists.qo[:r + 1], ptr[:r + 1], index[:pids_k.size], last_len[:r], P, causal,
                                        qo[:r + 1], kv_ptr[layer, k, :r + 1], window - 1 if window and causal else -1)
                     calls.append(Call(self.table.tiers[0].pool(layer), batch, pids_k, logical, tokens_k,
-                                      np.ones(pids_k.size, dtype=bool), row_ptr, layer))
-                self._planned[layer] = calls
-            self.groups.append((layers, self._planned[int(layers[0])]))
+                                      np.ones(pids_k.size, dtype=bool), row_ptr, layer, planned=True))
+                self.planned[layer] = calls
+            self.groups.append((layers, self.planned[int(layers[0])]))
 
     @property
     def planned_all(self) -> bool:
         """Every layer's K/V writes and calls are planned, into the static lists (a capturable iteration)."""
         L = self.layout.num_layers
-        return self._lists is self._static and len(self._planned) == L and len(self.writes) == L and \
+        return self._lists is self._static and len(self.planned) == L and len(self.writes) == L and \
             (self._tiles is not None or not self.triton)
 
     def shape(self) -> tuple:
         """What a captured iteration's kernels depend on besides the token bucket: the calls of each layer."""
-        return tuple(len(self._planned[layer]) for layer in range(self.layout.num_layers))
+        return tuple(len(self.planned[layer]) for layer in range(self.layout.num_layers))
 
     def _parts(self, layer: int) -> list[tuple]:
         """The chunks' live pages of ``layer`` (``device_only``: the device's, and each tail) as at most two calls,
@@ -284,8 +282,8 @@ class PrefillAttention:
     def calls(self, layer: int) -> list[Call]:
         """``layer``'s calls (:meth:`_parts`): planned at :meth:`begin`, or now, each from the device pool when all
         its pages are there, else from a pool gathered from their tiers."""
-        if layer in self._planned:
-            return self._planned[layer]
+        if layer in self.planned:
+            return self.planned[layer]
         window = self.layout.window(layer)
         return [self._call(layer, *part, window - 1 if window and part[4] else -1) for part in self._parts(layer)]
 
@@ -294,7 +292,7 @@ class PrefillAttention:
         [T, H])``."""
         results = []
         for call in calls:
-            if any(call is c for c in self._planned.get(call.layer, ())) and self.triton:  # planned: the lists' tiles
+            if call.planned and self.triton:  # the lists' tiles
                 from kvtier.kernels.triton_prefill import paged_prefill
 
                 if self._tiles is None:  # the heads were not known at begin
@@ -353,8 +351,6 @@ class PrefillAttention:
             for link, nbytes in links.items():
                 self.stats.add_fetch(link, nbytes)
         qo = np.concatenate([[0], np.cumsum([c.q_len for c in self.chunks])])  # [n+1]
-        ends = row_ptr[1:] - 1
-        last = np.where(np.diff(row_ptr) > 0, tokens[np.maximum(ends, 0)] if tokens.size else 0, 0)
-        batch = PagedBatch.from_host(qo, row_ptr, indices, last, self.layout.page_size, causal, self.device,
+        batch = PagedBatch.from_host(qo, row_ptr, indices, _last_page_lens(tokens, row_ptr), self.layout.page_size, causal, self.device,
                                      window_left)
         return Call(pool, batch, pids, logical, tokens, tiers == 0, row_ptr, layer)
