@@ -9,8 +9,9 @@ import torch
 from kvtier.errors import ConfigError
 from kvtier.engine import Engine, EngineConfig
 from kvtier.models import kv_layout_for
-from kvtier.policies import LRU
+from kvtier.policies import LRU, SinkWindow
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
+from kvtier.scheduler.lookahead import cached_pages
 from kvtier.serve.scheduler import Request, ServeScheduler
 from kvtier.tiers import DeviceTier, HostTier
 
@@ -105,3 +106,22 @@ def test_bad_settings(setup):
     with pytest.raises(ConfigError, match="max_context=40"):  # what the tiers hold (6 pages but the scratch one)
         small.submit(Request(1, np.zeros(45, dtype=np.int64), 2))
     model.set_attn_implementation("sdpa")
+
+
+def test_prefix_cache_pages_make_room_on_the_device(setup):
+    """Requests served one after another leave their pages to the prefix tree; on a tiered engine those pages go
+    down a tier when running requests need the device (they held it for good before: 'no device room for the page
+    being written' once the tree filled it)."""
+    model, layout, prompts, _ = setup
+    tiers = [DeviceTier(layout, 14, device="cpu"), HostTier(layout, 120)]
+    engine = Engine(model, layout, tiers, SinkWindow(sinks=4, window=16), "resident", prefill=ChunkedPrefill(16),
+                    config=EngineConfig(max_batch=3, max_context=128))
+    sched = ServeScheduler(engine, token_budget=24)
+    for i, p in enumerate(prompts + [p.flip(0) for p in prompts]):  # the flipped prompts share nothing
+        sched.submit(Request(i, p.numpy(), NEW, arrival_s=float(i)))
+        while not sched.idle:
+            sched.iterate()
+    model.set_attn_implementation("sdpa")
+    assert [len(s.output) for s in sched.done] == [NEW] * 6
+    cached = cached_pages(engine.table, np.zeros(0, dtype=np.int64))  # no request runs: every held page
+    assert cached.size > 14 and (engine.table.tier_of[:, cached] == 1).any()

@@ -5,8 +5,10 @@ which the next token writes) always stay; pages with
 priority -inf leave the device; the remaining device room (capacity - reserve) goes to the
 highest-priority pages among those resident and those the policy admits. Demotions go to the
 fastest lower tier with room, pushing that tier's lowest-priority pages further down when full
-(a cascade); promotions are only planned into room the plan has made. A plan is issued at once;
-how far ahead of its use a page is asked for is the caller's (``FastEngine(lookahead=k)`` feeds
+(a cascade); promotions are only planned into room the plan has made. Pages only a prefix cache holds rank below
+every sequence's page: they leave the device first when room is short and are promoted only once a sequence
+holds them again. A plan is issued at once;
+how far ahead of its use a page is asked for is the caller's (``EngineConfig(lookahead=k)`` feeds
 the pages step t attended to the policy before step t + k). Dropped pages (left of a sliding
 window, :data:`~kvtier.table.DROPPED`) are never planned.
 """
@@ -33,6 +35,20 @@ def page_info(table, step: int) -> PageInfo:
     seq_len = np.concatenate([np.full(len(s.pids), s.length, dtype=np.int64) for s in seqs])
     first = np.sort(np.unique(pids, return_index=True)[1])  # first holder of each pid, in order
     return PageInfo(pids[first], logical[first], seq_len[first], table.layout.page_size, step)
+
+
+CACHED = np.finfo(np.float64).min  # the priority of a page only the prefix cache holds: below every policy's
+
+
+def cached_pages(table, live: np.ndarray) -> np.ndarray:
+    """Pages held by no sequence, only by a prefix cache (a :class:`~kvtier.serve.radix.RadixTree` reference)
+    ``[m]``; ``live [n]``: every sequence's pages, each once."""
+    if np.count_nonzero(table.ref) == live.size:
+        return live[:0]
+    held = np.zeros(table.ref.size, dtype=bool)
+    held[np.flatnonzero(table.ref)] = True
+    held[live] = False
+    return np.flatnonzero(held)
 
 
 def order_ranks(rows: np.ndarray, flags: np.ndarray) -> np.ndarray:
@@ -70,14 +86,22 @@ class LookaheadScheduler(Scheduler):
         info = page_info(table, step)
         if info.pids.size == 0:
             return plan
-        L, n = table.layout.num_layers, info.pids.size
         rows = np.asarray(policy.priority(info), dtype=np.float64)  # [1 or L, n]
-        prio = np.broadcast_to(rows, (L, n))  # [L, n]
-        admit = np.broadcast_to(policy.admit(info), (L, n))
+        admit = policy.admit(info)  # [1 or L, n]
         writing = info.logical == (info.seq_len - 1) // info.page_size  # each sequence's newest page
-        pinned = (prio == PINNED) | (table.pinned[info.pids] | writing)[None, :]  # [L, n]
+        pids, cached = info.pids, cached_pages(table, info.pids)  # [m]
+        if cached.size:  # the prefix cache's pages: the first to leave the device, never promoted here
+            pids = np.concatenate([pids, cached])
+            rows = np.concatenate([rows, np.full((rows.shape[0], cached.size), CACHED)], 1)
+            admit = np.concatenate([np.broadcast_to(admit, (admit.shape[0], info.pids.size)),
+                                    np.zeros((admit.shape[0], cached.size), dtype=bool)], 1)
+            writing = np.concatenate([writing, np.zeros(cached.size, dtype=bool)])
+        L, n = table.layout.num_layers, pids.size
+        prio = np.broadcast_to(rows, (L, n))  # [L, n]
+        admit = np.broadcast_to(admit, (L, n))
+        pinned = (prio == PINNED) | (table.pinned[pids] | writing)[None, :]  # [L, n]
         device = table.tiers[0]
-        tier = table.tier_of[:, info.pids]  # [L, n]
+        tier = table.tier_of[:, pids]  # [L, n]
         resident = tier == 0
         free = device.num_free(np.arange(L))  # [L]
         room = free + resident.sum(1) - reserve  # slots held elsewhere do not count
@@ -95,9 +119,9 @@ class LookaheadScheduler(Scheduler):
             if self.max_moves_per_step is not None:
                 down = down[np.argsort(prio[layer, down], kind="stable")][:self.max_moves_per_step]
                 up = up[:self.max_moves_per_step]
-            plan.demote += self._demotions(table, int(layer), info.pids, prio[layer], down)
+            plan.demote += self._demotions(table, int(layer), pids, prio[layer], down)
             if up.size:
-                plan.promote.append(Move(int(layer), info.pids[up], 0))
+                plan.promote.append(Move(int(layer), pids[up], 0))
         return plan
 
     def _demotions(self, table, layer, pids, prio, demote) -> list[Move]:
