@@ -45,8 +45,7 @@ def cached_pages(table, live: np.ndarray) -> np.ndarray:
     ``[m]``; ``live [n]``: every sequence's pages, each once."""
     if np.count_nonzero(table.ref) == live.size:
         return live[:0]
-    held = np.zeros(table.ref.size, dtype=bool)
-    held[np.flatnonzero(table.ref)] = True
+    held = table.ref > 0  # [pid capacity]
     held[live] = False
     return np.flatnonzero(held)
 
