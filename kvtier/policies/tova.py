@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from kvtier.policies.scored import ScoredPolicy, Scorer, over_heads
+from kvtier.policies.scored import ScoredPolicy, Scorer, fold_kv_heads
 
 
 @dataclass
@@ -18,7 +18,7 @@ class LastQueryAttention(Scorer):
     needs = frozenset({"attention"})
 
     def score(self, stats) -> np.ndarray:
-        return over_heads(stats.attention_last, np.add) / stats.attention_last.shape[-1]  # [L, n] mean over kv heads
+        return fold_kv_heads(stats.attention_last, np.add) / stats.attention_last.shape[-1]  # [L, n] mean over kv heads
 
 
 @dataclass
