@@ -17,8 +17,9 @@ in the run.
    compute floor of the chunk (its matmuls and its attention over the prompt's mean context). Target at 256:
    p99 <= 1.3 x (decode-only p99 + the chunk's floor). Warm-up: one 8k prompt at each chunk size.
 3. Goodput vs request rate on the Mooncake conversation trace (kvtier/traces: its first requests, their
-   prompts, shared prefixes included, cut to 8k tokens, outputs to 32 tokens; arrival gaps rescaled to mean
-   1 / rate: the rate is exact), token budget 512, radix cache on, for an all-HBM engine and a tiered one
+   prompts, shared prefixes included, cut to 8k tokens (``--prompt-tokens``), outputs to 32 tokens
+   (``--new-tokens``); arrival gaps rescaled to mean 1 / rate: the rate is exact), token budget 512, radix
+   cache on, for an all-HBM engine and a tiered one
    with the same HBM plus host DRAM (each session ~20% in HBM: sink + window pinned, scope resident; 16
    rows), the same requests for every rate and both systems. Per rate: goodput and
    SLO-met share under the seed SLOs (TTFT < 250 ms, ITL p99 < 12 ms) and under SLOs scaled to this model
@@ -28,6 +29,9 @@ in the run.
    decoding at once then (peak), and their ratio tiered / all-HBM (target >= 3x). Warm-up, per engine: 16
    short requests whose batch shrinks through every decode bucket, then one session more than the HBM
    holds, at once.
+
+Every engine runs with ``lookahead=2``: the scheduler plans and launches an iteration before it reads the last
+one's tokens back (one iteration in flight), so the host's planning overlaps the GPU.
 
     PYTHONPATH=. python3 -m bench.serve           # tables + $OUT/serve.json, 3-4 minutes on an H200
     PYTHONPATH=. python3 -m bench.serve --smoke   # CPU check of the whole script: tiny fp32 model, tiny sizes,
@@ -60,7 +64,8 @@ SYSTEMS = (("all-HBM", False), ("tiered 20% HBM + host", True))  # (name, tiered
 SMOKE_MODEL = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, vocab_size=256)
 RIDS = itertools.count()
 COLUMNS = {"ttft": ["part", "system", "ttft_ms", "x_floor", "x_cold", "cached_tokens"],
-           "itl": ["part", "system", "itl_p50_ms", "itl_p99_ms", "x_target"],
+           "itl": ["part", "system", "itl_p50_ms", "itl_p99_ms", "x_target", "plan_p50_ms", "plan_p99_ms",
+                   "wait_p50_ms"],
            "goodput": ["part", "system", "rate_rps", "ttft_ms", "itl_p50_ms", "ttft_p99_ms", "itl_p99_ms",
                        "goodput_rps", "slo_met", "scaled_goodput_rps", "scaled_slo_met", "peak_running", "preempted",
                        "wall_s"]}
@@ -68,7 +73,8 @@ COLUMNS = {"ttft": ["part", "system", "ttft_ms", "x_floor", "x_cold", "cached_to
 
 @dataclass(frozen=True)
 class Sizes:
-    long: int = 8192  # tokens of a long prompt: the TTFT prompt, the ITL part's prefills, every goodput session
+    long: int = 8192  # tokens of a long prompt: the TTFT prompt, the ITL part's prefills
+    session: int = 8192  # goodput: prompts cut to this many tokens
     ctx: int = 2048  # ITL part: context of each decoding request
     batch: int = 16  # ITL part: decoding requests; goodput: rows of each engine
     chunks: tuple[int, ...] = (2048, 256)  # ITL part: prefill chunk sizes, one row each
@@ -76,7 +82,7 @@ class Sizes:
     new: int = 32  # goodput: output tokens of a session
 
 
-SMOKE = Sizes(long=128, ctx=32, batch=4, chunks=(64, 16), budget=48, new=8)
+SMOKE = Sizes(long=128, session=128, ctx=32, batch=4, chunks=(64, 16), budget=48, new=8)
 
 
 def sync() -> None:
@@ -110,9 +116,10 @@ def engine_for(model, hbm_pages: int, host_pages: int, max_batch: int, max_conte
     tiers = [DeviceTier(layout, hbm_pages, device=model.device)] + \
         ([HostTier(layout, host_pages)] if host_pages else [])
     policy = SinkWindow(sinks=4, window=window) if window else LRU()
-    # no torch.compile: a serving batch visits every bucket, and compiling each would take minutes
+    # no torch.compile: a serving batch visits every bucket, and compiling each would take minutes; lookahead 2:
+    # the scheduler plans an iteration while the GPU runs the one before
     return Engine(model, layout, tiers, policy, "resident" if window else "all", prefill=ChunkedPrefill(8192),
-                  config=EngineConfig(max_batch=max_batch, max_context=max_context, compile=False))
+                  config=EngineConfig(max_batch=max_batch, max_context=max_context, compile=False, lookahead=2))
 
 
 def prompt(rng: np.random.Generator, n: int, vocab: int) -> np.ndarray:
@@ -202,17 +209,24 @@ def itl_rows(model, rng, flops, sz: Sizes) -> list[dict]:
         prefill_beside(sched, [prompt(rng, long, V)])  # warm-up: every chunk of a long prompt, beside decode
         t1, first = sched.clock(), len(sched.stats.iteration_s)
         prefill_beside(sched, [prompt(rng, long, V) for _ in range(4)])
-        took = sched.stats.iteration_s[first:]
-        slow = sorted(zip(took, sched.stats.composition[first:]), key=lambda x: -x[0])[:8]
+        st = sched.stats
+        took, plan, wait = (np.asarray(x[first:]) * 1e3 for x in (st.iteration_s, st.plan_s, st.wait_s))
+        # one iteration in flight: the tokens of iteration i are read after iteration i + 1 is planned
+        n = min(plan.size - 1, wait.size)
+        gap, after = (plan[1:n + 1] + wait[:n], plan[1:n + 1]) if sched.ahead else (took, plan)
+        slow = sorted(zip(gap, after, wait, st.composition[first:]), key=lambda x: -x[0])[:8]
         floor = floor_s(model, flops, chunk, chunk * long / 2)
         got = itl(t1, sched.clock())
         target = 1.3 * (rows[0]["itl_p99_ms"] + floor * 1e3)
         rows += [{"part": part, "system": f"floor ({chunk}-token chunk, compute)", "itl_p99_ms": floor * 1e3},
                  {"part": part, "system": f"decode + {chunk}-token chunks", **got,
-                  "x_target": got["itl_p99_ms"] / target, "iteration_p50_ms": float(np.median(took)) * 1e3,
-                  "slowest_iterations": [(t * 1e3, *c) for t, c in slow]}]
-        print(f"{chunk}-token chunks: the slowest iterations (ms, decode rows, chunk tokens, chunks): "
-              f"{[(round(t * 1e3, 1), *c) for t, c in slow]}", flush=True)
+                  "x_target": got["itl_p99_ms"] / target, "iteration_p50_ms": float(np.median(took)),
+                  "plan_p50_ms": float(np.median(plan)), "plan_p99_ms": float(np.percentile(plan, 99)),
+                  "wait_p50_ms": float(np.median(wait)),
+                  "slowest_iterations": [(round(float(g), 2), round(float(p), 2), round(float(w), 2), *c)
+                                         for g, p, w, c in slow]}]
+        print(f"{chunk}-token chunks: the slowest iterations (ms from one read-back to the next, the host's plan, its "
+              f"wait for the GPU; decode rows, chunk tokens, chunks): {rows[-1]['slowest_iterations']}", flush=True)
     eng.close()
     return rows
 
@@ -259,7 +273,7 @@ def fresh_scheduler(eng: Engine, budget: int, used: list) -> ServeScheduler:
 
 
 def goodput_rows(model, rng, sz: Sizes, rates: list[float], n_requests: int, sessions_hbm: int) -> list[dict]:
-    V, S, new = model.config.vocab_size, sz.long, sz.new
+    V, S, new = model.config.vocab_size, sz.session, sz.new
     hbm = sessions_hbm * ((S + new) // PAGE + 2)
     base = trace_workload(n_requests, S, new, V)  # the same requests, every rate and both systems
     workload = {rate: [Request(next(RIDS), r.prompt, r.max_new_tokens, r.arrival_s / rate) for r in base]
@@ -317,12 +331,15 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=None, help=f"goodput: output tokens of a session, >= 2 "
                                                                  f"(default {Sizes.new}; --smoke: {SMOKE.new})")
     ap.add_argument("--hbm-sessions", type=int, default=4, help="HBM of both goodput engines, in whole sessions")
+    ap.add_argument("--prompt-tokens", type=int, default=None, help=f"goodput: prompts cut to this many tokens "
+                                                                    f"(default {Sizes.session}; --smoke: {SMOKE.session})")
     ap.add_argument("--parts", default="ttft,itl,goodput")
     ap.add_argument("--smoke", action="store_true", help="CPU check of the whole script: tiny fp32 model, tiny sizes")
     ap.add_argument("--json", default=None, help="output file name (default serve.json; --smoke: serve_smoke.json)")
     args = ap.parse_args()
     base = SMOKE if args.smoke else Sizes()
-    sz = replace(base, new=base.new if args.new_tokens is None else args.new_tokens)
+    sz = replace(base, new=base.new if args.new_tokens is None else args.new_tokens,
+                 session=base.session if args.prompt_tokens is None else args.prompt_tokens)
     parts = args.parts.split(",")
     if sz.new < 2 or args.requests < 2 or not set(parts) <= set(COLUMNS):
         ap.error(f"--new-tokens >= 2 (the scaled ITL SLO needs a decode gap), --requests >= 2 (a gap between "

@@ -44,26 +44,32 @@ def setup(smollm2):
     torch.set_num_threads(threads)
 
 
-def make(model, layout, device_pages, host_pages=0, max_batch=3, max_context=128):
+def make(model, layout, device_pages, host_pages=0, max_batch=3, max_context=128, lookahead=1):
     """An engine over ``device_pages`` device pages (its scratch page included) and an optional host tier."""
     tiers = [DeviceTier(layout, device_pages, device="cpu")] + ([HostTier(layout, host_pages)] if host_pages else [])
     return Engine(model, layout, tiers, LRU(), prefill=ChunkedPrefill(64),
-                  config=EngineConfig(max_batch=max_batch, max_context=max_context))
+                  config=EngineConfig(max_batch=max_batch, max_context=max_context, lookahead=lookahead))
 
 
-def serve(model, layout, prompts, device_pages, host_pages=0, **kw):
-    engine = make(model, layout, device_pages, host_pages)
+def serve(model, layout, prompts, device_pages, host_pages=0, lookahead=1, **kw):
+    engine = make(model, layout, device_pages, host_pages, lookahead=lookahead)
     sched = ServeScheduler(engine, token_budget=24, **kw)
     states = [sched.submit(Request(i, p.numpy(), NEW, arrival_s=float(i))) for i, p in enumerate(prompts)]
+    sched.ran_ahead = 0  # iterations that ended with their tokens still in flight
     while not sched.idle:
         sched.iterate()
+        sched.ran_ahead += sched.inflight is not None
     model.set_attn_implementation("sdpa")
     return sched, [s.output for s in states]
 
 
-def test_interleaved_prefill_and_prefix_reuse_match_hf(setup):
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_interleaved_prefill_and_prefix_reuse_match_hf(setup, lookahead):
+    """lookahead 2: each iteration is planned before the last one's tokens are read back."""
     model, layout, prompts, want = setup
-    sched, got = serve(model, layout, prompts, device_pages=40)
+    sched, got = serve(model, layout, prompts, device_pages=40, lookahead=lookahead)
+    assert sched.ahead == (lookahead == 2)
+    assert (sched.ran_ahead > 0) == sched.ahead
     assert got == want
     assert sched.stats.recomputes == sched.stats.swaps == 0
     # the shared sentence's full pages were computed once: the later requests matched them
@@ -71,11 +77,12 @@ def test_interleaved_prefill_and_prefix_reuse_match_hf(setup):
     assert sched.stats.iterations < sum(len(p) for p in prompts)  # chunks of up to 24 tokens, with decode
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preempted_requests_resume_to_the_same_tokens(setup, mode):
+@pytest.mark.parametrize("mode,lookahead", [("recompute", 1), ("swap", 1), ("recompute", 2), ("swap", 2)])
+def test_preempted_requests_resume_to_the_same_tokens(setup, mode, lookahead):
     model, layout, prompts, want = setup
     kw = dict(preempt="recompute") if mode == "recompute" else dict(swap_tokens=512, prefix_cache=False)
-    sched, got = serve(model, layout, prompts, device_pages=10 if mode == "recompute" else 13, **kw)
+    sched, got = serve(model, layout, prompts, device_pages=10 if mode == "recompute" else 13, lookahead=lookahead,
+                       **kw)
     assert got == want
     n = sched.stats.recomputes if mode == "recompute" else sched.stats.swaps
     assert n > 0 and sum(s.preemptions for s in sched.done) == sched.stats.recomputes + sched.stats.swaps

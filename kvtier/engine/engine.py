@@ -311,19 +311,23 @@ class Engine:
 
     def start_decode(self, seq: int, next_token) -> None:
         """``seq``'s prompt is in its pages: (compress it once, under such a budget) and decode it from the next
-        :meth:`step`, fed ``next_token``."""
+        :meth:`step`, fed ``next_token`` (an int, or a device tensor ``[1]``: no wait for it)."""
         row = self._prefilling_row(seq)
         self.end_prefill([seq])
         self._prefilling.discard(row)
         self._place_row(row, seq)
-        self.tokens[row] = int(next_token)
+        if isinstance(next_token, torch.Tensor):
+            self.tokens[row:row + 1] = next_token.reshape(1)
+        else:
+            self.tokens[row] = int(next_token)
 
     def end_prefill(self, seqs: list[int]) -> None:
         """The prompts of ``seqs`` are in: the policy hears the last chunk; with ``budget.mode == "once"`` the
-        middle pages it ranks below the budget are dropped for good (as kvpress presses do)."""
-        self.feedback.take(upto=self.step_idx)
+        middle pages it ranks below the budget are dropped for good (as kvpress presses do), once it has heard every
+        step so far (otherwise it hears the last chunk when the next step is planned, as any step's)."""
         if self.budget is None or self.budget.mode != "once":
             return
+        self.feedback.take(upto=self.step_idx)
         prio = self._priority()
         for seq in seqs:
             n = self.table.seq_len(seq)
@@ -439,7 +443,7 @@ class Engine:
         """
         if self.runner is None:
             raise ConfigError("model", "this engine has no model to run; drive it through TieredKVCache")
-        ids = [self._check_ids(x).to(self.device) for _, x in chunks]
+        ids = [self._check_ids(x).to(self.device, non_blocking=True) for _, x in chunks]
         T = sum(int(x.numel()) for x in ids)
         bucket = next((b for b in TOKEN_BUCKETS if b >= T), None) if ids and self._capturable(all_logits) else None
         B = self._begin([(seq, int(x.numel())) for (seq, _), x in zip(chunks, ids)], decode, tokens, bucket)
@@ -467,8 +471,9 @@ class Engine:
                 logits = inputs["logits"][:keep.size].clone()
             else:
                 row = torch.cat([self.tokens[:B]] + ids)[None]  # [1, B + T]
-                positions = torch.cat([self.positions[:B], pos.to(self.device)])[None]  # [1, B + T]
-                logits = self._run_iteration(row, positions, torch.from_numpy(keep).to(self.device), B)  # [k, V]
+                positions = torch.cat([self.positions[:B], pos.to(self.device, non_blocking=True)])[None]  # [1, B + T]
+                keep_at = torch.from_numpy(keep).to(self.device, non_blocking=True)
+                logits = self._run_iteration(row, positions, keep_at, B)  # [k, V]
         finally:
             self._mode = "idle" if not B else "decode"
         if B:

@@ -67,7 +67,7 @@ def _put(dst: torch.Tensor, src: np.ndarray) -> None:
 
 def _put_rows(dst: torch.Tensor, rows: np.ndarray, src: np.ndarray) -> None:
     """``src [r, n]`` into rows ``rows [r]`` of a device array ``[R', >= n]``, columns ``[0, n)``."""
-    index = torch.from_numpy(rows).to(dst.device)
+    index = torch.from_numpy(rows).to(dst.device, non_blocking=True)
     dst[index, :src.shape[1]] = torch.from_numpy(np.ascontiguousarray(src)).to(dst.device, dst.dtype, non_blocking=True)
 
 

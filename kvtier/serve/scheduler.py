@@ -26,6 +26,13 @@ copied out and written back into fresh pages on resume, nothing recomputed; else
 pages go to the radix tree (freed only if room is still short, so a resume re-matches what survived)
 and the rest is prefilled again. Either way it resumes with its last generated token as input, so it
 produces the same tokens as an uninterrupted run.
+
+**One iteration in flight.** With an engine whose host runs ahead (``EngineConfig(lookahead >= 2)``) the
+scheduler plans and launches iteration ``t + 1`` before it reads iteration ``t``'s tokens back: decode rows take
+their inputs from the engine's device tokens, a prompt that ended in ``t`` starts decoding on its first token
+still on the device, and a request whose last token is in flight leaves its row at once. Tokens reach the host
+through pinned memory behind an event, so the host's planning overlaps the GPU's iteration (vLLM v1's async
+scheduling). With ``lookahead <= 1`` every iteration's tokens are read before the next is planned.
 """
 
 from __future__ import annotations
@@ -70,6 +77,24 @@ class RequestState:
         """Tokens whose K/V the sequence holds or will: the prompt and every output token but the last."""
         return np.concatenate([self.req.prompt, np.asarray(self.output[:-1], dtype=np.int64)])
 
+    def held(self, n: int) -> np.ndarray:
+        """The first ``n`` tokens of the prompt and the outputs read back (those whose K/V the sequence holds)."""
+        known = np.concatenate([self.req.prompt, np.asarray(self.output, dtype=np.int64)])
+        if known.size < n:
+            raise KVTierError(f"request {self.req.rid}: {n} tokens held, {known.size} known")
+        return known[:n]
+
+
+@dataclass
+class InFlight:
+    """An iteration launched and not read back: its new tokens ``[n]`` on their way to the host (pinned memory,
+    ``event`` marks their arrival); ``owners``: ``(request, index of its token)``."""
+
+    tokens: torch.Tensor
+    event: torch.cuda.Event | None
+    owners: list[tuple[RequestState, int]]
+    start_s: float
+
 
 @dataclass
 class ServeStats:
@@ -79,8 +104,10 @@ class ServeStats:
     swaps: int = 0
     recomputes: int = 0
     peak_running: int = 0  # most requests decoding in one iteration
-    composition: list = field(default_factory=list)  # per iteration (decode rows, prefill tokens, chunks)
-    iteration_s: list = field(default_factory=list)  # per iteration, seconds from its start to its tokens
+    composition: list = field(default_factory=list)  # per iteration run (decode rows, prefill tokens, chunks)
+    iteration_s: list = field(default_factory=list)  # per iteration run, seconds from its plan to its tokens read
+    plan_s: list = field(default_factory=list)  # per iteration run, host seconds from its start to its launch
+    wait_s: list = field(default_factory=list)  # per iteration run, host seconds blocked reading its tokens back
     occupancy: list = field(default_factory=list)  # (time s, {tier: pages used in layer 0}, radix pages)
 
 
@@ -108,6 +135,8 @@ class ServeScheduler:
         self.active: list[RequestState] = []  # holding an engine row (prefilling or decoding)
         self.done: list[RequestState] = []
         self.stats = ServeStats()
+        self.ahead = engine.lookahead >= 2  # one iteration in flight while the next is planned
+        self.inflight: InFlight | None = None
 
     def submit(self, req: Request) -> RequestState:
         S = int(len(req.prompt))
@@ -123,7 +152,7 @@ class ServeScheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.active
+        return not self.waiting and not self.active and self.inflight is None
 
     def drop_prefix_cache(self) -> None:
         """Give every page of the prefix tree back to the engine (an idle scheduler handing its engine on): the
@@ -137,34 +166,77 @@ class ServeScheduler:
     # -- one iteration -------------------------------------------------------------------------
     def iterate(self) -> list[RequestState]:
         """Make room (evict, preempt), spend the budget on prompt chunks, then decode one token for every
-        running request. Returns the requests that finished."""
+        running request. Returns the requests whose last token was read back."""
         self.stats.iterations += 1
         t0 = self.clock()
-        self._make_room()
-        decoding = [s for s in self.active if s.decoding]
         finished: list[RequestState] = []
-        chunks = self._chunks(self.budget - len(decoding), finished)
+        self._make_room(finished)
+        decoding = [s for s in self.active if s.decoding]
+        chunks = self._chunks(self.budget - len(decoding))
         decoding = [s for s in self.active if s.decoding]  # with those that joined as decode rows
+        if not decoding and not chunks:  # nothing to run: the tokens in flight
+            self._read_back(finished)
+            self._record()
+            return finished
         self.stats.peak_running = max(self.stats.peak_running, len(decoding))
         self.stats.composition.append((len(decoding), sum(len(ids) for _, ids in chunks), len(chunks)))
-        if not decoding and not chunks:
-            self._record()
-            self.stats.iteration_s.append(self.clock() - t0)
-            return finished
         out = self.engine.iterate([(s.seq, torch.from_numpy(ids)) for s, ids in chunks], decode=bool(decoding))
-        next_tok = out.logits.argmax(-1).tolist() if out.logits is not None else []  # the host waits for them
-        firsts = torch.stack([x[-1] for x in out.chunk_logits]).argmax(-1).tolist() if chunks else []
-        now = self.clock()
-        self.stats.iteration_s.append(now - t0)
-        for state in decoding:
-            self._emit(state, next_tok[self.engine.row_seq.index(state.seq)], now, finished)
-        for (state, _), first in zip(chunks, firsts):
-            if self.engine.table.seq_len(state.seq) == len(state.tokens):
-                self._start_decode(state, first, finished)
+        new = [out.logits.argmax(-1)] if decoding else []  # [B] on the device: each decode row's next token
+        owners = [(s, self.engine.row_seq.index(s.seq)) for s in decoding]
+        for (state, _), logits in zip(chunks, out.chunk_logits):
+            if self.engine.table.seq_len(state.seq) == len(state.tokens):  # its prompt is in
+                first = logits[-1].argmax(-1, keepdim=True)  # [1] its first output token, on the device
+                if self._start_decode(state, first):
+                    owners.append((state, sum(t.numel() for t in new)))
+                    new.append(first)
+        none = torch.zeros(0, dtype=torch.int64, device=self.engine.device)  # a chunk that ends no prompt
+        launched = self._launch(torch.cat(new) if new else none, owners, t0)
+        self.stats.plan_s.append(self.clock() - t0)
+        self._read_back(finished)  # the iteration before (when one runs ahead), else this one
+        self.inflight = launched
+        if not self.ahead:
+            self._read_back(finished)
+        self._release_due()
         self._record()
         return finished
 
-    def _chunks(self, budget: int, finished: list) -> list[tuple[RequestState, np.ndarray]]:
+    def _launch(self, tokens: torch.Tensor, owners: list, t0: float) -> InFlight:
+        """Start copying an iteration's new tokens ``[n]`` to the host, behind the iteration (no wait)."""
+        cuda = tokens.device.type == "cuda"
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda)
+        host.copy_(tokens, non_blocking=cuda)
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return InFlight(host, event, owners, t0)
+
+    def _read_back(self, finished: list) -> None:
+        """Wait for the iteration in flight (if any) and emit its tokens."""
+        flight, self.inflight = self.inflight, None
+        if flight is None:
+            return
+        t = self.clock()
+        if flight.event is not None:
+            flight.event.synchronize()
+        now = self.clock()
+        self.stats.wait_s.append(now - t)
+        self.stats.iteration_s.append(now - flight.start_s)
+        tokens = flight.tokens.tolist()
+        for state, i in flight.owners:
+            self._emit(state, tokens[i], now, finished)
+
+    def _in_flight(self, state: RequestState) -> int:
+        """Tokens of ``state`` launched and not read back (0 or 1)."""
+        return int(self.inflight is not None and any(s is state for s, _ in self.inflight.owners))
+
+    def _release_due(self) -> None:
+        """Requests whose last token is out (read back or in flight) leave their rows; their pages go to the tree."""
+        for state in [s for s in self.active if s.decoding]:
+            if len(state.output) + self._in_flight(state) >= state.req.max_new_tokens:
+                self._release(state, keep=True)
+
+    def _chunks(self, budget: int) -> list[tuple[RequestState, np.ndarray]]:
         """Admit requests and cut the iteration's prompt chunks ``(state, ids)`` from ``budget`` tokens, oldest
         request first."""
         chunks, pages = [], 0
@@ -186,7 +258,7 @@ class ServeScheduler:
             if len(tokens) - done == 1 and not state.output and self.engine.decodes_like_prefill:
                 if not self._room(pages + 1):
                     break
-                self._start_decode(state, int(tokens[-1]), finished, emit=False)  # a decode row from now on
+                self._start_decode(state, int(tokens[-1]))  # a decode row from now on, emitting from the next
                 budget -= 1
                 continue
             q = min(budget, len(tokens) - done)
@@ -241,17 +313,17 @@ class ServeScheduler:
         self.active.append(state)
         return True
 
-    def _start_decode(self, state: RequestState, first: int, finished: list, emit: bool = True) -> None:
-        """``state``'s prompt is in: it decodes from the next iteration, fed ``first`` (its first output token,
-        emitted now; without ``emit``, its last prompt token, whose output the next iteration emits)."""
+    def _start_decode(self, state: RequestState, first) -> bool:
+        """``state``'s prompt is in: it decodes from the next iteration, fed ``first`` (its first output token, a
+        device tensor ``[1]``, or its last prompt token, whose output the next iteration emits). False when it
+        resumes after a preemption: its next input is its last output, and ``first`` is not emitted."""
         if self.tree is not None:
             n = self.engine.table.seq_len(state.seq)
             self.tree.insert(state.tokens[:n], self.engine.table.pages(state.seq), after=state.match)
-        resumed = bool(state.output)  # recomputed after a preemption: its next input is known
+        resumed = bool(state.output)
         self.engine.start_decode(state.seq, state.output[-1] if resumed else first)
         state.decoding = True
-        if emit and not resumed:
-            self._emit(state, first, self.clock(), finished)
+        return not resumed
 
     def _emit(self, state: RequestState, token: int, now: float, finished: list) -> None:
         state.output.append(token)
@@ -260,7 +332,6 @@ class ServeScheduler:
             state.first_token_s = now
         if len(state.output) == state.req.max_new_tokens:
             state.finish_s = now
-            self._release(state, keep=True)
             self.done.append(state)
             finished.append(state)
 
@@ -280,8 +351,11 @@ class ServeScheduler:
             self.tree.evict(short)
         return self._free_pages() >= need
 
-    def _make_room(self) -> None:
+    def _make_room(self, finished: list) -> None:
         """Preempt the latest arrivals until the running requests' next pages fit."""
+        if not self._room(0):
+            self._read_back(finished)  # a victim resumes from its last output: read the tokens in flight first
+            self._release_due()
         while not self._room(0):
             victims = sorted(self.active, key=lambda s: s.req.arrival_s)
             if len(victims) <= 1:
@@ -309,7 +383,7 @@ class ServeScheduler:
         """Drop ``state``'s sequence; with ``keep`` its full computed pages enter the radix tree first."""
         if keep and self.tree is not None:
             n = self.engine.table.seq_len(state.seq)
-            self.tree.insert(state.tokens[:n], self.engine.table.pages(state.seq), after=state.match)
+            self.tree.insert(state.held(n), self.engine.table.pages(state.seq), after=state.match)
         self.engine.finish(state.seq)
         self.active.remove(state)
         state.seq, state.match = None, None
