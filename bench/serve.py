@@ -16,12 +16,12 @@ in the run.
    the decode tokens and the chunk; anchors: the same decode with no prefill, and per chunk size the
    compute floor of the chunk (its matmuls and its attention over the prompt's mean context). Target at 256:
    p99 <= 1.3 x (decode-only p99 + the chunk's floor). Warm-up: one 8k prompt at each chunk size.
-3. Goodput vs request rate on the Mooncake conversation trace (kvtier/traces: its first requests, their
-   prompts, shared prefixes included, cut to 8k tokens (``--prompt-tokens``), outputs to 32 tokens
-   (``--new-tokens``); arrival gaps rescaled to mean 1 / rate: the rate is exact), token budget 512, radix
-   cache on, for an all-HBM engine and a tiered one
-   with the same HBM plus host DRAM (each session ~20% in HBM: sink + window pinned, scope resident; 16
-   rows), the same requests for every rate and both systems. Per rate: goodput and
+3. Goodput vs request rate on a Mooncake trace (``--trace``: conversation, whose arrivals come in bursts of
+   10-16 on a 3 s grid, or synthetic; kvtier/traces: its first requests, their prompts, shared prefixes
+   included, cut to 8k tokens (``--prompt-tokens``), outputs to 32 tokens (``--new-tokens``); arrival gaps
+   rescaled to mean 1 / rate: the rate is exact), token budget 512, radix cache on, for an all-HBM engine and
+   a tiered one with the same HBM plus host DRAM (each session ~20% in HBM: sink + window pinned, scope
+   resident; 16 rows, ``--rows``), the same requests for every rate and both systems. Per rate: goodput and
    SLO-met share under the seed SLOs (TTFT < 250 ms, ITL p99 < 12 ms) and under SLOs scaled to this model
    and shape, measured in the run on the idle all-HBM engine (one session served alone): TTFT < 3x its
    TTFT, ITL p99 < 5x its decode ITL (p50); TTFT / ITL p99, peak of sessions decoding at once,
@@ -76,13 +76,15 @@ class Sizes:
     long: int = 8192  # tokens of a long prompt: the TTFT prompt, the ITL part's prefills
     session: int = 8192  # goodput: prompts cut to this many tokens
     ctx: int = 2048  # ITL part: context of each decoding request
-    batch: int = 16  # ITL part: decoding requests; goodput: rows of each engine
+    batch: int = 16  # ITL part: decoding requests
+    rows: int = 16  # goodput: rows of each engine
+    trace: str = "conversation"  # goodput: the Mooncake trace replayed (conversation or synthetic)
     chunks: tuple[int, ...] = (2048, 256)  # ITL part: prefill chunk sizes, one row each
     budget: int = 512  # goodput: token budget of an iteration
     new: int = 32  # goodput: output tokens of a session
 
 
-SMOKE = Sizes(long=128, session=128, ctx=32, batch=4, chunks=(64, 16), budget=48, new=8)
+SMOKE = Sizes(long=128, session=128, ctx=32, batch=4, rows=4, chunks=(64, 16), budget=48, new=8)
 
 
 def sync() -> None:
@@ -231,11 +233,11 @@ def itl_rows(model, rng, flops, sz: Sizes) -> list[dict]:
     return rows
 
 
-def trace_workload(n: int, S: int, new: int, vocab: int) -> list[Request]:
-    """The first ``n`` requests of the Mooncake conversation trace, prompts cut to ``S`` tokens and outputs to
-    ``new``, arrival gaps rescaled to mean 1 s: divided by a rate r, the requests arrive at exactly r per second on
-    average (n - 1 gaps over (n - 1) / r seconds)."""
-    reqs = trace_requests(load_trace("conversation", limit=n), vocab)
+def trace_workload(trace: str, n: int, S: int, new: int, vocab: int) -> list[Request]:
+    """The first ``n`` requests of a Mooncake trace, prompts cut to ``S`` tokens and outputs to ``new``, arrival
+    gaps rescaled to mean 1 s: divided by a rate r, the requests arrive at exactly r per second on average (n - 1
+    gaps over (n - 1) / r seconds)."""
+    reqs = trace_requests(load_trace(trace, limit=n), vocab)
     gaps = np.diff([r.arrival_s for r in reqs])
     unit = np.concatenate([[0.0], np.cumsum(gaps / gaps.mean())]) if gaps.any() else np.arange(n, dtype=float)
     return [Request(r.rid, r.prompt[:S], max(2, min(r.max_new_tokens, new)), float(t)) for r, t in zip(reqs, unit)]
@@ -275,12 +277,12 @@ def fresh_scheduler(eng: Engine, budget: int, used: list) -> ServeScheduler:
 def goodput_rows(model, rng, sz: Sizes, rates: list[float], n_requests: int, sessions_hbm: int) -> list[dict]:
     V, S, new = model.config.vocab_size, sz.session, sz.new
     hbm = sessions_hbm * ((S + new) // PAGE + 2)
-    base = trace_workload(n_requests, S, new, V)  # the same requests, every rate and both systems
+    base = trace_workload(sz.trace, n_requests, S, new, V)  # the same requests, every rate and both systems
     workload = {rate: [Request(next(RIDS), r.prompt, r.max_new_tokens, r.arrival_s / rate) for r in base]
                 for rate in rates}
     rows = []
     for system, tiered in SYSTEMS:
-        eng = engine_for(model, hbm, 4 * hbm if tiered else 0, max_batch=sz.batch, max_context=S + new + 16,
+        eng = engine_for(model, hbm, 4 * hbm if tiered else 0, max_batch=sz.rows, max_context=S + new + 16,
                          window=S // 5 if tiered else None)
         used: list[ServeScheduler] = []
         warm_up(fresh_scheduler(eng, sz.budget, used), rng, V, S, new, sessions_hbm + 1)
@@ -331,6 +333,8 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=None, help=f"goodput: output tokens of a session, >= 2 "
                                                                  f"(default {Sizes.new}; --smoke: {SMOKE.new})")
     ap.add_argument("--hbm-sessions", type=int, default=4, help="HBM of both goodput engines, in whole sessions")
+    ap.add_argument("--trace", default=None, choices=["conversation", "synthetic"], help="goodput: the trace")
+    ap.add_argument("--rows", type=int, default=None, help=f"goodput: rows of each engine (default {Sizes.rows})")
     ap.add_argument("--prompt-tokens", type=int, default=None, help=f"goodput: prompts cut to this many tokens "
                                                                     f"(default {Sizes.session}; --smoke: {SMOKE.session})")
     ap.add_argument("--parts", default="ttft,itl,goodput")
@@ -339,7 +343,8 @@ def main():
     args = ap.parse_args()
     base = SMOKE if args.smoke else Sizes()
     sz = replace(base, new=base.new if args.new_tokens is None else args.new_tokens,
-                 session=base.session if args.prompt_tokens is None else args.prompt_tokens)
+                 session=base.session if args.prompt_tokens is None else args.prompt_tokens,
+                 trace=args.trace or base.trace, rows=args.rows or base.rows)
     parts = args.parts.split(",")
     if sz.new < 2 or args.requests < 2 or not set(parts) <= set(COLUMNS):
         ap.error(f"--new-tokens >= 2 (the scaled ITL SLO needs a decode gap), --requests >= 2 (a gap between "
