@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from kvtier import BlockTable, KVLayout
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, TierFullError
 from kvtier.policies import ASPE, LRU, SinkWindow
 from kvtier.scheduler import LookaheadScheduler
 from kvtier.tiers import DeviceTier, HostTier, TransferEngine
@@ -114,6 +114,40 @@ def test_demotion_cascades_to_lower_tier_when_full():
         for layer in range(2):
             assert table.tiers[0].num_used(layer) <= 3 and table.tiers[1].num_used(layer) <= 2
     assert transfer.pages_moved["host->slow"] > 0
+
+
+class Ranked(LRU):
+    """Priorities fixed per logical page (higher first); every page may be promoted."""
+
+    def __init__(self, by_page):
+        super().__init__()
+        self.by_page = np.asarray(by_page, dtype=float)
+
+    def priority(self, info):
+        return self.by_page[info.logical][None, :]
+
+    def admit(self, info):
+        return np.ones((1, info.pids.size), dtype=bool)
+
+
+def test_a_swap_waits_when_the_host_is_full():
+    """The device holds 5 of 8 pages and a full host the other 3; the policy now ranks two host pages above two
+    device pages: the swap cannot happen (no host slot for the demoted pages), so the pages stay where they are
+    (it raised TierFullError 'raise its capacity' before); with room for the reserve gone, it still raises."""
+    table, transfer = make(device_pages=5, host_pages=3)
+    table.add_sequence(0)
+    table.append(0, 32)  # 8 pages
+    first = Ranked([9, 8, 7, 6, 5, 4, 3, 2])  # pages 0-4 on the device, 5-7 on the host
+    first.reset(2)
+    step(table, transfer, LookaheadScheduler(), first, 0, reserve=0)
+    pids = table.pages(0)
+    assert device_pids(table) == set(pids[:5].tolist()) and table.tiers[1].num_free(0) == 0
+    swap = Ranked([9, 8, 7, 1, 0, 6, 5, 2])  # pages 5 and 6 now above pages 3 and 4
+    swap.reset(2)
+    plan = step(table, transfer, LookaheadScheduler(), swap, 1, reserve=0)
+    assert plan.num_pages() == 0 and device_pids(table) == set(pids[:5].tolist())
+    with pytest.raises(TierFullError, match="raise its capacity"):
+        LookaheadScheduler().plan(table, swap, 2, reserve=2)  # two device slots must be freed: nowhere to go
 
 
 def test_bad_scheduler_config():

@@ -5,7 +5,9 @@ which the next token writes) always stay; pages with
 priority -inf leave the device; the remaining device room (capacity - reserve) goes to the
 highest-priority pages among those resident and those the policy admits. Demotions go to the
 fastest lower tier with room, pushing that tier's lowest-priority pages further down when full
-(a cascade); promotions are only planned into room the plan has made. Pages only a prefix cache holds rank below
+(a cascade); promotions are only planned into room the plan has made. When the lower tiers lack room for
+every demotion, the lowest-priority pages go down and the rest stay (the swap waits for room), unless the
+device then cannot keep its reserve (TierFullError). Pages only a prefix cache holds rank below
 every sequence's page: they leave the device first when room is short and are promoted only once a sequence
 holds them again. A plan is issued at once;
 how far ahead of its use a page is asked for is the caller's (``EngineConfig(lookahead=k)`` feeds
@@ -110,11 +112,13 @@ class LookaheadScheduler(Scheduler):
         want = (cand & (rank < np.maximum(room, keep.sum(1))[:, None])) | keep
         demote = resident & ~want & ~pinned
         promote = ~resident & want
-        free_after = free + demote.sum(1) - reserve  # [L]
         for layer in np.flatnonzero(demote.any(1) | promote.any(1)):
             down = np.flatnonzero(demote[layer])
+            below = sum(t.num_free(int(layer)) for t in table.tiers[1:])  # room in the lower tiers
+            if below < down.size and reserve - free[layer] <= below:  # a swap they cannot take now: the
+                down = down[np.argsort(prio[layer, down], kind="stable")][:below]  # worst pages go, the rest stay
             up = np.flatnonzero(promote[layer])
-            up = up[np.argsort(rank[layer, up])][:max(free_after[layer], 0)]  # pinned first, best first
+            up = up[np.argsort(rank[layer, up])][:max(free[layer] + down.size - reserve, 0)]  # pinned, best first
             if self.max_moves_per_step is not None:
                 down = down[np.argsort(prio[layer, down], kind="stable")][:self.max_moves_per_step]
                 up = up[:self.max_moves_per_step]
