@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvtier.kernels.base import PagedBatch, page_salience
-from kvtier.kernels.merge import merge_many
+from kvtier.kernels.merge import merge_many, merge_states
 from kvtier.kernels.reference import TorchBackend, paged_attention_reference
 
 
@@ -168,7 +168,7 @@ def test_reference_row_without_keys_is_zero_with_minus_inf_lse():
     assert (res.out[:2] == 0).all() and (res.out[5:] == 0).all() and torch.isneginf(res.lse[5:]).all()
 
 
-def test_merge_is_exact_over_disjoint_pages():
+def test_merge_states_is_exact_over_disjoint_pages():
     gen = torch.Generator().manual_seed(3)
     q, pool, batch, keys, values = random_paged_batch([40, 24], [1, 1], 8, 2, 16, 4, generator=gen)
     backend = TorchBackend()
@@ -181,7 +181,7 @@ def test_merge_is_exact_over_disjoint_pages():
                       batch.kv_last_page_len, 8)
     a = paged_attention_reference(q, pool, head, backend.sm_scale)
     b = paged_attention_reference(q, pool, tail, backend.sm_scale)
-    out, lse = merge_many([(a.out, a.lse), (b.out, b.lse)])
+    out, lse = merge_states(a.out, a.lse, b.out, b.lse)
     assert rel_err(out, full.out) < 1e-6
     assert torch.allclose(lse, full.lse, atol=1e-5)
     empty = torch.full_like(a.lse, -math.inf)

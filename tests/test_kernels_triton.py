@@ -208,9 +208,8 @@ def test_a_batch_built_from_host_arrays_plans_and_runs_the_same():
     (1, 2, torch.float32, [20, 47], [3, 5], False),
     (4, 1, torch.float32, [5], [9], True),  # more queries than keys: the first rows attend nothing
 ])
-@pytest.mark.parametrize("splits", [1, 3])  # each row's keys in 3 ranges, LSE-merged: the same result
-def test_prefill_matches_reference(group, num_kv, dtype, kv_lens, q_lens, causal, splits):
-    backend = TritonBackend(prefill_config=PrefillConfig(block_m=32, block_n=16, kv_splits=splits))
+def test_prefill_matches_reference(group, num_kv, dtype, kv_lens, q_lens, causal):
+    backend = TritonBackend(prefill_config=PrefillConfig(block_m=32, block_n=16))
     res = check_against_reference(backend, kv_lens, q_lens, group, num_kv, 32, dtype, causal,
                                   seed=sum(kv_lens) + sum(q_lens) + group)
     assert not backend.is_decode
@@ -224,9 +223,8 @@ def test_prefill_matches_reference(group, num_kv, dtype, kv_lens, q_lens, causal
     (1, 2, [47], [5], False, 30),  # no causal flag: the window alone bounds the keys
     (2, 1, [19], [19], True, 0),  # a window of one key
 ])
-@pytest.mark.parametrize("splits", [1, 4])
-def test_prefill_sliding_window_matches_reference(group, num_kv, kv_lens, q_lens, causal, window_left, splits):
-    backend = TritonBackend(prefill_config=PrefillConfig(block_m=32, block_n=16, kv_splits=splits))
+def test_prefill_sliding_window_matches_reference(group, num_kv, kv_lens, q_lens, causal, window_left):
+    backend = TritonBackend(prefill_config=PrefillConfig(block_m=32, block_n=16))
     check_against_reference(backend, kv_lens, q_lens, group, num_kv, 32, torch.float32, causal,
                             seed=sum(kv_lens) + window_left, window_left=window_left)
 

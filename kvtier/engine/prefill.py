@@ -277,8 +277,7 @@ class PrefillAttention:
         _put(lists.tile_seq[:grid], seq)
         _put(lists.tile_q0[:grid], q0)
         self._tiles = PrefillPlan(lists.tile_seq[:grid], lists.tile_q0[:grid], block_q, group_pad,
-                                  max(config.block_n, self.layout.page_size), config,
-                                  -(-self.tokens // block_q))  # of the bucket: the same splits in every replay
+                                  max(config.block_n, self.layout.page_size), config)
 
     def calls(self, layer: int) -> list[Call]:
         """``layer``'s calls (:meth:`_parts`): planned at :meth:`begin`, or now, each from the device pool when all

@@ -4,10 +4,9 @@ Varlen batches (``qo_indptr``), GQA packed into the rows of one tile (row ``r`` 
 ``r // G_PAD`` of the tile and head ``r % G_PAD`` of the kv group), bottom-right-aligned causal
 mask, a sliding window (``window_left``: blocks left of every row's window are skipped), LSE out,
 and optionally ``page_max`` (max over the sequence's queries, atomically reduced across the query
-tiles of a sequence). One program per (query tile, kv head, key split) walks its split's blocks
-where the window starts with a mask, the blocks every row of its tile sees whole without one, then
-the diagonal blocks with one; a row's splits are LSE-merged (:func:`kvtier.kernels.merge.merge_stacked`).
-Splits keep the GPU busy when few query tiles meet long prefixes (a small chunk of a long prompt).
+tiles of a sequence). One program per (query tile, kv head) walks the blocks where the window
+starts with a mask, the blocks every row of its tile sees whole without one, then the diagonal
+blocks with one.
 
 Also the dtype and page-size helpers shared with :mod:`kvtier.kernels.triton_decode`.
 """
@@ -25,7 +24,6 @@ import triton.language as tl
 
 from kvtier.errors import ConfigError
 from kvtier.kernels.base import AttentionOutput, PagedBatch, to_device
-from kvtier.kernels.merge import merge_stacked
 from kvtier.quant import INT8, STEPS_PER_OCTAVE, is_scaled_pool, page_scales
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -182,7 +180,6 @@ class PrefillConfig:
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 5  # the page-index load takes a stage: 5 triple-buffers K/V
-    kv_splits: int | None = None  # key ranges per (query tile, kv head); None: enough programs to fill the GPU
 
 
 @dataclass
@@ -195,20 +192,6 @@ class PrefillPlan:
     group_pad: int  # query heads per kv head, padded to a power of two
     block_n: int
     config: PrefillConfig
-    query_tiles: int  # tiles that may hold queries (the rest of T: padding, empty)
-
-    def kv_splits(self, kv_heads: int, device: torch.device) -> int:
-        """Key splits per (query tile, kv head): the config's, else on a GPU enough for two programs per SM
-        (at most :data:`MAX_KV_SPLITS`), else 1."""
-        if self.config.kv_splits is not None:
-            return self.config.kv_splits
-        if device.type != "cuda":
-            return 1
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(MAX_KV_SPLITS, -(-2 * sms // max(1, self.query_tiles * kv_heads))))
-
-
-MAX_KV_SPLITS = 16
 
 
 def plan_prefill(batch: PagedBatch, num_qo_heads: int, num_kv_heads: int,
@@ -221,7 +204,7 @@ def plan_prefill(batch: PagedBatch, num_qo_heads: int, num_kv_heads: int,
     seq = np.repeat(np.arange(tiles.size), tiles)  # [T]
     q0 = (np.arange(seq.size) - (np.cumsum(tiles) - tiles)[seq]) * block_q  # [T]
     return PrefillPlan(*to_device([seq, q0], batch.qo_indptr.device), block_q, group_pad,
-                       max(config.block_n, batch.page_size), config, int(seq.size))
+                       max(config.block_n, batch.page_size), config)
 
 
 @triton.jit
@@ -281,19 +264,16 @@ def _prefill_kernel(
     out, lse, page_max,
     stride_qn, stride_qh, stride_slot, stride_kv, stride_p, stride_kh,
     stride_ss, stride_skv, stride_sh,
-    stride_os, stride_on, stride_oh, stride_ls, stride_ln, stride_pm,
+    stride_on, stride_oh, stride_ln, stride_pm,
     qk_scale, window_left,
     CAUSAL: tl.constexpr, SCALED: tl.constexpr, INT8: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     WITH_PAGE_MAX: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One (query tile, kv head, key split): rows ``[BLOCK_Q * G_PAD]`` of split ``s``'s out ``[S, Nq, H, D]`` and
-    lse ``[S, Nq, H]``."""
+    """One (query tile, kv head): rows ``[BLOCK_Q * G_PAD]`` of out ``[Nq, H, D]`` and lse ``[Nq, H]``."""
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     t = tl.program_id(0)
     kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    n_splits = tl.num_programs(2)
     b = tl.load(tile_seq + t)
     i0 = tl.load(tile_q0 + t)
     q_base = tl.load(qo_indptr + b)
@@ -328,9 +308,6 @@ def _prefill_kernel(
     first = tl.maximum(kv_len - n_q + i0 - window_left, 0) // BLOCK_N * BLOCK_N  # blocks before: no row sees
     lo_last = tl.maximum(kv_len - n_q + i_last - window_left, 0)
     win_end = tl.minimum(tl.maximum((lo_last + BLOCK_N - 1) // BLOCK_N * BLOCK_N, first), hi)  # every row from here
-    per = tl.cdiv(tl.cdiv(hi - first, BLOCK_N), n_splits) * BLOCK_N  # keys of each split, whole blocks
-    s_lo = first + split * per
-    s_hi = tl.minimum(s_lo + per, hi)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -339,17 +316,17 @@ def _prefill_kernel(
     v_base = k_base + stride_kv
     ks_base = scales + kvh * stride_sh
     vs_base = ks_base + stride_skv
-    for start in range(tl.maximum(first, s_lo), tl.minimum(win_end, s_hi), BLOCK_N):  # the window's start: masked
+    for start in range(first, win_end, BLOCK_N):  # where the window starts: masked
         acc, m_i, l_i = _prefill_block(
             acc, m_i, l_i, qt, k_base, v_base, ks_base, vs_base, kv_indices, page_max, seq_p0, start, kv_len, lo,
             limit, row_ok, kvh * GROUP, stride_slot, stride_p, stride_pm, stride_ss, qk_scale,
             True, SCALED, INT8, GROUP, G_PAD, BLOCK_Q, PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, WITH_PAGE_MAX, PRECISION)
-    for start in range(tl.maximum(win_end, s_lo), tl.minimum(full_end, s_hi), BLOCK_N):  # every row sees it whole
+    for start in range(win_end, full_end, BLOCK_N):  # every row sees the whole block
         acc, m_i, l_i = _prefill_block(
             acc, m_i, l_i, qt, k_base, v_base, ks_base, vs_base, kv_indices, page_max, seq_p0, start, kv_len, lo,
             limit, row_ok, kvh * GROUP, stride_slot, stride_p, stride_pm, stride_ss, qk_scale,
             False, SCALED, INT8, GROUP, G_PAD, BLOCK_Q, PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, WITH_PAGE_MAX, PRECISION)
-    for start in range(tl.maximum(tl.maximum(full_end, win_end), s_lo), s_hi, BLOCK_N):  # the diagonal: masked
+    for start in range(tl.maximum(full_end, win_end), hi, BLOCK_N):  # the causal diagonal: masked
         acc, m_i, l_i = _prefill_block(
             acc, m_i, l_i, qt, k_base, v_base, ks_base, vs_base, kv_indices, page_max, seq_p0, start, kv_len, lo,
             limit, row_ok, kvh * GROUP, stride_slot, stride_p, stride_pm, stride_ss, qk_scale,
@@ -357,9 +334,9 @@ def _prefill_kernel(
 
     o, row_lse = finish_rows(acc, m_i, l_i, 0.6931471805599453)  # [M, D], [M] natural log
     o_rows = q_base + qi  # [M]
-    tl.store(out + split * stride_os + o_rows[:, None] * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
+    tl.store(out + o_rows[:, None] * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
              o.to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(lse + split * stride_ls + o_rows * stride_ln + heads, row_lse, mask=row_ok)
+    tl.store(lse + o_rows * stride_ln + heads, row_lse, mask=row_ok)
 
 
 MIN_DOT = 16  # tl.dot's smallest tile side on a GPU (the interpreter takes any)
@@ -404,26 +381,23 @@ def paged_prefill(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, pla
     block_d = triton.next_power_of_2(dim)
     block_n, num_stages = fit_shared_memory(plan.block_q * plan.group_pad, plan.block_n, plan.config.num_stages,
                                             block_d, 4 if dot_f32 else q.element_size(), batch.page_size)
-    splits = plan.kv_splits(n_kv, q.device)
-    out = torch.empty(splits, n_q, heads, dim, dtype=q.dtype if splits == 1 else torch.float32,
-                      device=q.device)  # [S, Nq, H, D]
-    lse = torch.empty(splits, n_q, heads, dtype=torch.float32, device=q.device)  # [S, Nq, H]
+    out = torch.empty(n_q, heads, dim, dtype=q.dtype, device=q.device)  # [Nq, H, D]
+    lse = torch.empty(n_q, heads, dtype=torch.float32, device=q.device)  # [Nq, H]
     page_max = (torch.full((batch.kv_indices.numel(), heads), float("-inf"), dtype=torch.float32, device=q.device)
                 if return_page_max else None)
     scales, stride_ss, stride_skv, stride_sh, scaled, int8 = scale_args(kv_pool, batch.page_size)
-    _prefill_kernel[(plan.tile_seq.numel(), n_kv, splits)](
+    _prefill_kernel[(plan.tile_seq.numel(), n_kv)](
         q, kv_pool, scales, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
         plan.tile_seq, plan.tile_q0,
         out, lse, page_max if return_page_max else lse,
         q.stride(0), q.stride(1),
         kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3),
         stride_ss, stride_skv, stride_sh,
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), heads,
+        out.stride(0), out.stride(1), lse.stride(0), heads,
         sm_scale * LOG2E, kernel_window(batch),
         CAUSAL=batch.causal, SCALED=scaled, INT8=int8, GROUP=heads // n_kv, G_PAD=plan.group_pad,
         BLOCK_Q=plan.block_q, PAGE=batch.page_size, BLOCK_N=block_n, HEAD_DIM=dim, BLOCK_D=block_d,
         WITH_PAGE_MAX=return_page_max, DOT_F32=dot_f32, PRECISION=precision,
         num_warps=plan.config.num_warps, num_stages=num_stages,
     )
-    out, lse = merge_stacked(out, lse, q.dtype) if splits > 1 else (out[0], lse[0])
     return AttentionOutput(out, lse, page_max)
