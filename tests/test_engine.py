@@ -404,12 +404,12 @@ def test_a_layer_group_is_planned_as_each_of_its_layers_alone(tiny, scope, mode)
         engine.step()
     engine.begin_decode()
     view = engine.view(2)
-    table = view.table.clone()  # layer 1: its first device pages read from the host, its ranks reversed
+    table = view.table.clone()  # layer 1: its first device pages read from the host, its priorities reversed
     table[1, :, :3] = torch.where(table[1, :, :3] >= 0, -table[1, :, :3] - 1, table[1, :, :3])
-    rank = None if view.rank is None else view.rank.clone()
-    if rank is not None:
-        rank[1] = rank[1].flip(-1)
-    view = dataclasses.replace(view, table=table, rank=rank)
+    priority = None if view.priority is None else view.priority.clone()
+    if priority is not None:
+        priority[1] = -priority[1]
+    view = dataclasses.replace(view, table=table, priority=priority)
     group = engine.scope.plan(range(layout.num_layers), view)  # [L, B, K]
     alone = torch.cat([engine.scope.plan(range(layer, layer + 1), view) for layer in range(layout.num_layers)])
     assert torch.equal(group, alone) and (group >= 0).any()

@@ -190,7 +190,9 @@ class Engine:
         self.logits = torch.zeros(R, model.config.vocab_size, device=dev) if model is not None else None  # [R, V]
         self.span_host = np.zeros((R, 2), dtype=np.int32)  # [R] (sinks, win_start) of the budget
         self.spans = torch.zeros(R, 2, dtype=torch.int32, device=dev)
-        self.rank = torch.zeros(L, R, M, dtype=torch.int32, device=dev) if self.scope.needs_rank(budget) else None
+        # [L, pids] the policy's priority of every pid, for scopes that choose by the policy
+        self.priority = torch.zeros(L, _pid_capacity(held), dtype=torch.float64, device=dev) \
+            if self.scope.needs_rank(budget) else None
         self.counts = torch.zeros(2, dtype=torch.int64, device=dev)  # attended pages, of which on the device
         self.row_seq: list[int | None] = [None] * R
         self.lens = np.zeros(R, dtype=np.int64)  # host copy of seq_lens
@@ -552,8 +554,8 @@ class Engine:
                     if seq not in self.row_seq:
                         raise KVTierError(f"token for unknown sequence {seq!r}")
                     self.tokens[self.row_seq.index(seq)] = int(tok)
-            if self.rank is not None:
-                self._upload_rank(active)
+            if self.priority is not None:
+                self._upload_priority()
             self._upload()
         self._prefill_queued = bool(chunks)
         self._chunks = chunks
@@ -812,7 +814,7 @@ class Engine:
 
     def view(self, B: int) -> StepView:
         once = self.budget is not None and self.budget.mode == "once"
-        return StepView(self.block_table, self.seq_lens, self.spans, self.pid_table, self.rank, B,
+        return StepView(self.block_table, self.seq_lens, self.spans, self.pid_table, self.priority, B,
                         self.layout.page_size, self.budget, once, self.dense_layers, self.layout.sliding_windows)
 
     def _measure_fidelity(self, layer, q, out, lse, scale, view) -> None:
@@ -939,17 +941,16 @@ class Engine:
         col[info.pids] = np.arange(info.pids.size)
         return lambda layer, pids: prio[layer, col[pids]]
 
-    def _upload_rank(self, rows: list[int]) -> None:
-        """Per (layer, row, logical page) the place of the page in the policy's order (0 best; ties: the
-        earlier page), for scopes that choose by the policy."""
-        prio = self._priority()
-        L, M = self.layout.num_layers, self.max_pages
-        rank = np.full((L, len(rows), M), M, dtype=np.int32)
-        for i, r in enumerate(rows):
-            pids = self.table.pages(self.row_seq[r])
-            order = np.argsort(-prio(slice(None), pids), axis=1, kind="stable")  # [L, n]
-            np.put_along_axis(rank[:, i], order, np.arange(pids.size, dtype=np.int32)[None, :], axis=1)
-        self.rank[:, rows] = torch.from_numpy(rank).to(self.device, non_blocking=True)
+    def _upload_priority(self) -> None:
+        """The policy's priority of every live page into ``priority [L, pids]``, for scopes that choose by the
+        policy (on the device, higher first, equal ones the earlier page: :func:`~kvtier.scopes.base.best_of`);
+        -inf and NaN as the lowest finite values, in the order a host sort puts them (-inf, then NaN)."""
+        info = page_info(self.table, self.step_idx)
+        prio = np.broadcast_to(self.policy.priority(info), (self.layout.num_layers, info.pids.size))  # [L, n]
+        low = np.finfo(np.float64).min
+        host = np.zeros(tuple(self.priority.shape))  # [L, pids]
+        host[:, info.pids] = np.where(prio > -np.inf, prio, np.where(np.isnan(prio), low, np.nextafter(low, 0)))
+        self.priority.copy_(torch.from_numpy(host), non_blocking=True)
 
     def _device_free(self) -> int:
         return int(self.table.tiers[0].num_free(self._layers).min())

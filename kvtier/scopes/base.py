@@ -29,7 +29,7 @@ class StepView:
     lens: torch.Tensor  # [R] int32 tokens, the one being written included
     spans: torch.Tensor  # [R, 2] int32 (sinks, win_start) of a token budget; (0, 0) where none applies
     pids: torch.Tensor  # [R, M] int32 pid of each logical page (-1 none)
-    rank: torch.Tensor | None  # [L, R, M] int32 policy rank of each page (0 best), when a scope needs it
+    priority: torch.Tensor | None  # [L, pids] float64 the policy's priority of each pid, when a scope needs it
     batch: int  # rows of the bucket
     page_size: int
     budget: TokenBudget | None
@@ -43,6 +43,11 @@ class StepView:
         lens = self.lens[:B].long()
         at = slice(layers.start, layers.stop) if isinstance(layers, range) else layers
         return self.table[at, :B], lens, (lens + self.page_size - 1) // self.page_size
+
+    def policy_scores(self, layers: int | range) -> torch.Tensor:
+        """The policy's priority of each row's logical pages ``[(L',) B, M]`` float64 (higher first)."""
+        at = slice(layers.start, layers.stop) if isinstance(layers, range) else layers
+        return self.priority[at][..., self.pids[:self.batch].clamp(min=0).long()]
 
     def window(self, layers: int | range) -> int:
         """Keys a query of the layer(s) sees (0: global); a range's layers share it."""

@@ -34,7 +34,7 @@ class All(Scope):
 
 class Resident(Scope):
     """The pages in the device tier (and the page being written); under a token budget, the middle pages
-    are the device pages the policy ranks best (its priority, ``view.rank``), as eviction libraries do."""
+    are the device pages the policy ranks best (its priority, ``view.policy_scores``), as eviction libraries do."""
 
     name = "resident"
     prefill_device_only = True
@@ -55,6 +55,6 @@ class Resident(Scope):
             first, tail_from = window_pages(lens.clamp(min=1), view.window(layers), view.page_size)
             keep = (table >= 0) | (logical >= tail_from[:, None])
             return compact(keep & (logical >= first[:, None]) & (logical < n_pages[:, None]))
-        at = slice(layers.start, layers.stop)  # view.rank [L, R, M]: continuous budgets only (once lists every page)
-        return budget_pick(layers, view, lambda cand, k: best_of(-view.rank[at, :view.batch].float(), cand, k),
+        # the policy's scores [L', B, M]: continuous budgets only (once lists every kept page)
+        return budget_pick(layers, view, lambda cand, k: best_of(view.policy_scores(layers), cand, k),
                            device_only=True)

@@ -106,7 +106,7 @@ class TopK(Scope):
         k_policy = int(round(self.policy_share * k))
         if not k_policy:
             return self._choose(layer, q, view, cand, k)
-        by_policy = best_of(-view.rank[layer, :view.batch].float(), cand, k_policy)  # [B, k_policy]
+        by_policy = best_of(view.policy_scores(layer), cand, k_policy)  # [B, k_policy]
         taken = torch.zeros_like(cand).scatter_(1, by_policy.clamp(min=0).long(), by_policy >= 0)
         rest = self._choose(layer, q, view, cand & ~taken, k - k_policy)
         return torch.cat([by_policy, rest], 1)
