@@ -49,7 +49,6 @@ from kvtier.engine.runner import make_runner
 from kvtier.engine.stats import KeyStats, QueryStats
 from kvtier.errors import ConfigError, KVTierError, TierFullError
 from kvtier.eval.fidelity import FidelityStats, attention_fidelity
-from kvtier.kernels.base import upload
 from kvtier.kernels.reference import TorchBackend
 from kvtier.kernels.registry import make_backend
 from kvtier.layout import KVLayout
@@ -359,7 +358,7 @@ class Engine:
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32) or ids.numel() < 1:
             raise ConfigError("prompt", f"token ids must be a non-empty integer tensor, got "
                                         f"{getattr(ids, 'dtype', type(ids).__name__)}")
-        return ids.long().cpu()  # the iteration uploads its token row once
+        return ids.long()
 
     @torch.no_grad()
     def add_written(self, n_tokens: int, kv_of, next_token: int = 0) -> int:
@@ -446,7 +445,7 @@ class Engine:
         """
         if self.runner is None:
             raise ConfigError("model", "this engine has no model to run; drive it through TieredKVCache")
-        ids = [self._check_ids(x) for _, x in chunks]
+        ids = [self._check_ids(x).to(self.device, non_blocking=True) for _, x in chunks]
         T = sum(int(x.numel()) for x in ids)
         bucket = next((b for b in TOKEN_BUCKETS if b >= T), None) if ids and self._capturable(all_logits) else None
         B = self._begin([(seq, int(x.numel())) for (seq, _), x in zip(chunks, ids)], decode, tokens, bucket)
@@ -466,18 +465,17 @@ class Engine:
             if self._bucket is not None:  # captured at a token bucket: the inputs into the static buffers, padded
                 R = self.config.max_batch
                 inputs = self._iteration_inputs()
-                upload(inputs["ids"][:Tb], torch.nn.functional.pad(torch.cat(ids), (0, Tb - T)))
-                upload(inputs["pos"][:Tb], torch.nn.functional.pad(pos, (0, Tb - T)))
-                upload(inputs["keep"][:B + R], torch.from_numpy(np.pad(keep, (0, B + R - keep.size))))
+                inputs["ids"][:Tb].copy_(torch.nn.functional.pad(torch.cat(ids), (0, Tb - T)))
+                inputs["pos"][:Tb].copy_(torch.nn.functional.pad(pos, (0, Tb - T)), non_blocking=True)
+                inputs["keep"][:B + R].copy_(torch.from_numpy(np.pad(keep, (0, B + R - keep.size))), non_blocking=True)
                 self._replay(("iteration", B, Tb, self.prefill_attention.shape(), self.prefill_attention.version),
                              lambda: self._captured_iteration(B, Tb))
                 logits = inputs["logits"][:keep.size].clone()
             else:
-                inputs = torch.empty(2 * T + keep.size, dtype=torch.int64, device=self.device)
-                upload(inputs, torch.cat([torch.cat(ids), pos, torch.from_numpy(keep)]))
-                row = torch.cat([self.tokens[:B], inputs[:T]])[None]  # [1, B + T]
-                positions = torch.cat([self.positions[:B], inputs[T:2 * T]])[None]  # [1, B + T]
-                logits = self._run_iteration(row, positions, inputs[2 * T:], B)  # [k, V]
+                row = torch.cat([self.tokens[:B]] + ids)[None]  # [1, B + T]
+                positions = torch.cat([self.positions[:B], pos.to(self.device, non_blocking=True)])[None]  # [1, B + T]
+                keep_at = torch.from_numpy(keep).to(self.device, non_blocking=True)
+                logits = self._run_iteration(row, positions, keep_at, B)  # [k, V]
         finally:
             self._mode = "idle" if not B else "decode"
         if B:
@@ -952,7 +950,7 @@ class Engine:
         low = np.finfo(np.float64).min
         host = np.zeros(tuple(self.priority.shape))  # [L, pids]
         host[:, info.pids] = np.where(prio > -np.inf, prio, np.where(np.isnan(prio), low, np.nextafter(low, 0)))
-        upload(self.priority, torch.from_numpy(host))
+        self.priority.copy_(torch.from_numpy(host), non_blocking=True)
 
     def _device_free(self) -> int:
         return int(self.table.tiers[0].num_free(self._layers).min())
@@ -1080,16 +1078,16 @@ class Engine:
     def _upload(self) -> None:
         """Lengths, positions and spans every step; the block-table rows that changed."""
         lens = torch.from_numpy(self.lens)
-        upload(self.seq_lens, lens)
-        upload(self.positions, (lens - 1).clamp(min=0))
-        upload(self.spans, torch.from_numpy(self.span_host))
+        self.seq_lens.copy_(lens, non_blocking=True)
+        self.positions.copy_((lens - 1).clamp(min=0), non_blocking=True)
+        self.spans.copy_(torch.from_numpy(self.span_host), non_blocking=True)
         if 2 * len(self._dirty) > self.config.max_batch:
-            upload(self.home, torch.from_numpy(self.mirror))
-            upload(self.pid_table, torch.from_numpy(self.pid_mirror))
+            self.home.copy_(torch.from_numpy(self.mirror), non_blocking=True)
+            self.pid_table.copy_(torch.from_numpy(self.pid_mirror), non_blocking=True)
         else:
             for r in self._dirty:
-                upload(self.home[:, r], torch.from_numpy(self.mirror[:, r]))
-                upload(self.pid_table[r], torch.from_numpy(self.pid_mirror[r]))
+                self.home[:, r].copy_(torch.from_numpy(self.mirror[:, r]), non_blocking=True)
+                self.pid_table[r].copy_(torch.from_numpy(self.pid_mirror[r]), non_blocking=True)
         if self.recall is None and self.block_table is not self.home:
             self.block_table.copy_(self.home)
         self._dirty.clear()

@@ -24,7 +24,7 @@ import torch
 
 from kvtier.engine.stats import page_mass
 from kvtier.errors import KVTierError
-from kvtier.kernels.base import PagedBatch, page_salience, upload
+from kvtier.kernels.base import PagedBatch, page_salience
 from kvtier.kernels.merge import merge_many
 from kvtier.quant import dequantize
 from kvtier.window import attended_range
@@ -62,16 +62,13 @@ CAPTURE_TOKENS = 1024  # an iteration of up to this many chunk tokens plans into
 
 def _put(dst: torch.Tensor, src: np.ndarray) -> None:
     """Host values into the start of a device array (no sync)."""
-    upload(dst[:src.size], torch.from_numpy(np.ascontiguousarray(src)).to(dst.dtype))
+    dst[:src.size].copy_(torch.from_numpy(np.ascontiguousarray(src)).to(dst.dtype), non_blocking=True)
 
 
 def _put_rows(dst: torch.Tensor, rows: np.ndarray, src: np.ndarray) -> None:
     """``src [r, n]`` into rows ``rows [r]`` of a device array ``[R', >= n]``, columns ``[0, n)``."""
-    values = torch.empty(src.shape, dtype=dst.dtype, device=dst.device)
-    upload(values, torch.from_numpy(np.ascontiguousarray(src)).to(dst.dtype))
-    index = torch.empty(rows.shape, dtype=torch.int64, device=dst.device)
-    upload(index, torch.from_numpy(np.asarray(rows, dtype=np.int64)))
-    dst[index, :src.shape[1]] = values
+    index = torch.from_numpy(rows).to(dst.device, non_blocking=True)
+    dst[index, :src.shape[1]] = torch.from_numpy(np.ascontiguousarray(src)).to(dst.device, dst.dtype, non_blocking=True)
 
 
 def _last_page_lens(tokens: np.ndarray, row_ptr: np.ndarray) -> np.ndarray:
@@ -201,7 +198,7 @@ class PrefillAttention:
         if plans:
             _put(lists.kv_ptr.view(-1), kv_ptr.reshape(-1))
             _put(lists.last.view(-1), last.reshape(-1))
-            upload(lists.indices[:, :, :width], torch.from_numpy(indices).to(lists.indices.dtype))
+            lists.indices[:, :, :width].copy_(torch.from_numpy(indices).to(lists.indices.dtype), non_blocking=True)
         self.groups = []
         for layers, parts in plans:
             window = self.layout.window(int(layers[0]))

@@ -139,14 +139,6 @@ def page_salience(page_max: torch.Tensor, lse: torch.Tensor, batch: PagedBatch, 
     return prob.view(nnz, num_kv_heads, heads // num_kv_heads).amax(-1)  # [nnz, N_kv]
 
 
-def upload(dst: torch.Tensor, src) -> None:
-    """Host values ``src`` (numpy or a CPU tensor, ``dst``'s shape) into device tensor ``dst`` without waiting for the
-    queued work: through pinned memory on CUDA (the driver stages a pageable copy, and behind a running iteration
-    that took ~0.2 ms a copy on the H200's host), a plain copy elsewhere."""
-    src = torch.as_tensor(src)
-    dst.copy_(src.pin_memory() if dst.device.type == "cuda" else src, non_blocking=True)
-
-
 def to_device(arrays: list, device, dtype: torch.dtype = torch.int32) -> list[torch.Tensor]:
     """Host int arrays (numpy or CPU tensors) as ``dtype`` tensors on ``device``.
 
