@@ -58,6 +58,21 @@ def test_h2o_keeps_the_largest_accumulated_attention():
     assert pol.attention_rows is None  # every query row (prefill rows included)
 
 
+def test_attention_statistics_of_a_run_of_pids_are_read_only_views_equal_to_a_gather():
+    """A sequence's pids in one ascending run read the store's arrays in place (read-only); any other set of pids
+    gathers them; both give the same values."""
+    pol = feed(H2O(sinks=0, window=0), [[[0.1, 0.2, 0.3, 0.4, 0.5, 0.6]]] * 3)
+    store = pol.store
+    run = store.stats(PageInfo(np.arange(1, 5), np.arange(4), np.full(4, 64), 16, 0))
+    scattered = store.stats(PageInfo(np.array([4, 1, 3]), np.arange(3), np.full(3, 48), 16, 0))
+    assert np.shares_memory(run.attention_total, store.acc) and not run.attention_total.flags.writeable
+    assert np.array_equal(run.attention_total, store.acc[:, 1:5])
+    assert not np.shares_memory(scattered.attention_total, store.acc)
+    assert np.array_equal(scattered.attention_total, store.acc[:, [4, 1, 3]])
+    with pytest.raises(ValueError):
+        run.attention_total[0, 0, 0] = 1.0  # a scorer cannot write into the store
+
+
 def test_tova_drops_the_page_the_last_query_attends_least():
     # page 0 is the heavy hitter of the past; the newest query gives it the least
     steps = [[[0.9, 0.05, 0.02, 0.03]]] * 4 + [[[0.01, 0.5, 0.3, 0.19]]]

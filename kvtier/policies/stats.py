@@ -128,12 +128,26 @@ class PageStats:
     store: StatsStore = field(repr=False)
 
     @cached_property
+    def _cols(self) -> slice | np.ndarray:
+        """The candidates' pids as a slice when they are one ascending run (the arrays' views then, no copy)."""
+        p = self.info.pids
+        if p.size and p[-1] - p[0] + 1 == p.size and (np.diff(p) == 1).all():
+            return slice(int(p[0]), int(p[-1]) + 1)
+        return p
+
+    @staticmethod
+    def _read_only(a: np.ndarray) -> np.ndarray:
+        """``a`` (perhaps a view of the store's arrays) as a scorer may read it, never write."""
+        a.flags.writeable = False
+        return a
+
+    @cached_property
     def attention_total(self) -> np.ndarray:
         """Attention summed over every observed query row ``[L, n, N_kv]`` (H2O's accumulated score)."""
         if self.store.acc is None:
             return np.zeros((self.store.L, self.info.pids.size, 1))
         self.store._grow(int(self.info.pids.max(initial=-1)) + 1)
-        return self.store.acc[:, self.info.pids]
+        return self._read_only(self.store.acc[:, self._cols])
 
     @cached_property
     def attention_last(self) -> np.ndarray:
@@ -150,7 +164,7 @@ class PageStats:
         if self.store.window_sum is None:
             return np.zeros((self.store.L, self.info.pids.size, 1))
         self.store._grow(int(self.info.pids.max(initial=-1)) + 1)
-        return self.store.window_sum[:, self.info.pids]
+        return self._read_only(self.store.window_sum[:, self._cols])
 
     @cached_property
     def salience(self) -> np.ndarray:
