@@ -189,8 +189,8 @@ class ServeScheduler:
                 if self._start_decode(state, first):
                     owners.append((state, sum(t.numel() for t in new)))
                     new.append(first)
-        none = torch.zeros(0, dtype=torch.int64, device=self.engine.device)  # a chunk that ends no prompt
-        launched = self._launch(torch.cat(new) if new else none, owners, t0)
+        launched = self._launch(torch.cat(new) if new else  # a chunk that ends no prompt: none
+                                torch.zeros(0, dtype=torch.int64, device=self.engine.device), owners, t0)
         self.stats.plan_s.append(self.clock() - t0)
         self._read_back(finished)  # the iteration before (when one runs ahead), else this one
         self.inflight = launched
