@@ -88,10 +88,12 @@ def test_preempted_requests_resume_to_the_same_tokens(setup, mode, lookahead):
     assert n > 0 and sum(s.preemptions for s in sched.done) == sched.stats.recomputes + sched.stats.swaps
 
 
-def test_tiered_engine_holds_the_batch_without_preemption(setup):
-    """The same HBM plus host DRAM: pages go down a tier instead of requests being preempted."""
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_tiered_engine_holds_the_batch_without_preemption(setup, lookahead):
+    """The same HBM plus host DRAM: pages go down a tier instead of requests being preempted (and with the next
+    iteration planned before the last one's tokens are read, pages moving between them)."""
     model, layout, prompts, want = setup
-    sched, got = serve(model, layout, prompts, device_pages=9, host_pages=40)
+    sched, got = serve(model, layout, prompts, device_pages=9, host_pages=40, lookahead=lookahead)
     assert got == want
     assert sched.stats.recomputes == sched.stats.swaps == 0
     assert max(occ["host"] for _, occ, _ in sched.stats.occupancy) > 0
