@@ -227,8 +227,10 @@ class BlockTable:
     def _release(self, pids: np.ndarray) -> None:
         """Free ``pids [n]`` in every layer: one call per tier with each slot's layer."""
         tier = self.tier_of[:, pids]  # [L, n]
-        for t in np.unique(tier[tier >= 0]):
+        for t in range(len(self.tiers)):
             layers, cols = np.nonzero(tier == t)
+            if not layers.size:
+                continue
             self.tiers[t].free(layers, torch.from_numpy(self.slot_of[layers, pids[cols]]))
         self.tier_of[:, pids] = -1
         self.slot_of[:, pids] = -1

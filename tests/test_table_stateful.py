@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from kvtier import BlockTable, KVLayout
-from kvtier.errors import TierFullError
+from kvtier.errors import KVTierError, TierFullError
 from kvtier.paged_io import read_tokens, write_tokens
 from kvtier.policies import ASPE
 from kvtier.scheduler import LookaheadScheduler
@@ -158,3 +158,20 @@ def test_stateful_long():
     ops = TableMachine.ops - start
     print(f"stateful: {ops} operations in {time.time() - t0:.0f} s")
     assert ops >= 100_000
+
+
+def test_a_tier_refuses_a_bad_free_and_keeps_its_slots():
+    """Freeing a slot twice in one call, or one never allocated, raises before anything is freed."""
+    layout = KVLayout(num_layers=3, num_kv_heads=1, head_dim=4, page_size=4, dtype="float32")
+    tier = DeviceTier(layout, 6, device="cpu")
+    layers = np.array([0, 0, 1, 2, 2])
+    slots = tier.alloc(layers).numpy()  # [5]
+    before = [tier.num_free(layer) for layer in range(3)]
+    for bad_layers, bad_slots in ((np.array([0, 0]), slots[[0, 0]]),  # the same slot of layer 0 twice
+                                  (np.array([1]), np.array([(slots[2] + 1) % 6]))):  # not allocated
+        with pytest.raises(KVTierError, match="not allocated"):
+            tier.free(bad_layers, torch.from_numpy(bad_slots))
+        assert [tier.num_free(layer) for layer in range(3)] == before
+    tier.free(layers, torch.from_numpy(slots))  # each once: all back
+    assert [tier.num_free(layer) for layer in range(3)] == [6, 6, 6]
+    assert sorted(tier.alloc(np.zeros(6, dtype=np.int64)).tolist()) == list(range(6))

@@ -47,6 +47,7 @@ class Tier(ABC):
         self._stack = np.tile(np.arange(capacity - 1, -1, -1, dtype=np.int64), (L, 1))  # [L, cap] free slots on top
         self._top = np.full(L, capacity, dtype=np.int64)  # [L] free slots per layer
         self._used = np.zeros((L, capacity), dtype=bool)  # [L, cap]
+        self._marks = np.zeros((L, capacity), dtype=np.int32)  # [L, cap] scratch of free's double-free check
 
     # -- bookkeeping -------------------------------------------------------------------------
     def alloc(self, layer, n: int = 1) -> torch.Tensor:
@@ -73,8 +74,12 @@ class Tier(ABC):
         if s.size == 0:
             return
         layers = np.broadcast_to(np.asarray(layer, dtype=np.int64), s.shape)  # [n]
-        if (s < 0).any() or (s >= self.capacity).any() or not self._used[layers, s].all() \
-                or np.unique(layers * self.capacity + s).size != s.size:
+        bad = (s < 0).any() or (s >= self.capacity).any() or not self._used[layers, s].all()
+        if not bad:  # a slot given twice: a later entry overwrites an earlier one's mark (no sort)
+            entry = np.arange(s.size, dtype=np.int32)
+            self._marks[layers, s] = entry
+            bad = not (self._marks[layers, s] == entry).all()
+        if bad:
             where = f"layer {layer}" if np.ndim(layer) == 0 else f"layers {layers.tolist()}"
             raise KVTierError(f"tier '{self.name}' {where}: free of slots not allocated: {s.tolist()}")
         self._used[layers, s] = False
@@ -133,6 +138,8 @@ class Tier(ABC):
 
 def _rank_in_layer(layers: np.ndarray, count: np.ndarray) -> np.ndarray:
     """``[n]``: how many earlier entries of ``layers`` ``[n]`` name the same layer (``count [L]``: entries per layer)."""
+    if layers.size and (layers[1:] >= layers[:-1]).all():  # grouped by layer already (np.nonzero's order): no sort
+        return np.arange(layers.size) - (np.cumsum(count) - count)[layers]
     order = np.argsort(layers, kind="stable")
     rank = np.empty_like(layers)
     rank[order] = np.arange(layers.size) - (np.cumsum(count) - count)[layers[order]]
