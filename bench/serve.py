@@ -347,11 +347,11 @@ def main():
     base = SMOKE if args.smoke else Sizes()
     sz = replace(base, new=base.new if args.new_tokens is None else args.new_tokens,
                  session=base.session if args.prompt_tokens is None else args.prompt_tokens,
-                 trace=args.trace or base.trace, rows=args.rows or base.rows)
+                 trace=args.trace or base.trace, rows=base.rows if args.rows is None else args.rows)
     parts = args.parts.split(",")
-    if sz.new < 2 or args.requests < 2 or not set(parts) <= set(COLUMNS):
+    if sz.new < 2 or args.requests < 2 or sz.rows < 1 or sz.session < 1 or not set(parts) <= set(COLUMNS):
         ap.error(f"--new-tokens >= 2 (the scaled ITL SLO needs a decode gap), --requests >= 2 (a gap between "
-                 f"arrivals), --parts among {list(COLUMNS)}")
+                 f"arrivals), --rows and --prompt-tokens >= 1, --parts among {list(COLUMNS)}")
     rates = [float(r) for r in (args.rates or ("2,20" if args.smoke else "0.25,0.5,1,2")).split(",")]
     rng = np.random.default_rng(0)
     if args.smoke:

@@ -340,7 +340,7 @@ class Engine:
             pids = self.table.pages(seq)
             for layer in range(self.layout.num_layers):
                 cand = view.candidates(self.table.tier_of[layer, pids] >= 0)
-                keep = np.argsort(-prio(layer, pids[cand]), kind="stable")[:self.budget.middle_pages]
+                keep = np.argsort(-prio[layer, pids[cand]], kind="stable")[:self.budget.middle_pages]
                 drop = pids[np.delete(cand, keep)]
                 self.transfer.wait(layer, drop)
                 self.stats.compressed_pages += self.table.drop(layer, drop).size
@@ -933,23 +933,22 @@ class Engine:
         view = self.budget.view(n, self.win_start.get(seq))
         return (0, 0) if view is None else (view.sinks, view.win_start)
 
-    def _priority(self):
-        """``rank(layer, pids) -> [n]`` (``layer`` an int or a slice): the policy's priority of pages, computed once."""
+    def _priority(self) -> np.ndarray:
+        """The policy's priority of every live page by pid ``[L, pid capacity]`` (0 for a pid no page holds),
+        computed once."""
         info = page_info(self.table, self.step_idx)
-        prio = np.broadcast_to(self.policy.priority(info), (self.layout.num_layers, info.pids.size))
-        col = np.full(int(info.pids.max(initial=-1)) + 1, -1, dtype=np.int64)
-        col[info.pids] = np.arange(info.pids.size)
-        return lambda layer, pids: prio[layer, col[pids]]
+        prio = np.zeros((self.layout.num_layers, self.table.ref.size))
+        prio[:, info.pids] = self.policy.priority(info)  # [1 or L, n]
+        return prio
 
     def _upload_priority(self) -> None:
         """The policy's priority of every live page into ``priority [L, pids]``, for scopes that choose by the
         policy (on the device, higher first, equal ones the earlier page: :func:`~kvtier.scopes.base.best_of`);
         -inf and NaN as the lowest finite values, in the order a host sort puts them (-inf, then NaN)."""
-        info = page_info(self.table, self.step_idx)
-        prio = np.broadcast_to(self.policy.priority(info), (self.layout.num_layers, info.pids.size))  # [L, n]
+        prio = self._priority()  # [L, pids]
         low = np.finfo(np.float64).min
         host = np.zeros(tuple(self.priority.shape))  # [L, pids]
-        host[:, info.pids] = np.where(prio > -np.inf, prio, np.where(np.isnan(prio), low, np.nextafter(low, 0)))
+        host[:, :prio.shape[1]] = np.where(prio > -np.inf, prio, np.where(np.isnan(prio), low, np.nextafter(low, 0)))
         self.priority.copy_(torch.from_numpy(host), non_blocking=True)
 
     def _device_free(self) -> int:

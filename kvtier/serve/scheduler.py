@@ -319,7 +319,7 @@ class ServeScheduler:
         resumes after a preemption: its next input is its last output, and ``first`` is not emitted."""
         if self.tree is not None:
             n = self.engine.table.seq_len(state.seq)
-            self.tree.insert(state.tokens[:n], self.engine.table.pages(state.seq), after=state.match)
+            self.tree.insert(state.held(n), self.engine.table.pages(state.seq), after=state.match)
         resumed = bool(state.output)
         self.engine.start_decode(state.seq, state.output[-1] if resumed else first)
         state.decoding = True
