@@ -112,7 +112,7 @@ def test_prefill_on_a_shared_prefix_computes_its_tail_and_copies_no_device_page(
     if on_host:
         engine.transfer.migrate_many([(layer, prefix, 1) for layer in range(layout.num_layers)])
         engine.transfer.synchronize()
-    engine.scheduler.plan = lambda table, policy, step, reserve=0: MigrationPlan(step)  # the prefix stays put
+    engine.scheduler.plan = lambda table, policy, step, reserve=0, ranking=None: MigrationPlan(step)  # the prefix stays put
     gathered = []
     gather = engine.transfer.gather
     engine.transfer.gather = lambda layer, pids, device: gathered.append(layer) or gather(layer, pids, device)
@@ -452,3 +452,33 @@ def test_idle_rows_of_a_bucket_add_no_keys(tiny):
     before = engine.keys.count[:, first].clone()
     engine.step()
     assert torch.equal(engine.keys.count[:, first], before) and before.min() == 8
+
+
+@pytest.mark.parametrize("name, asks", [("h2o", 1), ("aspe", 2)])
+def test_one_ranking_per_step_serves_the_plan_and_the_device_table(tiny, name, asks):
+    """A decode step asks the policy for its priority once: the placement plan's ranking also fills the scopes'
+    device priority table (twice for ASPE, whose priority a new step changes: its salience history turns). The
+    table holds, for every page the budget ranks, what the policy says when the step is planned."""
+    from kvtier.budget import TokenBudget
+    from kvtier.policies import POLICIES
+
+    model, layout = tiny
+    policy = POLICIES[name](sinks=4, window=8)
+    budget = TokenBudget(40, 4, 8, layout.page_size)
+    engine = Engine(model, layout, [DeviceTier(layout, 12, device="cpu"), HostTier(layout, 64)], policy, "resident",
+                    prefill=ChunkedPrefill(32), budget=budget, config=EngineConfig(max_context=160))
+    seq, _ = engine.add(torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(3)))
+    calls, real = [], policy.priority
+    policy.priority = lambda info: calls.append(info.step) or real(info)
+    try:
+        for _ in range(2 * layout.page_size):
+            before = len(calls)
+            engine.step()
+            assert len(calls) - before == asks
+            view = budget.view(engine.table.seq_len(seq))
+            middle = engine.table.pages(seq)[view.cand_lo:view.cand_hi]  # the pages the budget ranks
+            fresh = engine._priority()[:, middle]
+            assert np.isfinite(fresh).all()
+            assert np.array_equal(engine.priority[:, middle].numpy(), fresh)
+    finally:
+        del policy.priority

@@ -58,7 +58,8 @@ from kvtier.policies.base import Policy
 from kvtier.policies.stats import NEEDS
 from kvtier.scheduler.base import Scheduler
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
-from kvtier.scheduler.lookahead import LookaheadScheduler, page_info
+from kvtier.scheduler.base import Ranking
+from kvtier.scheduler.lookahead import LookaheadScheduler
 from kvtier.scopes import All, Resident, Scope, StepView, make_scope
 from kvtier.scopes.base import DROPPED_LOC
 from kvtier.scopes.recall import RecallCache
@@ -197,6 +198,7 @@ class Engine:
         self.row_seq: list[int | None] = [None] * R
         self.lens = np.zeros(R, dtype=np.int64)  # host copy of seq_lens
         self.win_start: dict[int, int] = {}  # sequence -> the window's start fixed by compress-once
+        self._ranking = None  # the policy's Ranking of the step being planned (None: not asked yet)
         needs = policy.needs
         self.keys = KeyStats(layout, _pid_capacity(held), dev, getattr(self.scope, "sketch_rank", 0)) \
             if self.scope.needs_keys or "keys" in needs else None
@@ -854,6 +856,7 @@ class Engine:
     def _open_step(self, rows: list[int], q_lens: list[int]) -> None:
         """Plan: the policy hears the past, pages leave sliding windows, the scheduler moves pages, rows grow."""
         self.feedback.take(upto=self.step_idx + 1 - self.lookahead if self.lookahead else None)
+        self._ranking = None
         self._free_finished(block=False)
         self._drop_out_of_window()
         # pages a prefill step wrote may still be queued: the copies wait for the compute stream then; a decode
@@ -933,19 +936,21 @@ class Engine:
         view = self.budget.view(n, self.win_start.get(seq))
         return (0, 0) if view is None else (view.sinks, view.win_start)
 
-    def _priority(self) -> np.ndarray:
-        """The policy's priority of every live page by pid ``[L, pid capacity]`` (0 for a pid no page holds),
-        computed once."""
-        info = page_info(self.table, self.step_idx)
+    def _priority(self, ranking: Ranking | None = None) -> np.ndarray:
+        """The policy's priority of every live page by pid ``[L, pid capacity]`` (0 for a pid no page holds), from
+        ``ranking`` (None: asked now)."""
+        ranking = ranking or Ranking.of(self.table, self.policy, self.step_idx)
         prio = np.zeros((self.layout.num_layers, self.table.ref.size))
-        prio[:, info.pids] = self.policy.priority(info)  # [1 or L, n]
+        prio[:, ranking.info.pids] = ranking.priority  # [1 or L, n]
         return prio
 
     def _upload_priority(self) -> None:
         """The policy's priority of every live page into ``priority [L, pids]``, for scopes that choose by the
         policy (on the device, higher first, equal ones the earlier page: :func:`~kvtier.scopes.base.best_of`);
-        -inf and NaN as the lowest finite values, in the order a host sort puts them (-inf, then NaN)."""
-        prio = self._priority()  # [L, pids]
+        -inf and NaN as the lowest finite values, in the order a host sort puts them (-inf, then NaN). The step's
+        placement plan's ranking serves when the policy has heard nothing since that changes an old page's priority
+        (pages appended since are each sequence's newest: in the budget's window, never ranked)."""
+        prio = self._priority(None if self.policy.hears_step else self._ranking)  # [L, pids]
         low = np.finfo(np.float64).min
         host = np.zeros(tuple(self.priority.shape))  # [L, pids]
         host[:, :prio.shape[1]] = np.where(prio > -np.inf, prio, np.where(np.isnan(prio), low, np.nextafter(low, 0)))
@@ -961,11 +966,13 @@ class Engine:
             return
         self._switch_moved()  # moves give their source slots back once their copy and fence pass
         self._pin_unsettled(True)
+        step = max(self.step_idx, 0)
+        self._ranking = Ranking.of(self.table, self.policy, step)
         try:
-            plan = self.scheduler.plan(self.table, self.policy, max(self.step_idx, 0), reserve=reserve)
+            plan = self.scheduler.plan(self.table, self.policy, step, reserve=reserve, ranking=self._ranking)
         except TierFullError:  # slots of moves still in flight: wait for their fences, once
             self._wait_room()
-            plan = self.scheduler.plan(self.table, self.policy, max(self.step_idx, 0), reserve=reserve)
+            plan = self.scheduler.plan(self.table, self.policy, step, reserve=reserve, ranking=self._ranking)
         finally:
             self._pin_unsettled(False)
         self.stats.planned_pages += plan.num_pages()

@@ -117,6 +117,11 @@ class Policy(ABC):
         return False
 
     @property
+    def hears_step(self) -> bool:
+        """Does :meth:`on_step` change a page's priority? (Engines then ask for it again after the step begins.)"""
+        return type(self).on_step is not Policy.on_step
+
+    @property
     def hears_access(self) -> bool:
         """Does :meth:`on_access` change anything? (Engines skip gathering accesses for policies that ignore them.)"""
         return type(self).on_access is not Policy.on_access

@@ -73,6 +73,10 @@ class Compose(Policy):
     def hears_access(self) -> bool:
         return any(p.hears_access for p in self.parts)
 
+    @property
+    def hears_step(self) -> bool:
+        return any(p.hears_step for p in self.parts)
+
     def on_salience(self, layer, pids, scores, step):
         for p in self.parts:
             p.on_salience(layer, pids, scores, step)

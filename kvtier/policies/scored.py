@@ -105,6 +105,10 @@ class ScoredPolicy(Policy):
     def on_step(self, step):
         self.store.on_step(step)
 
+    @property
+    def hears_step(self) -> bool:
+        return self.needs_salience  # a step opens a new row of the salience history
+
     def on_append(self, pids, step):
         self.store.on_append(pids)
 

@@ -78,12 +78,13 @@ class StatsStore:
             summed = _sum_by(cell, values, span * P).reshape(span, P, -1)
             return summed if named.size == span else summed[named - lo]
 
-        self.acc[at] += by_page(mass.sum(0))
-        for row in mass[-self.rows:]:
+        newest = [by_page(row) for row in mass[-self.rows:]]  # [l, P, N_kv] each
+        self.acc[at] += newest[0] if mass.shape[0] == 1 else by_page(mass.sum(0))
+        for row in newest:
             slot = self.head[named] % self.rows  # [l]
             ring = (slot[0], at) if (slot == slot[0]).all() else (slot, named)  # a view when one slot, contiguous
             self.window_sum[at] -= self.ring[ring]  # the row leaving the window
-            self.ring[ring] = by_page(row)  # a page the row did not attend gets 0 from it
+            self.ring[ring] = row  # a page the row did not attend gets 0 from it
             self.window_sum[at] += self.ring[ring]
             self.head[named] += 1
 

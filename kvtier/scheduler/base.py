@@ -7,6 +7,39 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvtier.policies.base import PageInfo, Policy
+
+
+def page_info(table, step: int) -> PageInfo:
+    """All live pages as policy candidates (a shared page appears once, under its first holder)."""
+    seqs = list(table.seqs.values())
+    if not seqs:
+        empty = np.zeros(0, dtype=np.int64)
+        return PageInfo(empty, empty, empty, table.layout.page_size, step)
+    pids = np.concatenate([np.asarray(s.pids, dtype=np.int64) for s in seqs])  # [n] with repeats
+    logical = np.concatenate([np.arange(len(s.pids)) for s in seqs])
+    seq_len = np.concatenate([np.full(len(s.pids), s.length, dtype=np.int64) for s in seqs])
+    first = np.sort(np.unique(pids, return_index=True)[1])  # first holder of each pid, in order
+    return PageInfo(pids[first], logical[first], seq_len[first], table.layout.page_size, step)
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """What the policy says of every live page at one moment: the pages (``info``, n of them), their
+    ``priority [1 or L, n]`` (float64, higher stays on the device) and ``admit [1 or L, n]`` (may a page off the
+    device be promoted). Computed once per step plan; the placement plan and the scopes' device table read it."""
+
+    info: PageInfo
+    priority: np.ndarray
+    admit: np.ndarray
+
+    @classmethod
+    def of(cls, table, policy: Policy, step: int) -> "Ranking":
+        info = page_info(table, step)
+        if info.pids.size == 0:
+            return cls(info, np.zeros((1, 0)), np.zeros((1, 0), dtype=bool))
+        return cls(info, np.asarray(policy.priority(info), dtype=np.float64), np.asarray(policy.admit(info)))
+
 
 @dataclass
 class Move:
@@ -35,8 +68,9 @@ class Scheduler(ABC):
     """Plans page placement; ``execute`` hands a plan to the TransferEngine."""
 
     @abstractmethod
-    def plan(self, table, policy, step: int, reserve: int = 0) -> MigrationPlan:
-        """Plan for ``step``, keeping ``reserve`` free device slots per layer for new pages."""
+    def plan(self, table, policy, step: int, reserve: int = 0, ranking: Ranking | None = None) -> MigrationPlan:
+        """Plan for ``step``, keeping ``reserve`` free device slots per layer for new pages; ``ranking``: the
+        policy's :class:`Ranking` at this step when the caller has it (else the plan asks the policy)."""
 
     def execute(self, plan: MigrationPlan, transfer) -> None:
         for move in plan.moves:

@@ -22,21 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.errors import ConfigError, TierFullError
-from kvtier.policies.base import PINNED, PageInfo, Policy
-from kvtier.scheduler.base import MigrationPlan, Move, Scheduler
-
-
-def page_info(table, step: int) -> PageInfo:
-    """All live pages as policy candidates (a shared page appears once, under its first holder)."""
-    seqs = list(table.seqs.values())
-    if not seqs:
-        empty = np.zeros(0, dtype=np.int64)
-        return PageInfo(empty, empty, empty, table.layout.page_size, step)
-    pids = np.concatenate([np.asarray(s.pids, dtype=np.int64) for s in seqs])  # [n] with repeats
-    logical = np.concatenate([np.arange(len(s.pids)) for s in seqs])
-    seq_len = np.concatenate([np.full(len(s.pids), s.length, dtype=np.int64) for s in seqs])
-    first = np.sort(np.unique(pids, return_index=True)[1])  # first holder of each pid, in order
-    return PageInfo(pids[first], logical[first], seq_len[first], table.layout.page_size, step)
+from kvtier.policies.base import PINNED, Policy
+from kvtier.scheduler.base import MigrationPlan, Move, Ranking, Scheduler
 
 
 CACHED = np.finfo(np.float64).min  # the priority of a page only the prefix cache holds: below every policy's
@@ -55,21 +42,19 @@ def cached_pages(table, live: np.ndarray) -> np.ndarray:
 def order_ranks(rows: np.ndarray, flags: np.ndarray) -> np.ndarray:
     """Place ``[L, n]`` of each page in its layer's order: ``flags [L, n]`` ascending, then priority ``rows [1 or L,
     n]`` descending, ties to the earlier page. A stable sort by priority, then a stable (radix) sort of that order by
-    the flags; layers with the same flags and priority row (most, when the priority is the same for every layer) are
-    ranked once."""
+    the flags, every layer in one call; with one priority row, layers with the same flags (most) are ranked once."""
     L, n = flags.shape
     by_prio = np.argsort(-rows, axis=1, kind="stable")  # [1 or L, n]
-    rank = np.empty((L, n), dtype=np.int64)
-    ranked: dict = {}
-    for layer in range(L):
-        p = layer if rows.shape[0] > 1 else 0
-        key = (p, flags[layer].tobytes())
-        if key not in ranked:
-            order = by_prio[p][np.argsort(flags[layer, by_prio[p]], kind="stable")]  # [n]
-            ranked[key] = np.empty(n, dtype=np.int64)
-            ranked[key][order] = np.arange(n)
-        rank[layer] = ranked[key]
-    return rank
+    layer_of = None
+    if rows.shape[0] == 1 and L > 1:
+        first: dict = {}  # a layer's flags (bytes) -> index among the distinct rows
+        layer_of = np.array([first.setdefault(row.tobytes(), len(first)) for row in flags])  # [L]
+        flags = flags[np.unique(layer_of, return_index=True)[1]]  # [u, n] the distinct flag rows, in that order
+    by_prio = np.broadcast_to(by_prio, flags.shape)
+    order = np.take_along_axis(by_prio, np.argsort(np.take_along_axis(flags, by_prio, 1), axis=1, kind="stable"), 1)
+    rank = np.empty(flags.shape, dtype=np.int64)
+    np.put_along_axis(rank, order, np.broadcast_to(np.arange(n), flags.shape), 1)
+    return rank if layer_of is None else rank[layer_of.reshape(-1)]
 
 
 @dataclass
@@ -81,14 +66,13 @@ class LookaheadScheduler(Scheduler):
             raise ConfigError("scheduler.placement.max_moves_per_step",
                               f"must be >= 1 or null, got {self.max_moves_per_step!r}")
 
-    def plan(self, table, policy: Policy, step: int, reserve: int = 0) -> MigrationPlan:
+    def plan(self, table, policy: Policy, step: int, reserve: int = 0, ranking: Ranking | None = None) -> MigrationPlan:
         """Every layer at once on ``[L, n]`` arrays (n live pages); a loop only over layers that move."""
         plan = MigrationPlan(step)
-        info = page_info(table, step)
+        ranking = ranking or Ranking.of(table, policy, step)
+        info, rows, admit = ranking.info, ranking.priority, ranking.admit  # rows, admit [1 or L, n]
         if info.pids.size == 0:
             return plan
-        rows = np.asarray(policy.priority(info), dtype=np.float64)  # [1 or L, n]
-        admit = policy.admit(info)  # [1 or L, n]
         writing = info.logical == (info.seq_len - 1) // info.page_size  # each sequence's newest page
         pids, cached = info.pids, cached_pages(table, info.pids)  # [m]
         if cached.size:  # the prefix cache's pages: the first to leave the device, never promoted here
@@ -108,8 +92,13 @@ class LookaheadScheduler(Scheduler):
         room = free + resident.sum(1) - reserve  # slots held elsewhere do not count
         keep = pinned & resident
         cand = (resident | admit | pinned) & (prio > -np.inf) & (tier >= 0)  # tier < 0: dropped
-        rank = order_ranks(rows, (2 * ~cand + ~pinned).astype(np.int8))  # [L, n] candidates, pinned, best first
-        want = (cand & (rank < np.maximum(room, keep.sum(1))[:, None])) | keep
+        limit = np.maximum(room, keep.sum(1))  # [L] candidates the device takes
+
+        def ranks():  # [L, n] candidates, pinned, best first: computed only where an order decides
+            return order_ranks(rows, (2 * ~cand + ~pinned).astype(np.int8))
+
+        rank = ranks() if (cand.sum(1) > limit).any() else None
+        want = (cand if rank is None else cand & (rank < limit[:, None])) | keep
         demote = resident & ~want & ~pinned
         promote = ~resident & want
         for layer in np.flatnonzero(demote.any(1) | promote.any(1)):
@@ -118,10 +107,12 @@ class LookaheadScheduler(Scheduler):
             if below < down.size and reserve - free[layer] <= below:  # a swap they cannot take now: the
                 down = down[np.argsort(prio[layer, down], kind="stable")][:below]  # worst pages go, the rest stay
             up = np.flatnonzero(promote[layer])
-            up = up[np.argsort(rank[layer, up])][:max(free[layer] + down.size - reserve, 0)]  # pinned, best first
+            cap = min(max(free[layer] + down.size - reserve, 0), self.max_moves_per_step or up.size)
+            if up.size > cap:  # the pinned, then the best, first
+                rank = ranks() if rank is None else rank
+                up = up[np.argsort(rank[layer, up])][:cap]
             if self.max_moves_per_step is not None:
                 down = down[np.argsort(prio[layer, down], kind="stable")][:self.max_moves_per_step]
-                up = up[:self.max_moves_per_step]
             plan.demote += self._demotions(table, int(layer), pids, prio[layer], down)
             if up.size:
                 plan.promote.append(Move(int(layer), pids[up], 0))
