@@ -56,9 +56,8 @@ from kvtier.metrics import CacheStats, synchronize
 from kvtier.paged_io import read_tokens, store_rows, write_decode, write_tokens
 from kvtier.policies.base import Policy
 from kvtier.policies.stats import NEEDS
-from kvtier.scheduler.base import Scheduler
+from kvtier.scheduler.base import Ranking, Scheduler
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
-from kvtier.scheduler.base import Ranking
 from kvtier.scheduler.lookahead import LookaheadScheduler
 from kvtier.scopes import All, Resident, Scope, StepView, make_scope
 from kvtier.scopes.base import DROPPED_LOC
