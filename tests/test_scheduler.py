@@ -173,3 +173,22 @@ def test_order_ranks_is_the_flags_then_priority_order():
         for layer, rank in enumerate(order_ranks(rows, flags)):
             order = np.lexsort((np.arange(n), -prio[layer], flags[layer]))  # last key first
             assert (rank[order] == np.arange(n)).all()
+
+
+def test_layers_in_different_places_are_planned_apart_under_one_priority_row():
+    """One priority row for every layer: layers whose pages sit alike are planned once, but a layer whose pages
+    sit elsewhere (layer 1's best pages moved to the host by hand) gets its own plan: only it promotes them."""
+    table, transfer = make(device_pages=5)
+    table.add_sequence(0)
+    table.append(0, 32)  # 8 pages
+    policy = Ranked([9, 8, 7, 6, 5, 4, 3, 2])
+    policy.reset(2)
+    step(table, transfer, LookaheadScheduler(), policy, 0, reserve=0)
+    pids = table.pages(0)
+    best = set(pids[:4].tolist()) | {int(pids[-1])}  # and the page being written
+    assert device_pids(table, 0) == device_pids(table, 1) == best
+    assert LookaheadScheduler().plan(table, policy, 1, reserve=0).num_pages() == 0  # nothing to do in either layer
+    transfer.migrate(1, pids[:2], 1)  # layer 1 only: its two best pages to the host
+    plan = LookaheadScheduler().plan(table, policy, 2, reserve=0)
+    assert not plan.demote
+    assert [(m.layer, sorted(m.pids.tolist())) for m in plan.promote] == [(1, sorted(pids[:2].tolist()))]

@@ -39,6 +39,14 @@ def cached_pages(table, live: np.ndarray) -> np.ndarray:
     return np.flatnonzero(held)
 
 
+def row_groups(*arrays: np.ndarray) -> np.ndarray:
+    """``[L]``: for each index l of the ``[L, ...]`` arrays, the number of its distinct combination of their rows l
+    (numbered as first seen: rows equal in every array share one)."""
+    first: dict = {}
+    return np.array([first.setdefault(b"".join(a[i].tobytes() for a in arrays), len(first))
+                     for i in range(len(arrays[0]))])
+
+
 def order_ranks(rows: np.ndarray, flags: np.ndarray) -> np.ndarray:
     """Place ``[L, n]`` of each page in its layer's order: ``flags [L, n]`` ascending, then priority ``rows [1 or L,
     n]`` descending, ties to the earlier page. A stable sort by priority, then a stable (radix) sort of that order by
@@ -47,14 +55,13 @@ def order_ranks(rows: np.ndarray, flags: np.ndarray) -> np.ndarray:
     by_prio = np.argsort(-rows, axis=1, kind="stable")  # [1 or L, n]
     layer_of = None
     if rows.shape[0] == 1 and L > 1:
-        first: dict = {}  # a layer's flags (bytes) -> index among the distinct rows
-        layer_of = np.array([first.setdefault(row.tobytes(), len(first)) for row in flags])  # [L]
+        layer_of = row_groups(flags)  # [L]
         flags = flags[np.unique(layer_of, return_index=True)[1]]  # [u, n] the distinct flag rows, in that order
     by_prio = np.broadcast_to(by_prio, flags.shape)
     order = np.take_along_axis(by_prio, np.argsort(np.take_along_axis(flags, by_prio, 1), axis=1, kind="stable"), 1)
     rank = np.empty(flags.shape, dtype=np.int64)
     np.put_along_axis(rank, order, np.broadcast_to(np.arange(n), flags.shape), 1)
-    return rank if layer_of is None else rank[layer_of.reshape(-1)]
+    return rank if layer_of is None else rank[layer_of]
 
 
 @dataclass
@@ -82,38 +89,45 @@ class LookaheadScheduler(Scheduler):
                                     np.zeros((admit.shape[0], cached.size), dtype=bool)], 1)
             writing = np.concatenate([writing, np.zeros(cached.size, dtype=bool)])
         L, n = table.layout.num_layers, pids.size
-        prio = np.broadcast_to(rows, (L, n))  # [L, n]
-        admit = np.broadcast_to(admit, (L, n))
-        pinned = (prio == PINNED) | (table.pinned[pids] | writing)[None, :]  # [L, n]
         device = table.tiers[0]
-        tier = table.tier_of[:, pids]  # [L, n]
-        resident = tier == 0
         free = device.num_free(np.arange(L))  # [L]
-        room = free + resident.sum(1) - reserve  # slots held elsewhere do not count
+        # layers planned alike: with one priority row, layers whose places and device room are equal (most) are
+        # planned once, as group g of layer_of [L] (first layer rep[g]); with per-layer priorities, each alone
+        one_row = rows.shape[0] == 1 and admit.shape[0] == 1
+        layer_of = row_groups(table.tier_of, free[:, None]) if one_row else np.arange(L)
+        rep = np.unique(layer_of, return_index=True)[1]  # [u]
+        u = rep.size
+        prio = np.broadcast_to(rows, (u, n))  # [u, n]
+        admit = np.broadcast_to(admit, (u, n))
+        pinned = (prio == PINNED) | (table.pinned[pids] | writing)[None, :]  # [u, n]
+        tier = table.tier_of[rep[:, None], pids[None, :]]  # [u, n]
+        resident = tier == 0
+        room = free[rep] + resident.sum(1) - reserve  # slots held elsewhere do not count
         keep = pinned & resident
         cand = (resident | admit | pinned) & (prio > -np.inf) & (tier >= 0)  # tier < 0: dropped
-        limit = np.maximum(room, keep.sum(1))  # [L] candidates the device takes
+        limit = np.maximum(room, keep.sum(1))  # [u] candidates the device takes
 
-        def ranks():  # [L, n] candidates, pinned, best first: computed only where an order decides
+        def ranks():  # [u, n] candidates, pinned, best first: computed only where an order decides
             return order_ranks(rows, (2 * ~cand + ~pinned).astype(np.int8))
 
         rank = ranks() if (cand.sum(1) > limit).any() else None
         want = (cand if rank is None else cand & (rank < limit[:, None])) | keep
         demote = resident & ~want & ~pinned
         promote = ~resident & want
-        for layer in np.flatnonzero(demote.any(1) | promote.any(1)):
-            down = np.flatnonzero(demote[layer])
+        for layer in np.flatnonzero((demote.any(1) | promote.any(1))[layer_of]):
+            g = layer_of[layer]
+            down = np.flatnonzero(demote[g])
             below = sum(t.num_free(int(layer)) for t in table.tiers[1:])  # room in the lower tiers
             if below < down.size and reserve - free[layer] <= below:  # a swap they cannot take now: the
-                down = down[np.argsort(prio[layer, down], kind="stable")][:below]  # worst pages go, the rest stay
-            up = np.flatnonzero(promote[layer])
+                down = down[np.argsort(prio[g, down], kind="stable")][:below]  # worst pages go, the rest stay
+            up = np.flatnonzero(promote[g])
             cap = min(max(free[layer] + down.size - reserve, 0), self.max_moves_per_step or up.size)
             if up.size > cap:  # the pinned, then the best, first
                 rank = ranks() if rank is None else rank
-                up = up[np.argsort(rank[layer, up])][:cap]
+                up = up[np.argsort(rank[g, up])][:cap]
             if self.max_moves_per_step is not None:
-                down = down[np.argsort(prio[layer, down], kind="stable")][:self.max_moves_per_step]
-            plan.demote += self._demotions(table, int(layer), pids, prio[layer], down)
+                down = down[np.argsort(prio[g, down], kind="stable")][:self.max_moves_per_step]
+            plan.demote += self._demotions(table, int(layer), pids, prio[g], down)
             if up.size:
                 plan.promote.append(Move(int(layer), pids[up], 0))
         return plan
