@@ -74,7 +74,8 @@ class LookaheadScheduler(Scheduler):
                               f"must be >= 1 or null, got {self.max_moves_per_step!r}")
 
     def plan(self, table, policy: Policy, step: int, reserve: int = 0, ranking: Ranking | None = None) -> MigrationPlan:
-        """Every layer at once on ``[L, n]`` arrays (n live pages); a loop only over layers that move."""
+        """Every layer at once on ``[groups, n]`` arrays (n live pages; layers planned alike share a group); a loop
+        only over layers that move."""
         plan = MigrationPlan(step)
         ranking = ranking or Ranking.of(table, policy, step)
         info, rows, admit = ranking.info, ranking.priority, ranking.admit  # rows, admit [1 or L, n]
