@@ -106,8 +106,8 @@ class ScoredPolicy(Policy):
         self.store.on_step(step)
 
     @property
-    def hears_step(self) -> bool:
-        return self.needs_salience  # a step opens a new row of the salience history
+    def hears_step(self) -> bool:  # a step opens a new row of the salience history; a subclass may hear more
+        return self.needs_salience or type(self).on_step is not ScoredPolicy.on_step
 
     def on_append(self, pids, step):
         self.store.on_append(pids)
