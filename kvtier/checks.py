@@ -75,6 +75,19 @@ def check_decode_kernel(backend) -> None:
                                     "or kernel=torch")
 
 
+def check_scheduler(scheduler) -> None:
+    """The engine hands a placement scheduler the step's :class:`~kvtier.scheduler.base.Ranking` (the policy is
+    asked once per step): ``plan`` must take it."""
+    import inspect
+
+    from kvtier.scheduler.base import Scheduler
+
+    if not isinstance(scheduler, Scheduler) or "ranking" not in inspect.signature(scheduler.plan).parameters:
+        raise ConfigError("scheduler.placement", f"must be a kvtier.scheduler.Scheduler whose plan(table, policy, "
+                                                 f"step, reserve=0, ranking=None) takes the step's Ranking, got "
+                                                 f"{type(scheduler).__name__}")
+
+
 def check_positions(task, config) -> None:
     """The task's context plus what it generates fits the model's ``max_position_embeddings``."""
     limit = getattr(config, "max_position_embeddings", None)

@@ -192,3 +192,18 @@ def test_layers_in_different_places_are_planned_apart_under_one_priority_row():
     plan = LookaheadScheduler().plan(table, policy, 2, reserve=0)
     assert not plan.demote
     assert [(m.layer, sorted(m.pids.tolist())) for m in plan.promote] == [(1, sorted(pids[:2].tolist()))]
+
+
+def test_a_scheduler_without_the_ranking_fails_when_the_engine_is_built():
+    """A placement scheduler written to the signature before the step's Ranking (plan(table, policy, step,
+    reserve)) is named at construction, not met as a TypeError in the first step."""
+    from kvtier.engine import Engine
+    from kvtier.scheduler.base import MigrationPlan, Scheduler
+
+    class Old(Scheduler):
+        def plan(self, table, policy, step, reserve=0):
+            return MigrationPlan(step)
+
+    with pytest.raises(ConfigError) as e:
+        Engine(None, LAYOUT, [DeviceTier(LAYOUT, 8, device="cpu"), HostTier(LAYOUT, 8)], LRU(), scheduler=Old())
+    assert e.value.field == "scheduler.placement" and "ranking" in str(e.value)

@@ -41,7 +41,7 @@ import torch
 
 from kvtier.budget import TokenBudget
 from kvtier.cache_base import ACTIVE_CACHE, PassCache
-from kvtier.checks import check_decode_kernel, check_device_room, check_salience
+from kvtier.checks import check_decode_kernel, check_device_room, check_salience, check_scheduler
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.feedback import Feedback
 from kvtier.engine.prefill import CAPTURE_TOKENS, Chunk, PrefillAttention
@@ -132,6 +132,7 @@ class Engine:
         self.dense_layers = dense_layers
         self.groups = layer_groups(layout, dense_layers)
         self.scheduler = scheduler or LookaheadScheduler()
+        check_scheduler(self.scheduler)
         self.table = BlockTable(layout, tiers)
         self.transfer = TransferEngine(self.table)
         self.device = tiers[0].device
