@@ -39,12 +39,13 @@ def cached_pages(table, live: np.ndarray) -> np.ndarray:
     return np.flatnonzero(held)
 
 
-def row_groups(*arrays: np.ndarray) -> np.ndarray:
-    """``[L]``: for each index l of the ``[L, ...]`` arrays, the number of its distinct combination of their rows l
-    (numbered as first seen: rows equal in every array share one)."""
-    first: dict = {}
-    return np.array([first.setdefault(b"".join(a[i].tobytes() for a in arrays), len(first))
-                     for i in range(len(arrays[0]))])
+def row_groups(*arrays: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Indices l of the ``[L, ...]`` arrays grouped by their rows l (rows equal in every array share a group):
+    ``group [L]``, each index's group (numbered as first seen), and ``first [u]``, each group's first index."""
+    seen: dict = {}
+    group = np.array([seen.setdefault(b"".join(a[i].tobytes() for a in arrays), len(seen))
+                      for i in range(len(arrays[0]))])
+    return group, np.unique(group, return_index=True)[1]
 
 
 def order_ranks(rows: np.ndarray, flags: np.ndarray) -> np.ndarray:
@@ -55,8 +56,8 @@ def order_ranks(rows: np.ndarray, flags: np.ndarray) -> np.ndarray:
     by_prio = np.argsort(-rows, axis=1, kind="stable")  # [1 or L, n]
     layer_of = None
     if rows.shape[0] == 1 and L > 1:
-        layer_of = row_groups(flags)  # [L]
-        flags = flags[np.unique(layer_of, return_index=True)[1]]  # [u, n] the distinct flag rows, in that order
+        layer_of, first = row_groups(flags)  # [L], [u]
+        flags = flags[first]  # [u, n] the distinct flag rows
     by_prio = np.broadcast_to(by_prio, flags.shape)
     order = np.take_along_axis(by_prio, np.argsort(np.take_along_axis(flags, by_prio, 1), axis=1, kind="stable"), 1)
     rank = np.empty(flags.shape, dtype=np.int64)
@@ -95,8 +96,7 @@ class LookaheadScheduler(Scheduler):
         # layers planned alike: with one priority row, layers whose places and device room are equal (most) are
         # planned once, as group g of layer_of [L] (first layer rep[g]); with per-layer priorities, each alone
         one_row = rows.shape[0] == 1 and admit.shape[0] == 1
-        layer_of = row_groups(table.tier_of, free[:, None]) if one_row else np.arange(L)
-        rep = np.unique(layer_of, return_index=True)[1]  # [u]
+        layer_of, rep = row_groups(table.tier_of, free[:, None]) if one_row else (np.arange(L), np.arange(L))
         u = rep.size
         prio = np.broadcast_to(rows, (u, n))  # [u, n]
         admit = np.broadcast_to(admit, (u, n))
