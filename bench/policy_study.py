@@ -18,7 +18,8 @@ scope ``resident`` (continuous eviction), ``once`` (compress once after the pref
 ``topk`` (recall; the policy only places pages), ``topk_head`` (Quest with per-head
 normalisation), ``topk_perhead`` (each kv head its own Quest pages), ``topk_gauss`` (pages by their estimated
 attention mass, ``rank=gauss``), ``topk_gausshead`` (the same per kv head), ``topk_sketch`` / ``topk_sketchhead``
-(by their mass under rank-16 sketched keys, ``rank=sketch``; all heads / per kv head). Every budgeted run attends ``--sinks`` sink tokens and a recent window of
+(by their mass under rank-16 sketched keys, ``rank=sketch``, ``--sketch-rank``; all heads / per kv head),
+``topk_sketchtoken`` (the middle's keys one by one per kv head from the same sketch, ``unit=token``). Every budgeted run attends ``--sinks`` sink tokens and a recent window of
 ``--window`` tokens (StreamingLLM, ``resident:sink_window``: all of the rest).
 
 ``kvpress:<press>`` (``streaming_llm``, ``tova``, ``snapkv``, ``observed_attention``, ``expected_attention``,
@@ -103,9 +104,12 @@ def engine_factory(model, layout, config: str, budget: int, args, context: int):
         policy = POLICIES[name](sinks=args.sinks, window=window)
         if scope.startswith("topk"):
             rank = {"topk_head": "quest_head", "topk_gauss": "gauss", "topk_gausshead": "gauss", "topk_sketch": "sketch",
-                    "topk_sketchhead": "sketch"}.get(scope, "quest")
-            chooser = TopK(rank=rank, per_head=scope in ("topk_perhead", "topk_gausshead", "topk_sketchhead"),
-                           query_rows=args.query_rows, policy_share=args.policy_share, sinks=args.sinks)
+                    "topk_sketchhead": "sketch", "topk_sketchtoken": "sketch"}.get(scope, "quest")
+            chooser = TopK(rank=rank, per_head=scope in ("topk_perhead", "topk_gausshead", "topk_sketchhead",
+                                                          "topk_sketchtoken"),
+                           query_rows=args.query_rows, policy_share=args.policy_share, sinks=args.sinks,
+                           sketch_rank=args.sketch_rank if rank == "sketch" else None,
+                           unit="token" if scope == "topk_sketchtoken" else "page")
         else:
             chooser = Resident()
         return Engine(model, layout, [DeviceTier(layout, dev, device=device), HostTier(layout, total)], policy,
@@ -143,6 +147,8 @@ def run_one(args, protocol, config, fraction, tokens=None) -> dict:
            "kv_dtype": None if kvpress else args.kv_dtype or "float32",
            "window": None if config == "exact" or kvpress else budget - args.sinks if streaming else args.window,
            "fraction": round(budget / context, 4), "wall_s": round(time.time() - t0, 1)}
+    if "sketch" in config:
+        row["sketch_rank"] = args.sketch_rank
     if kvpress:
         row["kept_tokens"] = sum(r["kept_tokens"] for r in results) / len(results)
     if "perplexity" in results[0]:
@@ -235,6 +241,7 @@ def parse_args(argv=None):
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--query-rows", type=int, default=1, help="topk: score pages by the last N decode queries")
     p.add_argument("--policy-share", type=float, default=0.0, help="topk: share of the pages the policy picks")
+    p.add_argument("--sketch-rank", type=int, default=16, help="topk_sketch*: the sketched keys' rank")
     p.add_argument("--slices", type=int, default=3)
     p.add_argument("--offsets", default=None, help="ctx2k: token offsets of the slices (overrides --slices)")
     p.add_argument("--continuation", type=int, default=256, help="ctx2k: tokens scored after the 2,048")

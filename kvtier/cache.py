@@ -23,6 +23,7 @@ from kvtier.policies.base import Policy
 from kvtier.scheduler.base import Scheduler
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 from kvtier.scopes import Scope, TopK
+from kvtier.scopes.base import split_choice
 from kvtier.tiers.base import Tier
 
 
@@ -114,7 +115,7 @@ class TieredKVCache(PagedCacheBase):
         (sorted; the union over kv heads of a per-head choice): what the scope picks, for inspection."""
         e = self.engine
         B = len(self.seqs)
-        picks = e.scope.pick(layer, query[:, :, 0].contiguous(), e.view(B))
+        picks, _ = split_choice(e.scope.pick(layer, query[:, :, 0].contiguous(), e.view(B)))
         out = []
         for b, seq in enumerate(self.seqs):
             n = self.table.num_pages(seq)

@@ -314,8 +314,9 @@ def test_a_wider_page_list_than_planned_is_refused():
         static_decode(q, pool, None, bt, lens, plan, 1.0)  # all 8 pages, planned for 2
 
 
-def span_oracle(q, keys, values, seq_lens, lists, spans, window_left, page, sm_scale):
-    """Float64 token by token, per kv head's own list, with a token budget's spans: out, lse, page_max and
+def span_oracle(q, keys, values, seq_lens, lists, spans, window_left, page, sm_scale, bits=None):
+    """Float64 token by token, per kv head's own list, with a token budget's spans (and a token mask ``bits``
+    of the lists' shape: entry i shows token t of its page where bit t is set): out, lse, page_max and
     page_lse ``[B, K, H]``."""
     batch, heads, dim = q.shape
     n_kv = keys.shape[2]
@@ -334,6 +335,8 @@ def span_oracle(q, keys, values, seq_lens, lists, spans, window_left, page, sm_s
             for i, p in enumerate(row):
                 for t in range(p * page, (p + 1) * page) if p >= 0 else ():
                     visible = t < sinks or t >= win or -(-sinks // page) <= p < win // page
+                    if bits is not None:
+                        visible = visible and (int(bits[b, g if lists.shape[1] > 1 else 0, i]) >> (t - p * page)) & 1
                     if lo <= t < n and visible:
                         toks.append((i, t))
             if not toks:
@@ -350,10 +353,12 @@ def span_oracle(q, keys, values, seq_lens, lists, spans, window_left, page, sm_s
     return out, lse, pmax, plse
 
 
-@pytest.mark.parametrize("per_head,window", [(False, -1), (True, -1), (True, 30)])
-def test_spans_per_head_lists_page_lse_and_a_staging_pool(per_head, window):
+@pytest.mark.parametrize("per_head,window,tokens", [(False, -1, False), (True, -1, False), (True, 30, False),
+                                                    (True, -1, True), (False, 30, True)])
+def test_spans_per_head_lists_page_lse_and_a_staging_pool(per_head, window, tokens):
     """A token budget's spans (sinks cut mid-page, the window's first page cut), per-kv-head page lists,
-    per-page LSE and pages in a third (staging) pool: kernel and reference against a float64 oracle."""
+    per-page LSE, pages in a third (staging) pool, and a token mask (random int32 bits, sign and bits past the
+    page included): kernel and reference against a float64 oracle."""
     gen = torch.Generator().manual_seed(11 + window)
     seq_lens, max_pages, page, n_kv, group, dim = [70, 53, 20], 9, 8, 2, 2, 32
     q, keys, values, dev_pool, host_pool, table = random_case(seq_lens, max_pages, page, n_kv, group, dim,
@@ -374,14 +379,17 @@ def test_spans_per_head_lists_page_lse_and_a_staging_pool(per_head, window):
                               DecodeConfig(block_n=16, pages_per_split=2))
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     page_list = lists if per_head else lists[:, 0].contiguous()
-    to = lambda x: x.to(device())  # noqa: E731
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, lists.shape, generator=gen, dtype=torch.int64).int() if tokens else None
+    mask = None if bits is None else bits if per_head else bits[:, 0].contiguous()
+    to = lambda x: None if x is None else x.to(device())  # noqa: E731
     pm, pl = (torch.empty(len(seq_lens), K, heads, device=device()) for _ in range(2))
     out, lse = static_decode(to(q), to(dev_pool), host(host_pool), to(table), to(lens), plan, dim ** -0.5,
-                             to(page_list), window, pm, pl, to(spans), host(stage_pool))
+                             to(page_list), window, pm, pl, to(spans), host(stage_pool), to(mask))
     pm_r, pl_r = torch.empty(len(seq_lens), K, heads), torch.empty(len(seq_lens), K, heads)
     ref = static_decode_reference(q, dev_pool, host_pool, table, lens, plan, dim ** -0.5, page_list, window,
-                                  pm_r, pl_r, spans, stage_pool)
-    o_out, o_lse, o_pm, o_pl = span_oracle(q, keys, values, seq_lens, lists, spans.tolist(), window, page, dim ** -0.5)
+                                  pm_r, pl_r, spans, stage_pool, mask)
+    o_out, o_lse, o_pm, o_pl = span_oracle(q, keys, values, seq_lens, lists, spans.tolist(), window, page, dim ** -0.5,
+                                           bits)
     for got in ((out, lse, pm), (*ref, pm_r)):
         assert_close(got, (o_out, o_lse, o_pm), torch.float32, "page_max")
     for got in (pl, pl_r):

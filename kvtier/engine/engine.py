@@ -60,7 +60,7 @@ from kvtier.scheduler.base import Ranking, Scheduler
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 from kvtier.scheduler.lookahead import LookaheadScheduler
 from kvtier.scopes import All, Resident, Scope, StepView, make_scope
-from kvtier.scopes.base import DROPPED_LOC
+from kvtier.scopes.base import DROPPED_LOC, split_choice
 from kvtier.scopes.recall import RecallCache
 from kvtier.table import BlockTable
 from kvtier.tiers.base import Tier
@@ -173,6 +173,7 @@ class Engine:
             self._forward = torch.compile(self.runner.forward, dynamic=False)
         self._tally = torch.compile(tally, dynamic=False) if compiled else tally
         self._lists: dict | None = None  # layer -> page list of the step being computed (None: not planned)
+        self._shown: dict = {}  # layer -> token bits of its page list, for a scope that chooses single keys
         self._step_keys: dict = {}  # layer -> the decode keys [B, N_kv, D] written this step
         self._step_queries: dict = {}  # layer -> the first row's decode query [H, D]
         self.buckets = config.buckets or tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < R} | {R}))
@@ -745,7 +746,10 @@ class Engine:
         view = self.view(B)
         if self._lists is None:
             self._lists = self._plan_lists(view) if self.scope.query_free else {}
-        picks = self._lists[layer] if self.scope.query_free else self.scope.pick(layer, q, view)  # [B, (N_kv,) K]
+        choice = self._lists[layer] if self.scope.query_free else self.scope.pick(layer, q, view)
+        picks, shown = split_choice(choice)  # [B, (N_kv,) K] pages; the keys shown of each, or None: every key
+        if shown is not None:
+            self._shown[layer] = shown
         host = self.host.pool(layer) if self.host is not None else None
         stage = self.staging.pool(layer) if self.staging is not None else None
         budgeted = self.budget is not None and layer >= self.dense_layers
@@ -753,7 +757,8 @@ class Engine:
         out, lse = self.kernel.decode(q, self.table.tiers[0].pool(layer), host, table, lens,
                                       self._plan(B, H, D, None if picks is None else picks.shape[-1]), scale,
                                       page_list=picks, window_left=self._window_left(layer),
-                                      spans=self.spans[:B] if budgeted else None, stage_pool=stage, **stats)
+                                      spans=self.spans[:B] if budgeted else None, stage_pool=stage,
+                                      token_mask=shown, **stats)
         self.feedback.observe(layer, picks, lse)
         if self.recall is not None:
             self.recall.admit(layer, picks, table, self.table.tiers[0].pool(layer), host)
@@ -786,16 +791,18 @@ class Engine:
             picks = self.feedback.group_lists(layers)  # [L', B, (N_kv,) K] or None
             table = self.block_table[layers.start:layers.stop, :B]  # [L', B, M]
             self.counts += self._tally(table, self.seq_lens[:B], picks, self.layout.page_size)
-            self.feedback.finish(layers, B, picks, self.visible_tokens(layers, B, picks))
+            shown = torch.stack([self._shown[layer] for layer in layers]) if layers[0] in self._shown else None
+            self.feedback.finish(layers, B, picks, self.visible_tokens(layers, B, picks, shown))
         self._drop_step_state()
 
     def _drop_step_state(self) -> None:
-        self._lists, self._step_keys, self._step_queries = None, {}, {}
+        self._lists, self._shown, self._step_keys, self._step_queries = None, {}, {}, {}
         self.feedback.drop_step()
 
-    def visible_tokens(self, layers: range, B: int, picks: torch.Tensor | None) -> torch.Tensor:
+    def visible_tokens(self, layers: range, B: int, picks: torch.Tensor | None,
+                       shown: torch.Tensor | None = None) -> torch.Tensor:
         """Keys the step's query of each row sees in each of ``layers`` (a group), mean over rows (and kv-head
-        lists): ``[L']``."""
+        lists): ``[L']``; ``shown`` the lists' token bits (None: every key of a listed page)."""
         P = self.layout.page_size
         window = self.layout.window(layers[0])
         lens = self.seq_lens[:B].long()[:, None]  # [B, 1]
@@ -810,6 +817,11 @@ class Engine:
             sinks, win = (x[:, None] for x in self.spans[:B].long().unbind(1))
             middle = (lists >= -(-sinks // P)) & (lists < win // P)
             spans = (torch.minimum(end, sinks) - start).clamp(min=0) + (end - torch.maximum(start, win)).clamp(min=0)
+            if shown is not None:  # the chosen keys of each middle page
+                key = lists[..., None] * P + torch.arange(P, device=lists.device)  # [L', B, X, P]
+                bit = (shown.reshape(lists.shape)[..., None].long() >> torch.arange(P, device=lists.device)) & 1
+                count = torch.where(middle, ((bit > 0) & (key >= lo[..., None]) & (key < lens[..., None])).sum(-1),
+                                    count)
             count = torch.where(middle, count, spans)
         count = count * (lists >= 0)
         return count.sum(-1).float().mean(-1) / (picks.shape[-2] if picks.dim() == 4 else 1)

@@ -139,6 +139,18 @@ def page_salience(page_max: torch.Tensor, lse: torch.Tensor, batch: PagedBatch, 
     return prob.view(nnz, num_kv_heads, heads // num_kv_heads).amax(-1)  # [nnz, N_kv]
 
 
+def check_token_mask(token_mask: torch.Tensor | None, page_list: torch.Tensor | None, page_size: int) -> None:
+    """A token mask (int32 bits per listed entry) needs a page list of its shape and pages of at most 32 tokens."""
+    if token_mask is None:
+        return
+    if page_list is None or tuple(token_mask.shape) != tuple(page_list.shape) or token_mask.dtype != torch.int32:
+        raise ValueError(f"token_mask needs int32 of page_list's shape "
+                         f"{None if page_list is None else tuple(page_list.shape)}, got {token_mask.dtype} "
+                         f"{tuple(token_mask.shape)}")
+    if page_size > 32:
+        raise ValueError(f"a token mask holds 32 keys per page, pages have {page_size}")
+
+
 def to_device(arrays: list, device, dtype: torch.dtype = torch.int32) -> list[torch.Tensor]:
     """Host int arrays (numpy or CPU tensors) as ``dtype`` tensors on ``device``.
 

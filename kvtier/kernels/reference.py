@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.kernels.base import AttentionBackend, AttentionOutput, PagedBatch
+from kvtier.kernels.base import AttentionBackend, AttentionOutput, PagedBatch, check_token_mask
 from kvtier.quant import dequantize, is_scaled_pool
 
 
@@ -84,8 +84,8 @@ def static_decode_reference(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: 
                             block_table: torch.Tensor, seq_lens: torch.Tensor, plan, sm_scale: float,
                             page_list: torch.Tensor | None = None, window_left: int = -1,
                             page_max: torch.Tensor | None = None, page_lse: torch.Tensor | None = None,
-                            spans: torch.Tensor | None = None,
-                            stage_pool: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            spans: torch.Tensor | None = None, stage_pool: torch.Tensor | None = None,
+                            token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The contract of :func:`kvtier.kernels.triton_decode.static_decode` in fp32 torch, vectorised over the
     batch and pages: the engine's decode step on the CPU and the kernel's oracle.
 
@@ -95,6 +95,7 @@ def static_decode_reference(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: 
     n_q, heads, dim = q.shape
     n_kv = dev_pool.shape[3]
     page = plan.page_size
+    check_token_mask(token_mask, page_list, page)
     scaled = is_scaled_pool(dev_pool, page)  # 8-bit pages hold rows of scales
     as_f32 = (lambda pages: dequantize(pages, page)) if scaled else torch.Tensor.float  # [n, 2, P, N_kv, D] fp32
     dev = q.device
@@ -111,6 +112,9 @@ def static_decode_reference(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: 
     if spans is not None:  # a token budget: sinks of the sink pages, the window's tokens of its pages
         sinks, win = (x.to(dev, torch.long)[:, None, None, None] for x in spans.unbind(1))
         ok &= (tok < sinks) | (tok >= win) | ((pg >= -(-sinks // page)) & (pg < win // page))
+    if token_mask is not None:  # the chosen keys of each listed page
+        bits = token_mask.to(dev, torch.int64).view(lists.shape)[..., None]  # [B, h, K, 1]
+        ok &= ((bits >> torch.arange(page, device=dev)) & 1) != 0
     loc = block_table.to(dev, torch.long).gather(1, lists.clamp(0, max_pages - 1).flatten(1)).view(lists.shape)
     need = ok.any(-1)  # [B, h, K] entries whose page is read
     pages = torch.zeros(*lists.shape, 2, page, n_kv, dim, dtype=torch.float32, device=dev)  # [B, h, K, 2, P, N_kv, D]

@@ -10,8 +10,9 @@ pool, ``-STAGED < x < 0`` slot ``-x - 1`` of the pinned host pool, ``x <= -STAGE
 host memory is read in place through its mapped (UVA) address (see :mod:`kvtier.tiers.copy_kernel`):
 a miss costs PCIe bandwidth, not a sync. The sequence attends its listed pages (``page_list[b]``, one
 list per sequence or per (sequence, kv head), or all its logical pages), keys ``j < seq_len``, with a
-window ``j >= seq_len - 1 - window_left`` (FlashInfer semantics), and with a token budget's spans
-only the sinks of the sink pages and the window's tokens of the window's pages.
+window ``j >= seq_len - 1 - window_left`` (FlashInfer semantics), with a token budget's spans
+only the sinks of the sink pages and the window's tokens of the window's pages, and with a token mask only
+the chosen keys of each listed page (a choice finer than the page that moves).
 
 The grid is static: ``(B * num_splits, N_kv)``. Split ``c`` of sequence ``b`` covers listed
 indices ``[c * pps, (c + 1) * pps)`` and walks only the blocks that hold a counted key (a 32k
@@ -37,7 +38,7 @@ import triton
 import triton.language as tl
 
 from kvtier.errors import ConfigError
-from kvtier.kernels.base import AttentionBackend, AttentionOutput, PagedBatch, to_device
+from kvtier.kernels.base import AttentionBackend, AttentionOutput, PagedBatch, check_token_mask, to_device
 from kvtier.kernels.triton_prefill import (LN2, LOG2E, PrefillConfig, check_page_size, dot_operand_dtype, finish_rows,
                                            MIN_DOT, fit_shared_memory, int8_tile, online_softmax_step,
                                            paged_prefill, plan_prefill, query_operand, value_operand)
@@ -188,7 +189,7 @@ def _page_rows(dev_kv, host_kv, stage_kv, loc, row, stride_slot, HAS_HOST: tl.co
 
 @triton.jit
 def _static_split_kernel(
-    q, dev_kv, host_kv, stage_kv, block_table, seq_lens, page_list, spans,
+    q, dev_kv, host_kv, stage_kv, block_table, seq_lens, page_list, token_mask, spans,
     out, lse, page_max, page_lse,
     stride_qn, stride_qh,
     stride_slot, stride_kv, stride_p, stride_kh,
@@ -201,7 +202,7 @@ def _static_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_HOST: tl.constexpr, HAS_STAGE: tl.constexpr, HAS_LIST: tl.constexpr, HAS_SPANS: tl.constexpr,
-    WITH_PAGE_MAX: tl.constexpr, WITH_PAGE_LSE: tl.constexpr,
+    HAS_TOKENS: tl.constexpr, WITH_PAGE_MAX: tl.constexpr, WITH_PAGE_LSE: tl.constexpr,
     DOT_F32: tl.constexpr, FP8_HALF: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
     INT8: tl.constexpr,
 ):
@@ -212,8 +213,9 @@ def _static_split_kernel(
     whole from their steps and means in rows ``PAGE..PAGE + 2`` (:func:`int8_tile`), the same way. Dot operands:
     fp32 with ``DOT_F32``; with ``FP8_HALF`` (FP8 pages, 16-bit queries) fp16 for Q K^T and bf16 for P V; else
     q's dtype.
-    ``page_list`` rows are per sequence (``stride_plh = 0``) or per (sequence, kv head). ``spans [B, 2]``
-    (``HAS_SPANS``): a token budget's ``(sinks, win_start)``, see :func:`static_decode`.
+    ``page_list`` rows are per sequence (``stride_plh = 0``) or per (sequence, kv head); ``token_mask``
+    (``HAS_TOKENS``) has its shape and strides. ``spans [B, 2]`` (``HAS_SPANS``): a token budget's ``(sinks,
+    win_start)``, see :func:`static_decode`.
 
     ``out [splits, B, H, D]`` / ``lse [splits, B, H]`` (log2 units times ``lse_scale``): fp32
     partials, or the final output when there is one split. ``page_max [B, n_listed, H]``: every
@@ -232,6 +234,7 @@ def _static_split_kernel(
     i0 = c * PPS  # listed indices of the split: [i0, i1)
     i1 = tl.minimum(i0 + PPS, n_listed)
     list_row = page_list + b * stride_pl + kvh * stride_plh
+    bits_row = token_mask + b * stride_pl + kvh * stride_plh
     if HAS_SPANS:  # a token budget: the sink tokens of the sink pages, the window's tokens of its pages
         sinks = tl.load(spans + b * 2)
         win_start = tl.load(spans + b * 2 + 1)
@@ -282,6 +285,9 @@ def _static_split_kernel(
         if HAS_SPANS:  # the sinks, the window's tokens, and the middle pages whole
             ok = ok & ((tok < sinks) | (tok >= win_start) |
                        ((pg >= (sinks + PAGE - 1) // PAGE) & (pg < win_start // PAGE)))
+        if HAS_TOKENS:  # the chosen keys of each listed page: bit t of its entry, its token t
+            bits = tl.load(bits_row + li, mask=in_split, other=0)  # [N]
+            ok = ok & (((bits >> (order % PAGE)) & 1) != 0)
         loc = tl.load(bt_row + pg, mask=ok, other=0)  # [N]
         k_row = _page_rows(dev_kv, host_kv, stage_kv, loc, (order % PAGE) * stride_p + head_off, stride_slot,
                            HAS_HOST, HAS_STAGE)  # [N]
@@ -366,8 +372,8 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
                   block_table: torch.Tensor, seq_lens: torch.Tensor, plan: StaticDecodePlan, sm_scale: float,
                   page_list: torch.Tensor | None = None, window_left: int = -1,
                   page_max: torch.Tensor | None = None, page_lse: torch.Tensor | None = None,
-                  spans: torch.Tensor | None = None,
-                  stage_pool: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  spans: torch.Tensor | None = None, stage_pool: torch.Tensor | None = None,
+                  token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of ``q [B, H, D]`` over one layer's pools; no host sync, static shapes.
 
     ``dev_pool [slots, 2, P, N_kv, D]`` (8-bit: ``P + R`` rows, dequantized in the kernel as :mod:`kvtier.quant`
@@ -378,7 +384,9 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
     ``[B, N_kv, K]`` int32 logical pages to attend (-1 and pages past the sequence attend nothing), None
     for all pages; ``window_left`` (-1: none); ``spans [B, 2]`` int32 ``(sinks, win_start)`` of a token
     budget: a listed page shows the keys ``< sinks`` and ``>= win_start``, and all its keys when it lies
-    between the sinks' pages and the window's first page (``(0, 0)``: no budget); ``page_max`` / ``page_lse`` optional fp32 ``[B, K or max_pages, H]``
+    between the sinks' pages and the window's first page (``(0, 0)``: no budget); ``token_mask`` int32 of
+    ``page_list``'s shape (page size <= 32): entry ``k`` shows only the keys ``t`` of its page whose bit ``t`` is
+    set (None: every key); ``page_max`` / ``page_lse`` optional fp32 ``[B, K or max_pages, H]``
     filled with the max / log-sum-exp of each listed entry's scaled logits (natural log), -inf where no key
     counts (per-head lists: entry k of head h's kv group). Returns out ``[B, H, D]`` (q's dtype) and lse
     ``[B, H]`` (fp32, natural log).
@@ -399,6 +407,9 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
         raise ValueError(f"page_list has {page_list.shape[0]} rows for {n_q} queries")
     if page_list is not None and page_list.dim() == 3 and page_list.shape[1] != n_kv:
         raise ValueError(f"a per-head page list needs [B, {n_kv}, K], got {tuple(page_list.shape)}")
+    check_token_mask(token_mask, page_list, page)
+    if token_mask is not None and token_mask.stride() != page_list.stride():
+        raise ValueError("token_mask needs page_list's strides")
     for stat in (page_max, page_lse):
         if stat is not None and (tuple(stat.shape) != (n_q, n_listed, heads) or stat.dtype != torch.float32):
             raise ValueError(f"page statistics need fp32 [{n_q}, {n_listed}, {heads}], got {tuple(stat.shape)}")
@@ -428,7 +439,7 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
         _static_split_kernel[(n_q * plan.num_splits, n_kv)](
             q, dev_pool, host_pool if host_pool is not None else dev_pool,
             stage_pool if stage_pool is not None else dev_pool, block_table, seq_lens, pl,
-            spans if spans is not None else seq_lens,
+            token_mask if token_mask is not None else pl, spans if spans is not None else seq_lens,
             part_out, part_lse, pm, plse,
             q.stride(0), q.stride(1),
             dev_pool.stride(0), dev_pool.stride(1), dev_pool.stride(2), dev_pool.stride(3),
@@ -441,7 +452,8 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
             GROUP=heads // n_kv, BLOCK_G=block_g, PAGE=page,
             BLOCK_N=plan.block_n, HEAD_DIM=dim, BLOCK_D=block_d,
             HAS_HOST=host_pool is not None, HAS_STAGE=stage_pool is not None, HAS_LIST=page_list is not None,
-            HAS_SPANS=spans is not None, WITH_PAGE_MAX=page_max is not None, WITH_PAGE_LSE=page_lse is not None,
+            HAS_SPANS=spans is not None, HAS_TOKENS=token_mask is not None, WITH_PAGE_MAX=page_max is not None,
+            WITH_PAGE_LSE=page_lse is not None,
             DOT_F32=dot_f32, FP8_HALF=scaled and not int8 and q.dtype != torch.float32, PRECISION=precision,
             SCALED=scaled and not int8, INT8=int8,
             num_warps=plan.config.num_warps, num_stages=stages, maxnreg=plan.config.maxnreg,

@@ -2,8 +2,9 @@
 
 A scope picks, on the device and with static shapes, the logical pages each row attends in a layer:
 ``pick(layer, q, view) -> page list`` (``[B, K]``, ``[B, N_kv, K]`` for a per-kv-head choice, -1 = none;
-or None: every page). A scope whose choice does not read the query (``query_free``) instead plans the
-lists of a whole group of layers at once, when the step starts: ``plan(layers, view) -> [L', B, K]``
+or None: every page; with each listed page's chosen keys as token bits when the choice is finer than a page).
+A scope whose choice does not read the query (``query_free``) instead plans the lists of a whole group of
+layers at once, when the step starts: ``plan(layers, view) -> [L', B, K]``
 (one batch of device ops per step, not one per layer). The step's :class:`StepView` is built once per
 step by the engine; a token budget (:class:`~kvtier.budget.TokenBudget`) gives each row its spans (sink
 tokens, the window's start) and the scope chooses the whole pages in between (:func:`budget_pick`).
@@ -52,6 +53,12 @@ class StepView:
     def window(self, layers: int | range) -> int:
         """Keys a query of the layer(s) sees (0: global); a range's layers share it."""
         return self.windows[layers[0] if isinstance(layers, range) else layers] if self.windows else 0
+
+
+def split_choice(choice) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A scope's pick as ``(page list, token bits)``: a choice of single keys gives both (:func:`budget_pick`), a
+    choice of pages its list and None (every key of a listed page)."""
+    return choice if isinstance(choice, tuple) else (choice, None)
 
 
 def compact(keep: torch.Tensor) -> torch.Tensor:
@@ -103,8 +110,9 @@ class Scope:
 
     query_free = False
 
-    def pick(self, layer: int, q: torch.Tensor, view: StepView) -> torch.Tensor | None:
-        """Page list of ``layer`` for the queries ``q [B, H, D]``: ``[B, (N_kv,) K]`` or None (every page)."""
+    def pick(self, layer: int, q: torch.Tensor, view: StepView):
+        """Page list of ``layer`` for the queries ``q [B, H, D]``: ``[B, (N_kv,) K]`` or None (every page); a scope
+        that chooses single keys returns ``(page list, token bits)`` of one shape (:func:`split_choice`)."""
         if not self.query_free:
             raise NotImplementedError
         lists = self.plan(range(layer, layer + 1), view)
@@ -126,10 +134,14 @@ def view_budget_width(budget: TokenBudget) -> int:
     return -(-budget.sinks // P) + budget.middle_pages + -(-budget.window_tokens // P) + 1
 
 
-def budget_pick(layers: int | range, view: StepView, candidate_score, device_only: bool) -> torch.Tensor:
+def budget_pick(layers: int | range, view: StepView, candidate_score, device_only: bool):
     """A token budget's page lists ``[(L',) B, K]`` of a layer (or a range of layers sharing a window): the sink
     pages, the middle pages with the best ``candidate_score(cand [(L',) B, M] bool, k) -> picks [(L',) B, k]``
     (logical, -1 none), and the window's pages.
+
+    A score may choose keys rather than pages: it returns ``(picks [(L',) B, W], bits [(L',) B, W])``, the pages
+    holding the ``k`` pages' worth of keys it chose and each one's token mask (bit t: its token t), and then so
+    does this, every bit set on the sink and window pages (:func:`kvtier.kernels.triton_decode.static_decode`).
 
     Rows the budget holds whole (continuous budgets) list every live page. The layer's sliding window
     restricts the candidates to the pages every query sees whole, as :mod:`kvtier.window` does.
@@ -156,6 +168,7 @@ def budget_pick(layers: int | range, view: StepView, candidate_score, device_onl
         return compact(torch.where(whole, live, keep))
     k = budget.middle_pages
     middle = candidate_score(cand, k) if k else torch.zeros(*lead, B, 0, dtype=torch.int32, device=table.device)
+    middle, bits = middle if isinstance(middle, tuple) else (middle, None)
     n_win = view_budget_width(budget) - cand_lo - k  # the window's pages
     sink_part = torch.where(sink[:, :cand_lo], logical[:cand_lo], -1)  # [B, sink pages]
     win_part = cand_hi[:, None] + torch.arange(n_win, device=table.device)  # [B, n_win]
@@ -165,7 +178,11 @@ def budget_pick(layers: int | range, view: StepView, candidate_score, device_onl
     every = torch.where(live, logical, -1).to(torch.int32)  # a row the budget holds whole fits the list
     width = listed.shape[-1]
     every = every[..., :width] if M >= width else torch.cat([every, every.new_full((*lead, B, width - M), -1)], -1)
-    return torch.where(whole, every, listed)
+    if bits is None:
+        return torch.where(whole, every, listed)
+    shown = torch.full_like(listed, -1)  # every bit: every key of the page
+    shown[..., cand_lo:cand_lo + bits.shape[-1]] = torch.where(whole, -1, bits.to(torch.int32))
+    return torch.where(whole, every, listed), shown
 
 
 def best_of(score: torch.Tensor, cand: torch.Tensor, k: int, count: torch.Tensor | None = None) -> torch.Tensor:

@@ -5,8 +5,10 @@ Without a token budget, the ``pages`` best per step with the sink pages and the 
 budget, the budget's middle pages. Options (token budgets; off by default): ``rank="quest_head"``
 (each query head's bounds as a softmax over the candidates, max over heads), ``rank="gauss"`` (each page's
 attention mass estimated from its keys' channel means and variances: :func:`gauss_mass`), ``rank="sketch"`` (each
-page's attention mass under approximate logits from rank-``sketch_rank`` keys, 16 unless set: :func:`sketch_mass`), ``per_head`` (each kv
-head its own pages, as Quest chooses per head), ``query_rows`` (the bound is the max over the layer's
+page's attention mass under approximate logits from rank-``sketch_rank`` keys, 16 unless set: :func:`sketch_mass`),
+``unit="token"`` (with ``rank="sketch"``: the middle's keys one by one, by their share of the approximate
+attention, :func:`sketch_tokens`; the pages that hold them are listed and moved whole, the kernel attends only
+the chosen keys of each), ``per_head`` (each kv head its own pages, as Quest chooses per head), ``query_rows`` (the bound is the max over the layer's
 last decode queries of the row), ``policy_share`` (that share of the pages by the policy's rank, the
 rest by the bound). With ``recall_slots`` each layer also keeps that many device slots that the
 captured step fills with its own picks read from the host (:class:`~kvtier.scopes.recall.RecallCache`).
@@ -27,10 +29,11 @@ from kvtier.checks import check_topk_options
 from kvtier.engine.stats import over_heads, page_bounds
 from kvtier.errors import ConfigError
 from kvtier.kernels.reference import page_choice_reference
-from kvtier.scopes.base import DROPPED_LOC, Scope, StepView, best_of, budget_pick, window_pages
+from kvtier.scopes.base import DROPPED_LOC, Scope, StepView, best_of, budget_pick, compact, window_pages
 from kvtier.scopes.simple import live_pages
 
 RANKS = ("quest", "quest_head", "gauss", "sketch")
+UNITS = ("page", "token")  # what the middle's choice picks: whole pages, or single keys of the pages listed
 
 
 class TopK(Scope):
@@ -38,7 +41,8 @@ class TopK(Scope):
     needs_keys = True
 
     def __init__(self, pages: int | None = None, rank: str = "quest", per_head: bool = False, query_rows: int = 1,
-                 policy_share: float = 0.0, recall_slots: int = 0, sinks: int = 4, sketch_rank: int | None = None):
+                 policy_share: float = 0.0, recall_slots: int = 0, sinks: int = 4, sketch_rank: int | None = None,
+                 unit: str = "page"):
         for key, v, low in (("scope.pages", pages, 1), ("scope.recall_slots", recall_slots, 0),
                             ("scope.sinks", sinks, 0), ("scope.sketch_rank", sketch_rank, 1)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
@@ -50,6 +54,13 @@ class TopK(Scope):
             raise ConfigError("scope.sketch_rank", f"only rank 'sketch' keeps a key sketch (rank is {rank!r}): set "
                                                    "scope.rank=sketch or leave sketch_rank null")
         self.sketch_rank = (sketch_rank or 16) if rank == "sketch" else 0  # KeyStats keeps the sketch when > 0
+        if unit not in UNITS:
+            raise ConfigError("scope.unit", f"unknown unit {unit!r}; use one of {list(UNITS)}")
+        if unit == "token" and (rank != "sketch" or policy_share):
+            raise ConfigError("scope.unit", "a choice of single keys scores each key: it needs rank 'sketch' (a "
+                                            f"score per key) and no policy_share, got rank {rank!r}, policy_share "
+                                            f"{policy_share}")
+        self.unit = unit
 
     def needs_rank(self, budget: TokenBudget | None) -> bool:
         return budget is not None and budget.mode == "continuous" and self.policy_share > 0
@@ -57,8 +68,8 @@ class TopK(Scope):
     def bind(self, engine) -> None:
         super().bind(engine)
         budget_only = [n for n, v in (("per_head", self.per_head), ("query_rows", self.query_rows > 1),
-                                      ("policy_share", self.policy_share > 0), ("rank", self.rank != "quest"))
-                       if v]
+                                      ("policy_share", self.policy_share > 0), ("rank", self.rank != "quest"),
+                                      ("unit", self.unit != "page")) if v]
         if engine.budget is None and budget_only:
             raise ConfigError(f"scope.{budget_only[0]}", "this option chooses a token budget's middle pages: set "
                                                          "cache.attend_budget=true (Python: budget=)")
@@ -67,6 +78,9 @@ class TopK(Scope):
         if self.sketch_rank and engine.graphs:
             raise ConfigError("scope.rank", "rank 'sketch' fits its key basis on the host at the first choice: run "
                                             "the engine without CUDA graphs (engine.graphs=false)")
+        if self.unit == "token" and engine.layout.page_size > 32:
+            raise ConfigError("scope.unit", f"a token mask holds 32 keys per page; pages have "
+                                            f"{engine.layout.page_size} (set cache.page_size <= 32)")
         if self.sketch_rank > engine.layout.head_dim:
             raise ConfigError("scope.sketch_rank", f"must be at most the head dim {engine.layout.head_dim}, got "
                                                    f"{self.sketch_rank}")
@@ -96,6 +110,14 @@ class TopK(Scope):
         q = self._remember(layer, q, view.batch) if view.budget is not None else q[:, None]  # [B, r, H, D]
         if view.budget is None:
             return self._pick_pages(layer, q[:, 0], view)
+        if self.unit == "token":
+            heads = range(self.engine.layout.num_kv_heads) if self.per_head else [None]
+            picked = [budget_pick(layer, view, lambda c, k, h=h: self._choose_keys(layer, q, view, c, k, h),
+                                  device_only=False) for h in heads]
+            if not isinstance(picked[0], tuple):  # no middle: whole sink and window pages
+                return torch.stack(picked, 1) if self.per_head else picked[0]
+            pages, bits = (torch.stack(x, 1) if self.per_head else x[0] for x in zip(*picked))
+            return pages, bits  # [B, (N_kv,) K] each
         if self.per_head:
             per_head = [budget_pick(layer, view, lambda c, k, h=h: self._choose(layer, q, view, c, k, kv_head=h),
                                     device_only=False) for h in range(self.engine.layout.num_kv_heads)]
@@ -134,6 +156,28 @@ class TopK(Scope):
             return self._fused_choice(q, keys.key_min[layer], keys.key_max[layer], pids, cand, k, count, kv_head,
                                       self.work)
         return page_choice_reference(q, keys.key_min[layer], keys.key_max[layer], pids, cand, k, count, kv_head)
+
+    def _choose_keys(self, layer: int, q: torch.Tensor, view: StepView, cand: torch.Tensor, k: int,
+                     kv_head: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` pages' worth of keys of the candidate pages ``cand [B, M]`` with the largest sketched share of
+        the attention of ``q [B, r, H, D]`` (max over the rows; summed over the query heads, of ``kv_head``'s
+        group): ``(pages [B, W], bits [B, W])``, the pages holding them in page order (-1 none) and each one's
+        chosen keys as bits, ``W = min(k * P, M)``."""
+        keys, pids = self.engine.keys, view.pids[:view.batch]  # [B, M]
+        if keys.basis is None:
+            self._fit_sketch()
+        share = torch.stack([sketch_tokens(q[:, i], keys, layer, pids.long().clamp(min=0), pids >= 0)
+                             for i in range(q.shape[1])]).amax(0)  # [B, M, P, H]
+        B, M, P, H = share.shape
+        score = over_heads(share.view(B, M * P, H), self.engine.layout.num_kv_heads, kv_head, torch.sum)  # [B, M*P]
+        stored = torch.arange(P, device=pids.device) < keys.count[layer][pids.long().clamp(min=0)][..., None]
+        ok = (cand & (pids >= 0))[..., None] & stored  # [B, M, P] keys of candidate pages
+        chosen = best_of(score, ok.view(B, M * P), k * P)  # [B, k*P] flat key indices, -1 none
+        keep = torch.zeros(B, M * P, dtype=torch.int64, device=pids.device)
+        keep.scatter_(1, chosen.clamp(min=0).long(), (chosen >= 0).long())
+        bits = (keep.view(B, M, P) << torch.arange(P, device=pids.device)).sum(-1)  # [B, M] int64, P <= 32
+        pages = compact(bits != 0)[:, :min(k * P, M)]  # [B, W]
+        return pages, torch.where(pages >= 0, bits.gather(1, pages.clamp(min=0).long()), 0).to(torch.int32)
 
     def _fit_sketch(self) -> None:
         """The sketch's basis from every key stored now (read from wherever its page lives)."""
@@ -201,22 +245,35 @@ def gauss_mass(q: torch.Tensor, keys, layer: int, pids: torch.Tensor, live: torc
     return shares(log_z, live & (n > 0), cand)
 
 
-def sketch_mass(q: torch.Tensor, keys, layer: int, pids: torch.Tensor, live: torch.Tensor,
-                cand: torch.Tensor) -> torch.Tensor:
-    """Each candidate page's share of a head's attention ``[B, M, H]`` (0 for the others) for the query ``q [B, H,
-    D]`` under approximate logits from the keys' low-rank sketch (``keys.sketch``/``keys.basis``: the keys on their
-    top principal directions, ShadowKV's low-rank key cache, Sun et al., 2024, arXiv:2410.21465): the log-sum-exp
-    of each page's approximate logits, normalised over every live page as :func:`gauss_mass`. Reads r/D of the
-    keys' bytes."""
+def sketch_logits(q: torch.Tensor, keys, layer: int, pids: torch.Tensor) -> torch.Tensor:
+    """Approximate scaled logits ``[B, M, P, H]`` of the query ``q [B, H, D]`` with every key of the pages ``pids
+    [B, M]`` (-inf past a page's stored keys) from the keys' low-rank sketch (``keys.sketch``/``keys.basis``: the
+    keys on their top principal directions, ShadowKV's low-rank key cache, Sun et al., 2024, arXiv:2410.21465).
+    Reads r/D of the keys' bytes."""
     B, H, D = q.shape
-    n = keys.count[layer][pids]  # [B, M]
     y = keys.sketch[layer][pids]  # [B, M, P, N_kv, r]
     n_kv, P = y.shape[3], y.shape[2]
     qr = torch.einsum("bkgd,kdr->bkgr", q.float().view(B, n_kv, H // n_kv, D), keys.basis[layer])  # [B, N_kv, G, r]
-    logits = torch.einsum("bmpkr,bkgr->bmpkg", y, qr) * D ** -0.5  # [B, M, P, N_kv, G]
-    stored = torch.arange(P, device=q.device) < n[..., None]  # [B, M, P]
-    log_z = logits.masked_fill(~stored[..., None, None], float("-inf")).logsumexp(2).flatten(2)  # [B, M, H]
-    return shares(log_z, live & (n > 0), cand)
+    logits = torch.einsum("bmpkr,bkgr->bmpkg", y, qr).flatten(3) * D ** -0.5  # [B, M, P, H]
+    stored = torch.arange(P, device=q.device) < keys.count[layer][pids][..., None]  # [B, M, P]
+    return logits.masked_fill(~stored[..., None], float("-inf"))
+
+
+def sketch_mass(q: torch.Tensor, keys, layer: int, pids: torch.Tensor, live: torch.Tensor,
+                cand: torch.Tensor) -> torch.Tensor:
+    """Each candidate page's share of a head's attention ``[B, M, H]`` (0 for the others) for the query ``q [B, H,
+    D]``: the log-sum-exp of each page's approximate logits (:func:`sketch_logits`), normalised over every live
+    page as :func:`gauss_mass`."""
+    n = keys.count[layer][pids]  # [B, M]
+    return shares(sketch_logits(q, keys, layer, pids).logsumexp(2), live & (n > 0), cand)
+
+
+def sketch_tokens(q: torch.Tensor, keys, layer: int, pids: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """Each key's share of a head's attention ``[B, M, P, H]`` for the query ``q [B, H, D]`` under the approximate
+    logits of :func:`sketch_logits`: each head's softmax over every stored key of the ``live [B, M]`` pages."""
+    logits = sketch_logits(q, keys, layer, pids).masked_fill(~live[..., None, None], float("-inf"))  # [B, M, P, H]
+    B, M, P, H = logits.shape
+    return torch.softmax(logits.view(B, M * P, H), dim=1).nan_to_num(0.0).view(B, M, P, H)
 
 
 def shares(log_z: torch.Tensor, live: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
