@@ -112,7 +112,8 @@ class TopK(Scope):
             return self._pick_pages(layer, q[:, 0], view)
         if self.unit == "token":
             heads = range(self.engine.layout.num_kv_heads) if self.per_head else [None]
-            picked = [budget_pick(layer, view, lambda c, k, h=h: self._choose_keys(layer, q, view, c, k, h),
+            share = self._key_shares(layer, q, view)  # [B, M, P, H] once for every kv head's choice
+            picked = [budget_pick(layer, view, lambda c, k, h=h: self._choose_keys(layer, share, view, c, k, h),
                                   device_only=False) for h in heads]
             if not isinstance(picked[0], tuple):  # no middle: whole sink and window pages
                 return torch.stack(picked, 1) if self.per_head else picked[0]
@@ -157,17 +158,22 @@ class TopK(Scope):
                                       self.work)
         return page_choice_reference(q, keys.key_min[layer], keys.key_max[layer], pids, cand, k, count, kv_head)
 
-    def _choose_keys(self, layer: int, q: torch.Tensor, view: StepView, cand: torch.Tensor, k: int,
-                     kv_head: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``k`` pages' worth of keys of the candidate pages ``cand [B, M]`` with the largest sketched share of
-        the attention of ``q [B, r, H, D]`` (max over the rows; summed over the query heads, of ``kv_head``'s
-        group): ``(pages [B, W], bits [B, W])``, the pages holding them in page order (-1 none) and each one's
-        chosen keys as bits, ``W = min(k * P, M)``."""
+    def _key_shares(self, layer: int, q: torch.Tensor, view: StepView) -> torch.Tensor:
+        """Each key's sketched share of each head's attention for the row queries ``q [B, r, H, D]`` (max over the
+        rows): ``[B, M, P, H]`` (:func:`sketch_tokens`)."""
         keys, pids = self.engine.keys, view.pids[:view.batch]  # [B, M]
         if keys.basis is None:
             self._fit_sketch()
-        share = torch.stack([sketch_tokens(q[:, i], keys, layer, pids.long().clamp(min=0), pids >= 0)
-                             for i in range(q.shape[1])]).amax(0)  # [B, M, P, H]
+        return torch.stack([sketch_tokens(q[:, i], keys, layer, pids.long().clamp(min=0), pids >= 0)
+                            for i in range(q.shape[1])]).amax(0)
+
+    def _choose_keys(self, layer: int, share: torch.Tensor, view: StepView, cand: torch.Tensor, k: int,
+                     kv_head: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` pages' worth of keys of the candidate pages ``cand [B, M]`` with the largest share ``share [B, M,
+        P, H]`` (:meth:`_key_shares`; summed over the query heads, of ``kv_head``'s group): ``(pages [B, W], bits
+        [B, W])``, the pages holding them in page order (-1 none) and each one's chosen keys as bits,
+        ``W = min(k * P, M)``."""
+        keys, pids = self.engine.keys, view.pids[:view.batch]  # [B, M]
         B, M, P, H = share.shape
         score = over_heads(share.view(B, M * P, H), self.engine.layout.num_kv_heads, kv_head, torch.sum)  # [B, M*P]
         stored = torch.arange(P, device=pids.device) < keys.count[layer][pids.long().clamp(min=0)][..., None]
