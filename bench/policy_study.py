@@ -19,7 +19,8 @@ scope ``resident`` (continuous eviction), ``once`` (compress once after the pref
 normalisation), ``topk_perhead`` (each kv head its own Quest pages), ``topk_gauss`` (pages by their estimated
 attention mass, ``rank=gauss``), ``topk_gausshead`` (the same per kv head), ``topk_sketch`` / ``topk_sketchhead``
 (by their mass under rank-16 sketched keys, ``rank=sketch``, ``--sketch-rank``; all heads / per kv head),
-``topk_sketchtoken`` (the middle's keys one by one per kv head from the same sketch, ``unit=token``). Every budgeted run attends ``--sinks`` sink tokens and a recent window of
+``topk_sketchtoken`` (the middle's keys one by one per kv head from the same sketch, ``unit=token``).
+Every budgeted run attends ``--sinks`` sink tokens and a recent window of
 ``--window`` tokens (StreamingLLM, ``resident:sink_window``: all of the rest).
 
 ``kvpress:<press>`` (``streaming_llm``, ``tova``, ``snapkv``, ``observed_attention``, ``expected_attention``,

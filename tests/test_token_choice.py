@@ -59,8 +59,8 @@ def test_a_full_rank_sketch_gives_each_keys_true_attention_share():
 
 @pytest.mark.parametrize("kv_head", [None, 0, 1])
 def test_the_token_choice_takes_the_keys_with_the_largest_share(kv_head):
-    """``_key_shares`` then ``_choose_keys`` against a per-row reference: the ``k * P`` keys of the candidate pages with the largest
-    share (summed over the heads that share the choice), their pages in page order, each page's bits."""
+    """``_key_shares`` then ``_choose_keys`` against a per-row reference: the ``k * P`` keys of the candidate pages
+    with the largest share (summed over the heads that share the choice), their pages in page order, each page's bits."""
     n_pages, k = 12, 3
     stored = torch.tensor([4] * 9 + [3, 0, 0])
     stats, keys = full_rank_stats(n_pages, stored, seed=5)
