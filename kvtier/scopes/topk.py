@@ -119,8 +119,10 @@ class TopK(Scope):
                 return torch.stack(picked, 1) if self.per_head else picked[0]
             pages, bits = (torch.stack(x, 1) if self.per_head else x[0] for x in zip(*picked))
             return pages, bits  # [B, (N_kv,) K] each
-        if self.per_head:
-            per_head = [budget_pick(layer, view, lambda c, k, h=h: self._choose(layer, q, view, c, k, kv_head=h),
+        if self.per_head:  # an estimated mass is computed once for every kv head's choice
+            mass = self._page_shares(layer, q, view) if self.rank in ("gauss", "sketch") else None
+            per_head = [budget_pick(layer, view, lambda c, k, h=h: self._choose(layer, q, view, c, k, kv_head=h,
+                                                                                 mass=mass),
                                     device_only=False) for h in range(self.engine.layout.num_kv_heads)]
             return torch.stack(per_head, 1)  # [B, N_kv, K]
         return budget_pick(layer, view, lambda c, k: self._middle(layer, q, view, c, k), device_only=False)
@@ -135,20 +137,17 @@ class TopK(Scope):
         return torch.cat([by_policy, rest], 1)
 
     def _choose(self, layer: int, q: torch.Tensor, view: StepView, cand: torch.Tensor, k: int,
-                count: torch.Tensor | None = None, kv_head: int | None = None) -> torch.Tensor:
+                count: torch.Tensor | None = None, kv_head: int | None = None,
+                mass: torch.Tensor | None = None) -> torch.Tensor:
         """The best ``k`` (at most ``count [B]``) candidates ``cand [B, M]`` for the row queries ``q [B, r, H, D]``:
         ``[B, k]`` logical pages in page order, -1 none. Scores over the query heads (per kv head: its group's):
-        the max of Quest's bounds, the sum of ``gauss``'s and ``sketch``'s estimated shares."""
+        the max of Quest's bounds, the sum of ``gauss``'s and ``sketch``'s estimated shares (``mass [B, M, H]``
+        when the caller has them: :meth:`_page_shares`)."""
         keys, pids = self.engine.keys, view.pids[:view.batch]  # [B, M]
         n_kv = self.engine.layout.num_kv_heads
         if self.rank in ("gauss", "sketch"):  # estimated attention mass per head: summed over the heads sharing
-            live = pids >= 0  # [B, M]
-            if self.rank == "sketch" and keys.basis is None:
-                self._fit_sketch()
-            mass = gauss_mass if self.rank == "gauss" else sketch_mass
-            ub = torch.stack([mass(q[:, i], keys, layer, pids.long().clamp(min=0), live, cand)
-                              for i in range(q.shape[1])]).amax(0)  # [B, M, H]
-            return best_of(over_heads(ub, n_kv, kv_head, torch.sum), cand & live, k, count)
+            ub = self._page_shares(layer, q, view) if mass is None else mass  # [B, M, H]
+            return best_of(over_heads(ub, n_kv, kv_head, torch.sum), cand & (pids >= 0), k, count)
         if self.rank == "quest_head":  # each head's bounds as a softmax over the candidates
             ub = page_bounds(q, keys.key_min[layer], keys.key_max[layer], pids)  # [B, M, H]
             ub = torch.softmax(ub.masked_fill(~cand[..., None], float("-inf")) * q.shape[-1] ** -0.5, dim=1)
@@ -157,6 +156,16 @@ class TopK(Scope):
             return self._fused_choice(q, keys.key_min[layer], keys.key_max[layer], pids, cand, k, count, kv_head,
                                       self.work)
         return page_choice_reference(q, keys.key_min[layer], keys.key_max[layer], pids, cand, k, count, kv_head)
+
+    def _page_shares(self, layer: int, q: torch.Tensor, view: StepView) -> torch.Tensor:
+        """Each live page's estimated share of each head's attention for the row queries ``q [B, r, H, D]`` (max
+        over the rows): ``[B, M, H]`` (:func:`gauss_mass` or :func:`sketch_mass`)."""
+        keys, pids = self.engine.keys, view.pids[:view.batch]  # [B, M]
+        if self.rank == "sketch" and keys.basis is None:
+            self._fit_sketch()
+        mass, live = gauss_mass if self.rank == "gauss" else sketch_mass, pids >= 0
+        return torch.stack([mass(q[:, i], keys, layer, pids.long().clamp(min=0), live, live)
+                            for i in range(q.shape[1])]).amax(0)
 
     def _key_shares(self, layer: int, q: torch.Tensor, view: StepView) -> torch.Tensor:
         """Each key's sketched share of each head's attention for the row queries ``q [B, r, H, D]`` (max over the
