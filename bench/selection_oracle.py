@@ -3,7 +3,8 @@ at the same attended-key budget, on the ctx2k protocol of ``bench/policy_study.p
 2,048 tokens prefilled exactly, then ``--continuation`` teacher-forced tokens, slices at offsets 0, 30k, 60k).
 
 Each decode step attends the sinks (4 tokens), the recent window (64 tokens) and a middle chosen by the oracle so
-that ``--fraction`` of the context is attended (issue 24's question: can recall get within 1% of the full cache?):
+that ``--fraction`` of the context is attended, or a fixed ``--tokens`` keys as the engine's budget does (issue 24's
+question: can recall get within 1% of the full cache?):
 - ``mass<P>_all``: pages of P tokens by their true attention mass summed over every head, one set for all heads
   (what ``topk`` chooses with a perfect score); ``mass<P>_group``: the same per kv head (its query group's mass);
 - ``quest<P>_all`` (Quest's bound, what ``topk`` chooses today), ``mean<P>_*`` (q·mean key), ``gauss<P>_*`` (the
@@ -42,7 +43,7 @@ from kvtier.scopes.topk import gauss_mass
 SINKS, WINDOW, PREFIX = 4, 64, 2048
 MODES = ["exact", "mass16_all", "mass16_group", "mass4_group", "token_group", "token_head", "quest16_all", "mean16_all",
          "gauss16_all", "gauss16_group", "gauss4_group"]
-STATE = {"mode": "exact", "fraction": 0.2, "sketch_rank": 16}
+STATE = {"mode": "exact", "fraction": 0.2, "sketch_rank": 16, "tokens": None}
 
 
 def page_scores(scorer: str, prob: torch.Tensor, q: torch.Tensor, key: torch.Tensor, P: int) -> torch.Tensor:
@@ -89,7 +90,7 @@ def keep_mask(logits: torch.Tensor, q: torch.Tensor, key: torch.Tensor, mode: st
     B, H, _, S = logits.shape
     n_kv = key.shape[1]
     G = H // n_kv
-    budget = max(int(fraction * S), SINKS + WINDOW)
+    budget = max(STATE["tokens"] or int(fraction * S), SINKS + WINDOW)
     pos = torch.arange(S, device=logits.device)
     forced = (pos < SINKS) | (pos >= S - WINDOW)  # [S]
     middle = budget - int(forced.sum())
@@ -154,6 +155,9 @@ def main() -> None:
     ap.add_argument("--smollm2", default=None)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--sketch-rank", type=int, default=16, help="sketch<P>_* modes: the keys' rank")
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="a fixed budget of keys per step (the engine's protocol: fraction x the prefix), not "
+                         "--fraction of each step's length")
     ap.add_argument("--json", default="selection_oracle.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -161,7 +165,7 @@ def main() -> None:
     AttentionMaskInterface.register("oracle", AttentionMaskInterface._global_mapping["sdpa"])
     model, tok = load_model(args.smollm2, dtype="float32")
     model.set_attn_implementation("oracle")
-    STATE["fraction"], STATE["sketch_rank"] = args.fraction, args.sketch_rank
+    STATE["fraction"], STATE["sketch_rank"], STATE["tokens"] = args.fraction, args.sketch_rank, args.tokens
     texts = [token_stream(tok, "opticks", 30000 * s + PREFIX + args.continuation)[30000 * s:] for s in range(args.slices)]
     rows = []
     for mode in args.modes.split(","):
