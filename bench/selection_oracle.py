@@ -43,7 +43,7 @@ from kvtier.scopes.topk import gauss_mass
 SINKS, WINDOW, PREFIX = 4, 64, 2048
 MODES = ["exact", "mass16_all", "mass16_group", "mass4_group", "token_group", "token_head", "quest16_all", "mean16_all",
          "gauss16_all", "gauss16_group", "gauss4_group"]
-STATE = {"mode": "exact", "fraction": 0.2, "sketch_rank": 16, "tokens": None}
+STATE = {"mode": "exact", "fraction": 0.2, "sketch_rank": 16, "tokens": None, "page_candidates": 0}
 
 
 def page_scores(scorer: str, prob: torch.Tensor, q: torch.Tensor, key: torch.Tensor, P: int) -> torch.Tensor:
@@ -94,6 +94,10 @@ def keep_mask(logits: torch.Tensor, q: torch.Tensor, key: torch.Tensor, mode: st
     pos = torch.arange(S, device=logits.device)
     forced = (pos < SINKS) | (pos >= S - WINDOW)  # [S]
     middle = budget - int(forced.sum())
+    blocked = forced  # never a middle candidate
+    if STATE["page_candidates"]:  # the engine's candidates: keys of the pages between the sink page and the window's
+        page = STATE["page_candidates"]
+        blocked = forced | (pos < page) | (pos >= (S - WINDOW) // page * page)
     if middle <= 0:
         return forced.expand(B, H, 1, S)
     prob = torch.softmax(logits.float(), -1)[:, :, 0]  # [B, H, S]
@@ -112,7 +116,7 @@ def keep_mask(logits: torch.Tensor, q: torch.Tensor, key: torch.Tensor, mode: st
             ps = (ps.sum(1) if scorer in ("mass", "gauss", "sketch") else ps.amax(1))[:, None].expand(B, H, -1)
         score = ps.repeat_interleave(P, -1)[..., :S]  # every token of a page takes its page's score
         middle = (middle // P) * P
-    score = score.masked_fill(forced, float("-inf"))
+    score = score.masked_fill(blocked, float("-inf"))
     picked = torch.zeros(B, H, S, dtype=torch.bool, device=logits.device)
     picked.scatter_(-1, score.topk(middle, -1).indices, True)
     return (picked | forced)[:, :, None]
@@ -155,6 +159,9 @@ def main() -> None:
     ap.add_argument("--smollm2", default=None)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--sketch-rank", type=int, default=16, help="sketch<P>_* modes: the keys' rank")
+    ap.add_argument("--page-candidates", type=int, default=0,
+                    help="P > 0: the middle's candidates are only the keys of the P-token pages between the sink page "
+                         "and the window's first page, as the engine's token budget lists them")
     ap.add_argument("--tokens", type=int, default=None,
                     help="a fixed budget of keys per step (the engine's protocol: fraction x the prefix), not "
                          "--fraction of each step's length")
@@ -166,6 +173,7 @@ def main() -> None:
     model, tok = load_model(args.smollm2, dtype="float32")
     model.set_attn_implementation("oracle")
     STATE["fraction"], STATE["sketch_rank"], STATE["tokens"] = args.fraction, args.sketch_rank, args.tokens
+    STATE["page_candidates"] = args.page_candidates
     texts = [token_stream(tok, "opticks", 30000 * s + PREFIX + args.continuation)[30000 * s:] for s in range(args.slices)]
     rows = []
     for mode in args.modes.split(","):
