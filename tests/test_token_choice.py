@@ -59,7 +59,7 @@ def test_a_full_rank_sketch_gives_each_keys_true_attention_share():
 
 @pytest.mark.parametrize("kv_head", [None, 0, 1])
 def test_the_token_choice_takes_the_keys_with_the_largest_share(kv_head):
-    """``_key_shares`` then ``_choose_keys`` against a per-row reference: the ``k * P`` keys of the candidate pages
+    """``_shares`` per key, then ``_choose_keys`` against a per-row reference: the ``k * P`` keys of the candidate pages
     with the largest share (summed over the heads that share the choice), their pages in page order, each page's bits."""
     n_pages, k = 12, 3
     stored = torch.tensor([4] * 9 + [3, 0, 0])
@@ -72,7 +72,7 @@ def test_the_token_choice_takes_the_keys_with_the_largest_share(kv_head):
     scope = TopK(rank="sketch", unit="token", per_head=kv_head is not None, sketch_rank=D)
     scope.engine = SimpleNamespace(keys=stats, layout=LAYOUT)
     view = SimpleNamespace(pids=pids, batch=2)
-    pages, bits = scope._choose_keys(0, scope._key_shares(0, q, view), view, cand, k, kv_head)
+    pages, bits = scope._choose_keys(0, scope._shares(0, q, view, per_key=True), view, cand, k, kv_head)
     share = true_shares(q[:, 0], keys, stored, pids >= 0)  # [B, M, P, H]
     heads = slice(None) if kv_head is None else slice(kv_head * G, (kv_head + 1) * G)
     for b in range(2):

@@ -112,7 +112,7 @@ class TopK(Scope):
             return self._pick_pages(layer, q[:, 0], view)
         if self.unit == "token":
             heads = range(self.engine.layout.num_kv_heads) if self.per_head else [None]
-            share = self._key_shares(layer, q, view)  # [B, M, P, H] once for every kv head's choice
+            share = self._shares(layer, q, view, per_key=True)  # [B, M, P, H] once for every kv head's choice
             picked = [budget_pick(layer, view, lambda c, k, h=h: self._choose_keys(layer, share, view, c, k, h),
                                   device_only=False) for h in heads]
             if not isinstance(picked[0], tuple):  # no middle: whole sink and window pages
@@ -120,7 +120,7 @@ class TopK(Scope):
             pages, bits = (torch.stack(x, 1) if self.per_head else x[0] for x in zip(*picked))
             return pages, bits  # [B, (N_kv,) K] each
         if self.per_head:  # an estimated mass is computed once for every kv head's choice
-            mass = self._page_shares(layer, q, view) if self.rank in ("gauss", "sketch") else None
+            mass = self._shares(layer, q, view) if self.rank in ("gauss", "sketch") else None
             per_head = [budget_pick(layer, view, lambda c, k, h=h: self._choose(layer, q, view, c, k, kv_head=h,
                                                                                  mass=mass),
                                     device_only=False) for h in range(self.engine.layout.num_kv_heads)]
@@ -142,11 +142,11 @@ class TopK(Scope):
         """The best ``k`` (at most ``count [B]``) candidates ``cand [B, M]`` for the row queries ``q [B, r, H, D]``:
         ``[B, k]`` logical pages in page order, -1 none. Scores over the query heads (per kv head: its group's):
         the max of Quest's bounds, the sum of ``gauss``'s and ``sketch``'s estimated shares (``mass [B, M, H]``
-        when the caller has them: :meth:`_page_shares`)."""
+        when the caller has them: :meth:`_shares`)."""
         keys, pids = self.engine.keys, view.pids[:view.batch]  # [B, M]
         n_kv = self.engine.layout.num_kv_heads
         if self.rank in ("gauss", "sketch"):  # estimated attention mass per head: summed over the heads sharing
-            ub = self._page_shares(layer, q, view) if mass is None else mass  # [B, M, H]
+            ub = self._shares(layer, q, view) if mass is None else mass  # [B, M, H]
             return best_of(over_heads(ub, n_kv, kv_head, torch.sum), cand & (pids >= 0), k, count)
         if self.rank == "quest_head":  # each head's bounds as a softmax over the candidates
             ub = page_bounds(q, keys.key_min[layer], keys.key_max[layer], pids)  # [B, M, H]
@@ -157,29 +157,23 @@ class TopK(Scope):
                                       self.work)
         return page_choice_reference(q, keys.key_min[layer], keys.key_max[layer], pids, cand, k, count, kv_head)
 
-    def _page_shares(self, layer: int, q: torch.Tensor, view: StepView) -> torch.Tensor:
-        """Each live page's estimated share of each head's attention for the row queries ``q [B, r, H, D]`` (max
-        over the rows): ``[B, M, H]`` (:func:`gauss_mass` or :func:`sketch_mass`)."""
+    def _shares(self, layer: int, q: torch.Tensor, view: StepView, per_key: bool = False) -> torch.Tensor:
+        """Each live page's (``per_key``: each key's) estimated share of each head's attention for the row queries
+        ``q [B, r, H, D]``, max over the rows: ``[B, M, H]`` (:func:`gauss_mass`, :func:`sketch_mass`) or ``[B, M, P,
+        H]`` (:func:`sketch_tokens`)."""
         keys, pids = self.engine.keys, view.pids[:view.batch]  # [B, M]
         if self.rank == "sketch" and keys.basis is None:
             self._fit_sketch()
-        mass, live = gauss_mass if self.rank == "gauss" else sketch_mass, pids >= 0
-        return torch.stack([mass(q[:, i], keys, layer, pids.long().clamp(min=0), live, live)
-                            for i in range(q.shape[1])]).amax(0)
-
-    def _key_shares(self, layer: int, q: torch.Tensor, view: StepView) -> torch.Tensor:
-        """Each key's sketched share of each head's attention for the row queries ``q [B, r, H, D]`` (max over the
-        rows): ``[B, M, P, H]`` (:func:`sketch_tokens`)."""
-        keys, pids = self.engine.keys, view.pids[:view.batch]  # [B, M]
-        if keys.basis is None:
-            self._fit_sketch()
-        return torch.stack([sketch_tokens(q[:, i], keys, layer, pids.long().clamp(min=0), pids >= 0)
-                            for i in range(q.shape[1])]).amax(0)
+        ids, live = pids.long().clamp(min=0), pids >= 0
+        mass = gauss_mass if self.rank == "gauss" else sketch_mass
+        share = (lambda qi: sketch_tokens(qi, keys, layer, ids, live)) if per_key else \
+            (lambda qi: mass(qi, keys, layer, ids, live, live))
+        return torch.stack([share(q[:, i]) for i in range(q.shape[1])]).amax(0)
 
     def _choose_keys(self, layer: int, share: torch.Tensor, view: StepView, cand: torch.Tensor, k: int,
                      kv_head: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` pages' worth of keys of the candidate pages ``cand [B, M]`` with the largest share ``share [B, M,
-        P, H]`` (:meth:`_key_shares`; summed over the query heads, of ``kv_head``'s group): ``(pages [B, W], bits
+        P, H]`` (:meth:`_shares`; summed over the query heads, of ``kv_head``'s group): ``(pages [B, W], bits
         [B, W])``, the pages holding them in page order (-1 none) and each one's chosen keys as bits,
         ``W = min(k * P, M)``."""
         keys, pids = self.engine.keys, view.pids[:view.batch]  # [B, M]
