@@ -757,8 +757,8 @@ class Engine:
         out, lse = self.kernel.decode(q, self.table.tiers[0].pool(layer), host, table, lens,
                                       self._plan(B, H, D, None if picks is None else picks.shape[-1]), scale,
                                       page_list=picks, window_left=self._window_left(layer),
-                                      spans=self.spans[:B] if budgeted else None, stage_pool=stage,
-                                      token_mask=shown, **stats)
+                                      spans=self.spans[:B] if budgeted and shown is None else None,
+                                      stage_pool=stage, token_mask=shown, **stats)  # bits replace the spans
         self.feedback.observe(layer, picks, lse)
         if self.recall is not None:
             self.recall.admit(layer, picks, table, self.table.tiers[0].pool(layer), host)
@@ -813,15 +813,14 @@ class Engine:
         lo = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)
         start, end = torch.maximum(lists * P, lo), torch.minimum(lists * P + P, lens)
         count = (end - start).clamp(min=0)
-        if self.budget is not None and layers[0] >= self.dense_layers:  # the sinks and the window's keys, or whole
+        if shown is not None:  # the keys each entry's bits show
+            key = lists[..., None] * P + torch.arange(P, device=lists.device)  # [L', B, X, P]
+            bit = (shown.reshape(lists.shape)[..., None].long() >> torch.arange(P, device=lists.device)) & 1
+            count = ((bit > 0) & (key >= lo[..., None]) & (key < lens[..., None])).sum(-1)
+        elif self.budget is not None and layers[0] >= self.dense_layers:  # the sinks and the window's keys, or whole
             sinks, win = (x[:, None] for x in self.spans[:B].long().unbind(1))
             middle = (lists >= -(-sinks // P)) & (lists < win // P)
             spans = (torch.minimum(end, sinks) - start).clamp(min=0) + (end - torch.maximum(start, win)).clamp(min=0)
-            if shown is not None:  # the chosen keys of each middle page
-                key = lists[..., None] * P + torch.arange(P, device=lists.device)  # [L', B, X, P]
-                bit = (shown.reshape(lists.shape)[..., None].long() >> torch.arange(P, device=lists.device)) & 1
-                count = torch.where(middle, ((bit > 0) & (key >= lo[..., None]) & (key < lens[..., None])).sum(-1),
-                                    count)
             count = torch.where(middle, count, spans)
         count = count * (lists >= 0)
         return count.sum(-1).float().mean(-1) / (picks.shape[-2] if picks.dim() == 4 else 1)

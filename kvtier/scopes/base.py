@@ -134,14 +134,18 @@ def view_budget_width(budget: TokenBudget) -> int:
     return -(-budget.sinks // P) + budget.middle_pages + -(-budget.window_tokens // P) + 1
 
 
-def budget_pick(layers: int | range, view: StepView, candidate_score, device_only: bool):
+def budget_pick(layers: int | range, view: StepView, candidate_score, device_only: bool, per_key: bool = False):
     """A token budget's page lists ``[(L',) B, K]`` of a layer (or a range of layers sharing a window): the sink
     pages, the middle pages with the best ``candidate_score(cand [(L',) B, M] bool, k) -> picks [(L',) B, k]``
     (logical, -1 none), and the window's pages.
 
-    A score may choose keys rather than pages: it returns ``(picks [(L',) B, W], bits [(L',) B, W])``, the pages
-    holding the ``k`` pages' worth of keys it chose and each one's token mask (bit t: its token t), and then so
-    does this, every bit set on the sink and window pages (:func:`kvtier.kernels.triton_decode.static_decode`).
+    ``per_key``: the score chooses keys, ``candidate_score(cand [(L',) B, M, P] bool, n) -> chosen [(L',) B, M, P]
+    bool`` with ``n`` the middle's ``k`` pages' worth of keys. Its candidates are every key the spans do not show:
+    the middle pages' keys, the sink pages' keys after the sinks and the window pages' keys before the window. This
+    returns ``(lists, bits)``: the lists hold the middle pages of chosen keys (at most ``min(n, M)``) and each
+    entry's bits say which of its keys are shown (bit t: its token t; the sinks and the window's tokens, and the
+    chosen keys), so the kernel reads the bits in place of the spans
+    (:func:`kvtier.kernels.triton_decode.static_decode`).
 
     Rows the budget holds whole (continuous budgets) list every live page. The layer's sliding window
     restricts the candidates to the pages every query sees whole, as :mod:`kvtier.window` does.
@@ -167,22 +171,41 @@ def budget_pick(layers: int | range, view: StepView, candidate_score, device_onl
         keep = sink | cand | window
         return compact(torch.where(whole, live, keep))
     k = budget.middle_pages
-    middle = candidate_score(cand, k) if k else torch.zeros(*lead, B, 0, dtype=torch.int32, device=table.device)
-    middle, bits = middle if isinstance(middle, tuple) else (middle, None)
     n_win = view_budget_width(budget) - cand_lo - k  # the window's pages
     sink_part = torch.where(sink[:, :cand_lo], logical[:cand_lo], -1)  # [B, sink pages]
     win_part = cand_hi[:, None] + torch.arange(n_win, device=table.device)  # [B, n_win]
     win_part = torch.where(win_part < n_pages[:, None], win_part, -1)
+    if per_key:
+        middle, bits = _key_choice(view, candidate_score, k * P, live, sink, window, cand, lens, layers)
+    else:
+        middle = candidate_score(cand, k) if k else torch.zeros(*lead, B, 0, dtype=torch.int32, device=table.device)
     listed = torch.cat([sink_part.to(torch.int32).expand(*lead, B, cand_lo), middle.to(torch.int32),
                         win_part.to(torch.int32).expand(*lead, B, n_win)], -1)  # [(L',) B, K]
     every = torch.where(live, logical, -1).to(torch.int32)  # a row the budget holds whole fits the list
     width = listed.shape[-1]
     every = every[..., :width] if M >= width else torch.cat([every, every.new_full((*lead, B, width - M), -1)], -1)
-    if bits is None:
-        return torch.where(whole, every, listed)
-    shown = torch.full_like(listed, -1)  # every bit: every key of the page
-    shown[..., cand_lo:cand_lo + bits.shape[-1]] = torch.where(whole, -1, bits.to(torch.int32))
-    return torch.where(whole, every, listed), shown
+    lists = torch.where(whole, every, listed)
+    if not per_key:
+        return lists
+    shown = torch.where(listed >= 0, bits.gather(-1, listed.clamp(min=0).long()), 0).to(torch.int32)
+    return lists, torch.where(whole, -1, shown)  # every bit: every key of the page
+
+
+def _key_choice(view: StepView, candidate_score, n: int, live, sink, window, cand, lens, layers):
+    """:func:`budget_pick`'s choice of ``n`` single keys: ``(middle [(L',) B, min(n, M)], bits [(L',) B, M] int64)``,
+    the middle pages holding chosen keys in page order (-1 none) and every page's shown keys (spans and chosen)."""
+    P = view.page_size
+    M = live.shape[-1]
+    sinks, win_start = (x[:, None, None] for x in view.spans[:view.batch].long().unbind(1))  # [B, 1, 1]
+    tok = torch.arange(M, device=live.device)[:, None] * P + torch.arange(P, device=live.device)  # [M, P]
+    window_len = view.window(layers)
+    lo = (lens - window_len).clamp(min=0)[:, None, None] if window_len else 0  # a sliding window's first key
+    spans = (sink | window)[..., None] & ((tok < sinks) | (tok >= win_start))  # [(L',) B, M, P] as the kernel's
+    spare = ((sink | window)[..., None] & ~spans & (tok >= lo)) | cand[..., None]  # keys the spans leave out
+    chosen = candidate_score(spare & (tok < lens[:, None, None]), n) if n else torch.zeros_like(spans)
+    bits = ((spans | chosen).long() << torch.arange(P, device=live.device)).sum(-1)  # [(L',) B, M] P <= 32
+    middle = compact(chosen.any(-1) & cand)[..., :min(n, M)]
+    return middle, bits
 
 
 def best_of(score: torch.Tensor, cand: torch.Tensor, k: int, count: torch.Tensor | None = None) -> torch.Tensor:

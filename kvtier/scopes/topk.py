@@ -113,9 +113,9 @@ class TopK(Scope):
         if self.unit == "token":
             heads = range(self.engine.layout.num_kv_heads) if self.per_head else [None]
             share = self._shares(layer, q, view, per_key=True)  # [B, M, P, H] once for every kv head's choice
-            picked = [budget_pick(layer, view, lambda c, k, h=h: self._choose_keys(layer, share, view, c, k, h),
-                                  device_only=False) for h in heads]
-            if not isinstance(picked[0], tuple):  # no middle: whole sink and window pages
+            picked = [budget_pick(layer, view, lambda c, n, h=h: self._choose_keys(layer, share, view, c, n, h),
+                                  device_only=False, per_key=True) for h in heads]
+            if not isinstance(picked[0], tuple):  # a budget compressed once: every kept page whole
                 return torch.stack(picked, 1) if self.per_head else picked[0]
             pages, bits = (torch.stack(x, 1) if self.per_head else x[0] for x in zip(*picked))
             return pages, bits  # [B, (N_kv,) K] each
@@ -170,23 +170,19 @@ class TopK(Scope):
             (lambda qi: mass(qi, keys, layer, ids, live, live))
         return torch.stack([share(q[:, i]) for i in range(q.shape[1])]).amax(0)
 
-    def _choose_keys(self, layer: int, share: torch.Tensor, view: StepView, cand: torch.Tensor, k: int,
-                     kv_head: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``k`` pages' worth of keys of the candidate pages ``cand [B, M]`` with the largest share ``share [B, M,
-        P, H]`` (:meth:`_shares`; summed over the query heads, of ``kv_head``'s group): ``(pages [B, W], bits
-        [B, W])``, the pages holding them in page order (-1 none) and each one's chosen keys as bits,
-        ``W = min(k * P, M)``."""
+    def _choose_keys(self, layer: int, share: torch.Tensor, view: StepView, cand: torch.Tensor, n: int,
+                     kv_head: int | None) -> torch.Tensor:
+        """The ``n`` keys of the candidates ``cand [B, M, P]`` (stored keys only) with the largest share ``share [B,
+        M, P, H]`` (:meth:`_shares`; summed over the query heads, of ``kv_head``'s group): ``[B, M, P]`` bool."""
         keys, pids = self.engine.keys, view.pids[:view.batch]  # [B, M]
         B, M, P, H = share.shape
         score = over_heads(share.view(B, M * P, H), self.engine.layout.num_kv_heads, kv_head, torch.sum)  # [B, M*P]
         stored = torch.arange(P, device=pids.device) < keys.count[layer][pids.long().clamp(min=0)][..., None]
-        ok = (cand & (pids >= 0))[..., None] & stored  # [B, M, P] keys of candidate pages
-        chosen = best_of(score, ok.view(B, M * P), k * P)  # [B, k*P] flat key indices, -1 none
-        keep = torch.zeros(B, M * P, dtype=torch.int64, device=pids.device)
-        keep.scatter_(1, chosen.clamp(min=0).long(), (chosen >= 0).long())
-        bits = (keep.view(B, M, P) << torch.arange(P, device=pids.device)).sum(-1)  # [B, M] int64, P <= 32
-        pages = compact(bits != 0)[:, :min(k * P, M)]  # [B, W]
-        return pages, torch.where(pages >= 0, bits.gather(1, pages.clamp(min=0).long()), 0).to(torch.int32)
+        ok = cand & (pids >= 0)[..., None] & stored  # [B, M, P]
+        chosen = best_of(score, ok.view(B, M * P), n).long()  # [B, n] flat key indices, -1 none
+        keep = torch.zeros(B, M * P + 1, dtype=torch.bool, device=pids.device)  # the last column takes the -1s
+        keep.scatter_(1, torch.where(chosen >= 0, chosen, M * P), True)
+        return keep[:, :-1].view(B, M, P)
 
     def _fit_sketch(self) -> None:
         """The sketch's basis from every key stored now (read from wherever its page lives)."""
