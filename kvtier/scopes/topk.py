@@ -7,8 +7,9 @@ budget, the budget's middle pages. Options (token budgets; off by default): ``ra
 attention mass estimated from its keys' channel means and variances: :func:`gauss_mass`), ``rank="sketch"`` (each
 page's attention mass under approximate logits from rank-``sketch_rank`` keys, 16 unless set: :func:`sketch_mass`),
 ``unit="token"`` (with ``rank="sketch"``: the middle's keys one by one, by their share of the approximate
-attention, :func:`sketch_tokens`; the pages that hold them are listed and moved whole, the kernel attends only
-the chosen keys of each), ``per_head`` (each kv head its own pages, as Quest chooses per head), ``query_rows``
+attention, :func:`sketch_tokens`, from the middle pages and the sink and window pages' keys outside the sinks and
+the window; the pages that hold them are listed and moved whole, the kernel attends only the shown keys of each:
+:func:`~kvtier.scopes.base.budget_pick`), ``per_head`` (each kv head its own pages, as Quest chooses per head), ``query_rows``
 (the bound is the max over the layer's last decode queries of the row), ``policy_share`` (that share of the pages by the policy's rank, the
 rest by the bound). With ``recall_slots`` each layer also keeps that many device slots that the
 captured step fills with its own picks read from the host (:class:`~kvtier.scopes.recall.RecallCache`).
