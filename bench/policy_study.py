@@ -48,6 +48,7 @@ import argparse
 import functools
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -197,8 +198,20 @@ def label(row) -> str:
     return row["config"] + (f" ({', '.join(extra)})" if extra else "")
 
 
+def slice_error(row, exact) -> tuple[float, float]:
+    """The error bar ``(below, above)`` of a pooled perplexity over its slices, paired with the exact row's: the
+    standard error of the per-slice log ratio to exact, around the pooled value (0s for one slice or no exact)."""
+    mine, base = row.get("per_slice") or [], (exact or {}).get("per_slice") or []
+    if len(mine) < 2 or len(mine) != len(base):
+        return 0.0, 0.0
+    ratios = [math.log(a / b) for a, b in zip(mine, base)]
+    se = statistics.stdev(ratios) / math.sqrt(len(ratios))
+    return row["perplexity"] * (1 - math.exp(-se)), row["perplexity"] * (math.exp(se) - 1)
+
+
 def plot(rows, out_dir: Path) -> list[Path]:
-    """``quality_vs_budget-<task>.png`` per task (:func:`task_of`): score against the budget fraction."""
+    """``quality_vs_budget-<task>.png`` per task (:func:`task_of`): score against the budget fraction; perplexity
+    over several slices with error bars (:func:`slice_error`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -209,15 +222,20 @@ def plot(rows, out_dir: Path) -> list[Path]:
     for task in sorted(set(map(task_of, rows))):
         mine = [r for r in rows if task_of(r) == task]
         score = "perplexity" if "perplexity" in mine[0] else "accuracy"
+        exact = next((r for r in mine if r["config"] == "exact"), None)
         fig, ax = plt.subplots(figsize=(8, 4))
         for config in sorted({label(r) for r in mine}):
-            pts = sorted((r["fraction"], r[score]) for r in mine if label(r) == config)
+            pts = sorted((r["fraction"], r[score], *(slice_error(r, exact) if score == "perplexity" else (0, 0)))
+                         for r in mine if label(r) == config)
             if config == "exact":
                 ax.axhline(pts[0][1], ls="--", color="k", label="exact")
             else:
-                ax.plot(*zip(*pts), marker="o", ls=":" if config.startswith("kvpress:") else "-", label=config)
+                x, y, below, above = zip(*pts)
+                ax.errorbar(x, y, yerr=[below, above] if any(below + above) else None, marker="o", capsize=3,
+                            ls=":" if config.startswith("kvpress:") else "-", label=config)
         ax.set_xlabel("budget (fraction of the context: keys a step attends; kvpress: KV pairs kept)")
-        ax.set_ylabel(score)
+        ax.set_ylabel(score + (" (bars: s.e. over slices of the ratio to exact)" if score == "perplexity" and
+                               any(any(slice_error(r, exact)) for r in mine) else ""))
         ax.set_title(f"{task} (SmolLM2-135M)")
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the lines, not over them
         fig.tight_layout()

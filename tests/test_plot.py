@@ -1,6 +1,7 @@
 """kvtier-plot on synthetic run folders: curves per policy, occupancy per run, valid PNGs."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -139,3 +140,19 @@ def test_curves_show_the_spread_as_error_bars(seeds, monkeypatch):
     assert [s[1, 1] - s[0, 1] for s in segments.get_segments()] == pytest.approx([0.2, 0.2])  # 2 std = 0.2 each
     for fig in figures:
         plt.close(fig)
+
+
+def test_the_study_plot_bars_are_the_slices_spread_of_the_ratio_to_exact(tmp_path):
+    """``bench.policy_study``'s plot: a pooled perplexity's bar is the standard error over slices of its log ratio to
+    the exact row's slices, so a row that loses the same share on every slice has none, however the slices differ."""
+    from bench.policy_study import plot, slice_error
+
+    exact = {"config": "exact", "protocol": "ctx2k", "fraction": 0.1, "perplexity": 20.0, "per_slice": [10, 20, 40]}
+    even = {**exact, "config": "topk:sink_window", "perplexity": 22.0, "per_slice": [11, 22, 44]}
+    uneven = {**exact, "config": "resident:h2o", "perplexity": 21.0, "per_slice": [11, 20, 40]}
+    assert slice_error(even, exact) == pytest.approx((0.0, 0.0), abs=1e-12)
+    se = statistics.stdev([math.log(1.1), 0.0, 0.0]) / math.sqrt(3)
+    assert slice_error(uneven, exact) == pytest.approx((21 * (1 - math.exp(-se)), 21 * (math.exp(se) - 1)))
+    assert slice_error({**uneven, "per_slice": [11]}, {**exact, "per_slice": [10]}) == (0.0, 0.0)
+    assert slice_error(uneven, None) == (0.0, 0.0)
+    assert [p.name for p in plot([exact, even, uneven], tmp_path)] == ["quality_vs_budget-ctx2k.png"]
