@@ -223,10 +223,10 @@ def plot(rows, out_dir: Path) -> list[Path]:
         mine = [r for r in rows if task_of(r) == task]
         score = "perplexity" if "perplexity" in mine[0] else "accuracy"
         exact = next((r for r in mine if r["config"] == "exact"), None)
+        bars = [slice_error(r, exact) if score == "perplexity" else (0.0, 0.0) for r in mine]  # per row
         fig, ax = plt.subplots(figsize=(8, 4))
         for config in sorted({label(r) for r in mine}):
-            pts = sorted((r["fraction"], r[score], *(slice_error(r, exact) if score == "perplexity" else (0, 0)))
-                         for r in mine if label(r) == config)
+            pts = sorted((r["fraction"], r[score], *bar) for r, bar in zip(mine, bars) if label(r) == config)
             if config == "exact":
                 ax.axhline(pts[0][1], ls="--", color="k", label="exact")
             else:
@@ -234,8 +234,7 @@ def plot(rows, out_dir: Path) -> list[Path]:
                 ax.errorbar(x, y, yerr=[below, above] if any(below + above) else None, marker="o", capsize=3,
                             ls=":" if config.startswith("kvpress:") else "-", label=config)
         ax.set_xlabel("budget (fraction of the context: keys a step attends; kvpress: KV pairs kept)")
-        ax.set_ylabel(score + (" (bars: s.e. over slices of the ratio to exact)" if score == "perplexity" and
-                               any(any(slice_error(r, exact)) for r in mine) else ""))
+        ax.set_ylabel(score + (" (bars: s.e. over slices of the ratio to exact)" if any(map(any, bars)) else ""))
         ax.set_title(f"{task} (SmolLM2-135M)")
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the lines, not over them
         fig.tight_layout()
