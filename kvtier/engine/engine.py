@@ -172,6 +172,9 @@ class Engine:
         if compiled and self.runner is not None:
             self._forward = torch.compile(self.runner.forward, dynamic=False)
         self._tally = torch.compile(tally, dynamic=False) if compiled else tally
+        # the decode K/V write fused into one kernel (eager it is six launches a layer); 8-bit pages stay eager
+        self._write_decode = torch.compile(write_decode, dynamic=False) if compiled and not layout.scaled \
+            else write_decode
         self._lists: dict | None = None  # layer -> page list of the step being computed (None: not planned)
         self._shown: dict = {}  # layer -> token bits of its page list, for a scope that chooses single keys
         self._step_keys: dict = {}  # layer -> the decode keys [B, N_kv, D] written this step
@@ -660,8 +663,8 @@ class Engine:
         if self.recall is not None:
             self.recall.overlay(layer, self.home[layer, :B], self.block_table[layer, :B])
         pos = self.positions[:B]  # [B]
-        write_decode(self.table.tiers[0].pool(layer), self.block_table[layer, :B], pos, key, value,
-                     self.layout.page_size, self.layout.scaled)
+        self._write_decode(self.table.tiers[0].pool(layer), self.block_table[layer, :B], pos, key, value,
+                           self.layout.page_size, self.layout.scaled)
         if self.keys is not None:
             self._step_keys[layer] = key[:, :, 0]  # [B, N_kv, D], into the statistics when the step ends
 
