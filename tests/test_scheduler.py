@@ -175,6 +175,24 @@ def test_order_ranks_is_the_flags_then_priority_order():
             assert (rank[order] == np.arange(n)).all()
 
 
+def test_the_best_candidates_are_the_first_in_rank_order():
+    """The plan's keep set, found by a partition per row, equals ``cand & (rank < limit)`` from the full sort,
+    with tied priorities, pinned pages (+inf or not), -inf non-candidates and limits above and below the count."""
+    from kvtier.scheduler.lookahead import best_candidates, order_ranks
+
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        u, n = int(rng.integers(1, 5)), int(rng.integers(1, 60))
+        prio = rng.integers(0, 5, (u, n)).astype(float)  # ties on purpose
+        prio[rng.random(prio.shape) < 0.1] = np.inf
+        prio[rng.random(prio.shape) < 0.1] = -np.inf
+        pinned = (rng.random((u, n)) < 0.2) | (prio == np.inf)
+        cand = (rng.random((u, n)) < 0.8) & (prio > -np.inf)
+        limit = rng.integers(0, n + 2, u)
+        rank = order_ranks(prio, (2 * ~cand + ~pinned).astype(np.int8))
+        assert (best_candidates(prio, cand, pinned, limit) == (cand & (rank < limit[:, None]))).all()
+
+
 def test_layers_in_different_places_are_planned_apart_under_one_priority_row():
     """One priority row for every layer: layers whose pages sit alike are planned once, but a layer whose pages
     sit elsewhere (layer 1's best pages moved to the host by hand) gets its own plan: only it promotes them."""

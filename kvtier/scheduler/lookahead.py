@@ -65,6 +65,28 @@ def order_ranks(rows: np.ndarray, flags: np.ndarray) -> np.ndarray:
     return rank if layer_of is None else rank[layer_of]
 
 
+def best_candidates(prio: np.ndarray, cand: np.ndarray, pinned: np.ndarray, limit: np.ndarray) -> np.ndarray:
+    """``[u, n]``: per row the ``limit [u]`` first candidates ``cand [u, n]`` in :func:`order_ranks`' order (pinned
+    candidates first, then priority ``prio [u, n]`` descending, ties to the earlier page), i.e. ``cand & (rank <
+    limit)``, found by a partition per row, not a sort (a sort of ``[30, 8k]`` priorities is ~18 ms on the H200's
+    host)."""
+    top = cand.copy()
+    for g in np.flatnonzero(cand.sum(1) > limit):
+        top[g] = False
+        k = int(limit[g])
+        for members in (np.flatnonzero(cand[g] & pinned[g]), np.flatnonzero(cand[g] & ~pinned[g])):
+            if k <= 0:
+                break
+            if members.size > k:
+                p = prio[g, members]
+                kth = np.partition(p, members.size - k)[members.size - k]  # the k-th largest priority
+                above = members[p > kth]
+                members = np.concatenate([above, members[p == kth][:k - above.size]])  # ties: the earlier pages
+            top[g, members] = True
+            k -= members.size
+    return top
+
+
 @dataclass
 class LookaheadScheduler(Scheduler):
     max_moves_per_step: int | None = None  # per layer; None = unbounded
@@ -108,11 +130,11 @@ class LookaheadScheduler(Scheduler):
         cand = (resident | admit | pinned) & (prio > -np.inf) & (tier >= 0)  # tier < 0: dropped
         limit = np.maximum(room, keep.sum(1))  # [u] candidates the device takes
 
-        def ranks():  # [u, n] candidates, pinned, best first: computed only where an order decides
+        def ranks():  # [u, n] candidates, pinned, best first: computed only where promotions outnumber the room
             return order_ranks(rows, (2 * ~cand + ~pinned).astype(np.int8))
 
-        rank = ranks() if (cand.sum(1) > limit).any() else None
-        want = (cand if rank is None else cand & (rank < limit[:, None])) | keep
+        rank = None
+        want = best_candidates(prio, cand, pinned, limit) | keep
         demote = resident & ~want & ~pinned
         promote = ~resident & want
         for layer in np.flatnonzero((demote.any(1) | promote.any(1))[layer_of]):
