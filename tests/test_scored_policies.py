@@ -2,17 +2,20 @@
 read, token budgets (sinks cost tokens, not pages; StreamingLLM token-exact against HF) and
 compress-once after an exact prefill."""
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 import torch
 
 from kvtier import KVLayout
 from kvtier.cache import TieredKVCache
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, KVTierError
 from kvtier.engine.stats import KeyStats, QueryStats
 from kvtier.policies import (H2O, LRU, PINNED, TOVA, Compose, ExpectedAttention, Knorm, PageInfo, Quest,
                              ScoredPolicy, SinkWindow, SnapKV)
 from kvtier.policies.h2o import AccumulatedAttention
+from kvtier.policies.scored import Scorer, best_head
 from kvtier.tiers import DeviceTier, HostTier
 
 N_KV, D = 2, 8
@@ -71,6 +74,35 @@ def test_attention_statistics_of_a_run_of_pids_are_read_only_views_equal_to_a_ga
     assert np.array_equal(scattered.attention_total, store.acc[:, [4, 1, 3]])
     with pytest.raises(ValueError):
         run.attention_total[0, 0, 0] = 1.0  # a scorer cannot write into the store
+
+
+@dataclass
+class ReadsEverySum(Scorer):
+    """A scorer that declares every attention sum (the default), over a 3-row window."""
+
+    needs = frozenset({"attention"})
+    rows: int = 3
+
+    def score(self, stats):
+        return best_head(stats.attention_total + stats.attention_window)
+
+
+def test_the_store_keeps_only_the_attention_sums_its_scorer_reads():
+    """H2O's, TOVA's and SnapKV's stores keep one sum each, equal to a store keeping all three; a scorer that reads a
+    sum its ``attention_fields`` do not name gets a named error, not zeros."""
+    rng = np.random.default_rng(0)
+    steps = [rng.random((int(rng.integers(1, 4)), 6)) for _ in range(7)]  # rows of 1-3 queries per step
+    every = feed(ScoredPolicy(sinks=0, window=0, scorer=ReadsEverySum()), steps)
+    pages = PageInfo(np.arange(6), np.arange(6), np.full(6, 96), 16, 0)
+    for pol, field in ((H2O(sinks=0, window=0), "total"), (TOVA(sinks=0, window=0), "last"),
+                       (SnapKV(sinks=0, window=0, obs_window=3), "window")):
+        store = feed(pol, steps).store
+        assert store.keeps == {field}
+        assert np.allclose(getattr(store.stats(pages), f"attention_{field}"),
+                           getattr(every.store.stats(pages), f"attention_{field}"))
+        other = next(f for f in ("total", "last", "window") if f != field)
+        with pytest.raises(KVTierError, match=f"attention_{other}"):
+            getattr(store.stats(pages), f"attention_{other}")
 
 
 def test_tova_drops_the_page_the_last_query_attends_least():

@@ -4,6 +4,7 @@ accumulated over every query so far."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -15,6 +16,7 @@ class AccumulatedAttention(Scorer):
     """Attention mass a page received, summed over every observed query row (prefill rows included)."""
 
     needs = frozenset({"attention"})
+    attention_fields: ClassVar[frozenset] = frozenset({"total"})
     every_row = True
 
     def score(self, stats) -> np.ndarray:

@@ -19,7 +19,7 @@ import numpy as np
 
 from kvtier.errors import ConfigError
 from kvtier.policies.base import PINNED, PageInfo, Policy, check_counts, sink_window_pages
-from kvtier.policies.stats import NEEDS, PageStats, StatsStore
+from kvtier.policies.stats import ATTENTION_FIELDS, NEEDS, PageStats, StatsStore
 
 
 def fold_kv_heads(x: np.ndarray, op=np.maximum) -> np.ndarray:
@@ -39,6 +39,8 @@ class Scorer:
 
     needs: ClassVar[frozenset] = frozenset()
     rows = 1  # newest query rows of attention kept (a scorer with a window overrides it)
+    # which attention sums it reads (``PageStats.attention_<field>``): the store keeps only these
+    attention_fields: ClassVar[frozenset] = frozenset(ATTENTION_FIELDS)
 
     def score(self, stats: PageStats) -> np.ndarray:
         raise NotImplementedError
@@ -62,6 +64,10 @@ class ScoredPolicy(Policy):
         unknown = set(self.scorer.needs) - NEEDS
         if unknown:
             raise ConfigError("policy.scorer", f"needs unknown statistics {sorted(unknown)}; known: {sorted(NEEDS)}")
+        unknown = set(self.scorer.attention_fields) - ATTENTION_FIELDS
+        if unknown:
+            raise ConfigError("policy.scorer", f"reads unknown attention fields {sorted(unknown)}; known: "
+                                               f"{sorted(ATTENTION_FIELDS)}")
         self.reset(1)  # usable before a cache resets it
 
     def pinned_pages(self, page_size: int) -> int:
@@ -100,7 +106,7 @@ class ScoredPolicy(Policy):
     def reset(self, num_layers):
         super().reset(num_layers)
         self.store = StatsStore(num_layers, rows=max(1, self.scorer.rows),
-                                obs_window=getattr(self.scorer, "obs_window", 16))
+                                obs_window=getattr(self.scorer, "obs_window", 16), keeps=self.scorer.attention_fields)
 
     def on_step(self, step):
         self.store.on_step(step)

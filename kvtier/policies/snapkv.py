@@ -19,6 +19,7 @@ class WindowAttention(Scorer):
     which pools neighbouring keys as SnapKV's max-pooling does; heads: the best kv head."""
 
     needs = frozenset({"attention"})
+    attention_fields: ClassVar[frozenset] = frozenset({"window"})
     rows: int = 32
 
     def score(self, stats) -> np.ndarray:

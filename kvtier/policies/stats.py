@@ -16,9 +16,11 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from kvtier.errors import KVTierError
 from kvtier.policies.base import PageInfo, grown
 
 NEEDS = frozenset({"attention", "salience", "keys", "queries"})
+ATTENTION_FIELDS = frozenset({"total", "last", "window"})  # PageStats.attention_<field>
 
 
 def _sum_by(index: np.ndarray, values: np.ndarray, size: int) -> np.ndarray:
@@ -28,10 +30,13 @@ def _sum_by(index: np.ndarray, values: np.ndarray, size: int) -> np.ndarray:
 
 class StatsStore:
     """Observations of one cache, numpy on the host. ``rows``: attention rows kept; ``obs_window``:
-    steps of salience kept."""
+    steps of salience kept; ``keeps``: the attention sums a scorer reads (of :data:`ATTENTION_FIELDS`; the running
+    sum for ``total``, the ring of rows for ``last`` and ``window``, the ring's sum for ``window``), the only ones
+    kept up."""
 
-    def __init__(self, num_layers: int, rows: int = 1, obs_window: int = 16):
+    def __init__(self, num_layers: int, rows: int = 1, obs_window: int = 16, keeps=ATTENTION_FIELDS):
         self.L, self.rows, self.obs_window = num_layers, rows, obs_window
+        self.keeps = frozenset(keeps)
         self.acc: np.ndarray | None = None  # [L, pids, N_kv] attention summed over every observed row
         self.ring: np.ndarray | None = None  # [rows, L, pids, N_kv] the last rows (0 where not attended)
         self.window_sum: np.ndarray | None = None  # [L, pids, N_kv] the ring summed over its rows, kept as it turns
@@ -78,14 +83,18 @@ class StatsStore:
             summed = _sum_by(cell, values, span * P).reshape(span, P, -1)
             return summed if named.size == span else summed[named - lo]
 
-        newest = [by_page(row) for row in mass[-self.rows:]]  # [l, P, N_kv] each
-        self.acc[at] += newest[0] if mass.shape[0] == 1 else by_page(mass.sum(0))
+        newest = [by_page(row) for row in mass[-self.rows:]] if self.keeps & {"last", "window"} else []
+        if "total" in self.keeps:
+            self.acc[at] += newest[0] if mass.shape[0] == 1 and newest else by_page(mass.sum(0))
+        window = "window" in self.keeps
         for row in newest:
             slot = self.head[named] % self.rows  # [l]
             ring = (slot[0], at) if (slot == slot[0]).all() else (slot, named)  # a view when one slot, contiguous
-            self.window_sum[at] -= self.ring[ring]  # the row leaving the window
+            if window:
+                self.window_sum[at] -= self.ring[ring]  # the row leaving the window
             self.ring[ring] = row  # a page the row did not attend gets 0 from it
-            self.window_sum[at] += self.ring[ring]
+            if window:
+                self.window_sum[at] += self.ring[ring]
             self.head[named] += 1
 
     def on_salience(self, layer, pids: np.ndarray, scores: np.ndarray) -> None:
@@ -142,9 +151,16 @@ class PageStats:
         a.flags.writeable = False
         return a
 
+    def _kept(self, field: str) -> None:
+        if field not in self.store.keeps:
+            raise KVTierError(f"the scorer read attention_{field}, but its attention_fields "
+                              f"{sorted(self.store.keeps)} do not name '{field}', so the store does not keep it: add "
+                              "it to the scorer's attention_fields")
+
     @cached_property
     def attention_total(self) -> np.ndarray:
         """Attention summed over every observed query row ``[L, n, N_kv]`` (H2O's accumulated score)."""
+        self._kept("total")
         if self.store.acc is None:
             return np.zeros((self.store.L, self.info.pids.size, 1))
         self.store._grow(int(self.info.pids.max(initial=-1)) + 1)
@@ -153,6 +169,7 @@ class PageStats:
     @cached_property
     def attention_last(self) -> np.ndarray:
         """The newest query row's attention ``[L, n, N_kv]`` (per layer: its own newest row)."""
+        self._kept("last")
         if self.store.ring is None:
             return np.zeros((self.store.L, self.info.pids.size, 1), dtype=np.float32)
         self.store._grow(int(self.info.pids.max(initial=-1)) + 1)
@@ -162,6 +179,7 @@ class PageStats:
     @cached_property
     def attention_window(self) -> np.ndarray:
         """Attention summed over the last ``rows`` query rows ``[L, n, N_kv]`` (SnapKV's window)."""
+        self._kept("window")
         if self.store.window_sum is None:
             return np.zeros((self.store.L, self.info.pids.size, 1))
         self.store._grow(int(self.info.pids.max(initial=-1)) + 1)

@@ -16,6 +16,7 @@ class LastQueryAttention(Scorer):
     """The newest query row's attention on each page, averaged over kv heads (as in the paper)."""
 
     needs = frozenset({"attention"})
+    attention_fields: ClassVar[frozenset] = frozenset({"last"})
 
     def score(self, stats) -> np.ndarray:
         return fold_kv_heads(stats.attention_last, np.add) / stats.attention_last.shape[-1]  # [L, n] mean over kv heads
