@@ -176,8 +176,9 @@ def test_order_ranks_is_the_flags_then_priority_order():
 
 
 def test_the_best_candidates_are_the_first_in_rank_order():
-    """The plan's keep set, found by a partition per row, equals ``cand & (rank < limit)`` from the full sort,
-    with tied priorities, pinned pages (+inf or not), -inf non-candidates and limits above and below the count."""
+    """The plan's keep set, found by each row's k-th largest priority, equals ``cand & (rank < limit)`` from the
+    full sort, with tied priorities, pinned pages (+inf or not), -inf non-candidates and limits above and below the
+    count."""
     from kvtier.scheduler.lookahead import best_candidates, order_ranks
 
     rng = np.random.default_rng(1)
