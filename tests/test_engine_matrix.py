@@ -55,8 +55,8 @@ class Heard:
     """Wraps a policy: counts what it hears."""
 
     def __init__(self, policy):
-        self.counts = {"salience": 0, "attention": 0, "access": 0}
-        for event, key in (("on_salience", "salience"), ("on_attention", "attention"), ("on_access", "access")):
+        self.counts = {"salience": 0, "access": 0}
+        for event, key in (("on_salience", "salience"), ("on_access", "access")):
             real = getattr(policy, event)
 
             def spy(*args, real=real, key=key):
@@ -81,8 +81,14 @@ def test_every_policy_runs_with_its_statistics(tiny, tmp_path, redis_url, stack,
         logits = [engine.step() for _ in range(4)]
         engine.feedback.take(upto=engine.step_idx)
         assert all(torch.isfinite(x).all() for x in logits), name
-        for stat in policy.needs & {"salience", "attention"}:
-            assert heard.counts[stat] > 0, (name, stat)
+        if "salience" in policy.needs:
+            assert heard.counts["salience"] > 0, name
+        if "attention" in policy.needs:  # each query row observed gives each kv head of each layer a mass of 1
+            store, rows = policy.store, prompt.numel() + 4  # every prompt row (chunks of 16 <= rows kept), 4 steps
+            want = {"total": rows, "last": 1, "window": min(store.rows, rows)}
+            for field, got in store.attention.read().items():
+                assert got.sum() == pytest.approx(want[field] * layout.num_layers * layout.num_kv_heads, rel=1e-5), \
+                    (name, field)
         if policy.hears_access:
             assert heard.counts["access"] > 0, name
         if "keys" in policy.needs:

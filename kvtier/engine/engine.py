@@ -46,7 +46,7 @@ from kvtier.engine.config import EngineConfig
 from kvtier.engine.feedback import Feedback
 from kvtier.engine.prefill import CAPTURE_TOKENS, Chunk, PrefillAttention
 from kvtier.engine.runner import make_runner
-from kvtier.engine.stats import KeyStats, QueryStats
+from kvtier.engine.stats import AttentionStats, KeyStats, QueryStats
 from kvtier.errors import ConfigError, KVTierError, TierFullError
 from kvtier.eval.fidelity import FidelityStats, attention_fidelity
 from kvtier.kernels.reference import TorchBackend
@@ -209,6 +209,13 @@ class Engine:
         self.queries = None  # QueryStats, made once the heads are known (the first attention call)
         policy.reset(L)
         policy.bind(self.keys, None)
+        slots = max(config.lookahead, 1) + 2  # the feedback's snapshots: in flight, shown, and one taken now
+        self.attention = policy.bind_attention(
+            lambda rows, keeps: AttentionStats(L, _pid_capacity(held), layout.num_kv_heads, rows, keeps, dev, slots))
+        if "attention" in needs and not self.attention:
+            raise ConfigError("policy", f"policy '{policy.name}' needs attention but keeps no attention statistics: "
+                                        "a policy reads observed attention through bind_attention (as ScoredPolicy "
+                                        "does)")
         far = any(t.pool(0) is None for t in tiers[1:]) or len(tiers) > 2  # tiers the kernel cannot address
         # staged copies only for scopes that may read pages off the device (resident reads HBM only: memory stays
         # bounded by the tiers, as a long context through device -> host -> disk needs)
@@ -626,6 +633,8 @@ class Engine:
     def _step_state(self) -> list[torch.Tensor]:
         """Device state a step advances besides the pages: input tokens, counters, statistics, the recall cache."""
         state = [self.tokens, self.counts, *self.feedback.state()]
+        for stats in self.attention:
+            state += stats.tensors()
         if self.keys is not None:
             state += self.keys.tensors()
         if self.queries is not None:
@@ -732,14 +741,15 @@ class Engine:
             for pids, sal in self.prefill_attention.salience(calls, q[last], lse[last], scale):
                 self.feedback.prefill_salience(layer, pids, sal)
         rows = self.policy.attention_rows
-        if "attention" in want and rows != 0:  # one row of the policy's window per query row, all calls' pages
+        if self.attention and rows != 0:  # one row of the policy's window per query row, all calls' pages
             for i, c in enumerate(chunks):
                 r = c.q_len if rows is None else min(rows, c.q_len)
                 a = c.offset + c.q_len - r
                 pos = torch.arange(c.start + c.q_len - r, c.start + c.q_len, device=q.device)
                 parts = self.prefill_attention.mass(calls, i, q[a:a + r], lse[a:a + r], pos, scale, layer)
-                self.feedback.prefill_attention(layer, np.concatenate([p for p, _ in parts]),
-                                                torch.cat([m for _, m in parts], 1))
+                pids = torch.from_numpy(np.concatenate([p for p, _ in parts])).to(self.device)  # [n]
+                for stats in self.attention:
+                    stats.add(layer, pids, torch.cat([m for _, m in parts], 1))  # [r, n, N_kv]
         return out
 
     def _attend_decode(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:

@@ -4,11 +4,13 @@ device buffers to the policy, under the lookahead bound.
 During a decode step each layer's kernel writes per listed page its max and log-sum-exp of the scaled
 logits into buffers allocated once (static addresses: a captured step writes the same memory every
 replay); :meth:`Feedback.observe` turns them into salience ``[B, K, N_kv]`` (max probability over the kv
-group) and attention mass (mean probability mass over the group) with the step's final LSE. After the
-step, :meth:`record` copies them to pinned host memory (no sync) and records an event; :meth:`take`
-waits for the steps the lookahead bound says are due and hands the policy ``on_access``,
-``on_salience`` and ``on_attention`` per layer, with pids in each row's page order. A prefill chunk
-(eager) hands its statistics over directly, delivered with the same timing.
+group) and attention mass (mean probability mass over the group) with the step's final LSE. When the step ends
+(:meth:`finish`, still device work) the mass is added to the policy's :class:`~kvtier.engine.stats.AttentionStats`.
+After the step, :meth:`record` copies the salience, the page lists and the attention statistics to pinned host
+memory (no sync) and records an event; :meth:`take` waits for the steps the lookahead bound says are due, shows
+the policy the newest of their attention snapshots and hands it ``on_access`` and ``on_salience`` per layer, with
+pids in each row's page order. A prefill chunk (eager) adds its attention with its iteration and hands its
+salience over directly, at the next :meth:`take`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 import torch
 
 from kvtier.errors import KVTierError
+from kvtier.scopes.base import DROPPED_LOC, window_pages
 from kvtier.window import first_page
 
 
@@ -32,7 +35,7 @@ class Produced:
     rows: list  # row -> (sequence id, length) at that step, or None (idle)
     picks: dict = field(default_factory=dict)  # width -> [L, B, (N_kv,) K] pinned copies (width None: all pages)
     salience: dict = field(default_factory=dict)  # width -> [L, B, K, N_kv]
-    mass: dict = field(default_factory=dict)  # width -> [L, B, K, N_kv]
+    slot: int | None = None  # the attention statistics' snapshot slot of this step
     layer_width: list = field(default_factory=list)  # per layer, the width its lists had
     tokens: torch.Tensor | None = None  # [L] keys attended per row (mean)
     prefill: list = field(default_factory=list)  # (kind, layer, pids, values) of a prefill chunk
@@ -46,6 +49,9 @@ class Feedback:
         if policy.attention_rows == 0:
             self.wants.discard("attention")
         self.hears_access = policy.hears_access
+        self.attention = engine.attention  # AttentionStats the step adds to
+        self.host_fed = "salience" in self.wants or self.hears_access  # the policy hears events on the host
+        self._slots = max(engine.lookahead, 1) + 1  # snapshots in flight, and the one shown; then one taken now
         self._buffers: dict = {}  # width -> dict of device buffers [L, R, ...]
         self._layer_width: list = [None] * engine.layout.num_layers
         self._step: dict = {}  # layer -> page list of the step being computed
@@ -127,37 +133,57 @@ class Feedback:
         return None if picks[0] is None else torch.stack(picks)
 
     def finish(self, layers: range, B: int, picks: torch.Tensor | None, tokens: torch.Tensor) -> None:
-        """When the step ends, per layer group: keys seen ``tokens [L']`` and the lists into the step's buffers."""
+        """When the step ends, per layer group: keys seen ``tokens [L']``, the lists into the step's buffers and the
+        attention mass into the policy's statistics."""
         at = slice(layers.start, layers.stop)
         self.tokens[at] = tokens
-        if picks is not None and (self.wants or self.hears_access):
-            width, per_head = self._layer_width[layers[0]]
+        width, per_head = self._layer_width[layers[0]]
+        if picks is not None and self.host_fed:
             self._bufs(width, per_head)["picks"][at, :B] = picks
+        if self.attention:
+            e = self.engine
+            bufs = self._bufs(e.max_pages if width is None else width, per_head)
+            mass = bufs["attention"][at, :B]  # [L', B, K, N_kv]
+            logical = self._listed(layers, B) if picks is None else \
+                picks.reshape(len(layers), B, -1, picks.shape[-1])  # [L', B, G, K]
+            for stats in self.attention:
+                stats.add_step(layers, logical, e.pid_table[:B], mass, e.seq_lens[:B] > 0)
+
+    def _listed(self, layers: range, B: int) -> torch.Tensor:
+        """Every live page the layers' window shows, as page lists ``[L', B, 1, M]`` (logical, -1 none)."""
+        e = self.engine
+        table = e.block_table[layers.start:layers.stop, :B]  # [L', B, M]
+        lens = e.seq_lens[:B].long()
+        first, _ = window_pages(lens.clamp(min=1), e.layout.window(layers[0]), e.layout.page_size)  # [B]
+        logical = torch.arange(table.shape[-1], device=table.device)
+        seen = (table != DROPPED_LOC) & (logical < ((lens + e.layout.page_size - 1) // e.layout.page_size)[:, None]) \
+            & (logical >= first[:, None])
+        return torch.where(seen, logical, -1)[:, :, None]
 
     def prefill_salience(self, layer: int, pids: np.ndarray, salience: torch.Tensor) -> None:
-        self._prefill.append(("salience", layer, pids, salience))
-
-    def prefill_attention(self, layer: int, pids: np.ndarray, mass: torch.Tensor) -> None:
-        self._prefill.append(("attention", layer, pids, mass))
+        self._prefill.append((layer, pids, salience))
 
     def record(self, B: int) -> None:
-        """After a decode step: its buffers towards the host, and the step's end event."""
+        """After a decode step: its buffers and attention statistics towards the host, and the step's end event."""
         e = self.engine
         p = Produced(e.step_idx, None, [None if r in e._prefilling or s is None else (s, int(e.lens[r]))
                                         for r, s in enumerate(e.row_seq[:B])])
         p.layer_width = list(self._layer_width)
         p.tokens = _to_host(self.tokens, e.device)
-        if self.wants or self.hears_access:
+        if self.host_fed:
             for (width, per_head) in set(self._layer_width):
-                if width is None and not self.wants:
+                if width is None and "salience" not in self.wants:
                     continue
                 bufs = self._bufs(e.max_pages if width is None else width, per_head)
                 key = (width, per_head)
                 if width is not None:
                     p.picks[key] = _to_host(bufs["picks"][:, :B], e.device)
-                for name in self.wants:
-                    getattr(p, "salience" if name == "salience" else "mass")[key] = _to_host(bufs[name][:, :B],
-                                                                                            e.device)
+                if "salience" in self.wants:
+                    p.salience[key] = _to_host(bufs["salience"][:, :B], e.device)
+        if self.attention:
+            p.slot = e.step_idx % self._slots
+            for stats in self.attention:
+                stats.snapshot(p.slot, e.table.ref.size)
         if e.device.type == "cuda":
             p.event = torch.cuda.Event(enable_timing=True)
             p.event.record()
@@ -166,11 +192,12 @@ class Feedback:
 
     def take(self, upto: int | None) -> None:
         """Hand the policy what steps ``<= upto`` produced (waiting for them) and any prefill chunk's; at most
-        ``lookahead`` steps stay in flight. ``upto=None``: only wait (nothing is fed back)."""
+        ``lookahead`` steps stay in flight. ``upto=None``: only wait (nothing is fed back). ``upto`` at the current
+        step: the attention statistics as they are now (after a wait for the queued work)."""
         e = self.engine
         if self._prefill:
             self._feed_prefill()
-        keep = []
+        keep, shown = [], None
         bound = e.step_idx - max(e.lookahead, 1) + 1  # steps older than this are waited for
         for p in self._produced:
             if (upto is None or p.step > upto) and p.step >= bound:
@@ -182,17 +209,28 @@ class Feedback:
                 e.stats.host_wait_s += time.perf_counter() - t0
             if upto is not None:
                 self._feed(p)
+                shown = p
         self._produced = keep
+        if not self.attention or upto is None:
+            return
+        if upto >= e.step_idx:
+            for stats in self.attention:
+                stats.snapshot(self._slots, e.table.ref.size)
+            if e.device.type == "cuda":
+                t0 = time.perf_counter()
+                torch.cuda.current_stream().synchronize()
+                e.stats.host_wait_s += time.perf_counter() - t0
+            for stats in self.attention:
+                stats.show(self._slots, e.step_idx)
+        elif shown is not None:
+            for stats in self.attention:
+                stats.show(shown.slot, shown.step)
 
     def _feed_prefill(self) -> None:
         e = self.engine
         step = e.step_idx
-        for kind, layer, pids, values in self._prefill:
-            values = values.float().cpu().numpy()
-            if kind == "salience":
-                e.policy.on_salience(layer, pids, values, step)
-            else:
-                e.policy.on_attention(layer, pids, values, step)
+        for layer, pids, values in self._prefill:
+            e.policy.on_salience(layer, pids, values.float().cpu().numpy(), step)
         self._prefill.clear()
 
     def _feed(self, p: Produced) -> None:
@@ -205,11 +243,10 @@ class Feedback:
         if not rows:
             return
         e.stats.add_attended_tokens(p.step, float(p.tokens.sum()), calls=e.layout.num_layers)
-        if not self.wants and not self.hears_access:
+        if not self.host_fed:
             return
         picks = {k: v.numpy() for k, v in p.picks.items()}  # pinned host copies: numpy views, no copy
-        stats = {name: {k: v.numpy() for k, v in store.items()} for name, store in
-                 (("salience", p.salience), ("attention", p.mass)) if name in self.wants}
+        stats = {"salience": {k: v.numpy() for k, v in p.salience.items()}} if "salience" in self.wants else {}
         if not stats and self._all_pages_every_layer and all(w is None for w, _ in p.layer_width):
             e.policy.on_access(slice(None), np.concatenate([pages for _, pages, _ in rows]), p.step)
             return
@@ -232,12 +269,8 @@ class Feedback:
         pids = np.concatenate([x[1] for x in parts])
         if e.policy.hears_access:
             e.policy.on_access(layer, pids, p.step)
-        for name in stats:
-            vals = np.concatenate([x[2][name] for x in parts])  # [n, N_kv]
-            if name == "salience":
-                e.policy.on_salience(layer, pids, vals, p.step)
-            else:
-                e.policy.on_attention(layer, pids, vals[None], p.step)
+        if stats:
+            e.policy.on_salience(layer, pids, np.concatenate([x[2]["salience"] for x in parts]), p.step)  # [n, N_kv]
 
     def _attended(self, layers: np.ndarray, pids: np.ndarray, n_pages: np.ndarray, lens: np.ndarray,
                   lists: np.ndarray | None):

@@ -66,7 +66,8 @@ def grown(a: np.ndarray, size: int, fill) -> np.ndarray:
 class Policy(ABC):
     """Base class of placement policies; a user's own subclass runs anywhere kvtier's do.
 
-    Must provide :meth:`priority`; may override the event hooks (no-ops here), :meth:`admit`,
+    Must provide :meth:`priority`; may override the event hooks (no-ops here; observed attention is not an event but a
+    statistic the engine keeps on its device, :meth:`bind_attention`), :meth:`admit`,
     :meth:`pinned_pages` (how many pages it pins, checked against the device budget) and
     ``needs_salience`` (true when it reads :meth:`on_salience`, which some kernels cannot give).
 
@@ -105,12 +106,14 @@ class Policy(ABC):
         """Most pages of one sequence this policy pins (+inf), besides the page being written."""
         return 0
 
-    def on_attention(self, layer: int | np.ndarray, pids: np.ndarray, mass: np.ndarray, step: int) -> None:
-        """Attention ``mass [r, n, N_kv]`` the step's newest ``r`` query rows gave pages ``pids``
-        (asked for by :attr:`attention_rows`)."""
-
     def bind(self, keys=None, queries=None) -> None:
-        """The cache's key and query statistics (:mod:`kvtier.page_stats`), when :attr:`needs` them."""
+        """The engine's key and query statistics (:mod:`kvtier.engine.stats`), when :attr:`needs` them."""
+
+    def bind_attention(self, make) -> list:
+        """Attention statistics the engine keeps on its device for this policy, when it :attr:`needs` them: ``make(rows,
+        keeps)`` returns an :class:`~kvtier.engine.stats.AttentionStats` (the newest ``rows`` query rows kept, the
+        fields ``keeps``) that the step adds to; the policy reads it and returns every one it made."""
+        return []
 
     @property
     def needs_salience(self) -> bool:
@@ -133,5 +136,5 @@ class Policy(ABC):
 
     @property
     def attention_rows(self) -> int | None:
-        """Newest query rows per step whose attention :meth:`on_attention` hears (None: every row; 0: none)."""
+        """Newest query rows of a prefill chunk whose attention the engine adds (None: every row; 0: none)."""
         return 0

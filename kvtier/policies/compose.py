@@ -47,10 +47,8 @@ class Compose(Policy):
         for p in self.parts:
             p.bind(keys, queries)
 
-    def on_attention(self, layer, pids, mass, step):
-        for p in self.parts:
-            if p.attention_rows != 0:
-                p.on_attention(layer, pids, mass, step)
+    def bind_attention(self, make) -> list:
+        return [stats for p in self.parts for stats in p.bind_attention(make)]
 
     def reset(self, num_layers):
         super().reset(num_layers)

@@ -99,8 +99,14 @@ class ScoredPolicy(Policy):
         return self.scorer.rows
 
     def bind(self, keys=None, queries=None) -> None:
-        """The cache's key and query statistics (:mod:`kvtier.page_stats`)."""
+        """The engine's key and query statistics (:mod:`kvtier.engine.stats`)."""
         self.store.keys, self.store.queries = keys, queries
+
+    def bind_attention(self, make) -> list:
+        if "attention" not in self.needs:
+            return []
+        self.store.attention = make(self.store.rows, self.store.keeps)
+        return [self.store.attention]
 
     # -- events --------------------------------------------------------------------------------
     def reset(self, num_layers):
@@ -116,10 +122,11 @@ class ScoredPolicy(Policy):
         return self.needs_salience or type(self).on_step is not ScoredPolicy.on_step
 
     def on_append(self, pids, step):
-        self.store.on_append(pids)
+        self.store.on_append(pids, step)
 
-    def on_attention(self, layer: int | np.ndarray, pids: np.ndarray, mass: np.ndarray, step: int) -> None:
-        """Attention ``mass [r, n, N_kv]`` of the step's newest ``r`` query rows on pages ``pids``."""
+    def on_attention(self, layer: int, pids: np.ndarray, mass: np.ndarray, step: int) -> None:
+        """Attention fed by hand, without an engine: ``mass [r, n, N_kv]`` of ``r`` query rows on pages ``pids``
+        (an engine adds the step's own to the statistics it keeps, :meth:`bind_attention`)."""
         self.store.on_attention(layer, pids, mass)
 
     def on_salience(self, layer, pids, scores, step):

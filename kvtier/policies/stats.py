@@ -1,11 +1,11 @@
 """What scorers read: :class:`PageStats`, a value object over the candidate pages, and the
-:class:`StatsStore` a scored policy fills from the cache's events.
+:class:`StatsStore` a scored policy reads through.
 
-The store keeps, per (layer, pid, kv head), observed attention (the exact probability mass a page
-received from a query row, :func:`kvtier.page_stats.page_attention`): the running sum over every
-observed row (H2O) and the last ``rows`` rows (a ring: TOVA reads the newest, SnapKV sums the
-window), plus ASPE's salience history (max probability per page, summed over kv heads) and the
-cache's key and query statistics (:mod:`kvtier.page_stats`), bound by the cache.
+The store holds ASPE's salience history (max probability per page, summed over kv heads) and reads the engine's
+statistics, bound by the engine: observed attention per (layer, pid, kv head) (the exact probability mass a page
+received from a query row: the running sum over every observed row for H2O, the newest row for TOVA, the sum of the
+last ``rows`` rows for SnapKV; :class:`~kvtier.engine.stats.AttentionStats`, kept on the device by the step), and the
+key and query statistics (:mod:`kvtier.engine.stats`).
 """
 
 from __future__ import annotations
@@ -16,86 +16,50 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from kvtier.engine.stats import ATTENTION_FIELDS, AttentionStats
 from kvtier.errors import KVTierError
 from kvtier.policies.base import PageInfo, grown
 
 NEEDS = frozenset({"attention", "salience", "keys", "queries"})
-ATTENTION_FIELDS = frozenset({"total", "last", "window"})  # PageStats.attention_<field>
-
-
-def _sum_by(index: np.ndarray, values: np.ndarray, size: int) -> np.ndarray:
-    """``values [n, C]`` summed by ``index [n]`` into ``[size, C]`` (float64; ``np.add.at``'s result, by bincount)."""
-    return np.stack([np.bincount(index, weights=values[:, c], minlength=size) for c in range(values.shape[1])], -1)
+__all__ = ["ATTENTION_FIELDS", "NEEDS", "PageStats", "StatsStore"]
 
 
 class StatsStore:
-    """Observations of one cache, numpy on the host. ``rows``: attention rows kept; ``obs_window``:
-    steps of salience kept; ``keeps``: the attention sums a scorer reads (of :data:`ATTENTION_FIELDS`; the running
-    sum for ``total``, the ring of rows for ``last`` and ``window``, the ring's sum for ``window``), the only ones
-    kept up."""
+    """What one scored policy reads. ``rows``: attention rows kept; ``obs_window``: steps of salience kept; ``keeps``:
+    the attention sums its scorer reads (of :data:`ATTENTION_FIELDS`), the only ones kept up."""
 
     def __init__(self, num_layers: int, rows: int = 1, obs_window: int = 16, keeps=ATTENTION_FIELDS):
         self.L, self.rows, self.obs_window = num_layers, rows, obs_window
         self.keeps = frozenset(keeps)
-        self.acc: np.ndarray | None = None  # [L, pids, N_kv] attention summed over every observed row
-        self.ring: np.ndarray | None = None  # [rows, L, pids, N_kv] the last rows (0 where not attended)
-        self.window_sum: np.ndarray | None = None  # [L, pids, N_kv] the ring summed over its rows, kept as it turns
-        self.head = np.zeros(num_layers, dtype=np.int64)  # rows pushed per layer
+        self.attention: AttentionStats | None = None  # bound by the engine, or made on the first hand-fed row
         self.sal = np.full((obs_window, num_layers, 64), np.nan, dtype=np.float32)  # [W, L, pids]
         self.sal_last = np.full((num_layers, 64), np.nan, dtype=np.float32)  # [L, pids] last windowed mean
         self._sal_row = 0
-        self.keys = None  # kvtier.page_stats.KeyStats, bound by the cache
-        self.queries = None  # kvtier.page_stats.QueryStats
+        self.keys = None  # kvtier.engine.stats.KeyStats, bound by the engine
+        self.queries = None  # kvtier.engine.stats.QueryStats
 
     # -- events --------------------------------------------------------------------------------
     def on_step(self, step: int) -> None:
         self._sal_row = step % self.obs_window
         self.sal[self._sal_row] = np.nan
 
-    def on_append(self, pids: np.ndarray) -> None:
+    def on_append(self, pids: np.ndarray, step: int = 0) -> None:
         self._grow(int(pids.max(initial=-1)) + 1)
-        if self.acc is not None:
-            self.acc[:, pids] = 0
-            self.ring[:, :, pids] = 0
-            self.window_sum[:, pids] = 0
+        if self.attention is not None and pids.size:
+            self.attention.on_append(pids, step)
         self.sal[:, :, pids] = np.nan
         self.sal_last[:, pids] = np.nan
 
-    def on_attention(self, layer, pids: np.ndarray, mass: np.ndarray) -> None:
-        """``mass [r, n, N_kv]``: the step's last ``r`` query rows (oldest first) on pages ``pids`` of ``layer`` (an
-        int, or ``[n]`` each page's layer: each layer named gets the ``r`` rows)."""
-        if self.acc is None:
-            n_kv = mass.shape[-1]
-            self.acc = np.zeros((self.L, self.sal.shape[-1], n_kv), dtype=np.float64)
-            self.ring = np.zeros((self.rows, self.L, self.sal.shape[-1], n_kv), dtype=np.float32)
-            self.window_sum = np.zeros((self.L, self.sal.shape[-1], n_kv), dtype=np.float64)
-        self._grow(int(pids.max(initial=-1)) + 1)
-        if pids.size == 0:
-            return
-        layer = np.broadcast_to(layer, pids.shape)  # [n]
-        named = np.unique(layer)  # [l]
-        lo, span, P = named[0], named[-1] + 1 - named[0], self.acc.shape[1]
-        at = slice(lo, lo + span) if named.size == span else named  # the layers named (a view when contiguous)
-        cell = (layer - lo) * P + pids  # [n] (layer, pid) from the first layer named; a page split over parts or
-        # shared by rows repeats, and adds up
-
-        def by_page(values):  # [n, N_kv] -> [l, P, N_kv] float64: summed per (layer, pid) of the layers named
-            summed = _sum_by(cell, values, span * P).reshape(span, P, -1)
-            return summed if named.size == span else summed[named - lo]
-
-        newest = [by_page(row) for row in mass[-self.rows:]] if self.keeps & {"last", "window"} else []
-        if "total" in self.keeps:
-            self.acc[at] += newest[0] if mass.shape[0] == 1 and newest else by_page(mass.sum(0))
-        window = "window" in self.keeps
-        for row in newest:
-            slot = self.head[named] % self.rows  # [l]
-            ring = (slot[0], at) if (slot == slot[0]).all() else (slot, named)  # a view when one slot, contiguous
-            if window:
-                self.window_sum[at] -= self.ring[ring]  # the row leaving the window
-            self.ring[ring] = row  # a page the row did not attend gets 0 from it
-            if window:
-                self.window_sum[at] += self.ring[ring]
-            self.head[named] += 1
+    def on_attention(self, layer: int, pids: np.ndarray, mass: np.ndarray) -> None:
+        """Attention fed by hand, without an engine (tests, notebooks): ``mass [r, n, N_kv]``, the newest ``r`` query
+        rows (oldest first) on pages ``pids [n]`` of ``layer``, into a CPU store."""
+        size = int(pids.max(initial=-1)) + 1
+        a = self.attention
+        if a is None or a.capacity < size:
+            self.attention = AttentionStats(self.L, max(64, 2 * size), mass.shape[-1], self.rows, self.keeps, "cpu")
+            for old, new in zip(a.tensors() if a is not None else [], self.attention.tensors()):
+                (new[..., :old.shape[-2], :] if old.dim() > 1 else new).copy_(old)  # the pids kept so far; head
+        self.attention.add(layer, torch.from_numpy(np.asarray(pids, dtype=np.int64)), torch.as_tensor(mass))
 
     def on_salience(self, layer, pids: np.ndarray, scores: np.ndarray) -> None:
         self._grow(int(pids.max(initial=-1)) + 1)
@@ -106,10 +70,6 @@ class StatsStore:
             return
         self.sal = grown(self.sal, size, np.nan)
         self.sal_last = grown(self.sal_last, size, np.nan)
-        if self.acc is not None:
-            self.acc = np.moveaxis(grown(np.moveaxis(self.acc, 1, -1), size, 0.0), -1, 1)
-            self.ring = np.moveaxis(grown(np.moveaxis(self.ring, 2, -1), size, 0.0), -1, 2)
-            self.window_sum = np.moveaxis(grown(np.moveaxis(self.window_sum, 1, -1), size, 0.0), -1, 1)
 
     # -- reading -------------------------------------------------------------------------------
     def salience_mean(self, pids: np.ndarray) -> np.ndarray:
@@ -151,39 +111,30 @@ class PageStats:
         a.flags.writeable = False
         return a
 
-    def _kept(self, field: str) -> None:
+    def _attention(self, field: str) -> np.ndarray:
+        """The kept attention field ``field`` of the candidates ``[L, n, N_kv]`` (0 before any row was observed)."""
         if field not in self.store.keeps:
             raise KVTierError(f"the scorer read attention_{field}, but its attention_fields "
                               f"{sorted(self.store.keeps)} do not name '{field}', so the store does not keep it: add "
                               "it to the scorer's attention_fields")
+        if self.store.attention is None:
+            return np.zeros((self.store.L, self.info.pids.size, 1))
+        return self._read_only(self.store.attention.read()[field][:, self._cols])
 
     @cached_property
     def attention_total(self) -> np.ndarray:
         """Attention summed over every observed query row ``[L, n, N_kv]`` (H2O's accumulated score)."""
-        self._kept("total")
-        if self.store.acc is None:
-            return np.zeros((self.store.L, self.info.pids.size, 1))
-        self.store._grow(int(self.info.pids.max(initial=-1)) + 1)
-        return self._read_only(self.store.acc[:, self._cols])
+        return self._attention("total")
 
     @cached_property
     def attention_last(self) -> np.ndarray:
         """The newest query row's attention ``[L, n, N_kv]`` (per layer: its own newest row)."""
-        self._kept("last")
-        if self.store.ring is None:
-            return np.zeros((self.store.L, self.info.pids.size, 1), dtype=np.float32)
-        self.store._grow(int(self.info.pids.max(initial=-1)) + 1)
-        newest = (self.store.head - 1) % self.store.rows  # [L]
-        return self.store.ring[newest[:, None], np.arange(self.store.L)[:, None], self.info.pids[None, :]]
+        return self._attention("last")
 
     @cached_property
     def attention_window(self) -> np.ndarray:
         """Attention summed over the last ``rows`` query rows ``[L, n, N_kv]`` (SnapKV's window)."""
-        self._kept("window")
-        if self.store.window_sum is None:
-            return np.zeros((self.store.L, self.info.pids.size, 1))
-        self.store._grow(int(self.info.pids.max(initial=-1)) + 1)
-        return self._read_only(self.store.window_sum[:, self._cols])
+        return self._attention("window")
 
     @cached_property
     def salience(self) -> np.ndarray:
