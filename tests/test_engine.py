@@ -482,3 +482,49 @@ def test_one_ranking_per_step_serves_the_plan_and_the_device_table(tiny, name, a
             assert np.array_equal(engine.priority[:, middle].numpy(), fresh)
     finally:
         del policy.priority
+
+
+def test_attention_statistics_of_a_step_equal_a_loop_over_its_page_lists():
+    """``AttentionStats.add_step`` (the captured step's update, by pid) equals summing each listed page's mass by hand:
+    shared lists give a page every head's mass, per-kv-head lists head g's own; idle rows and -1 entries add nothing;
+    the ring keeps the last ``rows`` steps and the window their sum; a snapshot shown later reads as it was, a pid
+    appended after it reads 0."""
+    from kvtier.engine.stats import AttentionStats
+
+    rng = np.random.default_rng(3)
+    L, N, B, M, cap, rows = 3, 2, 3, 6, 32, 2
+    stats = AttentionStats(L, cap, N, rows, {"total", "last", "window"}, "cpu", slots=2)
+    pid_table = torch.from_numpy(rng.permutation(cap)[:B * M].reshape(B, M)).int()  # [B, M]
+    live = torch.tensor([True, False, True])
+    total = np.zeros((cap, L, N))
+    steps = []
+    for step, G in enumerate([1, N, 1, N]):
+        K = 4
+        logical = torch.from_numpy(np.stack([[[rng.permutation(M)[:K] for _ in range(G)] for _ in range(B)]
+                                             for _ in range(L)])).int()  # [L, B, G, K] distinct pages per list
+        logical[0, 0, 0, 1] = -1
+        mass = torch.from_numpy(rng.random((L, B, K, N)))  # [L, B, K, N]
+        stats.add_step(range(L), logical, pid_table, mass, live)
+        row = np.zeros((cap, L, N))
+        for layer, b, g, k in np.ndindex(L, B, G, K):
+            page = int(logical[layer, b, g, k])
+            if page < 0 or not live[b]:
+                continue
+            heads = range(N) if G == 1 else [g]
+            for h in heads:
+                row[int(pid_table[b, page]), layer, h] += float(mass[layer, b, k, h])
+        total += row
+        steps.append(row)
+    stats.snapshot(0, cap)
+    stats.show(0, step=3)
+    seen = stats.read()
+    np.testing.assert_allclose(seen["total"], total.transpose(1, 0, 2), rtol=1e-6)
+    np.testing.assert_allclose(seen["last"], steps[-1].transpose(1, 0, 2), rtol=1e-6)
+    np.testing.assert_allclose(seen["window"], sum(steps[-rows:]).transpose(1, 0, 2), rtol=1e-6)
+    fresh = pid_table[0, :2].numpy().astype(np.int64)
+    stats.on_append(fresh, step=4)
+    stats.snapshot(1, cap)  # taken after the append: the device forgot them too
+    stats.show(0, step=3)  # the older snapshot shown again: the fresh pids still read 0
+    assert not stats.read()["total"][:, fresh].any()
+    np.testing.assert_allclose(np.delete(stats.read()["total"], fresh, 1),
+                               np.delete(total.transpose(1, 0, 2), fresh, 1), rtol=1e-6)

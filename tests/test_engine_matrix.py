@@ -146,6 +146,13 @@ def test_a_statistic_the_scope_or_kernel_cannot_give_is_refused_at_construction(
         Engine(model, layout, tiers(), "lru", All())
     assert e.value.field == "policy"
 
+    class ReadsNothingBound(LRU):  # needs attention, but keeps no statistics to read it from
+        needs = frozenset({"attention"})
+
+    with pytest.raises(ConfigError, match="bind_attention") as e:
+        Engine(model, layout, tiers(), ReadsNothingBound(), All())
+    assert e.value.field == "policy"
+
 
 def test_python_api_mistakes_are_named(tiny):
     """A string policy, a layout built for other heads, a float prompt and finishing an unknown sequence:

@@ -117,44 +117,46 @@ ATTENTION_FIELDS = frozenset({"total", "last", "window"})  # what a scorer may r
 
 
 class AttentionStats:
-    """Observed attention per (layer, pid, kv head): the probability mass a page received from a query row (a
+    """Observed attention per (pid, layer, kv head): the probability mass a page received from a query row (a
     decode step's from the kernel's per-page LSE, a prefill chunk's from :func:`page_mass`), added on the engine's
     device by the step itself (a captured decode step adds inside its graph). ``keeps`` (of :data:`ATTENTION_FIELDS`)
-    names what is kept up: ``total [L, pids, N_kv]`` float64, the sum over every observed row (H2O); ``ring [rows, L,
-    pids, N_kv]`` float32, the last ``rows`` rows, with ``head [L]`` rows pushed per layer (``last``: TOVA reads the
-    newest); ``window [L, pids, N_kv]`` float64, the ring's sum kept as it turns (SnapKV).
+    names what is kept up: ``total [pids, L, N_kv]`` float64, the sum over every observed row (H2O); ``ring [rows,
+    pids, L, N_kv]`` float32, the last ``rows`` rows, with ``head [L]`` rows pushed per layer (``last``: TOVA reads
+    the newest); ``window [pids, L, N_kv]`` float64, the ring's sum kept as it turns (SnapKV). Pid-major, so that the
+    live pids are one contiguous block.
 
-    The host reads :meth:`read` (numpy ``[L, pids, N_kv]`` per kept field): :meth:`snapshot` copies the fields into
-    a pinned slot after a step without waiting, :meth:`show` makes a slot what is read once its step is done (the
-    feedback's lookahead bound). Without slots (``slots=0``, a CPU store fed by hand) it reads the live state."""
+    The host reads :meth:`read` (numpy ``[L, pids, N_kv]`` per kept field): :meth:`snapshot` copies the live pids'
+    fields into a pinned slot after a step without waiting, :meth:`show` makes a slot what is read once its step is
+    done (the feedback's lookahead bound). Without slots (``slots=0``, a CPU store fed by hand) it reads the live
+    state."""
 
     def __init__(self, num_layers: int, capacity: int, num_kv_heads: int, rows: int, keeps, device, slots: int = 0):
         keeps = frozenset(keeps)
         L, N = num_layers, num_kv_heads
         self.keeps, self.rows, self.capacity, self.device = keeps, rows, capacity, torch.device(device)
         f64 = dict(dtype=torch.float64, device=device)
-        self.total = torch.zeros(L, capacity, N, **f64) if "total" in keeps else None
-        self.ring = torch.zeros(rows, L, capacity, N, device=device) if keeps & {"last", "window"} else None
-        self.window = torch.zeros(L, capacity, N, **f64) if "window" in keeps else None
+        self.total = torch.zeros(capacity, L, N, **f64) if "total" in keeps else None
+        self.ring = torch.zeros(rows, capacity, L, N, device=device) if keeps & {"last", "window"} else None
+        self.window = torch.zeros(capacity, L, N, **f64) if "window" in keeps else None
         self.head = torch.zeros(L, dtype=torch.int64, device=device)
         self._layers = torch.arange(L, device=device)
         pin = self.device.type == "cuda"
-        self._slots = [{f: torch.zeros(L, capacity, N, dtype=torch.float64 if f != "last" else torch.float32,
+        self._slots = [{f: torch.zeros(capacity, L, N, dtype=torch.float64 if f != "last" else torch.float32,
                                        pin_memory=pin) for f in sorted(keeps)} for _ in range(slots)]
         self._fresh: list[tuple[int, np.ndarray]] = []  # (step, pids) appended after the shown step
-        self._view = {f: t.numpy() for f, t in self._slots[0].items()} if slots else None
+        self._view = {f: t.numpy() for f, t in self._slots[0].items()} if slots else None  # [pids, L, N_kv]
 
     def tensors(self) -> list[torch.Tensor]:
         """What a captured step advances."""
         return [t for t in (self.total, self.ring, self.window, self.head) if t is not None]
 
     def _live(self) -> dict:
-        """The kept fields now ``[L, pids, N_kv]`` each (device)."""
+        """The kept fields now ``[pids, L, N_kv]`` each (device)."""
         out = {}
         if self.total is not None:
             out["total"] = self.total
         if "last" in self.keeps:
-            out["last"] = self.ring[(self.head - 1) % self.rows, self._layers]  # each layer's newest row
+            out["last"] = self.ring[(self.head - 1) % self.rows, :, self._layers].transpose(0, 1)  # newest rows
         if self.window is not None:
             out["window"] = self.window
         return out
@@ -165,28 +167,29 @@ class AttentionStats:
         idx = torch.from_numpy(np.asarray(pids, dtype=np.int64)).to(self.device)
         for t in (self.total, self.window):
             if t is not None:
-                t[:, idx] = 0
+                t[idx] = 0
         if self.ring is not None:
-            self.ring[:, :, idx] = 0
+            self.ring[:, idx] = 0
         if self._view is not None:
             self._fresh.append((step, np.asarray(pids, dtype=np.int64)))
             for v in self._view.values():
-                v[:, pids] = 0
+                v[pids] = 0
 
     def add(self, layer: int, pids: torch.Tensor, mass: torch.Tensor) -> None:
         """A prefill chunk's ``mass [r, n, N_kv]`` (its newest ``r`` query rows, oldest first) on pages ``pids [n]``
         (device int64; a page named twice adds up) of ``layer``: ``r`` ring rows."""
         N = mass.shape[-1]
-        cell = (pids.long()[:, None] * N + torch.arange(N, device=pids.device)).flatten()  # [n * N_kv]
+        heads = torch.arange(N, device=pids.device)
         if self.total is not None:
-            self.total[layer].view(-1).index_add_(0, cell, mass.sum(0).flatten().double())
+            cell = ((pids.long()[:, None] * self.total.shape[1] + layer) * N + heads).flatten()  # [n * N_kv]
+            self.total.view(-1).index_add_(0, cell, mass.sum(0).flatten().double())
         if self.ring is None:
             return
-        at = self._layers[layer:layer + 1]
+        cell = (pids.long()[:, None] * N + heads).flatten()  # in a row of one layer [pids, 1, N_kv]
         for row in mass[-self.rows:]:
             new = torch.zeros(self.capacity * N, dtype=torch.float64, device=self.device).index_add_(
                 0, cell, row.flatten().double())
-            self._push(at, new.view(1, self.capacity, N))
+            self._push(self._layers[layer:layer + 1], new.view(self.capacity, 1, N))
 
     def add_step(self, layers: range, logical: torch.Tensor, pid_table: torch.Tensor, mass: torch.Tensor,
                  live: torch.Tensor) -> None:
@@ -194,42 +197,42 @@ class AttentionStats:
         N_kv for per-kv-head lists, where head g's entry counts for head g only, else 1) of rows ``live [B]`` whose
         pids are ``pid_table [B, M]``, in consecutive ``layers``: one ring row each. Device ops only."""
         Lg, B, G, K = logical.shape
-        N, cap = mass.shape[-1], self.capacity
+        N, L = mass.shape[-1], self.head.numel()
         rows = torch.arange(B, device=logical.device)[None, :, None, None]
         pid = pid_table[rows, logical.clamp(min=0).long()].long()  # [L', B, G, K]
-        ok = (logical >= 0) & (pid >= 0) & live[None, :, None, None]
+        ok = ((logical >= 0) & (pid >= 0) & live[None, :, None, None])[..., None]
         heads = torch.arange(N, device=logical.device)
         if G == 1:  # an entry gives its page every head's mass
             value, head = mass[:, :, None], heads  # [L', B, 1, K, N_kv]
         else:  # entry (g, k) gives head g its own mass
             value, head = mass.transpose(2, 3)[..., None], heads[:, None, None]  # [L', B, N_kv, K, 1]
         lay = torch.arange(Lg, device=logical.device)[:, None, None, None, None]
-        cell = ((lay * cap + pid[..., None]) * N + head).masked_fill(~ok[..., None], 0)  # [L', B, G, K, *]
-        value = value.double().masked_fill(~ok[..., None], 0.0).expand(cell.shape)
-        cell, value = cell.flatten(), value.flatten()
-        at = slice(layers.start, layers.stop)
+        value = value.double().masked_fill(~ok, 0.0)
         if self.total is not None:
-            self.total[at].view(-1).index_add_(0, cell, value)
+            cell = ((pid[..., None] * L + layers.start + lay) * N + head).masked_fill(~ok, 0)  # [L', B, G, K, *]
+            self.total.view(-1).index_add_(0, cell.flatten(), value.expand(cell.shape).flatten())
         if self.ring is not None:
-            new = torch.zeros(Lg * cap * N, dtype=torch.float64, device=self.device).index_add_(0, cell, value)
-            self._push(self._layers[at], new.view(Lg, cap, N))
+            cell = ((pid[..., None] * Lg + lay) * N + head).masked_fill(~ok, 0)  # in a row [pids, L', N_kv]
+            new = torch.zeros(self.capacity * Lg * N, dtype=torch.float64, device=self.device).index_add_(
+                0, cell.flatten(), value.expand(cell.shape).flatten())
+            self._push(self._layers[layers.start:layers.stop], new.view(self.capacity, Lg, N))
 
     def _push(self, layers: torch.Tensor, new: torch.Tensor) -> None:
-        """One ring row ``new [L', pids, N_kv]`` (float64) into ``layers [L']``; the window sum follows."""
-        flat = self.ring.view(-1, *self.ring.shape[2:])  # [rows * L, pids, N_kv]
-        slot = (self.head[layers] % self.rows) * self.ring.shape[1] + layers  # [L']
+        """One ring row ``new [pids, L', N_kv]`` (float64) into ``layers [L']``; the window sum follows."""
+        slot = self.head[layers] % self.rows  # [L']
         new = new.float()
         if self.window is not None:
-            self.window.index_add_(0, layers, new.double() - flat.index_select(0, slot).double())
-        flat.index_copy_(0, slot, new)
+            old = self.ring[slot, :, layers].transpose(0, 1)  # [pids, L', N_kv]
+            self.window.index_add_(1, layers, new.double() - old.double())
+        self.ring[slot, :, layers] = new.transpose(0, 1)
         self.head.index_add_(0, layers, torch.ones_like(layers))
 
     # -- what the host reads -------------------------------------------------------------------------
     def snapshot(self, slot: int, pids: int) -> None:
-        """The kept fields of the first ``pids`` pids into pinned slot ``slot`` (queued: read it once its step is
-        done)."""
+        """The kept fields of the first ``pids`` pids into pinned slot ``slot`` (one contiguous block each, queued:
+        read it once its step is done)."""
         for f, src in self._live().items():
-            self._slots[slot][f][:, :pids].copy_(src[:, :pids], non_blocking=True)
+            self._slots[slot][f][:pids].copy_(src[:pids], non_blocking=True)
 
     def show(self, slot: int, step: int) -> None:
         """Slot ``slot``, the state after ``step`` (done), is what :meth:`read` gives; pages appended after ``step``
@@ -238,13 +241,12 @@ class AttentionStats:
         self._fresh = [(s, pids) for s, pids in self._fresh if s > step]
         for _, pids in self._fresh:
             for v in self._view.values():
-                v[:, pids] = 0
+                v[pids] = 0
 
     def read(self) -> dict:
-        """The kept fields as the host sees them, numpy ``[L, pids, N_kv]`` each (read-only to scorers)."""
-        if self._view is not None:
-            return self._view
-        return {f: t.cpu().numpy() for f, t in self._live().items()}
+        """The kept fields as the host sees them, numpy ``[L, pids, N_kv]`` each (views; read-only to scorers)."""
+        view = self._view if self._view is not None else {f: t.cpu().numpy() for f, t in self._live().items()}
+        return {f: v.transpose(1, 0, 2) for f, v in view.items()}
 
 
 class QueryStats:

@@ -57,8 +57,8 @@ class StatsStore:
         a = self.attention
         if a is None or a.capacity < size:
             self.attention = AttentionStats(self.L, max(64, 2 * size), mass.shape[-1], self.rows, self.keeps, "cpu")
-            for old, new in zip(a.tensors() if a is not None else [], self.attention.tensors()):
-                (new[..., :old.shape[-2], :] if old.dim() > 1 else new).copy_(old)  # the pids kept so far; head
+            for old, new in zip(a.tensors() if a is not None else [], self.attention.tensors()):  # pids kept so far
+                (new[:old.shape[0]] if old.dim() == 3 else new[:, :old.shape[1]] if old.dim() == 4 else new).copy_(old)
         self.attention.add(layer, torch.from_numpy(np.asarray(pids, dtype=np.int64)), torch.as_tensor(mass))
 
     def on_salience(self, layer, pids: np.ndarray, scores: np.ndarray) -> None:
