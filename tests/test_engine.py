@@ -528,3 +528,24 @@ def test_attention_statistics_of_a_step_equal_a_loop_over_its_page_lists():
     assert not stats.read()["total"][:, fresh].any()
     np.testing.assert_allclose(np.delete(stats.read()["total"], fresh, 1),
                                np.delete(total.transpose(1, 0, 2), fresh, 1), rtol=1e-6)
+
+
+def test_knorm_reads_the_key_norms_from_the_feedbacks_snapshot(tiny):
+    """A scorer that ranks by key norm every step (Knorm) reads them from a snapshot under the lookahead bound; once the
+    engine has waited for every step, the snapshot equals the live statistics (NaN for no page); a scorer that does
+    not declare it reads the live statistics."""
+    from kvtier.policies import Knorm, Quest
+
+    model, layout = tiny
+    tiers = lambda: [DeviceTier(layout, 64, device="cpu"), HostTier(layout, 64)]  # noqa: E731
+    engine = Engine(model, layout, tiers(), Knorm(sinks=4, window=8), Resident(), prefill=ChunkedPrefill(16))
+    assert engine.keys.host is not None
+    engine.add(torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(4)))
+    for _ in range(5):
+        engine.step()
+    engine.feedback.take(upto=engine.step_idx)
+    pids = np.arange(engine.keys.count.shape[1])
+    live = (engine.keys.norm_sum / engine.keys.count[..., None]).numpy()  # [L, pids, N_kv]
+    np.testing.assert_array_equal(engine.keys.norm_mean(pids), live)
+    assert np.isfinite(live[:, engine.table.pages(0)]).all()
+    assert Engine(model, layout, tiers(), Quest(sinks=4, window=8), Resident()).keys.host is None

@@ -212,6 +212,8 @@ class Engine:
         slots = max(config.lookahead, 1) + 2  # the feedback's snapshots: in flight, shown, and one taken now
         self.attention = policy.bind_attention(
             lambda rows, keeps: AttentionStats(L, _pid_capacity(held), layout.num_kv_heads, rows, keeps, dev, slots))
+        if self.keys is not None and policy.reads_key_norm:
+            self.keys.keep_norms_on_host(slots)
         if "attention" in needs and not self.attention:
             raise ConfigError("policy", f"policy '{policy.name}' needs attention but keeps no attention statistics: "
                                         "a policy reads observed attention through bind_attention (as ScoredPolicy "
@@ -916,7 +918,7 @@ class Engine:
                 self.keys.on_copy(old, fresh)
         if new or cow:
             if self.keys is not None and new:
-                self.keys.on_append(np.asarray(new, dtype=np.int64))
+                self.keys.on_append(np.asarray(new, dtype=np.int64), self.step_idx)
             first = self.table.num_pages(seq) - len(new) - len(cow)  # the copied page is pointed at anew too
             pids = self.table.pages(seq)[first:]
             self.policy.on_append(pids, self.step_idx)

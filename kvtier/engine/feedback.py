@@ -50,6 +50,8 @@ class Feedback:
             self.wants.discard("attention")
         self.hears_access = policy.hears_access
         self.attention = engine.attention  # AttentionStats the step adds to
+        keys = [engine.keys] if engine.keys is not None and engine.keys.host is not None else []
+        self.snapshotted = [*self.attention, *keys]  # statistics the host reads from snapshots
         self.host_fed = "salience" in self.wants or self.hears_access  # the policy hears events on the host
         self._slots = max(engine.lookahead, 1) + 1  # snapshots in flight, and the one shown; then one taken now
         self._buffers: dict = {}  # width -> dict of device buffers [L, R, ...]
@@ -180,9 +182,9 @@ class Feedback:
                     p.picks[key] = _to_host(bufs["picks"][:, :B], e.device)
                 if "salience" in self.wants:
                     p.salience[key] = _to_host(bufs["salience"][:, :B], e.device)
-        if self.attention:
+        if self.snapshotted:
             p.slot = e.step_idx % self._slots
-            for stats in self.attention:
+            for stats in self.snapshotted:
                 stats.snapshot(p.slot, e.table.ref.size)
         if e.device.type == "cuda":
             p.event = torch.cuda.Event(enable_timing=True)
@@ -211,19 +213,19 @@ class Feedback:
                 self._feed(p)
                 shown = p
         self._produced = keep
-        if not self.attention or upto is None:
+        if not self.snapshotted or upto is None:
             return
         if upto >= e.step_idx:
-            for stats in self.attention:
+            for stats in self.snapshotted:
                 stats.snapshot(self._slots, e.table.ref.size)
             if e.device.type == "cuda":
                 t0 = time.perf_counter()
                 torch.cuda.current_stream().synchronize()
                 e.stats.host_wait_s += time.perf_counter() - t0
-            for stats in self.attention:
+            for stats in self.snapshotted:
                 stats.show(self._slots, e.step_idx)
         elif shown is not None:
-            for stats in self.attention:
+            for stats in self.snapshotted:
                 stats.show(shown.slot, shown.step)
 
     def _feed_prefill(self) -> None:

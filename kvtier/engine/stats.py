@@ -38,6 +38,7 @@ class KeyStats:
                   "key_sq": (L, capacity, N, D), "norm_sum": (L, capacity, N), "count": (L, capacity)}
         for name, shape in shapes.items():
             setattr(self, name, torch.full(shape, self.FILL[name], device=device))
+        self.host: HostSnapshots | None = None  # mean key norms for the host (keep_norms_on_host)
         self.basis = None  # [L, N_kv, D, r] once fitted
         self.sketch = torch.zeros(L, capacity, layout.page_size, N, sketch_rank, device=device) if sketch_rank \
             else None
@@ -46,13 +47,37 @@ class KeyStats:
         """Every statistic (what a captured step advances)."""
         return [getattr(self, name) for name in self.FILL] + ([self.sketch] if self.sketch is not None else [])
 
-    def on_append(self, pids: np.ndarray) -> None:
+    def keep_norms_on_host(self, slots: int) -> None:
+        """Snapshots of each page's mean key norm for a scorer that ranks by it on the host (Knorm): read through
+        :meth:`norm_mean` under the feedback's lookahead bound, not by a wait for the step in flight."""
+        L, N = self.layout.num_layers, self.layout.num_kv_heads
+        self.host = HostSnapshots({"norm": ((L, N), torch.float32, float("nan"))}, self.count.shape[1], slots,
+                                  self.device.type == "cuda")
+
+    def snapshot(self, slot: int, pids: int) -> None:
+        norm = (self.norm_sum / self.count[..., None]).transpose(0, 1)  # [pids, L, N_kv] (NaN: an empty page)
+        self.host.take(slot, pids, {"norm": norm})
+
+    def show(self, slot: int, step: int) -> None:
+        self.host.show(slot, step)
+
+    def norm_mean(self, pids: np.ndarray) -> np.ndarray:
+        """Mean key L2 norm of pages ``pids [n]`` ``[L, n, N_kv]`` (NaN for an empty page): the shown snapshot, or
+        the live statistics (a wait for the queued steps) when none is kept."""
+        if self.host is not None:
+            return self.host.read()["norm"][pids].transpose(1, 0, 2)
+        idx = torch.from_numpy(np.asarray(pids, dtype=np.int64)).to(self.device)
+        return (self.norm_sum[:, idx] / self.count[:, idx, None]).cpu().numpy()
+
+    def on_append(self, pids: np.ndarray, step: int = 0) -> None:
         """Fresh pages (a recycled pid forgets its keys)."""
         idx = torch.from_numpy(np.asarray(pids, dtype=np.int64)).to(self.device)
         for name, fill in self.FILL.items():
             getattr(self, name)[:, idx] = fill
         if self.sketch is not None:
             self.sketch[:, idx] = 0.0
+        if self.host is not None:
+            self.host.forget(pids, step)
 
     def on_copy(self, src: int, dst: int) -> None:
         for t in self.tensors():
@@ -116,6 +141,43 @@ class KeyStats:
 ATTENTION_FIELDS = frozenset({"total", "last", "window"})  # what a scorer may read (PageStats.attention_<field>)
 
 
+class HostSnapshots:
+    """Pinned host copies of pid-major device statistics (``[pids, ...]`` per field) for a host that reads them under
+    the feedback's lookahead bound: :meth:`take` copies the live pids' rows into a slot after a step without a wait
+    (one contiguous block per field), :meth:`show` makes a slot what :meth:`read` gives once its step is done; pids
+    appended after the shown step read as empty (:meth:`forget`). ``fields``: name -> (row shape, dtype, empty value)."""
+
+    def __init__(self, fields: dict, capacity: int, slots: int, pin: bool):
+        self._empty = {f: fill for f, (_, _, fill) in fields.items()}
+        self._slots = [{f: torch.full((capacity, *shape), fill, dtype=dtype, pin_memory=pin)
+                        for f, (shape, dtype, fill) in fields.items()} for _ in range(slots)]
+        self._fresh: list[tuple[int, np.ndarray]] = []  # (step, pids) appended after the shown step
+        self._view = {f: t.numpy() for f, t in self._slots[0].items()}
+
+    def take(self, slot: int, pids: int, live: dict) -> None:
+        """The first ``pids`` rows of each live field ``[capacity, ...]`` (device) into slot ``slot`` (queued)."""
+        for f, src in live.items():
+            self._slots[slot][f][:pids].copy_(src[:pids], non_blocking=True)
+
+    def show(self, slot: int, step: int) -> None:
+        """Slot ``slot``, the state after ``step`` (done), is what :meth:`read` gives."""
+        self._view = {f: t.numpy() for f, t in self._slots[slot].items()}
+        self._fresh = [(s, pids) for s, pids in self._fresh if s > step]
+        for _, pids in self._fresh:
+            for f, v in self._view.items():
+                v[pids] = self._empty[f]
+
+    def forget(self, pids: np.ndarray, step: int) -> None:
+        """Pages appended at ``step``: empty in what is read until a snapshot taken after it is shown."""
+        self._fresh.append((step, np.asarray(pids, dtype=np.int64)))
+        for f, v in self._view.items():
+            v[pids] = self._empty[f]
+
+    def read(self) -> dict:
+        """Numpy ``[pids, ...]`` per field."""
+        return self._view
+
+
 class AttentionStats:
     """Observed attention per (pid, layer, kv head): the probability mass a page received from a query row (a
     decode step's from the kernel's per-page LSE, a prefill chunk's from :func:`page_mass`), added on the engine's
@@ -125,10 +187,9 @@ class AttentionStats:
     the newest); ``window [pids, L, N_kv]`` float64, the ring's sum kept as it turns (SnapKV). Pid-major, so that the
     live pids are one contiguous block.
 
-    The host reads :meth:`read` (numpy ``[L, pids, N_kv]`` per kept field): :meth:`snapshot` copies the live pids'
-    fields into a pinned slot after a step without waiting, :meth:`show` makes a slot what is read once its step is
-    done (the feedback's lookahead bound). Without slots (``slots=0``, a CPU store fed by hand) it reads the live
-    state."""
+    The host reads :meth:`read` (numpy ``[L, pids, N_kv]`` per kept field), from :class:`HostSnapshots` taken after
+    each step (:meth:`snapshot`, :meth:`show`: the feedback's lookahead bound). Without slots (``slots=0``, a CPU
+    store fed by hand) it reads the live state."""
 
     def __init__(self, num_layers: int, capacity: int, num_kv_heads: int, rows: int, keeps, device, slots: int = 0):
         keeps = frozenset(keeps)
@@ -140,11 +201,8 @@ class AttentionStats:
         self.window = torch.zeros(capacity, L, N, **f64) if "window" in keeps else None
         self.head = torch.zeros(L, dtype=torch.int64, device=device)
         self._layers = torch.arange(L, device=device)
-        pin = self.device.type == "cuda"
-        self._slots = [{f: torch.zeros(capacity, L, N, dtype=torch.float64 if f != "last" else torch.float32,
-                                       pin_memory=pin) for f in sorted(keeps)} for _ in range(slots)]
-        self._fresh: list[tuple[int, np.ndarray]] = []  # (step, pids) appended after the shown step
-        self._view = {f: t.numpy() for f, t in self._slots[0].items()} if slots else None  # [pids, L, N_kv]
+        fields = {f: ((L, N), torch.float64 if f != "last" else torch.float32, 0.0) for f in sorted(keeps)}
+        self.host = HostSnapshots(fields, capacity, slots, self.device.type == "cuda") if slots else None
 
     def tensors(self) -> list[torch.Tensor]:
         """What a captured step advances."""
@@ -170,10 +228,8 @@ class AttentionStats:
                 t[idx] = 0
         if self.ring is not None:
             self.ring[:, idx] = 0
-        if self._view is not None:
-            self._fresh.append((step, np.asarray(pids, dtype=np.int64)))
-            for v in self._view.values():
-                v[pids] = 0
+        if self.host is not None:
+            self.host.forget(pids, step)
 
     def add(self, layer: int, pids: torch.Tensor, mass: torch.Tensor) -> None:
         """A prefill chunk's ``mass [r, n, N_kv]`` (its newest ``r`` query rows, oldest first) on pages ``pids [n]``
@@ -229,23 +285,17 @@ class AttentionStats:
 
     # -- what the host reads -------------------------------------------------------------------------
     def snapshot(self, slot: int, pids: int) -> None:
-        """The kept fields of the first ``pids`` pids into pinned slot ``slot`` (one contiguous block each, queued:
-        read it once its step is done)."""
-        for f, src in self._live().items():
-            self._slots[slot][f][:pids].copy_(src[:pids], non_blocking=True)
+        """The kept fields of the first ``pids`` pids into pinned slot ``slot`` (queued: read once its step is done)."""
+        self.host.take(slot, pids, self._live())
 
     def show(self, slot: int, step: int) -> None:
         """Slot ``slot``, the state after ``step`` (done), is what :meth:`read` gives; pages appended after ``step``
         read 0."""
-        self._view = {f: t.numpy() for f, t in self._slots[slot].items()}
-        self._fresh = [(s, pids) for s, pids in self._fresh if s > step]
-        for _, pids in self._fresh:
-            for v in self._view.values():
-                v[pids] = 0
+        self.host.show(slot, step)
 
     def read(self) -> dict:
         """The kept fields as the host sees them, numpy ``[L, pids, N_kv]`` each (views; read-only to scorers)."""
-        view = self._view if self._view is not None else {f: t.cpu().numpy() for f, t in self._live().items()}
+        view = self.host.read() if self.host is not None else {f: t.cpu().numpy() for f, t in self._live().items()}
         return {f: v.transpose(1, 0, 2) for f, v in view.items()}
 
 

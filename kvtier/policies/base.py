@@ -120,6 +120,12 @@ class Policy(ABC):
         return False
 
     @property
+    def reads_key_norm(self) -> bool:
+        """Does :meth:`priority` read each page's mean key norm every step? (The engine then snapshots it for the host
+        under the lookahead bound instead of waiting for the step in flight.)"""
+        return False
+
+    @property
     def hears_step(self) -> bool:
         """Does :meth:`on_step` change a page's priority? (Engines then ask for it again after the step begins.)"""
         return type(self).on_step is not Policy.on_step

@@ -35,6 +35,10 @@ class Compose(Policy):
         return any(p.needs_salience for p in self.parts)
 
     @property
+    def reads_key_norm(self) -> bool:
+        return any(p.reads_key_norm for p in self.parts)
+
+    @property
     def needs(self) -> frozenset:
         return frozenset().union(*(p.needs for p in self.parts))
 

@@ -16,6 +16,7 @@ class KeyNorm(Scorer):
     """Minus the page's mean key norm (per kv head; the best head: the lowest norm)."""
 
     needs = frozenset({"keys"})
+    reads_key_norm: ClassVar[bool] = True
 
     def score(self, stats) -> np.ndarray:
         return best_head(-np.nan_to_num(stats.key_norm, nan=np.inf))  # [L, n]

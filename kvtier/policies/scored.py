@@ -41,6 +41,8 @@ class Scorer:
     rows = 1  # newest query rows of attention kept (a scorer with a window overrides it)
     # which attention sums it reads (``PageStats.attention_<field>``): the store keeps only these
     attention_fields: ClassVar[frozenset] = frozenset(ATTENTION_FIELDS)
+    # it ranks by ``PageStats.key_norm`` every step: the engine snapshots the norms for the host (no wait)
+    reads_key_norm: ClassVar[bool] = False
 
     def score(self, stats: PageStats) -> np.ndarray:
         raise NotImplementedError
@@ -85,6 +87,10 @@ class ScoredPolicy(Policy):
     @property
     def needs_salience(self) -> bool:
         return "salience" in self.needs
+
+    @property
+    def reads_key_norm(self) -> bool:
+        return self.scorer.reads_key_norm
 
     @property
     def attention_rows(self) -> int | None:

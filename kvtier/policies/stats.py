@@ -153,9 +153,9 @@ class PageStats:
 
     @cached_property
     def key_norm(self) -> np.ndarray:
-        """Mean key L2 norm per page ``[L, n, N_kv]`` (NaN for an empty page)."""
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return self._keys("norm_sum").cpu().numpy() / self.key_count[..., None]
+        """Mean key L2 norm per page ``[L, n, N_kv]`` (NaN for an empty page): the feedback's snapshot when the scorer
+        declares ``reads_key_norm``, else read now (a wait for the queued steps)."""
+        return self.store.keys.norm_mean(self.info.pids)
 
     @cached_property
     def _written(self) -> torch.Tensor:
