@@ -6,8 +6,8 @@ Per model shape and (batch B, context S), rows side by side:
 - ``kvtier all-HBM``: :class:`kvtier.engine.Engine`, scope ``all``, every page in HBM;
 - ``kvtier tiered``: 50% and 20% of the pages in HBM, the rest in pinned host DRAM, scopes ``topk``
   (Quest top-k pages; half the device budget is a recall cache of pages picked from the host, the other
-  half holds the newest pages; ``--no-recall``: LRU over the picks, lookahead ``--lookahead``) and
-  ``resident`` (sink+window).
+  half holds the sinks and the newest pages (SinkWindow); ``--no-recall``: LRU over the picks, lookahead
+  ``--lookahead``) and ``resident`` (sink+window).
 
 Weights are random (Llama-8B and SmolLM2 shapes); the context's K/V is written straight into the
 pages (random, as the weights), then ``--steps`` greedy decode steps run. With ``--smollm2 PATH``
@@ -54,9 +54,11 @@ def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope
     tiers = [DeviceTier(layout, dev_pages)]
     if budget < 1:
         tiers.append(HostTier(layout, total + 64))
-    policy = SinkWindow(sinks=4, window=256) if scope == "resident" else LRU()
     topk = max(int(per_seq * budget) // 2, 16) if scope == "topk" else None
     recall_slots = topk * batch if recall and scope == "topk" and budget < 1 else 0  # within the device budget
+    # the placement: sinks + the newest pages (resident; topk beside a recall cache, which holds the picks: a policy
+    # that heard the picks too would move them twice), or LRU over the picks (topk without the recall cache)
+    policy = SinkWindow(sinks=4, window=256) if scope == "resident" or recall_slots else LRU()
     scope_ = TopK(topk, recall_slots=recall_slots) if scope == "topk" else make_scope(scope)
     engine = Engine(model, layout, tiers, policy, scope_, prefill=ChunkedPrefill(4096),
                     config=EngineConfig(max_batch=batch, max_context=context + steps + WARMUP + 1, lookahead=lookahead,
