@@ -38,7 +38,6 @@ class Produced:
     slot: int | None = None  # the attention statistics' snapshot slot of this step
     layer_width: list = field(default_factory=list)  # per layer, the width its lists had
     tokens: torch.Tensor | None = None  # [L] keys attended per row (mean)
-    prefill: list = field(default_factory=list)  # (kind, layer, pids, values) of a prefill chunk
 
 
 class Feedback:
@@ -195,7 +194,7 @@ class Feedback:
     def take(self, upto: int | None) -> None:
         """Hand the policy what steps ``<= upto`` produced (waiting for them) and any prefill chunk's; at most
         ``lookahead`` steps stay in flight. ``upto=None``: only wait (nothing is fed back). ``upto`` at the current
-        step: the attention statistics as they are now (after a wait for the queued work)."""
+        step: the snapshotted statistics (attention, key norms) as they are now (after a wait for the queued work)."""
         e = self.engine
         if self._prefill:
             self._feed_prefill()
