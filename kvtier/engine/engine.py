@@ -209,7 +209,7 @@ class Engine:
         self.queries = None  # QueryStats, made once the heads are known (the first attention call)
         policy.reset(L)
         policy.bind(self.keys, None)
-        slots = max(config.lookahead, 1) + 2  # the feedback's snapshots: in flight, shown, and one taken now
+        self.snapshot_slots = slots = max(config.lookahead, 1) + 2  # the feedback's: in flight, shown, one taken now
         self.attention = policy.bind_attention(
             lambda rows, keeps: AttentionStats(L, _pid_capacity(held), layout.num_kv_heads, rows, keeps, dev, slots))
         if self.keys is not None and policy.reads_key_norm:

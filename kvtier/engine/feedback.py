@@ -44,15 +44,13 @@ class Feedback:
     def __init__(self, engine):
         self.engine = engine
         policy = engine.policy
-        self.wants = set(policy.needs) & {"salience", "attention"}
-        if policy.attention_rows == 0:
-            self.wants.discard("attention")
-        self.hears_access = policy.hears_access
         self.attention = engine.attention  # AttentionStats the step adds to
+        self.wants = (set(policy.needs) & {"salience"}) | ({"attention"} if self.attention else set())
+        self.hears_access = policy.hears_access
         keys = [engine.keys] if engine.keys is not None and engine.keys.host is not None else []
         self.snapshotted = [*self.attention, *keys]  # statistics the host reads from snapshots
         self.host_fed = "salience" in self.wants or self.hears_access  # the policy hears events on the host
-        self._slots = max(engine.lookahead, 1) + 1  # snapshots in flight, and the one shown; then one taken now
+        self._slots = engine.snapshot_slots - 1  # the ring of steps' snapshots; slot _slots: one taken now
         self._buffers: dict = {}  # width -> dict of device buffers [L, R, ...]
         self._layer_width: list = [None] * engine.layout.num_layers
         self._step: dict = {}  # layer -> page list of the step being computed

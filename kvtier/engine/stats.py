@@ -55,7 +55,7 @@ class KeyStats:
                                   self.device.type == "cuda")
 
     def snapshot(self, slot: int, pids: int) -> None:
-        norm = (self.norm_sum / self.count[..., None]).transpose(0, 1)  # [pids, L, N_kv] (NaN: an empty page)
+        norm = (self.norm_sum[:, :pids] / self.count[:, :pids, None]).transpose(0, 1)  # [pids, L, N_kv] (NaN: empty)
         self.host.take(slot, pids, {"norm": norm})
 
     def show(self, slot: int, step: int) -> None:

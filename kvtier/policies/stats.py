@@ -147,11 +147,6 @@ class PageStats:
         return getattr(keys, name)[:, torch.from_numpy(self.info.pids).to(keys.device)]
 
     @cached_property
-    def key_count(self) -> np.ndarray:
-        """Tokens written per page ``[L, n]``."""
-        return self._keys("count").cpu().numpy()
-
-    @cached_property
     def key_norm(self) -> np.ndarray:
         """Mean key L2 norm per page ``[L, n, N_kv]`` (NaN for an empty page): the feedback's snapshot when the scorer
         declares ``reads_key_norm``, else read now (a wait for the queued steps)."""
