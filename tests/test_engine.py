@@ -15,6 +15,7 @@ from kvtier.hook import use_hook
 from kvtier.models import kv_layout_for, tiny_llama
 from kvtier.paged_io import read_tokens
 from kvtier.policies import LRU, SinkWindow
+from kvtier.policies.base import PageInfo
 from kvtier.scheduler.base import MigrationPlan
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 from kvtier.scopes import DROPPED_LOC, All, Resident, StepView, TopK
@@ -530,22 +531,29 @@ def test_attention_statistics_of_a_step_equal_a_loop_over_its_page_lists():
                                np.delete(total.transpose(1, 0, 2), fresh, 1), rtol=1e-6)
 
 
-def test_knorm_reads_the_key_norms_from_the_feedbacks_snapshot(tiny):
-    """A scorer that ranks by key norm every step (Knorm) reads them from a snapshot under the lookahead bound; once the
-    engine has waited for every step, the snapshot equals the live statistics (NaN for no page); a scorer that does
-    not declare it reads the live statistics."""
-    from kvtier.policies import Knorm, Quest
+@pytest.mark.parametrize("policy_name", ["knorm", "quest", "expected_attention"])
+def test_a_device_scorer_ranks_from_the_feedbacks_snapshot_of_its_scores(tiny, policy_name):
+    """A scorer that scores on the device (Knorm, Quest, Expected Attention) is scored by the engine after each step;
+    the host ranks from a snapshot under the lookahead bound, which once the engine has waited for every step equals
+    the scores of the live statistics; a page appended after the shown step reads the lowest score (not yet scored),
+    until a later snapshot is shown."""
+    from kvtier.policies import POLICIES
 
     model, layout = tiny
-    tiers = lambda: [DeviceTier(layout, 64, device="cpu"), HostTier(layout, 64)]  # noqa: E731
-    engine = Engine(model, layout, tiers(), Knorm(sinks=4, window=8), Resident(), prefill=ChunkedPrefill(16))
-    assert engine.keys.host is not None
+    policy = POLICIES[policy_name](sinks=4, window=8)
+    engine = Engine(model, layout, [DeviceTier(layout, 64, device="cpu"), HostTier(layout, 64)], policy, Resident(),
+                    prefill=ChunkedPrefill(16))
+    assert len(engine.scores) == 1 and engine.scores[0] in engine.feedback.snapshotted
     engine.add(torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(4)))
     for _ in range(5):
         engine.step()
     engine.feedback.take(upto=engine.step_idx)
-    pids = np.arange(engine.keys.count.shape[1])
-    live = (engine.keys.norm_sum / engine.keys.count[..., None]).numpy()  # [L, pids, N_kv]
-    np.testing.assert_array_equal(engine.keys.norm_mean(pids), live)
-    assert np.isfinite(live[:, engine.table.pages(0)]).all()
-    assert Engine(model, layout, tiers(), Quest(sinks=4, window=8), Resident()).keys.host is None
+    pids = engine.table.pages(0)
+    got = policy.store.stats(PageInfo(pids, np.zeros(pids.size, np.int64), np.ones(pids.size, np.int64), 1, 0))
+    live = policy.scorer.score_device(engine.keys, engine.queries, engine.keys.count.shape[1])[:, pids]  # [L, n]
+    assert np.isfinite(got.device_score).all() and live.abs().sum() > 0
+    np.testing.assert_allclose(got.device_score, live.double().numpy(), rtol=1e-6)
+    policy.on_append(pids[-1:], engine.step_idx + 1)  # as a page appended after the shown step
+    fresh = policy.store.stats(PageInfo(pids, np.zeros(pids.size, np.int64), np.ones(pids.size, np.int64), 1, 0))
+    assert (fresh.device_score[:, -1] == np.finfo(np.float64).min).all()
+    np.testing.assert_allclose(fresh.device_score[:, :-1], got.device_score[:, :-1])

@@ -46,7 +46,7 @@ from kvtier.engine.config import EngineConfig
 from kvtier.engine.feedback import Feedback
 from kvtier.engine.prefill import CAPTURE_TOKENS, Chunk, PrefillAttention
 from kvtier.engine.runner import make_runner
-from kvtier.engine.stats import AttentionStats, KeyStats, QueryStats
+from kvtier.engine.stats import AttentionStats, DeviceScores, KeyStats, QueryStats
 from kvtier.errors import ConfigError, KVTierError, TierFullError
 from kvtier.eval.fidelity import FidelityStats, attention_fidelity
 from kvtier.kernels.reference import TorchBackend
@@ -212,8 +212,10 @@ class Engine:
         self.snapshot_slots = slots = max(config.lookahead, 1) + 2  # the feedback's: in flight, shown, one taken now
         self.attention = policy.bind_attention(
             lambda rows, keeps: AttentionStats(L, _pid_capacity(held), layout.num_kv_heads, rows, keeps, dev, slots))
-        if self.keys is not None and policy.reads_key_norm:
-            self.keys.keep_norms_on_host(slots)
+        self.scores = policy.bind_scores(lambda score: DeviceScores(score, L, _pid_capacity(held), dev, slots))
+        if self.scores and self.keys is None:
+            raise ConfigError("policy", f"policy '{policy.name}' scores pages on the device (score_device) from the key "
+                                        "statistics, but does not need 'keys': add 'keys' to its scorer's needs")
         if "attention" in needs and not self.attention:
             raise ConfigError("policy", f"policy '{policy.name}' needs attention but keeps no attention statistics: "
                                         "a policy reads observed attention through bind_attention (as ScoredPolicy "

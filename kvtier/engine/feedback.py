@@ -47,8 +47,7 @@ class Feedback:
         self.attention = engine.attention  # AttentionStats the step adds to
         self.wants = (set(policy.needs) & {"salience"}) | ({"attention"} if self.attention else set())
         self.hears_access = policy.hears_access
-        keys = [engine.keys] if engine.keys is not None and engine.keys.host is not None else []
-        self.snapshotted = [*self.attention, *keys]  # statistics the host reads from snapshots
+        self.snapshotted = [*self.attention, *engine.scores]  # statistics the host reads from snapshots
         self.host_fed = "salience" in self.wants or self.hears_access  # the policy hears events on the host
         self._slots = engine.snapshot_slots - 1  # the ring of steps' snapshots; slot _slots: one taken now
         self._buffers: dict = {}  # width -> dict of device buffers [L, R, ...]
@@ -192,7 +191,7 @@ class Feedback:
     def take(self, upto: int | None) -> None:
         """Hand the policy what steps ``<= upto`` produced (waiting for them) and any prefill chunk's; at most
         ``lookahead`` steps stay in flight. ``upto=None``: only wait (nothing is fed back). ``upto`` at the current
-        step: the snapshotted statistics (attention, key norms) as they are now (after a wait for the queued work)."""
+        step: the snapshotted statistics (attention, device scores) as they are now (after a wait for the queued work)."""
         e = self.engine
         if self._prefill:
             self._feed_prefill()

@@ -6,6 +6,8 @@
   newest, Expected Attention their mean and variance).
 - :class:`AttentionStats`: the attention mass each page received (H2O's running sum, TOVA's newest row, SnapKV's
   window of rows), added by the step itself; the host reads pinned snapshots taken after each step.
+- :class:`DeviceScores`: a scorer's score of every page computed from these on the device after each step (Quest's
+  bound, Expected Attention's logit, Knorm's key norm), read by the host from the same kind of snapshot.
 - :func:`quest_bound`: Quest's bound of q·k from a page's key min / max (the ``topk`` scope and the
   ``quest`` policy); :func:`page_bounds` of a row's pages by pid, :func:`over_heads` reduces scores over a row's query heads.
 - :func:`page_mass`: the attention probability mass each listed page gets from chosen query rows of a
@@ -38,7 +40,6 @@ class KeyStats:
                   "key_sq": (L, capacity, N, D), "norm_sum": (L, capacity, N), "count": (L, capacity)}
         for name, shape in shapes.items():
             setattr(self, name, torch.full(shape, self.FILL[name], device=device))
-        self.host: HostSnapshots | None = None  # mean key norms for the host (keep_norms_on_host)
         self.basis = None  # [L, N_kv, D, r] once fitted
         self.sketch = torch.zeros(L, capacity, layout.page_size, N, sketch_rank, device=device) if sketch_rank \
             else None
@@ -47,25 +48,9 @@ class KeyStats:
         """Every statistic (what a captured step advances)."""
         return [getattr(self, name) for name in self.FILL] + ([self.sketch] if self.sketch is not None else [])
 
-    def keep_norms_on_host(self, slots: int) -> None:
-        """Snapshots of each page's mean key norm for a scorer that ranks by it on the host (Knorm): read through
-        :meth:`norm_mean` under the feedback's lookahead bound, not by a wait for the step in flight."""
-        L, N = self.layout.num_layers, self.layout.num_kv_heads
-        self.host = HostSnapshots({"norm": ((L, N), torch.float32, float("nan"))}, self.count.shape[1], slots,
-                                  self.device.type == "cuda")
-
-    def snapshot(self, slot: int, pids: int) -> None:
-        norm = (self.norm_sum[:, :pids] / self.count[:, :pids, None]).transpose(0, 1)  # [pids, L, N_kv] (NaN: empty)
-        self.host.take(slot, pids, {"norm": norm})
-
-    def show(self, slot: int, step: int) -> None:
-        self.host.show(slot, step)
-
     def norm_mean(self, pids: np.ndarray) -> np.ndarray:
-        """Mean key L2 norm of pages ``pids [n]`` ``[L, n, N_kv]`` (NaN for an empty page): the shown snapshot, or
-        the live statistics (a wait for the queued steps) when none is kept."""
-        if self.host is not None:
-            return self.host.read()["norm"][pids].transpose(1, 0, 2)
+        """Mean key L2 norm of pages ``pids [n]`` ``[L, n, N_kv]`` (NaN for an empty page), read now (a wait for the
+        queued steps)."""
         idx = torch.from_numpy(np.asarray(pids, dtype=np.int64)).to(self.device)
         return (self.norm_sum[:, idx] / self.count[:, idx, None]).cpu().numpy()
 
@@ -76,8 +61,6 @@ class KeyStats:
             getattr(self, name)[:, idx] = fill
         if self.sketch is not None:
             self.sketch[:, idx] = 0.0
-        if self.host is not None:
-            self.host.forget(pids, step)
 
     def on_copy(self, src: int, dst: int) -> None:
         for t in self.tensors():
@@ -299,6 +282,32 @@ class AttentionStats:
         return {f: v.transpose(1, 0, 2) for f, v in view.items()}
 
 
+class DeviceScores:
+    """A scorer's score of every live pid, ``score(pids) -> [L, pids]`` (device ops over the first ``pids`` pids),
+    computed on the engine's device after each step and read by the host from pinned snapshots
+    (:class:`HostSnapshots`, the feedback's lookahead bound): the host never waits for the step in flight to rank.
+    A pid appended after the shown step reads NaN (not scored yet)."""
+
+    def __init__(self, score, num_layers: int, capacity: int, device, slots: int):
+        self.score = score
+        self.host = HostSnapshots({"score": ((num_layers,), torch.float32, float("nan"))}, capacity, slots,
+                                  torch.device(device).type == "cuda")
+
+    def snapshot(self, slot: int, pids: int) -> None:
+        """Score the first ``pids`` pids now (queued device work) into pinned slot ``slot``."""
+        self.host.take(slot, pids, {"score": self.score(pids).float().t().contiguous()})  # [pids, L]: one block
+
+    def show(self, slot: int, step: int) -> None:
+        self.host.show(slot, step)
+
+    def on_append(self, pids: np.ndarray, step: int) -> None:
+        self.host.forget(pids, step)
+
+    def read(self, pids: np.ndarray) -> np.ndarray:
+        """The shown scores of ``pids [n]`` ``[L, n]``."""
+        return self.host.read()["score"][pids].T
+
+
 class QueryStats:
     """The last ``rows`` queries per layer: ``ring [rows, L, H, D]`` float32 (NaN: none yet), ``seen [L]``
     on the device (so that captured steps count too)."""
@@ -320,16 +329,12 @@ class QueryStats:
         self.ring.index_put_((self.seen % self.rows, layers), q.float())
         self.seen += 1
 
-    def last(self) -> torch.Tensor | None:
-        """The newest query of every layer ``[L, H, D]`` (None before any)."""
-        if not bool((self.seen > 0).any()):
-            return None
+    def last(self) -> torch.Tensor:
+        """The newest query of every layer ``[L, H, D]`` (NaN before any; device ops only, no wait)."""
         return self.ring[(self.seen - 1) % self.rows, torch.arange(self.num_layers, device=self.device)]
 
-    def moments(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Mean and variance of the stored queries ``[L, H, D]`` each (None before any)."""
-        if not bool((self.seen > 0).any()):
-            return None
+    def moments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and variance of the stored queries ``[L, H, D]`` each (0 before any; device ops only, no wait)."""
         seen = ~torch.isnan(self.ring)
         n = seen.sum(0).clamp_min(1)
         x = torch.where(seen, self.ring, 0.0)

@@ -119,11 +119,11 @@ class Policy(ABC):
     def needs_salience(self) -> bool:
         return False
 
-    @property
-    def reads_key_norm(self) -> bool:
-        """Does :meth:`priority` read each page's mean key norm every step? (The engine then snapshots it for the host
-        under the lookahead bound instead of waiting for the step in flight.)"""
-        return False
+    def bind_scores(self, make) -> list:
+        """Scores the engine computes on its device after each step for this policy, when it scores there:
+        ``make(score)`` returns a :class:`~kvtier.engine.stats.DeviceScores` over ``score(pids) -> [L, pids]``; the
+        policy reads its snapshots and returns every one it made."""
+        return []
 
     @property
     def hears_step(self) -> bool:

@@ -35,10 +35,6 @@ class Compose(Policy):
         return any(p.needs_salience for p in self.parts)
 
     @property
-    def reads_key_norm(self) -> bool:
-        return any(p.reads_key_norm for p in self.parts)
-
-    @property
     def needs(self) -> frozenset:
         return frozenset().union(*(p.needs for p in self.parts))
 
@@ -53,6 +49,9 @@ class Compose(Policy):
 
     def bind_attention(self, make) -> list:
         return [stats for p in self.parts for stats in p.bind_attention(make)]
+
+    def bind_scores(self, make) -> list:
+        return [scores for p in self.parts for scores in p.bind_scores(make)]
 
     def reset(self, num_layers):
         super().reset(num_layers)

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
 import torch
 
 from kvtier.policies.scored import ScoredPolicy, Scorer
@@ -24,17 +23,18 @@ class ExpectedLogit(Scorer):
     needs = frozenset({"keys", "queries"})
     rows: int = 32
 
-    def score(self, stats) -> np.ndarray:
-        if stats.query_moments is None:
-            return np.zeros((1, stats.info.pids.size))
-        mu, var = stats.query_moments  # [L, H, D] on the engine's device
-        L, H, D = mu.shape
-        k, k2 = stats.key_mean, stats.key_sq_mean  # [L, n, N_kv, D]
-        n_kv = k.shape[2]
+    def score_device(self, keys, queries, pids: int) -> torch.Tensor:
+        L, _, n_kv, D = keys.key_sum.shape
+        if queries is None:
+            return torch.zeros(L, pids, device=keys.device)
+        mu, var = queries.moments()  # [L, H, D] (0 before any query)
+        H = mu.shape[1]
         mu, var = mu.reshape(L, n_kv, H // n_kv, D), var.reshape(L, n_kv, H // n_kv, D)
+        written = keys.count[:, :pids].clamp(min=1)[..., None, None]  # [L, pids, 1, 1]
+        k, k2 = keys.key_sum[:, :pids] / written, keys.key_sq[:, :pids] / written  # [L, pids, N_kv, D]
         logit = (torch.einsum("lngd,lpnd->lpng", mu, k) / D ** 0.5 +
-                 torch.einsum("lngd,lpnd->lpng", var, k2) / (2 * D))  # [L, n, N_kv, G]
-        return logit.reshape(L, -1, H).amax(-1).cpu().numpy()  # [L, n]
+                 torch.einsum("lngd,lpnd->lpng", var, k2) / (2 * D))  # [L, pids, N_kv, G]
+        return logit.reshape(L, pids, H).amax(-1)  # [L, pids]
 
 
 @dataclass

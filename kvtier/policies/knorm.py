@@ -6,20 +6,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
+import torch
 
-from kvtier.policies.scored import ScoredPolicy, Scorer, best_head
+from kvtier.policies.scored import ScoredPolicy, Scorer
 
 
 @dataclass
 class KeyNorm(Scorer):
-    """Minus the page's mean key norm (per kv head; the best head: the lowest norm)."""
+    """Minus the page's mean key norm (per kv head; the best head: the lowest norm; the lowest for an empty page)."""
 
     needs = frozenset({"keys"})
-    reads_key_norm: ClassVar[bool] = True
 
-    def score(self, stats) -> np.ndarray:
-        return best_head(-np.nan_to_num(stats.key_norm, nan=np.inf))  # [L, n]
+    def score_device(self, keys, queries, pids: int) -> torch.Tensor:
+        count = keys.count[:, :pids, None]  # [L, pids, 1]
+        norm = torch.where(count > 0, keys.norm_sum[:, :pids] / count.clamp(min=1), float("inf"))  # [L, pids, N_kv]
+        return -norm.amin(-1)  # [L, pids]
 
 
 @dataclass

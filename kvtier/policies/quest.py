@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
 import torch
 
 from kvtier.engine.stats import quest_bound
@@ -16,18 +15,20 @@ from kvtier.policies.scored import ScoredPolicy, Scorer
 
 @dataclass
 class QueryBound(Scorer):
-    """Quest's bound for the newest query, max over query heads (0 before any query)."""
+    """Quest's bound for the newest query, max over query heads (0 before any query; the lowest for an empty page)."""
 
     needs = frozenset({"keys", "queries"})
 
-    def score(self, stats) -> np.ndarray:
-        if stats.query_last is None:
-            return np.zeros((1, stats.info.pids.size))
-        kmin, kmax = stats.key_bounds  # [L, n, N_kv, D] on the engine's device
-        q = stats.query_last  # [L, H, D]; a layer at a time keeps the temporaries at [n, H, D]
-        bound = torch.cat([quest_bound(q[i:i + 1], kmin[i:i + 1], kmax[i:i + 1]).amax(-1)
-                           for i in range(q.shape[0])])  # [L, n]
-        return torch.nan_to_num(bound, neginf=-1e30).cpu().numpy()
+    def score_device(self, keys, queries, pids: int) -> torch.Tensor:
+        L, _, N, D = keys.key_min.shape
+        if queries is None:
+            return torch.zeros(L, pids, device=keys.device)
+        q = queries.last()  # [L, H, D] (NaN before any query)
+        step = max(1, (1 << 24) // max(1, pids * q.shape[1] * D))  # layers at a time: temporaries <= 16M floats
+        bound = torch.cat([quest_bound(q[a:a + step], keys.key_min[a:a + step, :pids], keys.key_max[a:a + step, :pids])
+                           .amax(-1) for a in range(0, L, step)])  # [L, pids]
+        empty = keys.count[:, :pids] == 0
+        return torch.nan_to_num(bound, nan=0.0, neginf=-1e30).masked_fill(empty, -1e30)
 
 
 @dataclass

@@ -41,11 +41,23 @@ class Scorer:
     rows = 1  # newest query rows of attention kept (a scorer with a window overrides it)
     # which attention sums it reads (``PageStats.attention_<field>``): the store keeps only these
     attention_fields: ClassVar[frozenset] = frozenset(ATTENTION_FIELDS)
-    # it ranks by ``PageStats.key_norm`` every step: the engine snapshots the norms for the host (no wait)
-    reads_key_norm: ClassVar[bool] = False
 
     def score(self, stats: PageStats) -> np.ndarray:
+        """A scorer that scores on the device reads its own scores (``PageStats.device_score``)."""
+        if self.on_device:
+            return stats.device_score
         raise NotImplementedError
+
+    def score_device(self, keys, queries, pids: int):
+        """Score pids ``0 .. pids-1`` from the engine's :class:`~kvtier.engine.stats.KeyStats` and
+        :class:`~kvtier.engine.stats.QueryStats` (None before the first attention call): ``[L, pids]`` torch, device
+        ops only (no read back). A scorer that defines it is scored by the engine after each step and ranks from a
+        snapshot of those scores, without waiting for the step in flight."""
+        raise NotImplementedError
+
+    @property
+    def on_device(self) -> bool:
+        return type(self).score_device is not Scorer.score_device
 
 
 @dataclass
@@ -89,10 +101,6 @@ class ScoredPolicy(Policy):
         return "salience" in self.needs
 
     @property
-    def reads_key_norm(self) -> bool:
-        return self.scorer.reads_key_norm
-
-    @property
     def attention_rows(self) -> int | None:
         """Query rows of each step whose attention the cache reports (None: every row; 0: none)."""
         if "attention" not in self.needs:
@@ -114,14 +122,23 @@ class ScoredPolicy(Policy):
         self.store.attention = make(self.store.rows, self.store.keeps)
         return [self.store.attention]
 
+    def bind_scores(self, make) -> list:
+        if not self.scorer.on_device:
+            return []
+        store = self.store
+        store.scores = make(lambda pids: store.score_device(store.keys, store.queries, pids))
+        return [store.scores]
+
     # -- events --------------------------------------------------------------------------------
     def reset(self, num_layers):
         super().reset(num_layers)
         self.store = StatsStore(num_layers, rows=max(1, self.scorer.rows),
-                                obs_window=getattr(self.scorer, "obs_window", 16), keeps=self.scorer.attention_fields)
+                                obs_window=getattr(self.scorer, "obs_window", 16), keeps=self.scorer.attention_fields,
+                                score_device=self.scorer.score_device if self.scorer.on_device else None)
 
     def on_step(self, step):
-        self.store.on_step(step)
+        if self.needs_salience:  # a step opens a new row of the salience history
+            self.store.on_step(step)
 
     @property
     def hears_step(self) -> bool:  # a step opens a new row of the salience history; a subclass may hear more

@@ -26,10 +26,12 @@ __all__ = ["ATTENTION_FIELDS", "NEEDS", "PageStats", "StatsStore"]
 
 class StatsStore:
     """What one scored policy reads. ``rows``: attention rows kept; ``obs_window``: steps of salience kept; ``keeps``:
-    the attention sums its scorer reads (of :data:`ATTENTION_FIELDS`), the only ones kept up."""
+    the attention sums its scorer reads (of :data:`ATTENTION_FIELDS`), the only ones kept up; ``score_device``: the
+    scorer's, when it scores on the device."""
 
-    def __init__(self, num_layers: int, rows: int = 1, obs_window: int = 16, keeps=ATTENTION_FIELDS):
+    def __init__(self, num_layers: int, rows: int = 1, obs_window: int = 16, keeps=ATTENTION_FIELDS, score_device=None):
         self.L, self.rows, self.obs_window = num_layers, rows, obs_window
+        self.score_device = score_device  # the scorer's Scorer.score_device, when it scores on the device
         self.keeps = frozenset(keeps)
         self.attention: AttentionStats | None = None  # bound by the engine, or made on the first hand-fed row
         self.sal = np.full((obs_window, num_layers, 64), np.nan, dtype=np.float32)  # [W, L, pids]
@@ -37,6 +39,7 @@ class StatsStore:
         self._sal_row = 0
         self.keys = None  # kvtier.engine.stats.KeyStats, bound by the engine
         self.queries = None  # kvtier.engine.stats.QueryStats
+        self.scores = None  # kvtier.engine.stats.DeviceScores of a scorer that scores on the device, bound by the engine
 
     # -- events --------------------------------------------------------------------------------
     def on_step(self, step: int) -> None:
@@ -45,8 +48,9 @@ class StatsStore:
 
     def on_append(self, pids: np.ndarray, step: int = 0) -> None:
         self._grow(int(pids.max(initial=-1)) + 1)
-        if self.attention is not None and pids.size:
-            self.attention.on_append(pids, step)
+        for stats in (self.attention, self.scores):
+            if stats is not None and pids.size:
+                stats.on_append(pids, step)
         self.sal[:, :, pids] = np.nan
         self.sal_last[:, pids] = np.nan
 
@@ -148,9 +152,19 @@ class PageStats:
 
     @cached_property
     def key_norm(self) -> np.ndarray:
-        """Mean key L2 norm per page ``[L, n, N_kv]`` (NaN for an empty page): the feedback's snapshot when the scorer
-        declares ``reads_key_norm``, else read now (a wait for the queued steps)."""
+        """Mean key L2 norm per page ``[L, n, N_kv]`` (NaN for an empty page), read now (a wait for the queued steps)."""
         return self.store.keys.norm_mean(self.info.pids)
+
+    @cached_property
+    def device_score(self) -> np.ndarray:
+        """The scorer's own ``score_device`` of the candidates ``[L, n]``: the engine's snapshot (a page appended since
+        reads the lowest finite score: not scored yet), or scored now (a wait) for a store no engine bound."""
+        scores = self.store.scores
+        if scores is None:
+            keys = self.store.keys
+            pids = torch.from_numpy(self.info.pids).to(keys.device)
+            return self.store.score_device(keys, self.store.queries, keys.count.shape[1])[:, pids].double().cpu().numpy()
+        return np.nan_to_num(scores.read(self.info.pids).astype(np.float64), nan=np.finfo(np.float64).min)
 
     @cached_property
     def _written(self) -> torch.Tensor:
@@ -171,13 +185,3 @@ class PageStats:
     def key_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Quest's per-channel key min and max ``[L, n, N_kv, D]`` each (device)."""
         return self._keys("key_min"), self._keys("key_max")
-
-    @cached_property
-    def query_last(self) -> torch.Tensor | None:
-        """The newest decode query per layer ``[L, H, D]`` (device; None before any decode step)."""
-        return self.store.queries.last() if self.store.queries is not None else None
-
-    @cached_property
-    def query_moments(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Mean and variance of the recent decode queries ``[L, H, D]`` each (device)."""
-        return self.store.queries.moments() if self.store.queries is not None else None
