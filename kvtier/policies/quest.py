@@ -20,7 +20,7 @@ class QueryBound(Scorer):
     needs = frozenset({"keys", "queries"})
 
     def score_device(self, keys, queries, pids: int) -> torch.Tensor:
-        L, _, N, D = keys.key_min.shape
+        L, _, _, D = keys.key_min.shape
         if queries is None:
             return torch.zeros(L, pids, device=keys.device)
         q = queries.last()  # [L, H, D] (NaN before any query)
