@@ -46,7 +46,7 @@ from kvtier.engine.config import EngineConfig
 from kvtier.engine.feedback import Feedback
 from kvtier.engine.prefill import CAPTURE_TOKENS, Chunk, PrefillAttention
 from kvtier.engine.runner import make_runner
-from kvtier.engine.stats import AttentionStats, DeviceScores, KeyStats, QueryStats
+from kvtier.engine.stats import AttentionStats, DeviceScores, KeyStats, QueryStats, SalienceStats
 from kvtier.errors import ConfigError, KVTierError, TierFullError
 from kvtier.eval.fidelity import FidelityStats, attention_fidelity
 from kvtier.kernels.reference import TorchBackend
@@ -212,6 +212,7 @@ class Engine:
         self.snapshot_slots = slots = max(config.lookahead, 1) + 2  # the feedback's: in flight, shown, one taken now
         self.attention = policy.bind_attention(
             lambda rows, keeps: AttentionStats(L, _pid_capacity(held), layout.num_kv_heads, rows, keeps, dev, slots))
+        self.salience = policy.bind_salience(lambda window: SalienceStats(L, _pid_capacity(held), window, dev, slots))
         self.scores = policy.bind_scores(lambda score: DeviceScores(score, L, _pid_capacity(held), dev, slots))
         if self.scores and self.keys is None:
             raise ConfigError("policy", f"policy '{policy.name}' scores pages on the device (score_device) from the key "
@@ -637,7 +638,7 @@ class Engine:
     def _step_state(self) -> list[torch.Tensor]:
         """Device state a step advances besides the pages: input tokens, counters, statistics, the recall cache."""
         state = [self.tokens, self.counts, *self.feedback.state()]
-        for stats in self.attention:
+        for stats in [*self.attention, *self.salience]:
             state += stats.tensors()
         if self.keys is not None:
             state += self.keys.tensors()
@@ -743,7 +744,8 @@ class Engine:
         if "salience" in want:
             last = torch.tensor([c.offset + c.q_len - 1 for c in chunks], device=q.device)  # [R]
             for pids, sal in self.prefill_attention.salience(calls, q[last], lse[last], scale):
-                self.feedback.prefill_salience(layer, pids, sal)
+                for stats in self.salience:
+                    stats.add(layer, torch.from_numpy(pids).to(self.device), sal)
         rows = self.policy.attention_rows
         if self.attention and rows != 0:  # one row of the policy's window per query row, all calls' pages
             for i, c in enumerate(chunks):

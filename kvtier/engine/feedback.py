@@ -6,11 +6,11 @@ logits into buffers allocated once (static addresses: a captured step writes the
 replay); :meth:`Feedback.observe` turns them into salience ``[B, K, N_kv]`` (max probability over the kv
 group) and attention mass (mean probability mass over the group) with the step's final LSE. When the step ends
 (:meth:`finish`, still device work) the mass is added to the policy's :class:`~kvtier.engine.stats.AttentionStats`.
-After the step, :meth:`record` copies the salience, the page lists and the attention statistics to pinned host
-memory (no sync) and records an event; :meth:`take` waits for the steps the lookahead bound says are due, shows
-the policy the newest of their attention snapshots and hands it ``on_access`` and ``on_salience`` per layer, with
-pids in each row's page order. A prefill chunk (eager) adds its attention with its iteration and hands its
-salience over directly, at the next :meth:`take`.
+The salience goes to the policy's :class:`~kvtier.engine.stats.SalienceStats` the same way. After the step,
+:meth:`record` copies the page lists and snapshots of the statistics to pinned host memory (no sync) and records an
+event; :meth:`take` waits for the steps the lookahead bound says are due, shows the policy the newest of their
+snapshots and hands it ``on_access`` per layer, with pids in each row's page order. A prefill chunk (eager) adds its
+attention and salience with its iteration.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ class Produced:
     event: object  # torch.cuda.Event, or None on the CPU
     rows: list  # row -> (sequence id, length) at that step, or None (idle)
     picks: dict = field(default_factory=dict)  # width -> [L, B, (N_kv,) K] pinned copies (width None: all pages)
-    salience: dict = field(default_factory=dict)  # width -> [L, B, K, N_kv]
     slot: int | None = None  # the attention statistics' snapshot slot of this step
     layer_width: list = field(default_factory=list)  # per layer, the width its lists had
     tokens: torch.Tensor | None = None  # [L] keys attended per row (mean)
@@ -47,15 +46,14 @@ class Feedback:
         self.attention = engine.attention  # AttentionStats the step adds to
         self.wants = (set(policy.needs) & {"salience"}) | ({"attention"} if self.attention else set())
         self.hears_access = policy.hears_access
-        self.snapshotted = [*self.attention, *engine.scores]  # statistics the host reads from snapshots
-        self.host_fed = "salience" in self.wants or self.hears_access  # the policy hears events on the host
+        self.snapshotted = [*self.attention, *engine.salience, *engine.scores]  # what the host reads from snapshots
+        self.host_fed = self.hears_access  # the policy hears events on the host
         self._slots = engine.snapshot_slots - 1  # the ring of steps' snapshots; slot _slots: one taken now
         self._buffers: dict = {}  # width -> dict of device buffers [L, R, ...]
         self._layer_width: list = [None] * engine.layout.num_layers
         self._step: dict = {}  # layer -> page list of the step being computed
         self.tokens = torch.zeros(engine.layout.num_layers, device=engine.device)  # [L] keys attended per row
         self._produced: list[Produced] = []
-        self._prefill: list = []
         self._windows = np.array([engine.layout.window(layer) for layer in range(engine.layout.num_layers)])  # [L]
         # no sliding window: a layer that attends every page sees each row's every page (none is dropped)
         self._all_pages_every_layer = not self._windows.any()
@@ -132,20 +130,22 @@ class Feedback:
 
     def finish(self, layers: range, B: int, picks: torch.Tensor | None, tokens: torch.Tensor) -> None:
         """When the step ends, per layer group: keys seen ``tokens [L']``, the lists into the step's buffers and the
-        attention mass into the policy's statistics."""
+        attention mass and salience into the policy's statistics."""
         at = slice(layers.start, layers.stop)
         self.tokens[at] = tokens
         width, per_head = self._layer_width[layers[0]]
         if picks is not None and self.host_fed:
             self._bufs(width, per_head)["picks"][at, :B] = picks
-        if self.attention:
-            e = self.engine
+        e = self.engine
+        if self.attention or e.salience:
             bufs = self._bufs(e.max_pages if width is None else width, per_head)
-            mass = bufs["attention"][at, :B]  # [L', B, K, N_kv]
             logical = self._listed(layers, B) if picks is None else \
                 picks.reshape(len(layers), B, -1, picks.shape[-1])  # [L', B, G, K]
+            live = e.seq_lens[:B] > 0
             for stats in self.attention:
-                stats.add_step(layers, logical, e.pid_table[:B], mass, e.seq_lens[:B] > 0)
+                stats.add_step(layers, logical, e.pid_table[:B], bufs["attention"][at, :B], live)  # mass [L', B, K, N_kv]
+            for stats in e.salience:
+                stats.add_step(layers, logical, e.pid_table[:B], bufs["salience"][at, :B], live)
 
     def _listed(self, layers: range, B: int) -> torch.Tensor:
         """Every live page the layers' window shows, as page lists ``[L', B, 1, M]`` (logical, -1 none)."""
@@ -158,9 +158,6 @@ class Feedback:
             & (logical >= first[:, None])
         return torch.where(seen, logical, -1)[:, :, None]
 
-    def prefill_salience(self, layer: int, pids: np.ndarray, salience: torch.Tensor) -> None:
-        self._prefill.append((layer, pids, salience))
-
     def record(self, B: int) -> None:
         """After a decode step: its buffers and attention statistics towards the host, and the step's end event."""
         e = self.engine
@@ -170,14 +167,11 @@ class Feedback:
         p.tokens = _to_host(self.tokens, e.device)
         if self.host_fed:
             for (width, per_head) in set(self._layer_width):
-                if width is None and "salience" not in self.wants:
+                if width is None:
                     continue
                 bufs = self._bufs(e.max_pages if width is None else width, per_head)
                 key = (width, per_head)
-                if width is not None:
-                    p.picks[key] = _to_host(bufs["picks"][:, :B], e.device)
-                if "salience" in self.wants:
-                    p.salience[key] = _to_host(bufs["salience"][:, :B], e.device)
+                p.picks[key] = _to_host(bufs["picks"][:, :B], e.device)
         if self.snapshotted:
             p.slot = e.step_idx % self._slots
             for stats in self.snapshotted:
@@ -193,8 +187,6 @@ class Feedback:
         ``lookahead`` steps stay in flight. ``upto=None``: only wait (nothing is fed back). ``upto`` at the current
         step: the snapshotted statistics (attention, device scores) as they are now (after a wait for the queued work)."""
         e = self.engine
-        if self._prefill:
-            self._feed_prefill()
         keep, shown = [], None
         bound = e.step_idx - max(e.lookahead, 1) + 1  # steps older than this are waited for
         for p in self._produced:
@@ -224,13 +216,6 @@ class Feedback:
             for stats in self.snapshotted:
                 stats.show(shown.slot, shown.step)
 
-    def _feed_prefill(self) -> None:
-        e = self.engine
-        step = e.step_idx
-        for layer, pids, values in self._prefill:
-            e.policy.on_salience(layer, pids, values.float().cpu().numpy(), step)
-        self._prefill.clear()
-
     def _feed(self, p: Produced) -> None:
         """The policy hears the pages step ``p`` attended and their statistics: one call per hook for every layer
         (``layer`` is then the ``[n]`` layer of each page, or ``slice(None)`` when every layer attended every page
@@ -244,8 +229,7 @@ class Feedback:
         if not self.host_fed:
             return
         picks = {k: v.numpy() for k, v in p.picks.items()}  # pinned host copies: numpy views, no copy
-        stats = {"salience": {k: v.numpy() for k, v in p.salience.items()}} if "salience" in self.wants else {}
-        if not stats and self._all_pages_every_layer and all(w is None for w, _ in p.layer_width):
+        if self._all_pages_every_layer and all(w is None for w, _ in p.layer_width):
             e.policy.on_access(slice(None), np.concatenate([pages for _, pages, _ in rows]), p.step)
             return
         batch_rows = np.array([r for r, _, _ in rows])  # [R]
@@ -254,29 +238,20 @@ class Feedback:
         pids = np.full((len(rows), n_pages.max()), -1, dtype=np.int64)  # [R, M] each row's pids, -1 beyond
         for i, (_, pages, _) in enumerate(rows):
             pids[i, :pages.size] = pages
-        parts = []  # (layer [u], pid [u], {stat: [u, N_kv]}) per layer width
+        parts = []  # (layer [u], pid [u]) per layer width
         for key in dict.fromkeys(p.layer_width):
             layers = np.array([layer for layer, w in enumerate(p.layer_width) if w == key])  # [L']
-            at_rows = (layers[:, None], batch_rows[None, :])
-            lists = None if key[0] is None else picks[key][at_rows]  # [L', R, (N_kv,) K]
-            row, at, logical, entry = self._attended(layers, pids, n_pages, lens, lists)
-            parts.append((layers[at], pids[row, logical],
-                          {name: self._per_page(store[key][at_rows], row, at, logical, entry)
-                           for name, store in stats.items()}))
-        layer = np.concatenate([x[0] for x in parts])
-        pids = np.concatenate([x[1] for x in parts])
-        if e.policy.hears_access:
-            e.policy.on_access(layer, pids, p.step)
-        if stats:
-            e.policy.on_salience(layer, pids, np.concatenate([x[2]["salience"] for x in parts]), p.step)  # [n, N_kv]
+            lists = None if key[0] is None else picks[key][layers[:, None], batch_rows[None, :]]  # [L', R, (N_kv,) K]
+            row, at, logical = self._attended(layers, pids, n_pages, lens, lists)
+            parts.append((layers[at], pids[row, logical]))
+        e.policy.on_access(np.concatenate([x[0] for x in parts]), np.concatenate([x[1] for x in parts]), p.step)
 
     def _attended(self, layers: np.ndarray, pids: np.ndarray, n_pages: np.ndarray, lens: np.ndarray,
                   lists: np.ndarray | None):
         """The distinct pages each row (pids ``[R, M]``, ``n_pages [R]``, ``lens [R]`` tokens) attended in each of
-        ``layers [L']``: ``(row [u], at [u], logical [u], entry)`` (row, index into ``layers``, logical page; sorted by
-        row, layer, page), and ``entry``: for page lists ``lists [L', R, (1 or N_kv) * K]`` per valid entry ``(its
-        page's index in the result, its kv head or None for shared lists, its layer's index, its row, its place in
-        the list)``; for ``lists`` None (every live page the layer's window shows) None."""
+        ``layers [L']``, from page lists ``lists [L', R, (1 or N_kv) * K]`` (None: every live page the layer's window
+        shows): ``(row [u], at [u], logical [u])`` (row, index into ``layers``, logical page; sorted by row, layer,
+        page)."""
         e = self.engine
         R, M = pids.shape
         if lists is None:
@@ -284,29 +259,11 @@ class Feedback:
             logical = np.arange(M)
             seen = (e.table.tier_of[layers[:, None, None], pids.clip(min=0)[None]] >= 0) & \
                 (logical < n_pages[:, None]) & (logical >= first[..., None])  # [L', R, M]
-            row, at, logical = np.nonzero(seen.transpose(1, 0, 2))  # sorted by row, layer, page
-            return row, at, logical, None
-        width = lists.shape[-1]
-        lists = lists.reshape(layers.size, R, -1, width)  # [L', R, G, K]
-        li, ri, head, k = np.nonzero((lists >= 0) & (lists < n_pages[None, :, None, None]))
-        code, inverse = np.unique((ri * layers.size + li) * M + lists[li, ri, head, k], return_inverse=True)
-        return (code // (layers.size * M), code // M % layers.size, code % M,
-                (inverse, head if lists.shape[2] > 1 else None, li, ri, k))
-
-    @staticmethod
-    def _per_page(values: np.ndarray, row: np.ndarray, at: np.ndarray, logical: np.ndarray, entry) -> np.ndarray:
-        """Per attended page ``[u, N_kv]`` from per-entry statistics ``values [L', R, K, N_kv]``: a per-kv-head list
-        gives each head the value of its own entry for the page (0 where it did not list it)."""
-        if entry is None:  # every page: entries are the logical pages
-            return values[at, row, logical]
-        page, head, li, ri, k = entry
-        if head is None:
-            out = np.empty((at.size, values.shape[-1]), dtype=np.float32)
-            out[page] = values[li, ri, k]
-            return out
-        out = np.zeros((at.size, values.shape[-1]), dtype=np.float32)
-        out[page, head] = values[li, ri, k, head]
-        return out
+            return np.nonzero(seen.transpose(1, 0, 2))  # sorted by row, layer, page
+        lists = lists.reshape(layers.size, R, -1)  # [L', R, G * K]
+        li, ri, k = np.nonzero((lists >= 0) & (lists < n_pages[None, :, None]))
+        code = np.unique((ri * layers.size + li) * M + lists[li, ri, k])
+        return code // (layers.size * M), code // M % layers.size, code % M
 
 
 def _to_host(x: torch.Tensor, device) -> torch.Tensor:

@@ -6,6 +6,7 @@
   newest, Expected Attention their mean and variance).
 - :class:`AttentionStats`: the attention mass each page received (H2O's running sum, TOVA's newest row, SnapKV's
   window of rows), added by the step itself; the host reads pinned snapshots taken after each step.
+- :class:`SalienceStats`: ASPE's per-step salience of each page in a ring of steps, written by the step itself.
 - :class:`DeviceScores`: a scorer's score of every page computed from these on the device after each step (Quest's
   bound, Expected Attention's logit, Knorm's key norm), read by the host from the same kind of snapshot.
 - :func:`quest_bound`: Quest's bound of q·k from a page's key min / max (the ``topk`` scope and the
@@ -280,6 +281,86 @@ class AttentionStats:
         """The kept fields as the host sees them, numpy ``[L, pids, N_kv]`` each (views; read-only to scorers)."""
         view = self.host.read() if self.host is not None else {f: t.cpu().numpy() for f, t in self._live().items()}
         return {f: v.transpose(1, 0, 2) for f, v in view.items()}
+
+
+class SalienceStats:
+    """ASPE's salience per (pid, layer): a page's max attention probability in one step, summed over kv heads (a page
+    several rows attend: the largest), in a ring of the last ``window`` steps ``ring [pids, W, L]`` (pid-major; NaN: not
+    observed that step) on the engine's device, written by the step itself (a captured step inside its graph) into the
+    row :meth:`begin` opened. The host reads the ring (:meth:`read`) from pinned snapshots taken after each step (the
+    feedback's lookahead bound), or live without slots (a CPU store fed by hand); rows opened after the shown snapshot
+    read NaN (their old contents are gone on the device)."""
+
+    def __init__(self, num_layers: int, capacity: int, window: int, device, slots: int = 0):
+        self.window, self.capacity, self.device = window, capacity, torch.device(device)
+        self.ring = torch.full((capacity, window, num_layers), float("nan"), device=device)
+        self.row = torch.zeros(1, dtype=torch.int64, device=device)  # the ring row of the open step
+        self.host = HostSnapshots({"ring": ((window, num_layers), torch.float32, float("nan"))}, capacity, slots,
+                                  self.device.type == "cuda") if slots else None
+        self._opened: list[int] = []  # steps opened since the shown snapshot was taken
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What a captured step advances."""
+        return [self.ring, self.row]
+
+    def begin(self, step: int) -> None:
+        """Open step ``step``'s ring row (it forgets the step ``window`` steps older)."""
+        self.row.fill_(step % self.window)
+        self.ring[:, step % self.window] = float("nan")
+        if self.host is not None:
+            self._opened.append(step)
+
+    def on_append(self, pids: np.ndarray, step: int) -> None:
+        """Fresh pages (a recycled pid forgets its past); the host view forgets them now."""
+        self.ring[torch.from_numpy(np.asarray(pids, dtype=np.int64)).to(self.device)] = float("nan")
+        if self.host is not None:
+            self.host.forget(pids, step)
+
+    def add(self, layer: int, pids: torch.Tensor, salience: torch.Tensor) -> None:
+        """Observed ``salience [n, N_kv]`` of pages ``pids [n]`` (distinct, device int64) of ``layer`` (a prefill
+        chunk's last row, or fed by hand), into the open row."""
+        n = pids.numel()
+        self.ring.index_put_((pids.long(), self.row.expand(n), torch.full_like(pids.long(), layer)),
+                             salience.float().sum(-1))
+
+    def add_step(self, layers: range, logical: torch.Tensor, pid_table: torch.Tensor, salience: torch.Tensor,
+                 live: torch.Tensor) -> None:
+        """A decode step's ``salience [L', B, K, N_kv]`` on the pages listed ``logical [L', B, G, K]`` (as
+        :meth:`AttentionStats.add_step`; a per-kv-head list gives head g's entry for head g only) of rows ``live [B]``
+        whose pids are ``pid_table [B, M]``, in consecutive ``layers``. Device ops only."""
+        Lg, B, G, K = logical.shape
+        rows = torch.arange(B, device=logical.device)[None, :, None, None]
+        pid = pid_table[rows, logical.clamp(min=0).long()].long()  # [L', B, G, K]
+        ok = (logical >= 0) & (pid >= 0) & live[None, :, None, None]
+        value = salience.float().sum(-1)[:, :, None] if G == 1 else salience.float().transpose(2, 3)  # [L', B, G, K]
+        lay = torch.arange(Lg, device=logical.device)[:, None, None, None]
+        cell = ((rows * Lg + lay) * self.capacity + pid).masked_fill(~ok, 0).flatten()  # (row, layer, pid)
+        size = B * Lg * self.capacity
+        total = torch.zeros(size, device=self.device).index_add_(0, cell, value.masked_fill(~ok, 0.0).flatten())
+        seen = torch.zeros(size, device=self.device).index_add_(0, cell, ok.float().flatten())
+        total = total.view(B, Lg, self.capacity).amax(0).t()  # [pids, L'] Σ over a row's heads, max over rows
+        seen = seen.view(B, Lg, self.capacity).amax(0).t() > 0
+        cur = self.ring.index_select(1, self.row)[:, 0]  # [pids, L]
+        at = slice(layers.start, layers.stop)
+        cur[:, at] = torch.where(seen, total, cur[:, at])
+        self.ring.index_copy_(1, self.row, cur[:, None])
+
+    def snapshot(self, slot: int, pids: int) -> None:
+        self.host.take(slot, pids, {"ring": self.ring})
+
+    def show(self, slot: int, step: int) -> None:
+        """Slot ``slot``, the ring after ``step`` (done), is what :meth:`read` gives."""
+        self.host.show(slot, step)
+        self._opened = [s for s in self._opened if s > step]
+
+    def read(self, pids: np.ndarray) -> np.ndarray:
+        """The ring of ``pids [n]`` as the host sees it ``[n, W, L]`` (a copy)."""
+        idx = np.asarray(pids, dtype=np.int64)
+        if self.host is None:
+            return self.ring[torch.from_numpy(idx)].numpy()
+        h = self.host.read()["ring"][idx]
+        h[:, [s % self.window for s in self._opened]] = np.nan  # opened since the snapshot: cleared on the device
+        return h
 
 
 class DeviceScores:

@@ -119,6 +119,12 @@ class Policy(ABC):
     def needs_salience(self) -> bool:
         return False
 
+    def bind_salience(self, make) -> list:
+        """Salience statistics the engine keeps on its device for this policy, when it :attr:`needs_salience`:
+        ``make(window)`` returns a :class:`~kvtier.engine.stats.SalienceStats` (a ring of ``window`` steps) that the
+        step writes; the policy reads it and returns every one it made."""
+        return []
+
     def bind_scores(self, make) -> list:
         """Scores the engine computes on its device after each step for this policy, when it scores there:
         ``make(score)`` returns a :class:`~kvtier.engine.stats.DeviceScores` over ``score(pids) -> [L, pids]``; the

@@ -50,6 +50,9 @@ class Compose(Policy):
     def bind_attention(self, make) -> list:
         return [stats for p in self.parts for stats in p.bind_attention(make)]
 
+    def bind_salience(self, make) -> list:
+        return [stats for p in self.parts for stats in p.bind_salience(make)]
+
     def bind_scores(self, make) -> list:
         return [scores for p in self.parts for scores in p.bind_scores(make)]
 

@@ -122,6 +122,13 @@ class ScoredPolicy(Policy):
         self.store.attention = make(self.store.rows, self.store.keeps)
         return [self.store.attention]
 
+    def bind_salience(self, make) -> list:
+        if not self.needs_salience:
+            return []
+        self.store.salience = make(self.store.obs_window)
+        self.store.salience.begin(self.store._step)
+        return [self.store.salience]
+
     def bind_scores(self, make) -> list:
         if not self.scorer.on_device:
             return []

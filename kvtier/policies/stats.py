@@ -16,7 +16,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from kvtier.engine.stats import ATTENTION_FIELDS, AttentionStats
+from kvtier.engine.stats import ATTENTION_FIELDS, AttentionStats, SalienceStats
 from kvtier.errors import KVTierError
 from kvtier.policies.base import PageInfo, grown
 
@@ -34,24 +34,26 @@ class StatsStore:
         self.score_device = score_device  # the scorer's Scorer.score_device, when it scores on the device
         self.keeps = frozenset(keeps)
         self.attention: AttentionStats | None = None  # bound by the engine, or made on the first hand-fed row
-        self.sal = np.full((obs_window, num_layers, 64), np.nan, dtype=np.float32)  # [W, L, pids]
-        self.sal_last = np.full((num_layers, 64), np.nan, dtype=np.float32)  # [L, pids] last windowed mean
-        self._sal_row = 0
+        self.salience: SalienceStats | None = None  # bound by the engine, or made on the first hand-fed salience
+        self.sal_last = np.full((num_layers, 64), np.nan, dtype=np.float32)  # [L, pids] the last windowed mean read
+        self._step = 0
         self.keys = None  # kvtier.engine.stats.KeyStats, bound by the engine
         self.queries = None  # kvtier.engine.stats.QueryStats
         self.scores = None  # kvtier.engine.stats.DeviceScores of a scorer that scores on the device, bound by the engine
 
     # -- events --------------------------------------------------------------------------------
     def on_step(self, step: int) -> None:
-        self._sal_row = step % self.obs_window
-        self.sal[self._sal_row] = np.nan
+        self._step = step
+        if self.salience is not None:
+            self.salience.begin(step)
 
     def on_append(self, pids: np.ndarray, step: int = 0) -> None:
-        self._grow(int(pids.max(initial=-1)) + 1)
-        for stats in (self.attention, self.scores):
+        if self.salience is not None and self.salience.host is None:
+            self._hand_fed_salience(int(pids.max(initial=-1)) + 1)
+        for stats in (self.attention, self.scores, self.salience):
             if stats is not None and pids.size:
                 stats.on_append(pids, step)
-        self.sal[:, :, pids] = np.nan
+        self.sal_last = grown(self.sal_last, int(pids.max(initial=-1)) + 1, np.nan)
         self.sal_last[:, pids] = np.nan
 
     def on_attention(self, layer: int, pids: np.ndarray, mass: np.ndarray) -> None:
@@ -66,25 +68,38 @@ class StatsStore:
         self.attention.add(layer, torch.from_numpy(np.asarray(pids, dtype=np.int64)), torch.as_tensor(mass))
 
     def on_salience(self, layer, pids: np.ndarray, scores: np.ndarray) -> None:
-        self._grow(int(pids.max(initial=-1)) + 1)
-        self.sal[self._sal_row, layer, pids] = scores.sum(-1)  # Σ over kv heads
+        """Salience fed by hand, without an engine (tests, the simulator): ``scores [n, N_kv]`` of pages ``pids [n]``
+        of ``layer`` observed in the open step, into a CPU store."""
+        pids = np.asarray(pids, dtype=np.int64)
+        self._hand_fed_salience(int(pids.max(initial=-1)) + 1).add(layer, torch.from_numpy(pids), torch.as_tensor(scores))
 
-    def _grow(self, size: int) -> None:
-        if size <= self.sal.shape[-1]:
-            return
-        self.sal = grown(self.sal, size, np.nan)
-        self.sal_last = grown(self.sal_last, size, np.nan)
+    def _hand_fed_salience(self, size: int) -> SalienceStats:
+        """The CPU store's salience, grown to hold pids below ``size`` (the pids kept so far and the open row kept)."""
+        s = self.salience
+        if s is None or s.capacity < size:
+            self.salience = SalienceStats(self.L, max(64, 2 * size), self.obs_window, "cpu")
+            if s is None:
+                self.salience.row.fill_(self._step % self.obs_window)
+            else:
+                self.salience.ring[:s.capacity] = s.ring
+                self.salience.row.copy_(s.row)
+        return self.salience
 
     # -- reading -------------------------------------------------------------------------------
     def salience_mean(self, pids: np.ndarray) -> np.ndarray:
         """ASPE's Φ ``[L, n]``: mean salience over the window where observed, else the last mean
         seen, else NaN."""
-        self._grow(int(pids.max(initial=-1)) + 1)
-        h = self.sal[:, :, pids]  # [W, L, n]
+        size = int(pids.max(initial=-1)) + 1
+        self.sal_last = grown(self.sal_last, size, np.nan)
+        if self.salience is None:
+            return self.sal_last[:, pids].copy()
+        if self.salience.host is None:
+            self._hand_fed_salience(size)
+        h = self.salience.read(pids)  # [n, W, L]
         seen = ~np.isnan(h)
-        count = seen.sum(0)
-        mean = np.where(seen, h, 0).sum(0) / np.maximum(count, 1)  # [L, n]
-        self.sal_last[:, pids] = np.where(count > 0, mean, self.sal_last[:, pids])
+        count = seen.sum(1)  # [n, L]
+        mean = (np.where(seen, h, 0).sum(1) / np.maximum(count, 1)).T  # [L, n]
+        self.sal_last[:, pids] = np.where(count.T > 0, mean, self.sal_last[:, pids])
         return self.sal_last[:, pids].copy()
 
     def stats(self, info: PageInfo) -> "PageStats":
