@@ -287,16 +287,18 @@ class SalienceStats:
     """ASPE's salience per (pid, layer): a page's max attention probability in one step, summed over kv heads (a page
     several rows attend: the largest), in a ring of the last ``window`` steps ``ring [pids, W, L]`` (pid-major; NaN: not
     observed that step) on the engine's device, written by the step itself (a captured step inside its graph) into the
-    row :meth:`begin` opened. The host reads the ring (:meth:`read`) from pinned snapshots taken after each step (the
-    feedback's lookahead bound), or live without slots (a CPU store fed by hand); rows opened after the shown snapshot
-    read NaN (their old contents are gone on the device)."""
+    row :meth:`begin` opened. The host reads each page's sum and count of observed steps over the ring (:meth:`read`)
+    from pinned snapshots taken after each step (the feedback's lookahead bound; the ring's rows opened after the shown
+    snapshot are taken out, as their old contents are gone on the device), or live without slots (a CPU store fed by
+    hand)."""
 
     def __init__(self, num_layers: int, capacity: int, window: int, device, slots: int = 0):
         self.window, self.capacity, self.device = window, capacity, torch.device(device)
         self.ring = torch.full((capacity, window, num_layers), float("nan"), device=device)
         self.row = torch.zeros(1, dtype=torch.int64, device=device)  # the ring row of the open step
-        self.host = HostSnapshots({"ring": ((window, num_layers), torch.float32, float("nan"))}, capacity, slots,
-                                  self.device.type == "cuda") if slots else None
+        fields = {"ring": ((window, num_layers), torch.float32, float("nan")),
+                  "sum": ((num_layers,), torch.float32, 0.0), "count": ((num_layers,), torch.float32, 0.0)}
+        self.host = HostSnapshots(fields, capacity, slots, self.device.type == "cuda") if slots else None
         self._opened: list[int] = []  # steps opened since the shown snapshot was taken
 
     def tensors(self) -> list[torch.Tensor]:
@@ -345,22 +347,36 @@ class SalienceStats:
         cur[:, at] = torch.where(seen, total, cur[:, at])
         self.ring.index_copy_(1, self.row, cur[:, None])
 
+    def _sums(self, pids: int) -> dict:
+        """The ring of the first ``pids`` pids and, per (pid, layer), the sum and count of its observed steps."""
+        ring = self.ring[:pids]  # [pids, W, L]
+        seen = ~torch.isnan(ring)
+        return {"ring": ring, "sum": torch.where(seen, ring, 0.0).sum(1), "count": seen.sum(1).float()}
+
     def snapshot(self, slot: int, pids: int) -> None:
-        self.host.take(slot, pids, {"ring": self.ring})
+        self.host.take(slot, pids, self._sums(pids))
 
     def show(self, slot: int, step: int) -> None:
         """Slot ``slot``, the ring after ``step`` (done), is what :meth:`read` gives."""
         self.host.show(slot, step)
         self._opened = [s for s in self._opened if s > step]
 
-    def read(self, pids: np.ndarray) -> np.ndarray:
-        """The ring of ``pids [n]`` as the host sees it ``[n, W, L]`` (a copy)."""
+    def read(self, pids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The sum and the count of observed steps over the ring of ``pids [n]``, ``[n, L]`` each, as the host sees
+        them."""
         idx = np.asarray(pids, dtype=np.int64)
         if self.host is None:
-            return self.ring[torch.from_numpy(idx)].numpy()
-        h = self.host.read()["ring"][idx]
-        h[:, [s % self.window for s in self._opened]] = np.nan  # opened since the snapshot: cleared on the device
-        return h
+            sums = self._sums(self.capacity)
+            return sums["sum"][idx].double().numpy(), sums["count"][idx].double().numpy()
+        view = self.host.read()
+        total, count = view["sum"][idx].astype(np.float64), view["count"][idx].astype(np.float64)
+        opened = sorted({s % self.window for s in self._opened})  # rows cleared on the device since the snapshot
+        if opened:
+            old = view["ring"][idx[:, None], opened]  # [n, k, L]
+            seen = ~np.isnan(old)
+            total -= np.where(seen, old, 0.0).sum(1)
+            count -= seen.sum(1)
+        return total, count
 
 
 class DeviceScores:

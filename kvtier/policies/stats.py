@@ -95,11 +95,8 @@ class StatsStore:
             return self.sal_last[:, pids].copy()
         if self.salience.host is None:
             self._hand_fed_salience(size)
-        h = self.salience.read(pids)  # [n, W, L]
-        seen = ~np.isnan(h)
-        count = seen.sum(1)  # [n, L]
-        mean = (np.where(seen, h, 0).sum(1) / np.maximum(count, 1)).T  # [L, n]
-        self.sal_last[:, pids] = np.where(count.T > 0, mean, self.sal_last[:, pids])
+        total, count = self.salience.read(pids)  # [n, L] each, over the window's observed steps
+        self.sal_last[:, pids] = np.where(count.T > 0, (total / np.maximum(count, 1)).T, self.sal_last[:, pids])
         return self.sal_last[:, pids].copy()
 
     def stats(self, info: PageInfo) -> "PageStats":
