@@ -310,7 +310,8 @@ class SalienceStats:
         self.row.fill_(step % self.window)
         self.ring[:, step % self.window] = float("nan")
         if self.host is not None:
-            self._opened.append(step)
+            # the last W steps opened: with more since the snapshot, every row was cleared anyway
+            self._opened = self._opened[max(0, len(self._opened) + 1 - self.window):] + [step]
 
     def on_append(self, pids: np.ndarray, step: int) -> None:
         """Fresh pages (a recycled pid forgets its past); the host view forgets them now."""
