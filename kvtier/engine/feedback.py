@@ -34,7 +34,7 @@ class Produced:
     event: object  # torch.cuda.Event, or None on the CPU
     rows: list  # row -> (sequence id, length) at that step, or None (idle)
     picks: dict = field(default_factory=dict)  # width -> [L, B, (N_kv,) K] pinned copies (width None: all pages)
-    slot: int | None = None  # the attention statistics' snapshot slot of this step
+    slot: int | None = None  # the snapshot slot of this step's statistics
     layer_width: list = field(default_factory=list)  # per layer, the width its lists had
     tokens: torch.Tensor | None = None  # [L] keys attended per row (mean)
 
@@ -45,9 +45,8 @@ class Feedback:
         policy = engine.policy
         self.attention = engine.attention  # AttentionStats the step adds to
         self.wants = (set(policy.needs) & {"salience"}) | ({"attention"} if self.attention else set())
-        self.hears_access = policy.hears_access
+        self.hears_access = policy.hears_access  # the policy hears the pages attended, on the host
         self.snapshotted = [*self.attention, *engine.salience, *engine.scores]  # what the host reads from snapshots
-        self.host_fed = self.hears_access  # the policy hears events on the host
         self._slots = engine.snapshot_slots - 1  # the ring of steps' snapshots; slot _slots: one taken now
         self._buffers: dict = {}  # width -> dict of device buffers [L, R, ...]
         self._layer_width: list = [None] * engine.layout.num_layers
@@ -134,7 +133,7 @@ class Feedback:
         at = slice(layers.start, layers.stop)
         self.tokens[at] = tokens
         width, per_head = self._layer_width[layers[0]]
-        if picks is not None and self.host_fed:
+        if picks is not None and self.hears_access:
             self._bufs(width, per_head)["picks"][at, :B] = picks
         e = self.engine
         if self.attention or e.salience:
@@ -165,13 +164,11 @@ class Feedback:
                                         for r, s in enumerate(e.row_seq[:B])])
         p.layer_width = list(self._layer_width)
         p.tokens = _to_host(self.tokens, e.device)
-        if self.host_fed:
+        if self.hears_access:
             for (width, per_head) in set(self._layer_width):
                 if width is None:
                     continue
-                bufs = self._bufs(e.max_pages if width is None else width, per_head)
-                key = (width, per_head)
-                p.picks[key] = _to_host(bufs["picks"][:, :B], e.device)
+                p.picks[(width, per_head)] = _to_host(self._bufs(width, per_head)["picks"][:, :B], e.device)
         if self.snapshotted:
             p.slot = e.step_idx % self._slots
             for stats in self.snapshotted:
@@ -226,7 +223,7 @@ class Feedback:
         if not rows:
             return
         e.stats.add_attended_tokens(p.step, float(p.tokens.sum()), calls=e.layout.num_layers)
-        if not self.host_fed:
+        if not self.hears_access:
             return
         picks = {k: v.numpy() for k, v in p.picks.items()}  # pinned host copies: numpy views, no copy
         if self._all_pages_every_layer and all(w is None for w, _ in p.layer_width):
