@@ -47,9 +47,13 @@ def row(model, layout, prompt, policy_name, scope, fraction, steps, lookahead, c
                     exact_prefill=budget is not None,
                     config=EngineConfig(lookahead=lookahead, sync_timing=not cuda, compile=compile_))
     seq, logits = engine.add(prompt)
-    marks = []
+    marks, host_s = [], 0.0
     for i in range(WARMUP + steps):
+        if i == WARMUP:
+            planned, waited = engine.stats.planned_pages, engine.stats.host_wait_s
+        t0 = time.perf_counter()
         engine.step()
+        host_s += (time.perf_counter() - t0) if i >= WARMUP else 0.0
         marks.append(engine._last_event if cuda else time.perf_counter())
     if cuda:
         torch.cuda.synchronize()
@@ -60,7 +64,9 @@ def row(model, layout, prompt, policy_name, scope, fraction, steps, lookahead, c
     out = {"policy": policy_name, "scope": scope, "budget_tokens": budget.tokens if budget else context,
            "tpot_p50_ms": float(np.median(tpot)), "tpot_p99_ms": float(np.percentile(tpot, 99)),
            "keys_per_step": engine.stats.attended_tokens_mean, "hit_rate": engine.hit_rate(),
-           "host_wait_ms": engine.stats.host_wait_s / (WARMUP + steps) * 1e3}
+           "host_wait_ms": engine.stats.host_wait_s / (WARMUP + steps) * 1e3,
+           "host_busy_ms": (host_s - engine.stats.host_wait_s + waited) / steps * 1e3,
+           "layer_pages_moved_per_step": (engine.stats.planned_pages - planned) / steps}
     engine.close()
     return out
 
@@ -101,7 +107,7 @@ def main():
     print_table(f"decode TPOT per policy, SmolLM2 {'bf16 GPU' if cuda else 'fp32 CPU'}, {args.context} tokens, "
                 f"{args.fraction:.0%} attended, lookahead {args.lookahead}", rows,
                 ["policy", "scope", "budget_tokens", "tpot_p50_ms", "tpot_p99_ms", "x_dense", "keys_per_step",
-                 "hit_rate", "host_wait_ms"])
+                 "hit_rate", "host_wait_ms", "host_busy_ms", "layer_pages_moved_per_step"])
 
 
 if __name__ == "__main__":

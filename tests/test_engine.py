@@ -111,7 +111,8 @@ def test_prefill_on_a_shared_prefix_computes_its_tail_and_copies_no_device_page(
     first, _ = engine.add(prompt)
     prefix = engine.table.pages(first)[:4]  # tokens 0..31
     if on_host:
-        engine.transfer.migrate_many([(layer, prefix, 1) for layer in range(layout.num_layers)])
+        L = layout.num_layers
+        engine.transfer.migrate_many(np.repeat(np.arange(L), prefix.size), np.tile(prefix, L), 1)
         engine.transfer.synchronize()
     engine.scheduler.plan = lambda table, policy, step, reserve=0, ranking=None: MigrationPlan(step)  # the prefix stays put
     gathered = []

@@ -56,14 +56,14 @@ from kvtier.metrics import CacheStats, synchronize
 from kvtier.paged_io import read_tokens, store_rows, write_decode, write_tokens
 from kvtier.policies.base import Policy
 from kvtier.policies.stats import NEEDS
-from kvtier.scheduler.base import Ranking, Scheduler
+from kvtier.scheduler.base import Ranking, Scheduler, pairs
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 from kvtier.scheduler.lookahead import LookaheadScheduler
 from kvtier.scopes import All, Resident, Scope, StepView, make_scope
 from kvtier.scopes.base import DROPPED_LOC, split_choice
 from kvtier.scopes.recall import RecallCache
 from kvtier.table import BlockTable
-from kvtier.tiers.base import Tier
+from kvtier.tiers.base import Tier, rank_in_layer
 from kvtier.tiers.transfer import TransferEngine
 from kvtier.window import out_of_window
 
@@ -1007,21 +1007,23 @@ class Engine:
             self._pin_unsettled(False)
         self.stats.planned_pages += plan.num_pages()
         for dst in sorted({m.dst for m in plan.demote}, reverse=True):  # a cascade: the lowest tier makes room first
-            moves = [(m.layer, m.pids, m.dst) for m in plan.demote if m.dst == dst]
+            layers, pids = pairs([m for m in plan.demote if m.dst == dst])
             try:
-                self.transfer.migrate_many(moves, after_compute=after_compute, fenced=True)
+                self.transfer.migrate_many(layers, pids, dst, after_compute=after_compute, fenced=True)
             except TierFullError:  # room the tier above frees once its moves' fences pass
                 self._wait_room()
-                self.transfer.migrate_many(moves, after_compute=after_compute, fenced=True)
+                self.transfer.migrate_many(layers, pids, dst, after_compute=after_compute, fenced=True)
+        layers, pids = pairs(plan.promote)  # [n]
+        wanted = np.bincount(layers, minlength=self.layout.num_layers)  # [L]
         free = self.table.tiers[0].num_free(self._layers) - reserve  # [L]
-        if self.lookahead <= 1 and any(m.pids.size > free[m.layer] for m in plan.promote):
+        if self.lookahead <= 1 and (wanted > free).any():
             # slots the demotions free once copied: the host waits for the copies only (its last step is done),
             # so promotions land as on a CPU, where copies are synchronous; with lookahead >= 2 the host does
             # not wait for the GPU, and such promotions follow a step later
             self._wait_room()
             free = self.table.tiers[0].num_free(self._layers) - reserve
-        promote = [(m.layer, m.pids[:max(free[m.layer], 0)], m.dst) for m in plan.promote]
-        self.transfer.migrate_many(promote, after_compute=after_compute, fenced=True)
+        fits = rank_in_layer(layers, wanted) < free[layers]  # [n] each layer's first promotions, as many as fit
+        self.transfer.migrate_many(layers[fits], pids[fits], 0, after_compute=after_compute, fenced=True)
         self._switch_moved()
 
     def _pin_unsettled(self, pinned: bool) -> None:

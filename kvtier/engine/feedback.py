@@ -53,6 +53,8 @@ class Feedback:
         self._step: dict = {}  # layer -> page list of the step being computed
         self.tokens = torch.zeros(engine.layout.num_layers, device=engine.device)  # [L] keys attended per row
         self._produced: list[Produced] = []
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (slot, pids, queries kept) -> the captured snapshot
+        self._pool = None  # their memory pool
         self._windows = np.array([engine.layout.window(layer) for layer in range(engine.layout.num_layers)])  # [L]
         # no sliding window: a layer that attends every page sees each row's every page (none is dropped)
         self._all_pages_every_layer = not self._windows.any()
@@ -171,8 +173,7 @@ class Feedback:
                 p.picks[(width, per_head)] = _to_host(self._bufs(width, per_head)["picks"][:, :B], e.device)
         if self.snapshotted:
             p.slot = e.step_idx % self._slots
-            for stats in self.snapshotted:
-                stats.snapshot(p.slot, e.table.ref.size)
+            self._snapshot(p.slot, e.table.ref.size)
         if e.device.type == "cuda":
             p.event = torch.cuda.Event(enable_timing=True)
             p.event.record()
@@ -201,8 +202,7 @@ class Feedback:
         if not self.snapshotted or upto is None:
             return
         if upto >= e.step_idx:
-            for stats in self.snapshotted:
-                stats.snapshot(self._slots, e.table.ref.size)
+            self._snapshot(self._slots, e.table.ref.size)
             if e.device.type == "cuda":
                 t0 = time.perf_counter()
                 torch.cuda.current_stream().synchronize()
@@ -212,6 +212,26 @@ class Feedback:
         elif shown is not None:
             for stats in self.snapshotted:
                 stats.show(shown.slot, shown.step)
+
+    def _snapshot(self, slot: int, pids: int) -> None:
+        """Every snapshotted statistic of the first ``pids`` pids into pinned slot ``slot`` (queued). An engine that
+        captures its steps replays this chain of small reductions and copies from one CUDA graph per ``(slot,
+        pids)`` and whether the queries are kept yet (a scorer reads them once they are), captured after its first
+        eager run; the graphs share one memory pool (they run one after another)."""
+        def work():
+            for stats in self.snapshotted:
+                stats.snapshot(slot, pids)
+
+        key = (slot, pids, self.engine.queries is not None)
+        graph = self._graphs.get(key)
+        if graph is not None:
+            return graph.replay()
+        work()
+        if self.engine.graphs:
+            self._graphs[key] = graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                work()
+            self._pool = graph.pool()
 
     def _feed(self, p: Produced) -> None:
         """The policy hears the pages step ``p`` attended and their statistics: one call per hook for every layer

@@ -63,9 +63,13 @@ class ASPE(ScoredPolicy):
         n = pids.size
         return self.score(PageInfo(pids, np.zeros(n, np.int64), np.ones(n, np.int64), 1, 0))
 
-    def priority(self, info: PageInfo) -> np.ndarray:
+    def ranked(self, info: PageInfo) -> tuple[np.ndarray, np.ndarray]:
         phi = self.score(info)  # [L, n]
-        return np.where(self.pinned(info)[None, :], np.inf, np.where(phi < self.theta_evict, EVICT, phi))
+        prio = np.where(self.pinned(info)[None, :], np.inf, np.where(phi < self.theta_evict, EVICT, phi))
+        return prio, phi > self.theta_prefetch
+
+    def priority(self, info: PageInfo) -> np.ndarray:
+        return self.ranked(info)[0]
 
     def admit(self, info: PageInfo) -> np.ndarray:
-        return self.score(info) > self.theta_prefetch  # [L, n]
+        return self.ranked(info)[1]

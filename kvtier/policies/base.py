@@ -102,6 +102,10 @@ class Policy(ABC):
         """May a page that is not in the fast tier be promoted ``[L or 1, n]``? Default: yes."""
         return np.ones((1, info.pids.size), dtype=bool)
 
+    def ranked(self, info: PageInfo) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`priority` and :meth:`admit` at once (a policy whose two answers share a score computes it once)."""
+        return self.priority(info), self.admit(info)
+
     def pinned_pages(self, page_size: int) -> int:
         """Most pages of one sequence this policy pins (+inf), besides the page being written."""
         return 0

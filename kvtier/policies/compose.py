@@ -85,11 +85,14 @@ class Compose(Policy):
         for p in self.parts:
             p.on_salience(layer, pids, scores, step)
 
-    def priority(self, info: PageInfo) -> np.ndarray:
-        prio = self.rank.priority(info)
+    def ranked(self, info: PageInfo) -> tuple[np.ndarray, np.ndarray]:
+        prio, admit = self.rank.ranked(info)
         for p in self.pins:
             prio = np.where(p.priority(info) == PINNED, PINNED, prio)
-        return prio
+        return prio, admit
+
+    def priority(self, info: PageInfo) -> np.ndarray:
+        return self.ranked(info)[0]
 
     def admit(self, info: PageInfo) -> np.ndarray:
         return self.rank.admit(info)

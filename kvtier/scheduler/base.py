@@ -38,14 +38,24 @@ class Ranking:
         info = page_info(table, step)
         if info.pids.size == 0:
             return cls(info, np.zeros((1, 0)), np.zeros((1, 0), dtype=bool))
-        return cls(info, np.asarray(policy.priority(info), dtype=np.float64), np.asarray(policy.admit(info)))
+        priority, admit = policy.ranked(info)
+        return cls(info, np.asarray(priority, dtype=np.float64), np.asarray(admit))
 
 
 @dataclass
 class Move:
-    layer: int
+    """Pages ``(layers[i], pids[i])`` to tier ``dst``."""
+
+    layers: np.ndarray  # [n]
     pids: np.ndarray  # [n]
     dst: int  # tier index
+
+
+def pairs(moves: list[Move]) -> tuple[np.ndarray, np.ndarray]:
+    """``(layers [n], pids [n])``: the pages of ``moves``, in order."""
+    if not moves:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return np.concatenate([m.layers for m in moves]), np.concatenate([m.pids for m in moves])
 
 
 @dataclass
@@ -74,4 +84,4 @@ class Scheduler(ABC):
 
     def execute(self, plan: MigrationPlan, transfer) -> None:
         for move in plan.moves:
-            transfer.migrate(move.layer, move.pids, move.dst)
+            transfer.migrate_many(move.layers, move.pids, move.dst)

@@ -151,15 +151,25 @@ class LookaheadScheduler(Scheduler):
 
         rank = None
         want = best_candidates(prio, cand, pinned, limit) | keep
-        demote = resident & ~want & ~pinned
-        promote = ~resident & want
-        for layer in np.flatnonzero((demote.any(1) | promote.any(1))[layer_of]):
+        demote = (resident & ~want & ~pinned)[layer_of]  # [L, n]
+        promote = (~resident & want)[layer_of]  # [L, n]
+        down_n, up_n = demote.sum(1), promote.sum(1)  # [L]
+        # most layers: their demotions fit the next tier down and their promotions the room: one move each way,
+        # every such layer at once; the rest (a cascade, a cut, a move budget) one by one below
+        lower = table.tiers[1].num_free(np.arange(L)) if len(table.tiers) > 1 else np.zeros(L, dtype=np.int64)
+        whole = (down_n <= lower) & (up_n <= np.maximum(free + down_n - reserve, 0)) \
+            & (self.max_moves_per_step is None)  # [L]
+        for mask, dst, moves in ((demote, 1, plan.demote), (promote, 0, plan.promote)):
+            layers, at = np.nonzero(mask & whole[:, None])  # [m] layer-major
+            if layers.size:
+                moves.append(Move(layers, pids[at], dst))
+        for layer in np.flatnonzero(~whole & (down_n + up_n > 0)):
             g = layer_of[layer]
-            down = np.flatnonzero(demote[g])
+            down = np.flatnonzero(demote[layer])
             below = sum(t.num_free(int(layer)) for t in table.tiers[1:])  # room in the lower tiers
             if below < down.size and reserve - free[layer] <= below:  # a swap they cannot take now: the
                 down = down[np.argsort(prio[g, down], kind="stable")][:below]  # worst pages go, the rest stay
-            up = np.flatnonzero(promote[g])
+            up = np.flatnonzero(promote[layer])
             cap = min(max(free[layer] + down.size - reserve, 0), self.max_moves_per_step or up.size)
             if up.size > cap:  # the pinned, then the best, first
                 rank = ranks() if rank is None else rank
@@ -168,7 +178,7 @@ class LookaheadScheduler(Scheduler):
                 down = down[np.argsort(prio[g, down], kind="stable")][:self.max_moves_per_step]
             plan.demote += self._demotions(table, int(layer), pids, prio[g], down)
             if up.size:
-                plan.promote.append(Move(int(layer), pids[up], 0))
+                plan.promote.append(Move(np.full(up.size, layer), pids[up], 0))
         return plan
 
     def _demotions(self, table, layer, pids, prio, demote) -> list[Move]:
@@ -190,7 +200,7 @@ class LookaheadScheduler(Scheduler):
                 moves_down = victims
             else:
                 moves_down = np.zeros(0, dtype=np.int64)
-            moves.append(Move(layer, pids[incoming], t))
+            moves.append(Move(np.full(incoming.size, layer), pids[incoming], t))
             incoming = moves_down
         # lower tiers first, so each move finds its room
         return moves[::-1]

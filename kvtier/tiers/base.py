@@ -62,7 +62,7 @@ class Tier(ABC):
             raise TierFullError(f"tier '{self.name}' layer {layer}: asked for {count[layer]} pages, {top} of "
                                 f"{self.capacity} free; raise this tier's capacity or let the scheduler demote "
                                 "pages first")
-        slots = self._stack[layers, self._top[layers] - 1 - _rank_in_layer(layers, count)]
+        slots = self._stack[layers, self._top[layers] - 1 - rank_in_layer(layers, count)]
         self._top -= count
         self._used[layers, slots] = True
         return torch.from_numpy(slots)
@@ -84,7 +84,7 @@ class Tier(ABC):
             raise KVTierError(f"tier '{self.name}' {where}: free of slots not allocated: {s.tolist()}")
         self._used[layers, s] = False
         count = np.bincount(layers, minlength=self._top.size)  # [L]
-        self._stack[layers, self._top[layers] + _rank_in_layer(layers, count)] = s
+        self._stack[layers, self._top[layers] + rank_in_layer(layers, count)] = s
         self._top += count
 
     def num_free(self, layer):
@@ -136,7 +136,7 @@ class Tier(ABC):
             raise ValueError(f"tier '{self.name}': pages of dtype {pages.dtype}, expected {self.layout.kv_dtype}")
 
 
-def _rank_in_layer(layers: np.ndarray, count: np.ndarray) -> np.ndarray:
+def rank_in_layer(layers: np.ndarray, count: np.ndarray) -> np.ndarray:
     """``[n]``: how many earlier entries of ``layers`` ``[n]`` name the same layer (``count [L]``: entries per layer)."""
     if layers.size and (layers[1:] >= layers[:-1]).all():  # grouped by layer already (np.nonzero's order): no sort
         return np.arange(layers.size) - (np.cumsum(count) - count)[layers]

@@ -91,20 +91,19 @@ class TransferEngine:
         ``after_compute``: the copy waits for all queued compute (pages written by it first);
         ``fenced``: see the module docstring.
         """
-        self.migrate_many([(layer, pids, dst)], after_compute, fenced)
+        pids = np.asarray(pids, dtype=np.int64).reshape(-1)
+        self.migrate_many(np.full(pids.size, layer), pids, dst, after_compute, fenced)
 
-    def migrate_many(self, moves, after_compute: bool = True, fenced: bool = False) -> None:
-        """Moves ``[(layer, pids, dst tier)]`` issued together as one batch of ``(layer, pid)`` pages, built with
-        array ops over every layer: between addressable pools one copy launch per (source tier, destination
-        tier) covers every layer (page ``(layer, slot)`` at ``layer * capacity + slot`` of :meth:`Tier.pools`),
-        and one completion event covers them all."""
-        moves = [(layer, np.asarray(pids, dtype=np.int64).reshape(-1), dst) for layer, pids, dst in moves]
-        if not moves:
+    def migrate_many(self, layers, pids, dst, after_compute: bool = True, fenced: bool = False) -> None:
+        """Move pages ``(layers[i], pids[i])`` ``[n]`` into ``tiers[dst]`` (an int, or ``[n]``), issued together as
+        one batch built with array ops over every layer: between addressable pools one copy launch per (source
+        tier, destination tier) covers every layer (page ``(layer, slot)`` at ``layer * capacity + slot`` of
+        :meth:`Tier.pools`), and one completion event covers them all."""
+        pids = np.asarray(pids, dtype=np.int64).reshape(-1)  # [n]
+        if not pids.size:
             return
-        sizes = [pids.size for _, pids, _ in moves]
-        layers = np.repeat(np.array([m[0] for m in moves], dtype=np.int64), sizes)  # [n]
-        dsts = np.repeat(np.array([m[2] for m in moves], dtype=np.int64), sizes)  # [n]
-        pids = np.concatenate([m[1] for m in moves])  # [n]
+        layers = np.broadcast_to(np.asarray(layers, dtype=np.int64), pids.shape)  # [n]
+        dsts = np.broadcast_to(np.asarray(dst, dtype=np.int64), pids.shape)  # [n]
         src_tiers, src_slots = self.table.locate(layers, pids)  # [n]
         move = src_tiers != dsts  # pages already there are skipped
         if not move.any():
