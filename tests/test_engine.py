@@ -458,7 +458,7 @@ def test_idle_rows_of_a_bucket_add_no_keys(tiny):
 
 @pytest.mark.parametrize("name, asks", [("h2o", 1), ("aspe", 2)])
 def test_one_ranking_per_step_serves_the_plan_and_the_device_table(tiny, name, asks):
-    """A decode step asks the policy for its priority once: the placement plan's ranking also fills the scopes'
+    """A decode step asks the policy for its ranking once: the placement plan's ranking also fills the scopes'
     device priority table (twice for ASPE, whose priority a new step changes: its salience history turns). The
     table holds, for every page the budget ranks, what the policy says when the step is planned."""
     from kvtier.budget import TokenBudget
@@ -470,8 +470,8 @@ def test_one_ranking_per_step_serves_the_plan_and_the_device_table(tiny, name, a
     engine = Engine(model, layout, [DeviceTier(layout, 12, device="cpu"), HostTier(layout, 64)], policy, "resident",
                     prefill=ChunkedPrefill(32), budget=budget, config=EngineConfig(max_context=160))
     seq, _ = engine.add(torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(3)))
-    calls, real = [], policy.priority
-    policy.priority = lambda info: calls.append(info.step) or real(info)
+    calls, real = [], policy.ranked
+    policy.ranked = lambda info: calls.append(info.step) or real(info)
     try:
         for _ in range(2 * layout.page_size):
             before = len(calls)
@@ -483,7 +483,7 @@ def test_one_ranking_per_step_serves_the_plan_and_the_device_table(tiny, name, a
             assert np.isfinite(fresh).all()
             assert np.array_equal(engine.priority[:, middle].numpy(), fresh)
     finally:
-        del policy.priority
+        del policy.ranked
 
 
 def test_attention_statistics_of_a_step_equal_a_loop_over_its_page_lists():
