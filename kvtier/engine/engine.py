@@ -182,6 +182,7 @@ class Engine:
         self.buckets = config.buckets or tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < R} | {R}))
         self.lookahead = config.lookahead
         self._layers = np.arange(L)  # [L]
+        self._moved = np.zeros((L, 0), dtype=bool)  # [L, pids] scratch of _switch_moved
         self.scratch = (tiers[0].alloc(self._layers).numpy() if scratch else np.zeros(L)).astype(np.int32)  # [L]
         self.mirror = np.repeat(self.scratch[:, None, None], R, 1).repeat(M, 2)  # [L, R, M] host copy of locations
         self.pid_mirror = np.full((R, M), -1, dtype=np.int32)  # [R, M] pid of each logical page
@@ -1036,8 +1037,8 @@ class Engine:
             self.table.set_pinned(prev, pinned)
 
     def _switch_moved(self) -> None:
-        """Point the table at the new place of every move issued (the step's compute waits for the copies): one
-        pass over the moved ``(layer, pid)`` pairs of every layer, each written where a row holds its pid."""
+        """Point the table at the new place of every move issued (the step's compute waits for the copies): every
+        row's entries of a moved ``(layer, pid)``, found through a scratch mask of the moved pairs ``[L, pids]``."""
         layers, pids = self.transfer.take_moved(fence=self._queued_fence)  # [n]
         rows = [r for r, seq in enumerate(self.row_seq) if seq is not None and r not in self._prefilling]
         if not pids.size or not rows:
@@ -1045,25 +1046,17 @@ class Engine:
         pages = [self.table.pages(self.row_seq[r]) for r in rows]
         sizes = np.array([p.size for p in pages])
         held = np.concatenate(pages)  # [N] every row's pages (a shared page: each holder)
-        row_of = np.repeat(rows, sizes)  # [N]
-        logical = np.arange(held.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)  # [N]
-        moved, which = np.unique(pids, return_inverse=True)  # [u] distinct moved pids; [n] each pair's
-        index = np.full(self.table.ref.size, -1, dtype=np.int64)  # pid -> its place in ``moved``
-        index[moved] = np.arange(moved.size)
-        hit = np.flatnonzero(index[held] >= 0)  # [h] held entries of a moved pid, in the rows' order
-        if not hit.size:
+        if self._moved.shape[1] < self.table.ref.size:
+            self._moved = np.zeros((self.layout.num_layers, self.table.ref.size), dtype=bool)
+        self._moved[layers, pids] = True
+        layer, entry = np.nonzero(self._moved[:, held])  # [m] (layer, held entry) pairs moved
+        self._moved[layers, pids] = False
+        if not layer.size:
             return
-        count = np.bincount(which, minlength=moved.size)  # [u] pairs of each moved pid
-        pairs = np.argsort(which, kind="stable")  # pairs grouped by pid, in issue order
-        k = index[held[hit]]  # [h]
-        per = count[k]  # [h] pairs each held entry takes
-        # each held entry's pairs: its pid's group in ``pairs`` starts at cumsum(count)[k] - per, and entry j's
-        # pairs sit at places cumsum(per)[j] - per[j] ... of the output
-        at = np.repeat(np.cumsum(count)[k] - np.cumsum(per), per) + np.arange(per.sum())
-        entry = np.repeat(hit, per)  # [m] (held entry, moved pair): per layer in the rows' page order
-        layer = layers[pairs[at]]  # [m]
-        self.mirror[layer, row_of[entry], logical[entry]] = self._encode(layer, held[entry])
-        self._dirty.update(np.unique(row_of[entry]).tolist())
+        row_of = np.repeat(rows, sizes)[entry]  # [m]
+        logical = entry - np.repeat(np.cumsum(sizes) - sizes, sizes)[entry]  # [m]
+        self.mirror[layer, row_of, logical] = self._encode(layer, held[entry])
+        self._dirty.update(np.unique(row_of).tolist())
 
     def _ensure_tails(self, active: list[int]) -> None:
         """The page each row writes this step must be in the device pool."""

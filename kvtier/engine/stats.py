@@ -362,18 +362,18 @@ class SalienceStats:
         self.host.show(slot, step)
         self._opened = [s for s in self._opened if s > step]
 
-    def read(self, pids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The sum and the count of observed steps over the ring of ``pids [n]``, ``[n, L]`` each, as the host sees
-        them."""
-        idx = np.asarray(pids, dtype=np.int64)
+    def read(self, pids: np.ndarray | slice) -> tuple[np.ndarray, np.ndarray]:
+        """The sum and the count of observed steps over the ring of ``pids`` (``[n]``, or a slice of them), ``[n, L]``
+        each, as the host sees them."""
         if self.host is None:
             sums = self._sums(self.capacity)
-            return sums["sum"][idx].double().numpy(), sums["count"][idx].double().numpy()
+            return sums["sum"][pids].double().numpy(), sums["count"][pids].double().numpy()
         view = self.host.read()
-        total, count = view["sum"][idx].astype(np.float64), view["count"][idx].astype(np.float64)
+        total, count = view["sum"][pids].astype(np.float64), view["count"][pids].astype(np.float64)
         opened = sorted({s % self.window for s in self._opened})  # rows cleared on the device since the snapshot
         if opened:
-            old = view["ring"][idx[:, None], opened]  # [n, k, L]
+            ring = view["ring"]  # [pids, W, L]
+            old = ring[pids][:, opened] if isinstance(pids, slice) else ring[pids[:, None], opened]  # [n, k, L]
             seen = ~np.isnan(old)
             total -= np.where(seen, old, 0.0).sum(1)
             count -= seen.sum(1)

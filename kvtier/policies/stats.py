@@ -86,18 +86,20 @@ class StatsStore:
         return self.salience
 
     # -- reading -------------------------------------------------------------------------------
-    def salience_mean(self, pids: np.ndarray) -> np.ndarray:
-        """ASPE's Φ ``[L, n]``: mean salience over the window where observed, else the last mean
-        seen, else NaN."""
-        size = int(pids.max(initial=-1)) + 1
+    def salience_mean(self, pids: np.ndarray | slice) -> np.ndarray:
+        """ASPE's Φ ``[L, n]`` of ``pids`` (``[n]``, or a slice of them): mean salience over the window where
+        observed, else the last mean seen, else NaN."""
+        size = pids.stop if isinstance(pids, slice) else int(pids.max(initial=-1)) + 1
         self.sal_last = grown(self.sal_last, size, np.nan)
         if self.salience is None:
             return self.sal_last[:, pids].copy()
         if self.salience.host is None:
             self._hand_fed_salience(size)
         total, count = self.salience.read(pids)  # [n, L] each, over the window's observed steps
-        self.sal_last[:, pids] = np.where(count.T > 0, (total / np.maximum(count, 1)).T, self.sal_last[:, pids])
-        return self.sal_last[:, pids].copy()
+        last = self.sal_last[:, pids]  # [L, n] (a view for a slice)
+        last[...] = np.where(count.T > 0, (total / np.maximum(count, 1)).T, last)
+        self.sal_last[:, pids] = last
+        return last.copy()
 
     def stats(self, info: PageInfo) -> "PageStats":
         return PageStats(info, self)
@@ -155,7 +157,7 @@ class PageStats:
     @cached_property
     def salience(self) -> np.ndarray:
         """ASPE's Φ ``[L, n]`` (NaN where never observed)."""
-        return self.store.salience_mean(self.info.pids)
+        return self.store.salience_mean(self._cols)
 
     def _keys(self, name: str) -> torch.Tensor:
         """The engine's key statistic ``name`` of the candidate pages ``[L, n, ...]``, on its device."""

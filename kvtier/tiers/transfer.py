@@ -46,18 +46,9 @@ class _Pending:
     reported: bool = False  # handed out by take_moved
 
     def touches(self, layer=None, pids=None) -> bool:
-        """Whether the batch moves any of ``pids`` (None: any page) in ``layer`` (None: any layer; an int; or
-        ``[n]``, the layer of each of ``pids``)."""
-        if np.ndim(layer) == 1:
-            return bool(np.isin(_pair_keys(self.layers, self.pids, pids), _pair_keys(layer, pids, self.pids)).any())
+        """Whether the batch moves any of ``pids`` (None: any page) in ``layer`` (None: any layer, or an int)."""
         mine = self.pids if layer is None else self.pids[self.layers == layer]
         return bool(mine.size) if pids is None else bool(np.isin(mine, pids).any())
-
-
-def _pair_keys(layers, pids: np.ndarray, other: np.ndarray) -> np.ndarray:
-    """One int64 per ``(layer, pid)``, comparable with the keys of ``other``'s pids (same width)."""
-    width = int(max(pids.max(initial=0), other.max(initial=0))) + 1
-    return np.asarray(layers, dtype=np.int64) * width + pids
 
 
 class TransferEngine:
@@ -94,43 +85,34 @@ class TransferEngine:
         pids = np.asarray(pids, dtype=np.int64).reshape(-1)
         self.migrate_many(np.full(pids.size, layer), pids, dst, after_compute, fenced)
 
-    def migrate_many(self, layers, pids, dst, after_compute: bool = True, fenced: bool = False) -> None:
-        """Move pages ``(layers[i], pids[i])`` ``[n]`` into ``tiers[dst]`` (an int, or ``[n]``), issued together as
-        one batch built with array ops over every layer: between addressable pools one copy launch per (source
-        tier, destination tier) covers every layer (page ``(layer, slot)`` at ``layer * capacity + slot`` of
-        :meth:`Tier.pools`), and one completion event covers them all."""
+    def migrate_many(self, layers, pids, dst: int, after_compute: bool = True, fenced: bool = False) -> None:
+        """Move pages ``(layers[i], pids[i])`` ``[n]`` into ``tiers[dst]``, issued together as one batch built with
+        array ops over every layer: between addressable pools one copy launch per source tier covers every layer
+        (page ``(layer, slot)`` at ``layer * capacity + slot`` of :meth:`Tier.pools`), and one completion event
+        covers them all."""
         pids = np.asarray(pids, dtype=np.int64).reshape(-1)  # [n]
         if not pids.size:
             return
         layers = np.broadcast_to(np.asarray(layers, dtype=np.int64), pids.shape)  # [n]
-        dsts = np.broadcast_to(np.asarray(dst, dtype=np.int64), pids.shape)  # [n]
         src_tiers, src_slots = self.table.locate(layers, pids)  # [n]
-        move = src_tiers != dsts  # pages already there are skipped
+        move = src_tiers != dst  # pages already there are skipped
         if not move.any():
             return
-        layers, dsts, pids, src_tiers, src_slots = layers[move], dsts[move], pids[move], src_tiers[move], src_slots[move]
+        layers, pids, src_tiers, src_slots = layers[move], pids[move], src_tiers[move], src_slots[move]
         self._wait_pids(layers, pids)  # a page moves once its previous move has landed
         L, tiers = self.table.layout.num_layers, self.table.tiers
-        need = {int(d): np.bincount(layers[dsts == d], minlength=L) for d in np.unique(dsts)}  # dst -> [L]
-        if any((n > tiers[d].num_free(np.arange(L))).any() for d, n in need.items()):
+        if (np.bincount(layers, minlength=L) > tiers[dst].num_free(np.arange(L))).any():
             self.synchronize()  # slots vacated by earlier moves are released once those land
-        dst_slots = np.empty_like(pids)  # [n]
-        for d in need:
-            sel = dsts == d
-            dst_slots[sel] = tiers[d].alloc(layers[sel]).numpy()  # raises TierFullError before any copy
+        dst_slots = tiers[dst].alloc(layers).numpy()  # [n] raises TierFullError before any copy
         pending = _Pending(None, layers, pids, fenced=fenced)
-        pair = src_tiers.astype(np.int64) * len(tiers) + dsts  # [n] (source tier, dst tier)
         stream_ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         if self.stream is not None and after_compute:
             self.stream.wait_stream(torch.cuda.current_stream())  # pages written by compute first
-        with stream_ctx:
-            for p in _in_order(pair):
-                sel = pair == p
-                self._copy(int(p) // len(tiers), int(p) % len(tiers), layers[sel], src_slots[sel], dst_slots[sel])
-        for t in _in_order(src_tiers):
-            sel = src_tiers == t
-            pending.release.append((int(t), layers[sel], src_slots[sel]))
-        self.table.relocate(layers, pids, dsts, dst_slots)
+        for t, sel in _groups(src_tiers):
+            with stream_ctx:
+                self._copy(t, dst, layers[sel], src_slots[sel], dst_slots[sel])
+            pending.release.append((t, layers[sel], src_slots[sel]))
+        self.table.relocate(layers, pids, dst, dst_slots)
         if self.asynchronous:
             pending.event = self._new_event()
             pending.event.record(self.stream)
@@ -147,8 +129,10 @@ class TransferEngine:
         src_tier, dst_tier = self.table.tiers[src], self.table.tiers[dst]
         src_all, dst_all = src_tier.pools(), dst_tier.pools()
         if self.use_kernel(src_all, dst_all):  # one launch for every layer
-            copy_pages(src_all, torch.from_numpy(layers * src_tier.capacity + src_slots), dst_all,
-                       torch.from_numpy(layers * dst_tier.capacity + dst_slots))
+            device = src_all.device if src_all.is_cuda else dst_all.device
+            src, dst = to_device([layers * src_tier.capacity + src_slots, layers * dst_tier.capacity + dst_slots],
+                                 device)  # one non-blocking upload
+            copy_pages(src_all, src, dst_all, dst)
         else:
             for layer in _in_order(layers).tolist():
                 sel = layers == layer
@@ -251,10 +235,17 @@ class TransferEngine:
         return np.concatenate([p.layers for p in moved]), np.concatenate([p.pids for p in moved])
 
     def _wait_pids(self, layers: np.ndarray, pids: np.ndarray) -> None:
-        """Block until no copy of a page ``(layers[i], pids[i])`` is in flight."""
+        """Block until no copy of a page ``(layers[i], pids[i])`` ``[n]`` is in flight (a mask of the asked pairs
+        ``[L, pids]``, read at each batch in flight)."""
+        flying = [p for p in self._pending if not p.event.query()]
+        if not flying:
+            return
+        width = max(int(pids.max()), *(int(p.pids.max(initial=0)) for p in flying)) + 1
+        asked = np.zeros((self.table.layout.num_layers, width), dtype=bool)
+        asked[layers, pids] = True
         waited = False
-        for p in self._pending:
-            if not p.event.query() and p.touches(layers, pids):
+        for p in flying:
+            if asked[p.layers, p.pids].any():
                 p.event.synchronize()
                 waited = True
         if waited:
@@ -269,3 +260,10 @@ def _in_order(x: np.ndarray) -> np.ndarray:
     """The distinct values of ``x`` ``[n]`` in order of first appearance."""
     values, first = np.unique(x, return_index=True)
     return values[np.argsort(first)]
+
+
+def _groups(x: np.ndarray) -> list[tuple[int, np.ndarray | slice]]:
+    """``(value, where)`` per distinct value of ``x`` ``[n]``, in order of first appearance (one value: all of it)."""
+    if (x == x[0]).all():
+        return [(int(x[0]), slice(None))]
+    return [(int(v), x == v) for v in _in_order(x)]
