@@ -12,7 +12,7 @@ no scope, scheduler or migration touches that ``(layer, pid)`` again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -28,6 +28,14 @@ DROPPED = -2  # tier_of of a (layer, pid) freed for good (left of its sliding wi
 class SeqState:
     pids: list[int]
     length: int  # tokens
+    _array: np.ndarray | None = field(default=None, repr=False)  # pids as an array, until they change
+
+    def array(self) -> np.ndarray:
+        """``pids`` as a read-only int64 array ``[n]``, made once per change of the pages."""
+        if self._array is None:
+            self._array = np.asarray(self.pids, dtype=np.int64)
+            self._array.flags.writeable = False
+        return self._array
 
 
 class BlockTable:
@@ -68,8 +76,8 @@ class BlockTable:
         return len(self._seq(seq).pids)
 
     def pages(self, seq: int) -> np.ndarray:
-        """pids of ``seq`` in logical order ``[n]``."""
-        return np.asarray(self._seq(seq).pids, dtype=np.int64)
+        """pids of ``seq`` in logical order ``[n]`` (read-only)."""
+        return self._seq(seq).array()
 
     def fork(self, src: int, dst: int) -> None:
         """``dst`` shares all of ``src``'s pages (copy-on-write)."""
@@ -130,12 +138,15 @@ class BlockTable:
                 self.tiers[self.tier_of[layer, new]].write(layer, torch.tensor([self.slot_of[layer, new]]), data)
             self.ref[old] -= 1
             s.pids[-1] = new
+            s._array = None
             cow.append((old, new))
         need = self.layout.pages_for(s.length + n_tokens) - len(s.pids)
         new_pids = [self._new_page() for _ in range(need)]
         if new_pids:
             self._place_new(np.asarray(new_pids, dtype=np.int64))
-        s.pids.extend(new_pids)
+        if new_pids:
+            s.pids.extend(new_pids)
+            s._array = None
         s.length += n_tokens
         return new_pids, cow
 

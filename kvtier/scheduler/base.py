@@ -16,9 +16,12 @@ def page_info(table, step: int) -> PageInfo:
     if not seqs:
         empty = np.zeros(0, dtype=np.int64)
         return PageInfo(empty, empty, empty, table.layout.page_size, step)
-    pids = np.concatenate([np.asarray(s.pids, dtype=np.int64) for s in seqs])  # [n] with repeats
-    logical = np.concatenate([np.arange(len(s.pids)) for s in seqs])
-    seq_len = np.concatenate([np.full(len(s.pids), s.length, dtype=np.int64) for s in seqs])
+    pids = np.concatenate([s.array() for s in seqs])  # [n] with repeats
+    sizes = np.array([len(s.pids) for s in seqs])
+    logical = np.arange(pids.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    seq_len = np.repeat(np.array([s.length for s in seqs], dtype=np.int64), sizes)
+    if (table.ref[pids] == 1).all():  # no page shared: each listed once
+        return PageInfo(pids, logical, seq_len, table.layout.page_size, step)
     first = np.sort(np.unique(pids, return_index=True)[1])  # first holder of each pid, in order
     return PageInfo(pids[first], logical[first], seq_len[first], table.layout.page_size, step)
 

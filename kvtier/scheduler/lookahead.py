@@ -103,6 +103,17 @@ def _first_k_rows(key: np.ndarray, k: np.ndarray) -> np.ndarray:
     return (above | tied) & (k > 0)[:, None]
 
 
+def _layer_pairs(mask: np.ndarray, layer_of: np.ndarray, layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(layer [m], page [m])`` of every true ``mask [u, n]`` entry of each of ``layers`` (group ``layer_of[layer]``
+    of ``mask``'s rows), layer by layer in page order."""
+    g, at = np.nonzero(mask)  # [e] group-major
+    count = np.bincount(g, minlength=mask.shape[0])  # [u]
+    per = count[layer_of[layers]]  # [k] entries each layer takes
+    first = (np.cumsum(count) - count)[layer_of[layers]]  # [k] where its group's entries start
+    idx = np.repeat(first - np.cumsum(per) + per, per) + np.arange(per.sum())  # [m]
+    return np.repeat(layers, per), at[idx]
+
+
 @dataclass
 class LookaheadScheduler(Scheduler):
     max_moves_per_step: int | None = None  # per layer; None = unbounded
@@ -151,25 +162,25 @@ class LookaheadScheduler(Scheduler):
 
         rank = None
         want = best_candidates(prio, cand, pinned, limit) | keep
-        demote = (resident & ~want & ~pinned)[layer_of]  # [L, n]
-        promote = (~resident & want)[layer_of]  # [L, n]
-        down_n, up_n = demote.sum(1), promote.sum(1)  # [L]
+        demote = resident & ~want & ~pinned  # [u, n]
+        promote = ~resident & want  # [u, n]
+        down_n, up_n = demote.sum(1)[layer_of], promote.sum(1)[layer_of]  # [L]
         # most layers: their demotions fit the next tier down and their promotions the room: one move each way,
         # every such layer at once; the rest (a cascade, a cut, a move budget) one by one below
         lower = table.tiers[1].num_free(np.arange(L)) if len(table.tiers) > 1 else np.zeros(L, dtype=np.int64)
         whole = (down_n <= lower) & (up_n <= np.maximum(free + down_n - reserve, 0)) \
             & (self.max_moves_per_step is None)  # [L]
         for mask, dst, moves in ((demote, 1, plan.demote), (promote, 0, plan.promote)):
-            layers, at = np.nonzero(mask & whole[:, None])  # [m] layer-major
+            layers, at = _layer_pairs(mask, layer_of, np.flatnonzero(whole))
             if layers.size:
                 moves.append(Move(layers, pids[at], dst))
         for layer in np.flatnonzero(~whole & (down_n + up_n > 0)):
             g = layer_of[layer]
-            down = np.flatnonzero(demote[layer])
+            down = np.flatnonzero(demote[g])
             below = sum(t.num_free(int(layer)) for t in table.tiers[1:])  # room in the lower tiers
             if below < down.size and reserve - free[layer] <= below:  # a swap they cannot take now: the
                 down = down[np.argsort(prio[g, down], kind="stable")][:below]  # worst pages go, the rest stay
-            up = np.flatnonzero(promote[layer])
+            up = np.flatnonzero(promote[g])
             cap = min(max(free[layer] + down.size - reserve, 0), self.max_moves_per_step or up.size)
             if up.size > cap:  # the pinned, then the best, first
                 rank = ranks() if rank is None else rank
