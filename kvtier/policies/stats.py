@@ -96,10 +96,9 @@ class StatsStore:
         if self.salience.host is None:
             self._hand_fed_salience(size)
         total, count = self.salience.read(pids)  # [n, L] each, over the window's observed steps
-        last = self.sal_last[:, pids]  # [L, n] (a view for a slice)
-        last[...] = np.where(count.T > 0, (total / np.maximum(count, 1)).T, last)
-        self.sal_last[:, pids] = last
-        return last.copy()
+        phi = np.where(count.T > 0, (total / np.maximum(count, 1)).T, self.sal_last[:, pids])  # [L, n]
+        self.sal_last[:, pids] = phi
+        return phi
 
     def stats(self, info: PageInfo) -> "PageStats":
         return PageStats(info, self)
