@@ -154,7 +154,8 @@ class BlockTable:
     def locate(self, layer, pids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(tier index, slot) of ``pids`` in ``layer`` (an int, or layers broadcast against ``pids``), each of
         the broadcast shape."""
-        return self.tier_of[layer, pids], self.slot_of[layer, pids]
+        at = np.asarray(layer) * self.tier_of.shape[1] + np.asarray(pids)  # flat (faster than two index arrays)
+        return self.tier_of.reshape(-1)[at], self.slot_of.reshape(-1)[at]
 
     def relocate(self, layer, pids: np.ndarray, tier, slots: np.ndarray) -> None:
         """Record that ``pids`` ``[n]`` of ``layer`` (an int or ``[n]``) now live in ``tiers[tier]`` (an int or

@@ -62,29 +62,32 @@ class Tier(ABC):
             raise TierFullError(f"tier '{self.name}' layer {layer}: asked for {count[layer]} pages, {top} of "
                                 f"{self.capacity} free; raise this tier's capacity or let the scheduler demote "
                                 "pages first")
-        slots = self._stack[layers, self._top[layers] - 1 - rank_in_layer(layers, count)]
+        cap = self.capacity  # flat indices into the [L * cap] views (faster than two index arrays)
+        slots = self._stack.reshape(-1)[layers * cap + self._top[layers] - 1 - rank_in_layer(layers, count)]
         self._top -= count
-        self._used[layers, slots] = True
+        self._used.reshape(-1)[layers * cap + slots] = True
         return torch.from_numpy(slots)
 
     def free(self, layer, slots: torch.Tensor) -> None:
         """Return ``slots`` ``[n]`` of ``layer`` (an int, or ``[n]``: each slot's layer) to the pool; a slot that is
         not allocated, or given twice, raises KVTierError before any is freed."""
-        s = np.asarray(slots.cpu(), dtype=np.int64).reshape(-1)
+        s = (slots.cpu().numpy() if torch.is_tensor(slots) else np.asarray(slots)).astype(np.int64).reshape(-1)
         if s.size == 0:
             return
         layers = np.broadcast_to(np.asarray(layer, dtype=np.int64), s.shape)  # [n]
-        bad = (s < 0).any() or (s >= self.capacity).any() or not self._used[layers, s].all()
+        flat = layers * self.capacity + s  # [n] into the [L * cap] views (faster than two index arrays)
+        used, marks = self._used.reshape(-1), self._marks.reshape(-1)
+        bad = (s < 0).any() or (s >= self.capacity).any() or not used[flat].all()
         if not bad:  # a slot given twice: a later entry overwrites an earlier one's mark (no sort)
             entry = np.arange(s.size, dtype=np.int32)
-            self._marks[layers, s] = entry
-            bad = not (self._marks[layers, s] == entry).all()
+            marks[flat] = entry
+            bad = not (marks[flat] == entry).all()
         if bad:
             where = f"layer {layer}" if np.ndim(layer) == 0 else f"layers {layers.tolist()}"
             raise KVTierError(f"tier '{self.name}' {where}: free of slots not allocated: {s.tolist()}")
-        self._used[layers, s] = False
+        used[flat] = False
         count = np.bincount(layers, minlength=self._top.size)  # [L]
-        self._stack[layers, self._top[layers] + rank_in_layer(layers, count)] = s
+        self._stack.reshape(-1)[layers * self.capacity + self._top[layers] + rank_in_layer(layers, count)] = s
         self._top += count
 
     def num_free(self, layer):
