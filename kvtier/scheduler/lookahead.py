@@ -107,11 +107,12 @@ def _first_k_rows(key: np.ndarray, k: np.ndarray) -> np.ndarray:
 
 def _layer_pairs(mask: np.ndarray, layer_of: np.ndarray, layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(layer [m], page [m])`` of every true ``mask [u, n]`` entry of each of ``layers`` (group ``layer_of[layer]``
-    of ``mask``'s rows), layer by layer in page order."""
-    g, at = np.nonzero(mask)  # [e] group-major
-    count = np.bincount(g, minlength=mask.shape[0])  # [u]
-    per = count[layer_of[layers]]  # [k] entries each layer takes
-    first = (np.cumsum(count) - count)[layer_of[layers]]  # [k] where its group's entries start
+    of ``mask``'s rows; only those rows are read), layer by layer in page order."""
+    rows, local = np.unique(layer_of[layers], return_inverse=True)  # [r] the rows read; [k] each layer's
+    g, at = np.nonzero(mask[rows])  # [e] row-major
+    count = np.bincount(g, minlength=rows.size)  # [r]
+    per = count[local]  # [k] entries each layer takes
+    first = (np.cumsum(count) - count)[local]  # [k] where its row's entries start
     idx = np.repeat(first - np.cumsum(per) + per, per) + np.arange(per.sum())  # [m]
     return np.repeat(layers, per), at[idx]
 
@@ -172,8 +173,8 @@ class LookaheadScheduler(Scheduler):
         lower = table.tiers[1].num_free(np.arange(L)) if len(table.tiers) > 1 else np.zeros(L, dtype=np.int64)
         whole = (down_n <= lower) & (up_n <= np.maximum(free + down_n - reserve, 0)) \
             & (self.max_moves_per_step is None)  # [L]
-        for mask, dst, moves in ((demote, 1, plan.demote), (promote, 0, plan.promote)):
-            layers, at = _layer_pairs(mask, layer_of, np.flatnonzero(whole))
+        for mask, count, dst, moves in ((demote, down_n, 1, plan.demote), (promote, up_n, 0, plan.promote)):
+            layers, at = _layer_pairs(mask, layer_of, np.flatnonzero(whole & (count > 0)))
             if layers.size:
                 moves.append(Move(layers, pids[at], dst))
         for layer in np.flatnonzero(~whole & (down_n + up_n > 0)):
