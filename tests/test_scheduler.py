@@ -227,3 +227,13 @@ def test_a_scheduler_without_the_ranking_fails_when_the_engine_is_built():
     with pytest.raises(ConfigError) as e:
         Engine(None, LAYOUT, [DeviceTier(LAYOUT, 8, device="cpu"), HostTier(LAYOUT, 8)], LRU(), scheduler=Old())
     assert e.value.field == "scheduler.placement" and "ranking" in str(e.value)
+
+
+def test_a_move_of_one_layer_names_it_once():
+    """A scheduler (a user's too) may give a Move one layer for all its pids; the mover gets one per pid."""
+    from kvtier.scheduler import Move
+    from kvtier.scheduler.base import pairs
+
+    move = Move(1, [3, 4], 0)
+    layers, pids = pairs([move, Move(np.array([0]), np.array([5]), 0)])
+    assert layers.tolist() == [1, 1, 0] and pids.tolist() == [3, 4, 5]

@@ -47,11 +47,15 @@ class Ranking:
 
 @dataclass
 class Move:
-    """Pages ``(layers[i], pids[i])`` to tier ``dst``."""
+    """Pages ``(layers[i], pids[i])`` to tier ``dst``; ``layers`` may be one layer for every pid."""
 
     layers: np.ndarray  # [n]
     pids: np.ndarray  # [n]
     dst: int  # tier index
+
+    def __post_init__(self):
+        self.pids = np.asarray(self.pids, dtype=np.int64).reshape(-1)
+        self.layers = np.broadcast_to(np.asarray(self.layers, dtype=np.int64), self.pids.shape)
 
 
 def pairs(moves: list[Move]) -> tuple[np.ndarray, np.ndarray]:

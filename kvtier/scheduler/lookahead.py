@@ -192,7 +192,7 @@ class LookaheadScheduler(Scheduler):
                 down = down[np.argsort(prio[g, down], kind="stable")][:self.max_moves_per_step]
             plan.demote += self._demotions(table, int(layer), pids, prio[g], down)
             if up.size:
-                plan.promote.append(Move(np.full(up.size, layer), pids[up], 0))
+                plan.promote.append(Move(layer, pids[up], 0))
         return plan
 
     def _demotions(self, table, layer, pids, prio, demote) -> list[Move]:
@@ -214,7 +214,7 @@ class LookaheadScheduler(Scheduler):
                 moves_down = victims
             else:
                 moves_down = np.zeros(0, dtype=np.int64)
-            moves.append(Move(np.full(incoming.size, layer), pids[incoming], t))
+            moves.append(Move(layer, pids[incoming], t))
             incoming = moves_down
         # lower tiers first, so each move finds its room
         return moves[::-1]
