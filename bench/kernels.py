@@ -420,7 +420,8 @@ def tune_cases(smoke: bool) -> dict:
     return {"decode": [((32, 8, 128), 64, 8192), ((32, 8, 128), 1, 32768), ((32, 8, 128), 256, 8192),
                        ((9, 3, 64), 64, 32768)],
             "fp8": [((32, 8, 128), 64, 8192), ((9, 3, 64), 16, 32768)],
-            "prefill": [(PREFILL_HEADS, 2048, 32768), (PREFILL_HEADS, 512, 8192)]}
+            "prefill": [(PREFILL_HEADS, 8192, 0), (PREFILL_HEADS, 2048, 0), (PREFILL_HEADS, 2048, 32768),
+                        (PREFILL_HEADS, 512, 8192), (PREFILL_HEADS, 256, 8192)]}
 
 
 def tune_grids(smoke: bool) -> dict:
@@ -438,8 +439,9 @@ def tune_grids(smoke: bool) -> dict:
                 DecodeConfig(block_n=128, num_warps=8), DecodeConfig(block_n=128, num_stages=5, ctas_per_sm=2),
                 DecodeConfig(block_n=256, num_stages=5, ctas_per_sm=2)],
         "prefill": [PrefillConfig(block_m=m, block_n=n, num_warps=w, num_stages=st)
-                    for m, n, w, st in [(128, 64, 8, 3), (128, 64, 8, 5), (128, 64, 4, 5), (128, 128, 8, 3),
-                                        (128, 128, 8, 4), (128, 32, 8, 5), (64, 64, 4, 5), (64, 128, 4, 4)]],
+                    for m, n, w, st in [(256, 64, 8, 3), (256, 64, 8, 4), (256, 128, 8, 2), (128, 64, 8, 3),
+                                        (128, 64, 8, 5), (128, 64, 4, 5), (128, 128, 8, 3), (128, 32, 8, 5),
+                                        (64, 64, 4, 5), (64, 128, 4, 4)]],
     }
 
 

@@ -14,6 +14,7 @@ import contextlib  # noqa: E402
 import math  # noqa: E402
 from unittest import mock  # noqa: E402
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -232,6 +233,29 @@ def test_prefill_sliding_window_matches_reference(group, num_kv, kv_lens, q_lens
 def test_prefill_with_default_tiles_and_page_size_8():
     backend = TritonBackend()
     check_against_reference(backend, [77, 30], [45, 30], 4, 1, 64, torch.float32, True, seed=21, page_size=8)
+
+
+@pytest.mark.parametrize("sms,tokens,head_dim,rows", [
+    (132, 8192, 128, 256),  # a long prompt: the largest tile, still 7.8 programs per multiprocessor
+    (132, 2048, 128, 128),  # 256-row tiles would leave under two waves
+    (132, 512, 128, 128),
+    (132, 256, 128, 64),  # a short chunk over its prefix: more programs
+    (132, 8192, 256, 128),  # large heads never take the 256-row tile
+])
+def test_default_prefill_config_by_the_grid_it_gives(sms, tokens, head_dim, rows):
+    from kvtier.kernels import triton_decode
+    from kvtier.kernels.triton_prefill import default_prefill_config
+
+    with mock.patch.object(triton_decode, "num_multiprocessors", lambda device: sms):
+        assert default_prefill_config(tokens, 32, 8, head_dim, "cpu").block_m == rows
+
+
+def test_query_tiles_put_each_sequences_last_tile_first_then_the_padding():
+    from kvtier.kernels.triton_prefill import query_tiles
+
+    seq, q0 = query_tiles(np.array([5, 2, 0, 3]), 2, grid=10, pad_seq=9)
+    assert seq.tolist() == [3, 3, 1, 0, 0, 0, 9, 9, 9, 9]
+    assert q0.tolist() == [2, 0, 0, 4, 2, 0, 0, 0, 0, 0]
 
 
 def test_decode_default_config_fp16_head_dim_64():

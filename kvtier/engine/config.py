@@ -15,8 +15,8 @@ class EngineConfig:
     hold); ``buckets``: batch sizes captured (None: powers of two up to ``max_batch``); ``graphs``: replay
     each decode step, and each iteration with prompt chunks whose pages are in HBM, as a CUDA graph (None: on a
     GPU, unless fidelity is measured); ``compile``:
-    ``torch.compile`` the small ops between attention calls of decode steps (None: on a GPU; iterations with
-    prompt chunks run the model's forward as it is, captured at token buckets); ``lookahead``: the
+    ``torch.compile`` the small ops between attention calls (None: on a GPU): decode steps per bucket,
+    iterations with prompt chunks once for every token count; ``lookahead``: the
     policy hears step ``t``'s statistics before step ``t + lookahead`` is planned (1: before the next,
     the host waits for each step; 2: the host plans a step while the GPU runs the one before; 0: the
     policy hears nothing); ``runner``: ``auto`` (the compact Llama-family forward where it applies),

@@ -262,17 +262,16 @@ class PrefillAttention:
     def _plan_tiles(self) -> None:
         """The Triton kernel's query tiles of the planned calls, into the lists: a grid fixed by the padded token
         count (each chunk's tiles, then tiles of the empty last row)."""
-        from kvtier.kernels.triton_prefill import PrefillPlan
+        from kvtier.kernels.triton_prefill import PrefillPlan, default_prefill_config, query_tiles
         import triton
 
-        config = self.backend.prefill_config
+        # by the padded token count: an iteration captured at a bucket replays one launch shape
+        config = self.backend.prefill_config or default_prefill_config(
+            self.tokens, self.heads, self.layout.num_kv_heads, self.layout.head_dim, self.device)
         group_pad = triton.next_power_of_2(self.heads // self.layout.num_kv_heads)
         block_q = max(1, config.block_m // group_pad)
-        per = -(-np.array([c.q_len for c in self.chunks]) // block_q)  # [n] tiles of each chunk
         grid = -(-self.tokens // block_q) + self.rows
-        seq = np.concatenate([np.repeat(np.arange(per.size), per), np.full(grid - per.sum(), self.rows)])  # [grid]
-        q0 = np.zeros(grid, dtype=np.int64)
-        q0[:per.sum()] = (np.arange(per.sum()) - np.repeat(np.cumsum(per) - per, per)) * block_q
+        seq, q0 = query_tiles([c.q_len for c in self.chunks], block_q, grid, self.rows)  # [grid]
         lists = self._lists
         _put(lists.tile_seq[:grid], seq)
         _put(lists.tile_q0[:grid], q0)

@@ -502,9 +502,9 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_head_mask = True  # at decode steps
 
-    def __init__(self, decode_config: DecodeConfig | None = None, prefill_config: PrefillConfig = PrefillConfig()):
+    def __init__(self, decode_config: DecodeConfig | None = None, prefill_config: PrefillConfig | None = None):
         self.decode_config = decode_config  # None: default_decode_config(head_dim, the pool's bytes per value)
-        self.prefill_config = prefill_config
+        self.prefill_config = prefill_config  # None: default_prefill_config(the call's tokens, heads)
         self._prefill_key = None  # (qo_indptr, heads, kv heads, page size) of the last prefill plan
 
     def plan(self, batch: PagedBatch, num_qo_heads: int, num_kv_heads: int, head_dim: int,
@@ -522,7 +522,7 @@ class TritonBackend(AttentionBackend):
         if self.is_decode:
             self.prefill_plan = None
         elif self._prefill_key is None or key[0] is not self._prefill_key[0] or key[1:] != self._prefill_key[1:]:
-            self.prefill_plan = plan_prefill(batch, num_qo_heads, num_kv_heads, self.prefill_config)
+            self.prefill_plan = plan_prefill(batch, num_qo_heads, num_kv_heads, head_dim, self.prefill_config)
             self._prefill_key = key  # layers of one iteration share their calls' qo_indptr: planned once
         self.table = as_block_table(batch) if self.is_decode else None
 

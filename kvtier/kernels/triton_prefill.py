@@ -194,17 +194,52 @@ class PrefillPlan:
     config: PrefillConfig
 
 
-def plan_prefill(batch: PagedBatch, num_qo_heads: int, num_kv_heads: int,
-                 config: PrefillConfig = PrefillConfig()) -> PrefillPlan:
-    """List the query tiles of every sequence (host work on the host ``qo_indptr``, one non-blocking copy)."""
+# (launch shape, the programs per multiprocessor its grid must give at least), largest tile first: tuned on an
+# H200 with Triton 3.6 over chunks of 128 to 8k tokens and prefixes of 0 to 8k (bench/RESULTS.md, session 21); the
+# 256-row tile only for heads of up to 128 dims (its accumulator takes 128 registers a thread there)
+PREFILL_CONFIGS = ((PrefillConfig(block_m=256, block_n=64, num_warps=8, num_stages=3), 2.0), (PrefillConfig(), 0.75),
+                   (PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=5), 0.0))
+
+
+def default_prefill_config(tokens: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                           device) -> PrefillConfig:
+    """The launch shape for a call of ``tokens`` queries: the largest query tile whose grid (``tokens`` / tile
+    queries x kv heads programs) still fills the multiprocessors as :data:`PREFILL_CONFIGS` asks (a short chunk
+    takes small tiles: more programs over its prefix)."""
+    from kvtier.kernels.triton_decode import num_multiprocessors
+
+    group_pad = triton.next_power_of_2(num_qo_heads // num_kv_heads)
+    sms = num_multiprocessors(torch.device(device))
+    for config, waves in PREFILL_CONFIGS[head_dim > 128:]:
+        if -(-tokens // max(1, config.block_m // group_pad)) * num_kv_heads >= waves * sms:
+            return config
+    return PREFILL_CONFIGS[-1][0]
+
+
+def plan_prefill(batch: PagedBatch, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                 config: PrefillConfig | None = None) -> PrefillPlan:
+    """List the query tiles of every sequence (host work on the host ``qo_indptr``, one non-blocking copy);
+    ``config`` None: :func:`default_prefill_config`."""
     check_page_size(batch.page_size)
+    q_lens = np.diff(batch.qo_indptr_host())
+    config = config or default_prefill_config(int(q_lens.sum()), num_qo_heads, num_kv_heads, head_dim,
+                                              batch.qo_indptr.device)
     group_pad = triton.next_power_of_2(num_qo_heads // num_kv_heads)
     block_q = max(1, config.block_m // group_pad)
-    tiles = -(-np.diff(batch.qo_indptr_host()) // block_q)  # [B]
-    seq = np.repeat(np.arange(tiles.size), tiles)  # [T]
-    q0 = (np.arange(seq.size) - (np.cumsum(tiles) - tiles)[seq]) * block_q  # [T]
+    seq, q0 = query_tiles(q_lens, block_q)
     return PrefillPlan(*to_device([seq, q0], batch.qo_indptr.device), block_q, group_pad,
                        max(config.block_n, batch.page_size), config)
+
+
+def query_tiles(q_lens: np.ndarray, block_q: int, grid: int = 0, pad_seq: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The query tiles of sequences of ``q_lens [B]`` queries: ``(sequence [T], first query [T])``, each sequence's
+    last tile first (under the causal mask it sees the most keys: the short tiles fill the last wave of
+    programs), then tiles of sequence ``pad_seq`` (one with no query) up to ``grid`` tiles."""
+    tiles = -(-np.asarray(q_lens) // block_q)  # [B]
+    seq = np.repeat(np.arange(tiles.size), tiles)[::-1]  # [n]
+    q0 = (np.arange(seq.size)[::-1] - (np.cumsum(tiles) - tiles)[seq]) * block_q  # [n]
+    pad = max(grid - seq.size, 0)
+    return np.concatenate([seq, np.full(pad, pad_seq)]), np.concatenate([q0, np.zeros(pad, dtype=q0.dtype)])
 
 
 @triton.jit
@@ -220,10 +255,16 @@ def _prefill_block(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     tok = start + offs_n  # [N]
-    tok_ok = tok < kv_len
+    if MASKED:
+        tok_ok = tok < kv_len
+    else:  # a block every row sees whole ends before kv_len: true masks, which the compiler drops from the loads
+        tok_ok = tl.full([BLOCK_N], 1, tl.int1)
     slot = tl.load(kv_indices + seq_p0 + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)  # [N]
     kv_off = (slot * stride_slot + (tok % PAGE) * stride_p)[:, None] + offs_d[None, :]  # [N, D]
-    kv_mask = tok_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    if BLOCK_D == HEAD_DIM:
+        kv_mask = tok_ok[:, None] & tl.full([1, BLOCK_D], 1, tl.int1)
+    else:
+        kv_mask = tok_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     pg = start // PAGE + tl.arange(0, BLOCK_N // PAGE)  # [NP] local page (blocks start on a page)
     pg_ok = pg * PAGE < kv_len  # [NP]
     if INT8:  # K and V read back whole from their steps and means, read once per page
