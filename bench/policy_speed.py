@@ -7,7 +7,8 @@ policy (``resident``), once when the prompt is in (``once``), or by Quest (``top
 (CUDA events, graphs replayed, the host ``--lookahead`` steps ahead; ``torch.compile`` only with ``--compile``);
 on a CPU, wall time per step.
 
-    python -m bench.policy_speed --smollm2 /tmp/smollm2/hf [--context 8192] [--fraction 0.2]   (writes policy_speed.json)
+    python -m bench.policy_speed --smollm2 /tmp/smollm2/hf [--context 8192] [--fraction 0.2] [--repeats 3]
+                                                                              (writes policy_speed.json)
     python -m bench.policy_speed --smoke                                                        (CPU, tiny)
 """
 
@@ -71,6 +72,19 @@ def row(model, layout, prompt, policy_name, scope, fraction, steps, lookahead, c
     return out
 
 
+TIMED = ("tpot_p50_ms", "tpot_p99_ms", "host_wait_ms", "host_busy_ms")
+
+
+def repeated(repeats: int, *args) -> dict:
+    """:func:`row` ``repeats`` times, a fresh engine each: its timings the median over the runs, each run's TPOT p50
+    in ``tpot_p50_runs`` (the host's run-to-run spread on the H200 is 20-40% on host-bound rows)."""
+    runs = [row(*args) for _ in range(repeats)]
+    out = dict(runs[-1], **{k: float(np.median([r[k] for r in runs])) for k in TIMED})
+    if repeats > 1:
+        out["tpot_p50_runs"] = [round(r["tpot_p50_ms"], 3) for r in runs]
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--smollm2", default=None, help="the real SmolLM2 (converted folder or GGUF); default: the package's")
@@ -82,6 +96,7 @@ def main():
     ap.add_argument("--scopes", default="resident,once,topk")
     ap.add_argument("--smoke", action="store_true", help="CPU, 256 tokens, 4 steps, two policies")
     ap.add_argument("--compile", action="store_true", help="torch.compile each engine's forward (minutes per row)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per row, a fresh engine each; timings: their median")
     ap.add_argument("--json", default="policy_speed.json")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke
@@ -90,13 +105,16 @@ def main():
     model, tok = load_model(args.smollm2, dtype="bfloat16" if cuda else "float32", device="cuda" if cuda else "cpu")
     layout = kv_layout_for(model.config, page_size=16, dtype=model.dtype)
     prompt = token_stream(tok, "opticks", args.context)
-    rows = [row(model, layout, prompt, "sink_window", "dense", 1.0, args.steps, args.lookahead, cuda, args.compile)]
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
+    rows = [repeated(args.repeats, model, layout, prompt, "sink_window", "dense", 1.0, args.steps, args.lookahead, cuda,
+                     args.compile)]
     print(rows[-1], flush=True)
     for scope in args.scopes.split(","):
         for name in args.policies.split(","):
             t0 = time.time()
-            rows.append(row(model, layout, prompt, name, scope, args.fraction, args.steps, args.lookahead, cuda,
-                            args.compile))
+            rows.append(repeated(args.repeats, model, layout, prompt, name, scope, args.fraction, args.steps,
+                                 args.lookahead, cuda, args.compile))
             print(rows[-1], f"({time.time() - t0:.0f}s)", flush=True)
             write_json(args.json, {"args": vars(args), "gpu": torch.cuda.get_device_name() if cuda else None,
                                    "rows": rows})

@@ -12,6 +12,7 @@ no scope, scheduler or migration touches that ``(layer, pid)`` again.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,6 +57,7 @@ class BlockTable:
         self.slot_of = np.full((L, cap), -1, dtype=np.int64)  # [L, pids]
         self.ref = np.zeros(cap, dtype=np.int32)  # [pids]
         self.pinned = np.zeros(cap, dtype=bool)  # [pids]
+        self._marks = np.zeros((L, cap), dtype=bool)  # [L, pids] scratch of marked()
         self._free_pids = list(range(cap - 1, -1, -1))
 
     # -- sequences ---------------------------------------------------------------------------
@@ -206,8 +208,18 @@ class BlockTable:
         new = old * 2
         pad = lambda a, fill: np.concatenate([a, np.full(a.shape[:-1] + (new - old,), fill, a.dtype)], -1)  # noqa: E731
         self.tier_of, self.slot_of = pad(self.tier_of, -1), pad(self.slot_of, -1)
-        self.ref, self.pinned = pad(self.ref, 0), pad(self.pinned, False)
+        self.ref, self.pinned, self._marks = pad(self.ref, 0), pad(self.pinned, False), pad(self._marks, False)
         self._free_pids.extend(range(new - 1, old - 1, -1))
+
+    @contextlib.contextmanager
+    def marked(self, layers: np.ndarray, pids: np.ndarray):
+        """A mask ``[L, pid capacity]`` true at the pairs ``(layers[i], pids[i])`` ``[n]`` for the ``with`` block: one
+        scratch array, cleared after (blocks do not nest)."""
+        self._marks[layers, pids] = True
+        try:
+            yield self._marks
+        finally:
+            self._marks[layers, pids] = False
 
     def _place(self, pid: int, prefer: np.ndarray | None = None) -> None:
         """Give ``pid`` a slot in every layer: in its ``prefer [L]`` tier where that has room, else the fastest

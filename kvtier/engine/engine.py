@@ -187,7 +187,6 @@ class Engine:
         self.buckets = config.buckets or tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < R} | {R}))
         self.lookahead = config.lookahead
         self._layers = np.arange(L)  # [L]
-        self._moved = np.zeros((L, 0), dtype=bool)  # [L, pids] scratch of _switch_moved
         self.scratch = (tiers[0].alloc(self._layers).numpy() if scratch else np.zeros(L)).astype(np.int32)  # [L]
         self.mirror = np.repeat(self.scratch[:, None, None], R, 1).repeat(M, 2)  # [L, R, M] host copy of locations
         self.pid_mirror = np.full((R, M), -1, dtype=np.int32)  # [R, M] pid of each logical page
@@ -1043,7 +1042,7 @@ class Engine:
 
     def _switch_moved(self) -> None:
         """Point the table at the new place of every move issued (the step's compute waits for the copies): every
-        row's entries of a moved ``(layer, pid)``, found through a scratch mask of the moved pairs ``[L, pids]``."""
+        row's entries of a moved ``(layer, pid)``, found through a mask of the moved pairs (``BlockTable.marked``)."""
         layers, pids = self.transfer.take_moved(fence=self._queued_fence)  # [n]
         rows = [r for r, seq in enumerate(self.row_seq) if seq is not None and r not in self._prefilling]
         if not pids.size or not rows:
@@ -1051,11 +1050,8 @@ class Engine:
         pages = [self.table.pages(self.row_seq[r]) for r in rows]
         sizes = np.array([p.size for p in pages])
         held = np.concatenate(pages)  # [N] every row's pages (a shared page: each holder)
-        if self._moved.shape[1] < self.table.ref.size:
-            self._moved = np.zeros((self.layout.num_layers, self.table.ref.size), dtype=bool)
-        self._moved[layers, pids] = True
-        layer, entry = np.nonzero(self._moved[:, held])  # [m] (layer, held entry) pairs moved
-        self._moved[layers, pids] = False
+        with self.table.marked(layers, pids) as moved:
+            layer, entry = np.nonzero(moved[:, held])  # [m] (layer, held entry) pairs moved
         if not layer.size:
             return
         row_of = np.repeat(rows, sizes)[entry]  # [m]

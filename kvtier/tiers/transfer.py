@@ -235,19 +235,17 @@ class TransferEngine:
         return np.concatenate([p.layers for p in moved]), np.concatenate([p.pids for p in moved])
 
     def _wait_pids(self, layers: np.ndarray, pids: np.ndarray) -> None:
-        """Block until no copy of a page ``(layers[i], pids[i])`` ``[n]`` is in flight (a mask of the asked pairs
-        ``[L, pids]``, read at each batch in flight)."""
+        """Block until no copy of a page ``(layers[i], pids[i])`` ``[n]`` is in flight (a mask of the asked pairs,
+        ``BlockTable.marked``, read at each batch in flight)."""
         flying = [p for p in self._pending if not p.event.query()]
         if not flying:
             return
-        width = max(int(pids.max()), *(int(p.pids.max(initial=0)) for p in flying)) + 1
-        asked = np.zeros((self.table.layout.num_layers, width), dtype=bool)
-        asked[layers, pids] = True
         waited = False
-        for p in flying:
-            if asked[p.layers, p.pids].any():
-                p.event.synchronize()
-                waited = True
+        with self.table.marked(layers, pids) as asked:
+            for p in flying:
+                if asked[p.layers, p.pids].any():
+                    p.event.synchronize()
+                    waited = True
         if waited:
             self.poll()
 
