@@ -18,9 +18,10 @@ in the run.
    p99 <= 1.3 x (decode-only p99 + the chunk's floor). Warm-up: one 8k prompt at each chunk size.
 3. Goodput vs request rate on a Mooncake trace (``--trace``: conversation, whose arrivals come in bursts of
    10-16 on a 3 s grid, or synthetic; kvtier/traces: its first requests, their prompts, shared prefixes
-   included, cut to 8k tokens (``--prompt-tokens``), outputs to 32 tokens (``--new-tokens``); arrival gaps
-   rescaled to mean 1 / rate: the rate is exact), token budget 512, radix cache on, for an all-HBM engine and
-   a tiered one with the same HBM plus host DRAM (each session ~20% in HBM: sink + window pinned, scope
+   included, cut to 8k tokens (``--prompt-tokens``), outputs to 32 tokens (``--new-tokens``; ``--outputs
+   fixed``: that many each); arrival gaps rescaled to mean 1 / rate: the rate is exact), token budget 512,
+   radix cache on, for an all-HBM engine and a tiered one with the same HBM plus host DRAM (each session ~20%
+   in HBM: sink + window pinned, scope
    resident; 16 rows, ``--rows``), the same requests for every rate and both systems. Per rate: goodput and
    SLO-met share under the seed SLOs (TTFT < 250 ms, ITL p99 < 12 ms) and under SLOs scaled to this model
    and shape, measured in the run on the idle all-HBM engine (one session served alone): TTFT < 3x its
@@ -80,6 +81,7 @@ class Sizes:
     batch: int = 16  # ITL part: decoding requests
     rows: int = 16  # goodput: rows of each engine
     trace: str = "conversation"  # goodput: the Mooncake trace replayed (conversation or synthetic)
+    outputs: str = "trace"  # goodput: output lengths, the trace's cut to ``new`` or ``new`` each ("fixed")
     chunks: tuple[int, ...] = (2048, 256)  # ITL part: prefill chunk sizes, one row each
     budget: int = 512  # goodput: token budget of an iteration
     new: int = 32  # goodput: output tokens of a session
@@ -234,14 +236,16 @@ def itl_rows(model, rng, flops, sz: Sizes) -> list[dict]:
     return rows
 
 
-def trace_workload(trace: str, n: int, S: int, new: int, vocab: int) -> list[Request]:
-    """The first ``n`` requests of a Mooncake trace, prompts cut to ``S`` tokens and outputs to ``new``, arrival
-    gaps rescaled to mean 1 s: divided by a rate r, the requests arrive at exactly r per second on average (n - 1
-    gaps over (n - 1) / r seconds)."""
+def trace_workload(trace: str, n: int, S: int, new: int, vocab: int, outputs: str = "trace") -> list[Request]:
+    """The first ``n`` requests of a Mooncake trace, prompts cut to ``S`` tokens, outputs the trace's cut to ``new``
+    (``outputs="fixed"``: ``new`` each, so that sessions last and pile up), arrival gaps rescaled to mean 1 s:
+    divided by a rate r, the requests arrive at exactly r per second on average (n - 1 gaps over (n - 1) / r
+    seconds)."""
     reqs = trace_requests(load_trace(trace, limit=n), vocab)
     gaps = np.diff([r.arrival_s for r in reqs])
     unit = np.concatenate([[0.0], np.cumsum(gaps / gaps.mean())]) if gaps.any() else np.arange(n, dtype=float)
-    return [Request(r.rid, r.prompt[:S], max(2, min(r.max_new_tokens, new)), float(t)) for r, t in zip(reqs, unit)]
+    return [Request(r.rid, r.prompt[:S], new if outputs == "fixed" else max(2, min(r.max_new_tokens, new)), float(t))
+            for r, t in zip(reqs, unit)]
 
 
 def warm_up(sched: ServeScheduler, rng, vocab: int, S: int, new: int, sessions: int) -> None:
@@ -278,7 +282,7 @@ def fresh_scheduler(eng: Engine, budget: int, used: list) -> ServeScheduler:
 def goodput_rows(model, rng, sz: Sizes, rates: list[float], n_requests: int, sessions_hbm: int) -> list[dict]:
     V, S, new = model.config.vocab_size, sz.session, sz.new
     hbm = sessions_hbm * ((S + new) // PAGE + 2)
-    base = trace_workload(sz.trace, n_requests, S, new, V)  # the same requests, every rate and both systems
+    base = trace_workload(sz.trace, n_requests, S, new, V, sz.outputs)  # the same requests, every rate, both systems
     workload = {rate: [Request(next(RIDS), r.prompt, r.max_new_tokens, r.arrival_s / rate) for r in base]
                 for rate in rates}
     rows = []
@@ -338,6 +342,9 @@ def main():
     ap.add_argument("--hbm-sessions", type=int, default=4, help="HBM of both goodput engines, in whole sessions")
     ap.add_argument("--trace", default=None, choices=["conversation", "synthetic"], help="goodput: the trace")
     ap.add_argument("--rows", type=int, default=None, help=f"goodput: rows of each engine (default {Sizes.rows})")
+    ap.add_argument("--outputs", default="trace", choices=["trace", "fixed"],
+                    help="goodput: output lengths, the trace's cut to --new-tokens, or --new-tokens each (sessions "
+                         "that outlast the arrivals between them: the HBM budget binds)")
     ap.add_argument("--prompt-tokens", type=int, default=None, help=f"goodput: prompts cut to this many tokens "
                                                                     f"(default {Sizes.session}; --smoke: {SMOKE.session})")
     ap.add_argument("--parts", default="ttft,itl,goodput")
@@ -347,7 +354,8 @@ def main():
     base = SMOKE if args.smoke else Sizes()
     sz = replace(base, new=base.new if args.new_tokens is None else args.new_tokens,
                  session=base.session if args.prompt_tokens is None else args.prompt_tokens,
-                 trace=args.trace or base.trace, rows=base.rows if args.rows is None else args.rows)
+                 trace=args.trace or base.trace, rows=base.rows if args.rows is None else args.rows,
+                 outputs=args.outputs)
     parts = args.parts.split(",")
     if sz.new < 2 or args.requests < 2 or sz.rows < 1 or sz.session < 1 or not set(parts) <= set(COLUMNS):
         ap.error(f"--new-tokens >= 2 (the scaled ITL SLO needs a decode gap), --requests >= 2 (a gap between "

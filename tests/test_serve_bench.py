@@ -26,6 +26,16 @@ def test_serve_bench_smoke(tmp_path):
     assert len([r for r in rows if r["part"] == "sustained"]) == 2
 
 
+def test_trace_workload_keeps_the_traces_output_lengths_or_fixes_them():
+    from bench.serve import trace_workload
+
+    cut = trace_workload("conversation", 12, 64, 200, 1000)
+    fixed = trace_workload("conversation", 12, 64, 200, 1000, outputs="fixed")
+    assert [r.arrival_s for r in cut] == [r.arrival_s for r in fixed]
+    assert all(2 <= r.max_new_tokens <= 200 for r in cut) and min(r.max_new_tokens for r in cut) < 200
+    assert all(r.max_new_tokens == 200 for r in fixed)
+
+
 def test_iteration_host_bench_runs(tmp_path):
     out = tmp_path / "host.json"
     subprocess.run([sys.executable, "-m", "bench.iteration_host", "--repeat", "2", "--json", str(out)], cwd=ROOT,
