@@ -558,3 +558,38 @@ def test_a_device_scorer_ranks_from_the_feedbacks_snapshot_of_its_scores(tiny, p
     fresh = policy.store.stats(PageInfo(pids, np.zeros(pids.size, np.int64), np.ones(pids.size, np.int64), 1, 0))
     assert (fresh.device_score[:, -1] == np.finfo(np.float64).min).all()
     np.testing.assert_allclose(fresh.device_score[:, :-1], got.device_score[:, :-1])
+
+
+def test_a_sequence_opens_without_waiting_for_the_step_in_flight():
+    """A finished sequence's pages are freed once the steps queued before its end have run (its fence): opening the
+    next sequence does not wait for them (the host keeps its lead on the GPU); a growth the device has no room for
+    does, and takes those pages."""
+    from kvtier.layout import KVLayout
+
+    class Fence:  # the queued steps: not run until waited for
+        waited = False
+
+        def query(self):
+            return self.waited
+
+        def synchronize(self):
+            self.waited = True
+
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype=torch.float32)
+    engine = Engine(None, layout, [DeviceTier(layout, 8, device="cpu")], LRU(), "all",
+                    config=EngineConfig(max_batch=2, max_context=32))
+    fence = Fence()
+    engine._queued_fence = lambda: fence
+    kv = lambda layer, a, b: torch.ones(2, b - a, 1, 8)  # noqa: E731
+    first = engine.add_written(12, kv)  # 3 pages
+    engine.finish(first)
+    free = engine._device_free()
+    second = engine.open(24)
+    assert not fence.waited and first in engine.table.seqs
+    engine.begin_prefill([second], 4 * free)  # the free pages
+    assert not fence.waited and first in engine.table.seqs
+    for layer in range(2):
+        engine.store(layer, *torch.ones(2, 1, 1, 4 * free, 8))
+    engine._mode = "idle"
+    engine.begin_prefill([second], 4)  # one page more: the finished sequence's
+    assert fence.waited and first not in engine.table.seqs and engine.table.num_pages(second) == free + 1

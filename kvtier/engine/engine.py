@@ -311,7 +311,7 @@ class Engine:
         row = next((r for r, s in enumerate(self.row_seq) if s is None), None)
         if row is None:
             raise KVTierError(f"all {self.config.max_batch} rows are busy; finish a sequence or raise max_batch")
-        self._free_finished(block=True)
+        self._free_finished(block=False)  # the rest once room runs short (_grow): no wait for the step in flight
         seq = self._next_seq
         self._next_seq += 1
         self.table.add_sequence(seq, prefix_pids, prefix_len)
@@ -917,6 +917,8 @@ class Engine:
         """Append ``n`` tokens to ``seq`` (room made on the device first) and point the table at new pages."""
         P = self.layout.page_size
         need = self.layout.pages_for(self.table.seq_len(seq) + n) - self.table.num_pages(seq)
+        if need and self._device_free() < need and self._to_free:
+            self._free_finished(block=True)  # finished sequences' pages first, once the steps that read them ran
         if need and self._device_free() < need:
             self._schedule(reserve=need, after_compute=True)
             if self._device_free() < need:
@@ -1088,12 +1090,13 @@ class Engine:
         return event
 
     def _wait_room(self) -> None:
-        """Block until fenced moves release their device slots."""
+        """Block until fenced moves release their device slots and finished sequences their pages."""
         self._switch_moved()
         if self._last_event is not None:
             self._last_event.synchronize()
         self.transfer.synchronize()
         self._switch_moved()
+        self._free_finished(block=True)
 
     def _drop_out_of_window(self) -> None:
         """On each sliding layer, free the pages no sequence's next query can see (never read again)."""
