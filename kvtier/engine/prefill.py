@@ -262,14 +262,12 @@ class PrefillAttention:
     def _plan_tiles(self) -> None:
         """The Triton kernel's query tiles of the planned calls, into the lists: a grid fixed by the padded token
         count (each chunk's tiles, then tiles of the empty last row)."""
-        from kvtier.kernels.triton_prefill import PrefillPlan, default_prefill_config, query_tiles
-        import triton
+        from kvtier.kernels.triton_prefill import PrefillPlan, default_prefill_config, query_tiles, tile_rows
 
         # by the padded token count: an iteration captured at a bucket replays one launch shape
         config = self.backend.prefill_config or default_prefill_config(
             self.tokens, self.heads, self.layout.num_kv_heads, self.layout.head_dim, self.device)
-        group_pad = triton.next_power_of_2(self.heads // self.layout.num_kv_heads)
-        block_q = max(1, config.block_m // group_pad)
+        group_pad, block_q = tile_rows(self.heads, self.layout.num_kv_heads, config.block_m)
         grid = -(-self.tokens // block_q) + self.rows
         seq, q0 = query_tiles([c.q_len for c in self.chunks], block_q, grid, self.rows)  # [grid]
         lists = self._lists

@@ -201,6 +201,13 @@ PREFILL_CONFIGS = ((PrefillConfig(block_m=256, block_n=64, num_warps=8, num_stag
                    (PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=5), 0.0))
 
 
+def tile_rows(num_qo_heads: int, num_kv_heads: int, block_m: int) -> tuple[int, int]:
+    """``(group_pad, block_q)``: a kv group's query heads padded to a power of two, and the queries a tile of
+    ``block_m`` rows holds (row ``r``: query ``r // group_pad``, head ``r % group_pad``)."""
+    group_pad = triton.next_power_of_2(num_qo_heads // num_kv_heads)
+    return group_pad, max(1, block_m // group_pad)
+
+
 def default_prefill_config(tokens: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                            device) -> PrefillConfig:
     """The launch shape for a call of ``tokens`` queries: the largest query tile whose grid (``tokens`` / tile
@@ -208,10 +215,9 @@ def default_prefill_config(tokens: int, num_qo_heads: int, num_kv_heads: int, he
     takes small tiles: more programs over its prefix)."""
     from kvtier.kernels.triton_decode import num_multiprocessors
 
-    group_pad = triton.next_power_of_2(num_qo_heads // num_kv_heads)
     sms = num_multiprocessors(torch.device(device))
     for config, waves in PREFILL_CONFIGS[head_dim > 128:]:
-        if -(-tokens // max(1, config.block_m // group_pad)) * num_kv_heads >= waves * sms:
+        if -(-tokens // tile_rows(num_qo_heads, num_kv_heads, config.block_m)[1]) * num_kv_heads >= waves * sms:
             return config
     return PREFILL_CONFIGS[-1][0]
 
@@ -224,8 +230,7 @@ def plan_prefill(batch: PagedBatch, num_qo_heads: int, num_kv_heads: int, head_d
     q_lens = np.diff(batch.qo_indptr_host())
     config = config or default_prefill_config(int(q_lens.sum()), num_qo_heads, num_kv_heads, head_dim,
                                               batch.qo_indptr.device)
-    group_pad = triton.next_power_of_2(num_qo_heads // num_kv_heads)
-    block_q = max(1, config.block_m // group_pad)
+    group_pad, block_q = tile_rows(num_qo_heads, num_kv_heads, config.block_m)
     seq, q0 = query_tiles(q_lens, block_q)
     return PrefillPlan(*to_device([seq, q0], batch.qo_indptr.device), block_q, group_pad,
                        max(config.block_n, batch.page_size), config)
