@@ -19,6 +19,8 @@ from kvtier.policies.base import PageInfo
 from kvtier.scheduler.base import MigrationPlan
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 from kvtier.scopes import DROPPED_LOC, All, Resident, StepView, TopK
+from kvtier.scopes.base import compact
+from kvtier.scopes.recall import plan_admission
 from kvtier.tiers import DeviceTier, HostTier
 
 
@@ -282,6 +284,32 @@ def test_engine_honours_sliding_windows():
     got = greedy(engine, prompt, 8)
     assert rel_err(got, ref) < 1e-4
     assert engine.stats.dropped_pages > 0 and engine.transfer.pages_moved["device->host"] > 0
+
+
+def test_compact_lists_the_kept_pages_in_page_order():
+    """``compact`` (a prefix sum and a scatter) against a list built page by page: rows with none, some and every
+    page kept, with leading dims."""
+    g = torch.Generator().manual_seed(3)
+    for shape in [(4, 1), (3, 37), (2, 5, 64)]:
+        for p in (0.0, 0.3, 1.0):
+            keep = torch.rand(shape, generator=g) < p
+            want = [[m for m in range(shape[-1]) if row[m]] for row in keep.reshape(-1, shape[-1]).tolist()]
+            want = torch.tensor([w + [-1] * (shape[-1] - len(w)) for w in want], dtype=torch.int32).view(shape)
+            assert torch.equal(compact(keep), want)
+
+
+def test_recall_admission_takes_the_least_recently_picked_slots():
+    """One layer's admission at step 8, four slots last picked at steps 5, 2, 5 and 5: a pick already cached is
+    refreshed and not copied; two picks at home on the host take the oldest slot (stamp 2), then the lowest of the
+    equal stamps 5; a pick on the device takes none."""
+    table = torch.tensor([[7, -3, -5, 100, 0, 0, 0, 0]], dtype=torch.int32)  # device slots; host slot h as -h - 1
+    page = torch.tensor([3, 9, 6, 5])  # cached pages (row * M + logical): slot 100 holds logical 3
+    stamp = torch.tensor([5, 2, 5, 5])
+    slots, copied = torch.tensor([100, 101, 102, 103]), torch.zeros((), dtype=torch.int64)
+    picks = torch.tensor([[3, 1, 2, 0]], dtype=torch.int32)  # 3: cached (the overlay pointed it at slot 100)
+    src, dst = plan_admission(picks, table, page, stamp, slots, torch.tensor(99), torch.tensor(8), copied)
+    assert src.tolist() == [-1, 2, 4, -1] and dst.tolist() == [99, 101, 102, 99]  # host slots 2 and 4
+    assert page.tolist() == [3, 1, 2, 5] and stamp.tolist() == [8, 8, 8, 5] and int(copied) == 2
 
 
 def test_recall_cache_changes_where_pages_are_read_not_what_is_attended(tiny):

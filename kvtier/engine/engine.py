@@ -165,7 +165,7 @@ class Engine:
                                                "captured step cannot: use kernel=triton, or engine.graphs=false")
         self.graphs = (on_gpu and self.fidelity is None and model is not None and not reference) \
             if config.graphs is None else config.graphs
-        compiled = on_gpu if config.compile is None else config.compile
+        self.compiled = compiled = on_gpu if config.compile is None else config.compile  # torch.compile'd step parts
         if compiled:  # each engine and bucket is one more specialisation; dynamo's default of 8 runs out
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self._forward = self._forward_chunks = self.runner.forward if self.runner is not None else None

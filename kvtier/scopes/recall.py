@@ -84,7 +84,8 @@ def plan_admission(picks: torch.Tensor, table: torch.Tensor, page: torch.Tensor,
     stamp.copy_(torch.where(hit.any(0), step, stamp))  # picked again: fresh
     miss = picked & (loc.reshape(-1) < 0)  # [B*K] at home on the host, not in a recall slot
     n = min(miss.numel(), C)
-    victims = torch.topk(-stamp, n).indices  # [n] oldest first
+    # [n] oldest first, equal stamps the lower slot first: one sort launch (a GPU topk selects, then sorts)
+    victims = torch.argsort(stamp, stable=True)[:n]
     order = torch.cumsum(miss.long(), 0) - 1  # [B*K] rank of each miss
     victim = victims[order.clamp(0, n - 1)]  # [B*K] slot for each miss
     take = miss & (order < n) & (stamp[victim] < step)  # never evict this step's picks

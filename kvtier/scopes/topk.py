@@ -88,6 +88,7 @@ class TopK(Scope):
         self.recent = None  # [L, R, query_rows, H, D] the last decode queries of each (layer, row), made at the first
         L, R = engine.layout.num_layers, engine.config.max_batch
         self.seen = torch.zeros(L, R, dtype=torch.int64, device=engine.device)
+        self._forced = torch.compile(forced_pages, dynamic=False) if engine.compiled else forced_pages
         self.fused = engine.kernel.name == "triton"  # the page choice as one Triton launch per layer
         if self.fused:  # imported here: triton.jit picks compiled or interpreted kernels (TRITON_INTERPRET) at import
             from kvtier.kernels.triton_page_choice import ChoiceWork, page_choice
@@ -209,23 +210,30 @@ class TopK(Scope):
 
     def _pick_pages(self, layer: int, q: torch.Tensor, view: StepView) -> torch.Tensor:
         """No budget: the sink pages and the tail (forced), and the ``pages`` best of the rest."""
-        table, lens, n_pages = view.rows(layer)
-        B, M = table.shape
-        width = self.width(None, False, M)
-        if width >= M:  # every page fits the list: exact
+        table, lens = view.table[layer, :view.batch], view.lens[:view.batch]  # [B, M], [B]
+        width = self.width(None, False, table.shape[1])
+        if width >= table.shape[1]:  # every page fits the list: exact
             return live_pages(layer, view)
         P = view.page_size
-        logical = torch.arange(M, device=table.device)[None, :]
-        live = (table != DROPPED_LOC) & (logical < n_pages[:, None])
-        first, tail_from = window_pages(lens, view.window(layer), P)
-        forced = ((logical >= tail_from[:, None]) | (logical < -(-self.sinks // P))) & (logical >= first[:, None]) & live
-        free = live & ~forced & (logical >= first[:, None])
-        n_forced = forced.sum(1)  # [B]
-        room = (self.pages - n_forced).clamp(min=0)  # [B]
+        forced, free, room = self._forced(table, lens, view.window(layer), P, -(-self.sinks // P), self.pages, width)
         best = self._choose(layer, q[:, None], view, free, self.pages, count=room)  # [B, pages]
-        forced_list = torch.where(forced, logical, M).sort(dim=1).values[:, :width - self.pages]
-        forced_list = torch.where(forced_list < M, forced_list, -1)
-        return torch.cat([forced_list, best], 1).to(torch.int32)
+        return torch.cat([forced, best], 1)  # [B, width] int32
+
+
+def forced_pages(table: torch.Tensor, lens: torch.Tensor, window: int, page_size: int, sink_pages: int, pages: int,
+                 width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The choice without a budget before the bound, for ``table [B, M]`` and ``lens [B]``: ``(forced [B, width -
+    pages], free [B, M], room [B])``, the sink pages and the tail (logical, page order, -1 none), the other live pages
+    seen (the candidates) and the picks left to each row. Pure tensor work: compiled, one or two launches a layer."""
+    M = table.shape[1]
+    lens = lens.long()
+    logical = torch.arange(M, device=table.device)[None, :]  # [1, M]
+    live = (table != DROPPED_LOC) & (logical < ((lens + page_size - 1) // page_size)[:, None])  # [B, M]
+    first, tail_from = window_pages(lens, window, page_size)  # [B]
+    seen = live & (logical >= first[:, None])
+    forced = ((logical >= tail_from[:, None]) | (logical < sink_pages)) & seen
+    room = (pages - forced.sum(1)).clamp(min=0)  # [B]
+    return compact(forced)[:, :width - pages], seen & ~forced, room
 
 
 def gauss_mass(q: torch.Tensor, keys, layer: int, pids: torch.Tensor, live: torch.Tensor,
