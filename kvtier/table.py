@@ -133,7 +133,7 @@ class BlockTable:
         cow = []
         if copy_last:
             old = s.pids[-1]
-            new = self._new_page()
+            new = self._new_pages(1)[0]
             self._place(new, prefer=self.tier_of[:, old])
             for layer in range(self.layout.num_layers):
                 data = self.tiers[self.tier_of[layer, old]].read(layer, torch.tensor([self.slot_of[layer, old]]))
@@ -142,11 +142,9 @@ class BlockTable:
             s.pids[-1] = new
             s._array = None
             cow.append((old, new))
-        need = self.layout.pages_for(s.length + n_tokens) - len(s.pids)
-        new_pids = [self._new_page() for _ in range(need)]
+        new_pids = self._new_pages(self.layout.pages_for(s.length + n_tokens) - len(s.pids))
         if new_pids:
             self._place_new(np.asarray(new_pids, dtype=np.int64))
-        if new_pids:
             s.pids.extend(new_pids)
             s._array = None
         s.length += n_tokens
@@ -195,13 +193,15 @@ class BlockTable:
         except KeyError:
             raise KVTierError(f"unknown sequence {seq}") from None
 
-    def _new_page(self) -> int:
-        if not self._free_pids:
+    def _new_pages(self, n: int) -> list[int]:
+        """``n`` free pids, held once each, in the order single pops would give them."""
+        while len(self._free_pids) < n:
             self._grow()
-        pid = self._free_pids.pop()
-        self.ref[pid] = 1
-        self.pinned[pid] = False
-        return pid
+        pids = self._free_pids[len(self._free_pids) - n:][::-1]
+        del self._free_pids[len(self._free_pids) - n:]
+        self.ref[pids] = 1
+        self.pinned[pids] = False
+        return pids
 
     def _grow(self) -> None:
         old = self.ref.size
@@ -244,7 +244,7 @@ class BlockTable:
         free = np.stack([t.num_free(np.arange(L)) for t in self.tiers])  # [T, L]
         tier = (np.arange(pids.size)[:, None, None] >= np.cumsum(free, 0)[None]).sum(1)  # [k, L]
         for t in np.unique(tier):
-            k, layers = np.nonzero(tier == t)  # pid-major: a layer's earlier pid takes its earlier slot
+            layers, k = np.nonzero((tier == t).T)  # grouped by layer (no sort in alloc), a layer's earlier pid first
             self.tier_of[layers, pids[k]] = t
             self.slot_of[layers, pids[k]] = self.tiers[t].alloc(layers).numpy()
 

@@ -118,6 +118,7 @@ class PrefillAttention:
         self.groups: list[tuple] = []  # (layers [L'], the calls of its first) of the planned layers, alike
         self.writes: dict[int, tuple] = {}  # layer -> (slots [u], inv [T], offs [T]) of the chunks' tokens
         self._static: _Lists | None = None
+        self._large: _Lists | None = None  # the lists of the last iteration over CAPTURE_TOKENS (uncaptured)
         self.version = 0  # counts the static lists made (a captured iteration reads one set)
         self._lists: _Lists | None = None
         self._tiles = None  # the Triton kernel's tile plan of the iteration (None: the backend plans each call)
@@ -137,8 +138,11 @@ class PrefillAttention:
                                       self.device)
                 self.version += 1
             lists = self._lists = self._static
-        else:
-            lists = self._lists = _Lists(tokens, L, R, width, self._tile_count(tokens), self.device)
+        else:  # a larger iteration: lists kept for the next one that fits (remade only to grow)
+            big = self._large
+            if big is None or big.cap < tokens or big.indices.shape[-1] < width:
+                big = self._large = _Lists(tokens, L, R, width, self._tile_count(tokens), self.device)
+            lists = self._lists = big
         self.transfer.wait(None, pids)
         self._plan_writes(lists)
         empty = R + 1 - len(chunks)  # rows after the chunks' (the last one always): no query, no page
