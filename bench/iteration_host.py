@@ -2,7 +2,7 @@
 rows and a 256-token prompt chunk at the Llama-8B layer count, the plan of a cold 8k-token prompt in one chunk, and
 the free of a finished 8k-token sequence.
 
-Both run before the GPU work of an iteration can start (the serve scheduler waits for each iteration's tokens), so
+Each runs before the GPU work of an iteration can start (the serve scheduler waits for each iteration's tokens), so
 they add to the iteration time in full.
 
     PYTHONPATH=. python3 -m bench.iteration_host        # table + bench/iteration_host.json, ~10 s on a CPU
@@ -44,25 +44,25 @@ def main():
         eng.add_written(CONTEXT, kv)
     seq = eng.open(PROMPT)
 
-    def plan():  # the host part of one iteration: 16 decode rows and the prompt's next chunk
-        eng._begin([(seq, CHUNK)], decode=True)
+    def plan(chunk_seq: int, tokens: int, decode: bool) -> float:
+        """The host part of one iteration (the decode rows, if any, and one chunk), in ms."""
+        t = time.perf_counter()
+        eng._begin([(chunk_seq, tokens)], decode=decode)
+        took = (time.perf_counter() - t) * 1e3
         eng._drop_step_state()
         eng._mode = "idle"
+        return took
 
     for _ in range(3):
-        plan()
+        plan(seq, CHUNK, True)
     t = time.perf_counter()
     for _ in range(args.repeat):
-        plan()
+        plan(seq, CHUNK, True)
     plan_ms = (time.perf_counter() - t) / args.repeat * 1e3
     colds = []
     for _ in range(args.repeat // 4 + 3):  # a cold prompt: its pages allocated, its one chunk planned, then freed
         cold = eng.open(PROMPT + 1)
-        t = time.perf_counter()
-        eng._begin([(cold, PROMPT + 1)], decode=False)
-        colds.append((time.perf_counter() - t) * 1e3)
-        eng._drop_step_state()
-        eng._mode = "idle"
+        colds.append(plan(cold, PROMPT + 1, False))
         eng.finish(cold)
         eng.reclaim()
     frees = []
