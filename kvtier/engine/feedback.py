@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from kvtier.errors import KVTierError
-from kvtier.scopes.base import DROPPED_LOC, window_pages
+from kvtier.scopes.base import live_mask, window_pages
 from kvtier.window import first_page
 
 
@@ -155,8 +155,7 @@ class Feedback:
         lens = e.seq_lens[:B].long()
         first, _ = window_pages(lens.clamp(min=1), e.layout.window(layers[0]), e.layout.page_size)  # [B]
         logical = torch.arange(table.shape[-1], device=table.device)
-        seen = (table != DROPPED_LOC) & (logical < ((lens + e.layout.page_size - 1) // e.layout.page_size)[:, None]) \
-            & (logical >= first[:, None])
+        seen = live_mask(table, lens, e.layout.page_size) & (logical >= first[:, None])
         return torch.where(seen, logical, -1)[:, :, None]
 
     def record(self, B: int) -> None:

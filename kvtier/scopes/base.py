@@ -71,6 +71,12 @@ def compact(keep: torch.Tensor) -> torch.Tensor:
     return out.scatter_(-1, at, logical)[..., :M]
 
 
+def live_mask(table: torch.Tensor, lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The pages each row holds and has not dropped: ``[..., B, M]`` for ``table [..., B, M]``, ``lens [B]``."""
+    logical = torch.arange(table.shape[-1], device=table.device)
+    return (table != DROPPED_LOC) & (logical < ((lens.long() + page_size - 1) // page_size)[:, None])
+
+
 def window_pages(lens: torch.Tensor, window: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, for the query at ``lens - 1``: ``(first, tail_from)`` logical pages (:func:`kvtier.window.attended_range`)."""
     s = lens - 1
@@ -157,7 +163,7 @@ def budget_pick(layers: int | range, view: StepView, candidate_score, device_onl
     B, M = table.shape[-2:]
     lead = table.shape[:-2]
     logical = torch.arange(M, device=table.device)  # [M]
-    live = (table != DROPPED_LOC) & (logical < n_pages[:, None])  # [(L',) B, M]
+    live = live_mask(table, lens, P)  # [(L',) B, M]
     sinks, win_start = view.spans[:B].long().unbind(1)  # [B]
     first, layer_tail = window_pages(lens, view.window(layers), P)
     cand_lo = -(-budget.sinks // P)

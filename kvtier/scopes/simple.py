@@ -6,14 +6,13 @@ from __future__ import annotations
 import torch
 
 from kvtier.budget import TokenBudget
-from kvtier.scopes.base import DROPPED_LOC, Scope, StepView, best_of, budget_pick, compact, window_pages
+from kvtier.scopes.base import Scope, StepView, best_of, budget_pick, compact, live_mask, window_pages
 
 
 def live_pages(layers: int | range, view: StepView) -> torch.Tensor:
     """Every page of each row that is not dropped, compacted ``[(L',) B, M]``."""
-    table, _, n_pages = view.rows(layers)
-    logical = torch.arange(table.shape[-1], device=table.device)
-    return compact((table != DROPPED_LOC) & (logical < n_pages[:, None]))
+    table, lens, _ = view.rows(layers)
+    return compact(live_mask(table, lens, view.page_size))
 
 
 class All(Scope):

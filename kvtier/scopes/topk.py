@@ -30,7 +30,7 @@ from kvtier.checks import check_topk_options
 from kvtier.engine.stats import over_heads, page_bounds
 from kvtier.errors import ConfigError
 from kvtier.kernels.reference import page_choice_reference
-from kvtier.scopes.base import DROPPED_LOC, Scope, StepView, best_of, budget_pick, compact, window_pages
+from kvtier.scopes.base import Scope, StepView, best_of, budget_pick, compact, live_mask, window_pages
 from kvtier.scopes.simple import live_pages
 
 RANKS = ("quest", "quest_head", "gauss", "sketch")
@@ -228,7 +228,7 @@ def forced_pages(table: torch.Tensor, lens: torch.Tensor, window: int, page_size
     M = table.shape[1]
     lens = lens.long()
     logical = torch.arange(M, device=table.device)[None, :]  # [1, M]
-    live = (table != DROPPED_LOC) & (logical < ((lens + page_size - 1) // page_size)[:, None])  # [B, M]
+    live = live_mask(table, lens, page_size)  # [B, M]
     first, tail_from = window_pages(lens, window, page_size)  # [B]
     seen = live & (logical >= first[:, None])
     forced = ((logical >= tail_from[:, None]) | (logical < sink_pages)) & seen
