@@ -60,7 +60,7 @@ def main():
         plan(seq, CHUNK, True)
     plan_ms = (time.perf_counter() - t) / args.repeat * 1e3
     colds = []
-    for _ in range(args.repeat // 4 + 3):  # a cold prompt: its pages allocated, its one chunk planned, then freed
+    for _ in range(3 + max(1, args.repeat // 4)):  # 3 warm-ups; a cold prompt: its pages allocated, its one chunk planned, then freed
         cold = eng.open(PROMPT + 1)
         colds.append(plan(cold, PROMPT + 1, False))
         eng.finish(cold)
