@@ -421,7 +421,8 @@ def tune_cases(smoke: bool) -> dict:
                        ((9, 3, 64), 64, 32768)],
             "fp8": [((32, 8, 128), 64, 8192), ((9, 3, 64), 16, 32768)],
             "prefill": [(PREFILL_HEADS, 8192, 0), (PREFILL_HEADS, 2048, 0), (PREFILL_HEADS, 2048, 32768),
-                        (PREFILL_HEADS, 512, 8192), (PREFILL_HEADS, 256, 8192)]}
+                        (PREFILL_HEADS, 1024, 8192), (PREFILL_HEADS, 512, 8192), (PREFILL_HEADS, 256, 8192),
+                        (PREFILL_HEADS, 256, 2048)]}
 
 
 def tune_grids(smoke: bool) -> dict:
@@ -441,7 +442,9 @@ def tune_grids(smoke: bool) -> dict:
         "prefill": [PrefillConfig(block_m=m, block_n=n, num_warps=w, num_stages=st)
                     for m, n, w, st in [(256, 64, 8, 3), (256, 64, 8, 4), (256, 128, 8, 2), (128, 64, 8, 3),
                                         (128, 64, 8, 5), (128, 64, 4, 5), (128, 128, 8, 3), (128, 32, 8, 5),
-                                        (64, 64, 4, 5), (64, 128, 4, 4)]],
+                                        (64, 64, 4, 5), (64, 128, 4, 4)]]
+        + [PrefillConfig(block_m=m, block_n=64, num_warps=w, num_stages=5, kv_splits=k)
+           for m, w in [(128, 8), (64, 4)] for k in (2, 4, 8)],  # a short chunk's keys split over programs
     }
 
 
@@ -523,7 +526,7 @@ def tune(buffers: dict, smoke: bool, fp8_only: bool) -> list:
     for heads, chunk, prefix in cases["prefill"]:
         q, pool, batch = paged_problem([prefix + chunk], [chunk], heads, 16, torch.bfloat16, True, buffers["bf16"])
         rows = []
-        for cfg in grids["prefill"]:
+        for cfg in grids["prefill"] + [None]:  # None: the default's pick
             backend = TritonBackend(prefill_config=cfg)
             try:
                 backend.plan(batch, *heads)
@@ -531,7 +534,8 @@ def tune(buffers: dict, smoke: bool, fp8_only: bool) -> list:
             except Exception as err:
                 print(f"tune prefill {cfg}: {type(err).__name__}: {str(err)[:200]}", flush=True)
                 continue
-            rows.append({"kind": "prefill", "shape": f"chunk={chunk} prefix={prefix} {heads}", "config": vars(cfg),
+            rows.append({"kind": "prefill", "shape": f"chunk={chunk} prefix={prefix} {heads}",
+                         "config": vars(cfg or backend.prefill_plan.config) | {"default": cfg is None},
                          "ms": ms, "tflops": prefill_flops(chunk, prefix, heads) / ms / 1e9})
         report_tuning(rows)
         results += rows

@@ -9,6 +9,8 @@ import torch
 from kvtier.engine import Engine, EngineConfig
 from kvtier.errors import KVTierError
 from kvtier.kernels.registry import make_backend
+from kvtier.kernels.triton_decode import TritonBackend
+from kvtier.kernels.triton_prefill import PrefillConfig
 from kvtier.models import kv_layout_for, tiny_llama
 from kvtier.policies import LRU
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
@@ -37,15 +39,20 @@ def prompts(n, lengths, seed=0):
 
 
 @pytest.mark.parametrize("runner,device_pages,host_pages,kernel",
-                         [("auto", 64, 0, None), ("hf", 64, 0, None), ("auto", 12, 80, None), ("auto", 64, 0, "triton")])
+                         [("auto", 64, 0, None), ("hf", 64, 0, None), ("auto", 12, 80, None), ("auto", 64, 0, "triton"),
+                          ("auto", 64, 0, "triton split")])
 def test_mixed_iteration_equals_each_sequence_alone(tiny, runner, device_pages, host_pages, kernel):
     """Two decoding sequences, a second chunk of one prompt and a first chunk of another in one forward (on the
-    CPU with ``triton``: the Triton kernels through the interpreter, the chunks' calls planned once)."""
+    CPU with ``triton``: the Triton kernels through the interpreter, the chunks' calls planned once; ``split``:
+    each query tile's keys split over three programs, against the sequences alone on the default kernel)."""
     model, layout = tiny
     p = prompts(4, [37, 21, 40, 19])
-    backend = make_backend(kernel, DEV) if kernel else None
+    if kernel == "triton split":
+        backend = TritonBackend(prefill_config=PrefillConfig(block_m=32, block_n=16, kv_splits=3))
+    else:
+        backend = make_backend(kernel, DEV) if kernel else None
     mixed = make(model, layout, device_pages, host_pages, runner, backend)
-    alone = make(model, layout, device_pages, host_pages, runner, backend)
+    alone = make(model, layout, device_pages, host_pages, runner, None if kernel == "triton split" else backend)
     for e in (mixed, alone):  # two sequences decoding, one prompt half in
         for prompt in p[:2]:
             e.add(prompt)

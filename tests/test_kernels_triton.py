@@ -230,6 +230,20 @@ def test_prefill_sliding_window_matches_reference(group, num_kv, kv_lens, q_lens
                             seed=sum(kv_lens) + window_left, window_left=window_left)
 
 
+@pytest.mark.parametrize("splits,kv_lens,q_lens,causal,window_left", [
+    (2, [90, 40], [9, 40], True, -1),  # a chunk over a prefix: both halves hold keys; a whole prompt
+    (3, [83, 20], [37, 20], True, 23),  # a window: splits left of it walk nothing
+    (8, [50, 9], [4, 9], False, -1),  # more splits than key blocks: empty splits, merged away
+])
+def test_prefill_split_keys_match_reference(splits, kv_lens, q_lens, causal, window_left):
+    """Each tile's keys split over programs (split-KV), the partial states merged by LSE: the reference's output,
+    LSE and page maxima (reduced across the splits)."""
+    backend = TritonBackend(prefill_config=PrefillConfig(block_m=32, block_n=16, kv_splits=splits))
+    check_against_reference(backend, kv_lens, q_lens, 2, 2, 32, torch.float32, causal, seed=sum(kv_lens) + splits,
+                            window_left=window_left)
+    assert backend.prefill_plan.config.kv_splits == splits
+
+
 def test_prefill_with_default_tiles_and_page_size_8():
     backend = TritonBackend()
     check_against_reference(backend, [77, 30], [45, 30], 4, 1, 64, torch.float32, True, seed=21, page_size=8)
@@ -248,6 +262,21 @@ def test_default_prefill_config_by_the_grid_it_gives(sms, tokens, head_dim, rows
 
     with mock.patch.object(triton_decode, "num_multiprocessors", lambda device: sms):
         assert default_prefill_config(tokens, 32, 8, head_dim, "cpu").block_m == rows
+
+
+@pytest.mark.parametrize("tokens,keys,splits", [
+    (256, 8448, 4),  # 128 programs over an 8k prefix: four splits of ~2k keys fill two waves
+    (256, 2304, 2),  # a shorter prefix: no split under 1,024 keys
+    (256, 1024, 1),
+    (8192, 8192, 1),  # a long prompt fills the multiprocessors by its tiles
+    (16, 32768, 8),  # at most eight splits
+])
+def test_default_prefill_config_splits_the_keys_of_a_small_grid(tokens, keys, splits):
+    from kvtier.kernels import triton_decode
+    from kvtier.kernels.triton_prefill import default_prefill_config
+
+    with mock.patch.object(triton_decode, "num_multiprocessors", lambda device: 132):
+        assert default_prefill_config(tokens, 32, 8, 128, "cpu", keys).kv_splits == splits
 
 
 def test_query_tiles_put_each_sequences_last_tile_first_then_the_padding():

@@ -226,8 +226,10 @@ class PrefillAttention:
             (self._tiles is not None or not self.triton)
 
     def shape(self) -> tuple:
-        """What a captured iteration's kernels depend on besides the token bucket: the calls of each layer."""
-        return tuple(len(self.planned[layer]) for layer in range(self.layout.num_layers))
+        """What a captured iteration's kernels depend on besides the token bucket: the calls of each layer, and the
+        Triton kernel's key splits."""
+        splits = self._tiles.config.kv_splits if self._tiles is not None else 1
+        return tuple(len(self.planned[layer]) for layer in range(self.layout.num_layers)) + (splits,)
 
     def _parts(self, layer: int) -> list[tuple]:
         """The chunks' live pages of ``layer`` (``device_only``: the device's, and each tail) as at most two calls,
@@ -268,9 +270,11 @@ class PrefillAttention:
         count (each chunk's tiles, then tiles of the empty last row)."""
         from kvtier.kernels.triton_prefill import PrefillPlan, default_prefill_config, query_tiles, tile_rows
 
-        # by the padded token count: an iteration captured at a bucket replays one launch shape
+        # by the padded token count and the longest row: an iteration captured at a bucket and splits replays one
+        # launch shape (shape() keys the capture by the splits)
+        keys = max(c.start + c.q_len for c in self.chunks)
         config = self.backend.prefill_config or default_prefill_config(
-            self.tokens, self.heads, self.layout.num_kv_heads, self.layout.head_dim, self.device)
+            self.tokens, self.heads, self.layout.num_kv_heads, self.layout.head_dim, self.device, keys)
         group_pad, block_q = tile_rows(self.heads, self.layout.num_kv_heads, config.block_m)
         grid = -(-self.tokens // block_q) + self.rows
         seq, q0 = query_tiles([c.q_len for c in self.chunks], block_q, grid, self.rows)  # [grid]

@@ -17,8 +17,8 @@ the chosen keys of each listed page (a choice finer than the page that moves).
 The grid is static: ``(B * num_splits, N_kv)``. Split ``c`` of sequence ``b`` covers listed
 indices ``[c * pps, (c + 1) * pps)`` and walks only the blocks that hold a counted key (a 32k
 sequence with a 4k window reads ~4k tokens); all query heads of a kv group are the rows of one
-``tl.dot`` tile (padded to 16 rows). A merge kernel combines the splits by their LSE, or the split
-kernel writes the output directly when ``num_splits == 1``. Per listed page the kernel can also
+``tl.dot`` tile (padded to 16 rows). :func:`~kvtier.kernels.triton_prefill.merge_splits` combines the
+splits by their LSE, or the split kernel writes the output directly when ``num_splits == 1``. Per listed page the kernel can also
 write the max (salience) and the log-sum-exp (attention mass) of its scaled logits.
 
 :class:`TritonBackend` runs this kernel for :class:`~kvtier.kernels.base.PagedBatch` decode calls (their
@@ -40,8 +40,8 @@ import triton.language as tl
 from kvtier.errors import ConfigError
 from kvtier.kernels.base import AttentionBackend, AttentionOutput, PagedBatch, check_token_mask, to_device
 from kvtier.kernels.triton_prefill import (LN2, LOG2E, PrefillConfig, check_page_size, dot_operand_dtype, finish_rows,
-                                           MIN_DOT, fit_shared_memory, int8_tile, online_softmax_step,
-                                           paged_prefill, plan_prefill, query_operand, value_operand)
+                                           MIN_DOT, fit_shared_memory, int8_tile, merge_splits,
+                                           online_softmax_step, paged_prefill, plan_prefill, query_operand, value_operand)
 from kvtier.quant import INT8, is_scaled_pool
 
 MAX_SPLITS = 128  # most splits per sequence that plan_static_decode chooses
@@ -334,40 +334,6 @@ def _static_split_kernel(
     tl.store(lse + c * stride_ls + b * stride_ln + heads, row_lse, mask=g_ok)
 
 
-@triton.jit
-def _merge_static_kernel(
-    part_out, part_lse, out, lse,
-    stride_ps, stride_pn, stride_ph,
-    stride_ls, stride_ln,
-    stride_on, stride_oh, stride_lo,
-    SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """One (row, head): softmax-weighted sum of its ``SPLITS`` partials (log2 LSE), ``CHUNK`` splits per load."""
-    row = tl.program_id(0)
-    h = tl.program_id(1)
-    lse_row = part_lse + row * stride_ln + h
-    offs_s = tl.arange(0, BLOCK_S)  # [S]
-    offs_d = tl.arange(0, BLOCK_D)  # [D]
-    d_ok = offs_d < HEAD_DIM
-    m = tl.max(tl.load(lse_row + offs_s * stride_ls, mask=offs_s < SPLITS, other=float("-inf")), axis=0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.zeros([], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, SPLITS, CHUNK):
-        offs_c = s0 + tl.arange(0, CHUNK)  # [C]
-        w = tl.exp2(tl.load(lse_row + offs_c * stride_ls, mask=offs_c < SPLITS, other=float("-inf")) - m_safe)  # [C]
-        o_s = tl.load(part_out + offs_c[:, None] * stride_ps + row * stride_pn + h * stride_ph + offs_d[None, :],
-                      mask=(w > 0)[:, None] & d_ok[None, :], other=0.0)  # [C, D]; empty splits are not read
-        acc += tl.sum(w[:, None] * o_s, axis=0)
-        total += tl.sum(w, axis=0)
-    has = total > 0
-    o = acc / tl.where(has, total, 1.0)  # [D]
-    tl.store(out + row * stride_on + h * stride_oh + offs_d, o.to(out.dtype.element_ty), mask=d_ok)
-    tl.store(lse + row * stride_lo + h,
-             tl.where(has, (m + tl.log2(tl.where(has, total, 1.0))) * 0.6931471805599453, float("-inf")))
-
-
 def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tensor | None,
                   block_table: torch.Tensor, seq_lens: torch.Tensor, plan: StaticDecodePlan, sm_scale: float,
                   page_list: torch.Tensor | None = None, window_left: int = -1,
@@ -459,16 +425,7 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
             num_warps=plan.config.num_warps, num_stages=stages, maxnreg=plan.config.maxnreg,
         )
         if not single:
-            block_s = triton.next_power_of_2(plan.num_splits)
-            chunk = min(block_s, 16)
-            _merge_static_kernel[(n_q, heads)](
-                part_out, part_lse, out, lse,
-                part_out.stride(0), part_out.stride(1), part_out.stride(2),
-                part_lse.stride(0), part_lse.stride(1),
-                out.stride(0), out.stride(1), lse.stride(0),
-                SPLITS=plan.num_splits, BLOCK_S=block_s, CHUNK=chunk, HEAD_DIM=dim, BLOCK_D=block_d,
-                num_warps=max(chunk * block_d // 1024, 1),  # <= 8 partial values per thread and load
-            )
+            merge_splits(part_out, part_lse, out, lse)
     return out, lse
 
 

@@ -4,9 +4,11 @@ Varlen batches (``qo_indptr``), GQA packed into the rows of one tile (row ``r`` 
 ``r // G_PAD`` of the tile and head ``r % G_PAD`` of the kv group), bottom-right-aligned causal
 mask, a sliding window (``window_left``: blocks left of every row's window are skipped), LSE out,
 and optionally ``page_max`` (max over the sequence's queries, atomically reduced across the query
-tiles of a sequence). One program per (query tile, kv head) walks the blocks where the window
-starts with a mask, the blocks every row of its tile sees whole without one, then the diagonal
-blocks with one.
+tiles of a sequence). One program per (query tile, kv head, key split) walks its split's share of the
+blocks where the window starts with a mask, the blocks every row of its tile sees whole without one,
+then the diagonal blocks with one. A short chunk over a long prefix gives few tiles: its keys are split
+(``PrefillConfig.kv_splits``, flash-decoding's split-KV), and :func:`merge_splits` folds the splits'
+partial states by their LSE (the decode kernel's splits too).
 
 Also the dtype and page-size helpers shared with :mod:`kvtier.kernels.triton_decode`.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -174,12 +176,14 @@ def finish_rows(acc, m_i, l_i, lse_scale):
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """Launch shape: ``block_m`` tile rows (queries x padded group), ``block_n`` keys per step."""
+    """Launch shape: ``block_m`` tile rows (queries x padded group), ``block_n`` keys per step, each tile's keys
+    in ``kv_splits`` programs (merged by LSE)."""
 
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 5  # the page-index load takes a stage: 5 triple-buffers K/V
+    kv_splits: int = 1
 
 
 @dataclass
@@ -191,7 +195,7 @@ class PrefillPlan:
     block_q: int  # queries per tile
     group_pad: int  # query heads per kv head, padded to a power of two
     block_n: int
-    config: PrefillConfig
+    config: PrefillConfig  # its kv_splits: the programs each tile's keys are split over
 
 
 # (launch shape, the programs per multiprocessor its grid must give at least), largest tile first: tuned on an
@@ -208,18 +212,28 @@ def tile_rows(num_qo_heads: int, num_kv_heads: int, block_m: int) -> tuple[int, 
     return group_pad, max(1, block_m // group_pad)
 
 
-def default_prefill_config(tokens: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                           device) -> PrefillConfig:
-    """The launch shape for a call of ``tokens`` queries: the largest query tile whose grid (``tokens`` / tile
-    queries x kv heads programs) still fills the multiprocessors as :data:`PREFILL_CONFIGS` asks (a short chunk
-    takes small tiles: more programs over its prefix)."""
+SPLIT_WAVES = 2.0  # a grid under this many programs per multiprocessor splits its tiles' keys ...
+MIN_SPLIT_KEYS = 1024  # ... into splits of at least this many keys
+MAX_KV_SPLITS = 8
+
+
+def default_prefill_config(tokens: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, device,
+                           keys: int = 0) -> PrefillConfig:
+    """The launch shape for a call of ``tokens`` queries over at most ``keys`` keys a sequence: the largest query
+    tile whose grid (``tokens`` / tile queries x kv heads programs) still fills the multiprocessors as
+    :data:`PREFILL_CONFIGS` asks (a short chunk takes small tiles: more programs over its prefix); a grid still
+    under :data:`SPLIT_WAVES` programs per multiprocessor splits each tile's keys, a power of two of splits."""
     from kvtier.kernels.triton_decode import num_multiprocessors
 
     sms = num_multiprocessors(torch.device(device))
-    for config, waves in PREFILL_CONFIGS[head_dim > 128:]:
-        if -(-tokens // tile_rows(num_qo_heads, num_kv_heads, config.block_m)[1]) * num_kv_heads >= waves * sms:
-            return config
-    return PREFILL_CONFIGS[-1][0]
+    configs = PREFILL_CONFIGS[head_dim > 128:]
+    programs = lambda c: -(-tokens // tile_rows(num_qo_heads, num_kv_heads, c.block_m)[1]) * num_kv_heads  # noqa: E731
+    config = next((c for c, waves in configs if programs(c) >= waves * sms), configs[-1][0])
+    splits = 1
+    while splits < MAX_KV_SPLITS and programs(config) * splits < SPLIT_WAVES * sms and \
+            keys >= 2 * splits * MIN_SPLIT_KEYS:
+        splits *= 2
+    return replace(config, kv_splits=splits)
 
 
 def plan_prefill(batch: PagedBatch, num_qo_heads: int, num_kv_heads: int, head_dim: int,
@@ -228,8 +242,9 @@ def plan_prefill(batch: PagedBatch, num_qo_heads: int, num_kv_heads: int, head_d
     ``config`` None: :func:`default_prefill_config`."""
     check_page_size(batch.page_size)
     q_lens = np.diff(batch.qo_indptr_host())
+    keys = int(np.diff(batch.kv_indptr_host()).max(initial=0)) * batch.page_size
     config = config or default_prefill_config(int(q_lens.sum()), num_qo_heads, num_kv_heads, head_dim,
-                                              batch.qo_indptr.device)
+                                              batch.qo_indptr.device, keys)
     group_pad, block_q = tile_rows(num_qo_heads, num_kv_heads, config.block_m)
     seq, q0 = query_tiles(q_lens, block_q)
     return PrefillPlan(*to_device([seq, q0], batch.qo_indptr.device), block_q, group_pad,
@@ -310,16 +325,18 @@ def _prefill_kernel(
     out, lse, page_max,
     stride_qn, stride_qh, stride_slot, stride_kv, stride_p, stride_kh,
     stride_ss, stride_skv, stride_sh,
-    stride_on, stride_oh, stride_ln, stride_pm,
-    qk_scale, window_left,
-    CAUSAL: tl.constexpr, SCALED: tl.constexpr, INT8: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+    stride_os, stride_on, stride_oh, stride_ls, stride_ln, stride_pm,
+    qk_scale, lse_scale, window_left,
+    SPLITS: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr, INT8: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     WITH_PAGE_MAX: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One (query tile, kv head): rows ``[BLOCK_Q * G_PAD]`` of out ``[Nq, H, D]`` and lse ``[Nq, H]``."""
+    """One (query tile, kv head, split): rows ``[BLOCK_Q * G_PAD]`` of out ``[S, Nq, H, D]`` and lse ``[S, Nq, H]``
+    (times ``lse_scale``: natural log with one split, log2 partials for :func:`merge_splits` with more)."""
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     t = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     b = tl.load(tile_seq + t)
     i0 = tl.load(tile_q0 + t)
     q_base = tl.load(qo_indptr + b)
@@ -354,6 +371,12 @@ def _prefill_kernel(
     first = tl.maximum(kv_len - n_q + i0 - window_left, 0) // BLOCK_N * BLOCK_N  # blocks before: no row sees
     lo_last = tl.maximum(kv_len - n_q + i_last - window_left, 0)
     win_end = tl.minimum(tl.maximum((lo_last + BLOCK_N - 1) // BLOCK_N * BLOCK_N, first), hi)  # every row from here
+    if SPLITS > 1:  # this split's share of the tile's blocks [first, hi): [first, end)
+        per_split = tl.cdiv(tl.cdiv(hi - first, BLOCK_N), SPLITS) * BLOCK_N
+        first = first + split * per_split
+        hi = tl.minimum(hi, first + per_split)
+        win_end = tl.maximum(tl.minimum(win_end, hi), first)
+        full_end = tl.maximum(tl.minimum(full_end, hi), first)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -378,11 +401,62 @@ def _prefill_kernel(
             limit, row_ok, kvh * GROUP, stride_slot, stride_p, stride_pm, stride_ss, qk_scale,
             True, SCALED, INT8, GROUP, G_PAD, BLOCK_Q, PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, WITH_PAGE_MAX, PRECISION)
 
-    o, row_lse = finish_rows(acc, m_i, l_i, 0.6931471805599453)  # [M, D], [M] natural log
+    o, row_lse = finish_rows(acc, m_i, l_i, lse_scale)  # [M, D], [M]
     o_rows = q_base + qi  # [M]
-    tl.store(out + o_rows[:, None] * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
+    tl.store(out + split * stride_os + o_rows[:, None] * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
              o.to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(lse + o_rows * stride_ln + heads, row_lse, mask=row_ok)
+    tl.store(lse + split * stride_ls + o_rows * stride_ln + heads, row_lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out, part_lse, out, lse,
+    stride_ps, stride_pn, stride_ph,
+    stride_ls, stride_ln,
+    stride_on, stride_oh, stride_lo,
+    SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One (row, head): softmax-weighted sum of its ``SPLITS`` partials (log2 LSE), ``CHUNK`` splits per load."""
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    lse_row = part_lse + row * stride_ln + h
+    offs_s = tl.arange(0, BLOCK_S)  # [S]
+    offs_d = tl.arange(0, BLOCK_D)  # [D]
+    d_ok = offs_d < HEAD_DIM
+    m = tl.max(tl.load(lse_row + offs_s * stride_ls, mask=offs_s < SPLITS, other=float("-inf")), axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, SPLITS, CHUNK):
+        offs_c = s0 + tl.arange(0, CHUNK)  # [C]
+        w = tl.exp2(tl.load(lse_row + offs_c * stride_ls, mask=offs_c < SPLITS, other=float("-inf")) - m_safe)  # [C]
+        o_s = tl.load(part_out + offs_c[:, None] * stride_ps + row * stride_pn + h * stride_ph + offs_d[None, :],
+                      mask=(w > 0)[:, None] & d_ok[None, :], other=0.0)  # [C, D]; empty splits are not read
+        acc += tl.sum(w[:, None] * o_s, axis=0)
+        total += tl.sum(w, axis=0)
+    has = total > 0
+    o = acc / tl.where(has, total, 1.0)  # [D]
+    tl.store(out + row * stride_on + h * stride_oh + offs_d, o.to(out.dtype.element_ty), mask=d_ok)
+    tl.store(lse + row * stride_lo + h,
+             tl.where(has, (m + tl.log2(tl.where(has, total, 1.0))) * 0.6931471805599453, float("-inf")))
+
+
+def merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Fold the partial states of key splits into ``out [N, H, D]`` and ``lse [N, H]`` (natural log): ``part_out
+    [S, N, H, D]`` fp32 and ``part_lse [S, N, H]`` (log2; -inf for a split that counted no key, never read)."""
+    splits, rows, heads, dim = part_out.shape
+    block_s = triton.next_power_of_2(splits)
+    chunk = min(block_s, 16)
+    block_d = triton.next_power_of_2(dim)
+    _merge_splits_kernel[(rows, heads)](
+        part_out, part_lse, out, lse,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0),
+        SPLITS=splits, BLOCK_S=block_s, CHUNK=chunk, HEAD_DIM=dim, BLOCK_D=block_d,
+        num_warps=max(chunk * block_d // 1024, 1),  # <= 8 partial values per thread and load
+    )
 
 
 MIN_DOT = 16  # tl.dot's smallest tile side on a GPU (the interpreter takes any)
@@ -429,21 +503,29 @@ def paged_prefill(q: torch.Tensor, kv_pool: torch.Tensor, batch: PagedBatch, pla
                                             block_d, 4 if dot_f32 else q.element_size(), batch.page_size)
     out = torch.empty(n_q, heads, dim, dtype=q.dtype, device=q.device)  # [Nq, H, D]
     lse = torch.empty(n_q, heads, dtype=torch.float32, device=q.device)  # [Nq, H]
+    splits = plan.config.kv_splits
+    if splits == 1:
+        part_out, part_lse = out.unsqueeze(0), lse.unsqueeze(0)
+    else:
+        part_out = torch.empty(splits, n_q, heads, dim, dtype=torch.float32, device=q.device)  # [S, Nq, H, D]
+        part_lse = torch.empty(splits, n_q, heads, dtype=torch.float32, device=q.device)  # [S, Nq, H] log2
     page_max = (torch.full((batch.kv_indices.numel(), heads), float("-inf"), dtype=torch.float32, device=q.device)
                 if return_page_max else None)
     scales, stride_ss, stride_skv, stride_sh, scaled, int8 = scale_args(kv_pool, batch.page_size)
-    _prefill_kernel[(plan.tile_seq.numel(), n_kv)](
+    _prefill_kernel[(plan.tile_seq.numel(), n_kv, splits)](
         q, kv_pool, scales, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
         plan.tile_seq, plan.tile_q0,
-        out, lse, page_max if return_page_max else lse,
+        part_out, part_lse, page_max if return_page_max else lse,
         q.stride(0), q.stride(1),
         kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3),
         stride_ss, stride_skv, stride_sh,
-        out.stride(0), out.stride(1), lse.stride(0), heads,
-        sm_scale * LOG2E, kernel_window(batch),
-        CAUSAL=batch.causal, SCALED=scaled, INT8=int8, GROUP=heads // n_kv, G_PAD=plan.group_pad,
+        *part_out.stride()[:3], *part_lse.stride()[:2], heads,
+        sm_scale * LOG2E, LN2 if splits == 1 else 1.0, kernel_window(batch),
+        SPLITS=splits, CAUSAL=batch.causal, SCALED=scaled, INT8=int8, GROUP=heads // n_kv, G_PAD=plan.group_pad,
         BLOCK_Q=plan.block_q, PAGE=batch.page_size, BLOCK_N=block_n, HEAD_DIM=dim, BLOCK_D=block_d,
         WITH_PAGE_MAX=return_page_max, DOT_F32=dot_f32, PRECISION=precision,
         num_warps=plan.config.num_warps, num_stages=num_stages,
     )
+    if splits > 1:
+        merge_splits(part_out, part_lse, out, lse)
     return AttentionOutput(out, lse, page_max)
