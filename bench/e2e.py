@@ -7,7 +7,9 @@ Per model shape and (batch B, context S), rows side by side:
 - ``kvtier tiered``: 50% and 20% of the pages in HBM, the rest in pinned host DRAM, scopes ``topk``
   (Quest top-k pages; half the device budget is a recall cache of pages picked from the host, the other
   half holds the sinks and the newest pages (SinkWindow); ``--no-recall``: LRU over the picks, lookahead
-  ``--lookahead``) and ``resident`` (sink+window).
+  ``--lookahead``) and ``resident`` (sink+window); ``0.2:topk:next_layer`` adds prediction ahead (each layer's
+  pages fetched into its recall slots before it runs, :mod:`kvtier.scopes.predict`), with the predictor's accuracy
+  (the share of the pages fetched ahead that the layer picked).
 
 Weights are random (Llama-8B and SmolLM2 shapes); the context's K/V is written straight into the
 pages (random, as the weights), then ``--steps`` greedy decode steps run. With ``--smollm2 PATH``
@@ -44,9 +46,10 @@ TIERED = "0.5:topk,0.5:resident,0.2:topk,0.2:resident"
 
 
 def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope: str, lookahead: int,
-               prompts: list[torch.Tensor] | None = None, recall: bool = True) -> dict:
+               prompts: list[torch.Tensor] | None = None, recall: bool = True, predictor: str | None = None) -> dict:
     """Decode ``steps`` tokens of ``batch`` sequences through the engine, after ``context`` tokens each:
-    ``prompts`` prefilled, or random K/V written straight into the pages."""
+    ``prompts`` prefilled, or random K/V written straight into the pages; topk's recall cache fetches ahead with
+    ``predictor`` (:mod:`kvtier.scopes.predict`)."""
     layout = kv_layout_for(model.config, page_size=16, dtype=torch.bfloat16)
     per_seq = layout.pages_for(context + steps + WARMUP + 1)
     total = per_seq * batch
@@ -59,7 +62,7 @@ def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope
     # the placement: sinks + the newest pages (resident; topk beside a recall cache, which holds the picks: a policy
     # that heard the picks too would move them twice), or LRU over the picks (topk without the recall cache)
     policy = SinkWindow(sinks=4, window=256) if scope == "resident" or recall_slots else LRU()
-    scope_ = TopK(topk, recall_slots=recall_slots) if scope == "topk" else make_scope(scope)
+    scope_ = TopK(topk, recall_slots=recall_slots, predictor=predictor) if scope == "topk" else make_scope(scope)
     engine = Engine(model, layout, tiers, policy, scope_, prefill=ChunkedPrefill(4096),
                     config=EngineConfig(max_batch=batch, max_context=context + steps + WARMUP + 1, lookahead=lookahead,
                                         buckets=[batch], sync_timing=False))
@@ -79,17 +82,23 @@ def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope
             torch.cuda.synchronize()
             t0, moved0, wait0 = time.perf_counter(), sum(engine.transfer.bytes_moved.values()), engine.stats.host_wait_s
             engine.counts.zero_()
-            copied0 = int(engine.recall.copied) if engine.recall is not None else 0
+            counters = (engine.recall.copied, engine.recall.prefetched, engine.recall.predicted) \
+                if engine.recall is not None else ()
+            copied0, ahead0, predicted0 = [int(c) for c in counters] or [0, 0, 0]
         engine.step()
         events.append(engine._last_event)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     attended, on_device = engine.counts.tolist()
-    copied = int(engine.recall.copied) - copied0 if engine.recall is not None else 0
-    # bytes that crossed the link: migrations, copies into recall slots, misses read in place from the host
-    moved = sum(engine.transfer.bytes_moved.values()) - moved0 + (copied + attended - on_device) * layout.page_bytes
+    copied, ahead, predicted = [int(c) - c0 for c, c0 in zip(counters, (copied0, ahead0, predicted0))] or [0, 0, 0]
+    # bytes that crossed the link: migrations, copies into recall slots (after a read, and ahead of one), misses
+    # read in place from the host
+    moved = sum(engine.transfer.bytes_moved.values()) - moved0 + (copied + ahead + attended - on_device) \
+        * layout.page_bytes
     tpot = np.array([events[i - 1].elapsed_time(events[i]) for i in range(WARMUP + 1, len(events))])  # ms
     row = {"budget": budget, "scope": scope, "lookahead": lookahead, "recall": recall_slots > 0,
+           "predictor": predictor or "-", "fetched_ahead_per_step": ahead / steps,
+           "predictor_accuracy": predicted / ahead if ahead else None,
            "tpot_p50_ms": float(np.percentile(tpot, 50)),
            "tpot_p99_ms": float(np.percentile(tpot, 99)), "wall_ms": wall / steps * 1e3,
            "hit_rate": on_device / attended if attended else 1.0,
@@ -124,7 +133,8 @@ def main():
     ap.add_argument("--lookaheads", default="", help="extra topk-20%% rows (B=1 shapes) without the recall cache "
                     "(LRU over the picks, where k is the promotion distance) at these lookaheads, e.g. 0,1,2")
     ap.add_argument("--json", default="e2e.json")
-    ap.add_argument("--tiered", default=TIERED, help="tiered rows, HBM fraction:scope, comma-separated")
+    ap.add_argument("--tiered", default=TIERED, help="tiered rows, HBM fraction:scope[:predictor], comma-separated "
+                    "(e.g. 0.2:topk:next_layer: the recall cache fetches ahead)")
     ap.add_argument("--no-recall", action="store_true", help="topk rows without the recall cache (LRU over picks)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF rows (compiling takes minutes)")
     ap.add_argument("--tiered-max-tokens", type=int, default=131072, help="tiered rows only up to B*S tokens")
@@ -160,15 +170,15 @@ def main():
                                  "compile_s": r.get("compile_s")})
                     print(rows[-1], f"({time.time() - t0:.0f}s)", flush=True)
                     free_device_memory()
-            grid = [(1.0, "all", args.lookahead, False)]
+            grid = [(1.0, "all", args.lookahead, False, None)]
             if batch * context <= args.tiered_max_tokens:
-                grid += [(float(b), s, args.lookahead, not args.no_recall)
-                         for b, s in (x.split(":") for x in args.tiered.split(",") if x)]
+                grid += [(float(b), s, args.lookahead, not args.no_recall, (p or [None])[0])
+                         for b, s, *p in (x.split(":") for x in args.tiered.split(",") if x)]
                 if batch == 1:  # with the recall cache k only bounds the host's run-ahead: these rows go without it
-                    grid += [(0.2, "topk", int(k), False) for k in args.lookaheads.split(",") if k]
-            for budget, scope, k, recall in grid:
+                    grid += [(0.2, "topk", int(k), False, None) for k in args.lookaheads.split(",") if k]
+            for budget, scope, k, recall, predictor in grid:
                 t0 = time.time()
-                r = kvtier_row(model, batch, context, args.steps, budget, scope, k, prompts, recall)
+                r = kvtier_row(model, batch, context, args.steps, budget, scope, k, prompts, recall, predictor)
                 rows.append({**base, "system": "kvtier", **r})
                 print(rows[-1], f"({time.time() - t0:.0f}s)", flush=True)
             all_hbm = next(r["tpot_p50_ms"] for r in rows if r.get("system") == "kvtier" and r["budget"] == 1.0
@@ -188,8 +198,9 @@ def main():
         free_device_memory()
     print_table(f"decode TPOT, bf16, page 16, steps={args.steps}; HBM read {hbm:.0f} GB/s, pinned h2d "
                 f"{link['h2d_GBps']:.1f} GB/s", rows,
-                ["model", "B", "S", "system", "budget", "scope", "lookahead", "recall", "tpot_p50_ms", "tpot_p99_ms", "x_limit",
-                 "x_allhbm", "tok_s", "hit_rate", "MB_moved_per_step", "host_wait_ms", "hidden", "offloaded"])
+                ["model", "B", "S", "system", "budget", "scope", "lookahead", "recall", "predictor", "tpot_p50_ms",
+                 "tpot_p99_ms", "x_limit", "x_allhbm", "tok_s", "hit_rate", "predictor_accuracy", "MB_moved_per_step",
+                 "host_wait_ms", "hidden", "offloaded"])
 
 
 if __name__ == "__main__":

@@ -307,9 +307,32 @@ def test_recall_admission_takes_the_least_recently_picked_slots():
     stamp = torch.tensor([5, 2, 5, 5])
     slots, copied = torch.tensor([100, 101, 102, 103]), torch.zeros((), dtype=torch.int64)
     picks = torch.tensor([[3, 1, 2, 0]], dtype=torch.int32)  # 3: cached (the overlay pointed it at slot 100)
-    src, dst = plan_admission(picks, table, page, stamp, slots, torch.tensor(99), torch.tensor(8), copied)
+    ahead, predicted = torch.tensor([True, False, False, True]), torch.zeros((), dtype=torch.int64)
+    src, dst = plan_admission(picks, table, page, stamp, slots, torch.tensor(99), torch.tensor(8), copied, ahead,
+                              predicted, False)
     assert src.tolist() == [-1, 2, 4, -1] and dst.tolist() == [99, 101, 102, 99]  # host slots 2 and 4
     assert page.tolist() == [3, 1, 2, 5] and stamp.tolist() == [8, 8, 8, 5] and int(copied) == 2
+    assert int(predicted) == 1 and not ahead.any()  # slot 100 was filled ahead and picked; slot 103 was not picked
+
+
+def test_a_prediction_is_admitted_ahead_and_counted_when_picked():
+    """Step 8: the prediction (logical 1 and 2, on the host) fills the two oldest slots, marked ahead and stamped
+    this step; the layer then picks 2 and 6: 2 is a hit counted as predicted, 6 (on the host) cannot evict this
+    step's slots and stays a miss read in place."""
+    table = torch.tensor([[7, -3, -5, 100, 0, 0, -9, 0]], dtype=torch.int32)
+    page, stamp = torch.tensor([3, 9, 6, 5]), torch.tensor([5, 2, 5, 4])
+    slots, scratch, step = torch.tensor([100, 101, 102, 103]), torch.tensor(99), torch.tensor(8)
+    copied, prefetched, predicted = (torch.zeros((), dtype=torch.int64) for _ in range(3))
+    ahead = torch.zeros(4, dtype=torch.bool)
+    src, dst = plan_admission(torch.tensor([[1, 2]], dtype=torch.int32), table, page, stamp, slots, scratch, step,
+                              prefetched, ahead, predicted, True)
+    assert src.tolist() == [2, 4] and dst.tolist() == [101, 103] and int(prefetched) == 2
+    assert page.tolist() == [3, 1, 6, 2] and ahead.tolist() == [False, True, False, True]
+    table = torch.tensor([[7, 101, 103, 100, 0, 0, -9, 0]], dtype=torch.int32)  # the overlay after the prefetch
+    stamp[[0, 2]] = 8  # this step's other picks hold the remaining slots
+    src, dst = plan_admission(torch.tensor([[2, 6]], dtype=torch.int32), table, page, stamp, slots, scratch, step,
+                              copied, ahead, predicted, False)
+    assert src.tolist() == [-1, -1] and int(copied) == 0 and int(predicted) == 1 and not ahead.any()
 
 
 def test_recall_cache_changes_where_pages_are_read_not_what_is_attended(tiny):

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from kvtier.build import EngineFactory, plan
+from kvtier.build import EngineFactory, build_scope, plan
 from kvtier.errors import ConfigError
 from kvtier.run import execute, job_configs, main, run_name
 from kvtier.schema import MOVED
@@ -41,6 +41,10 @@ def test_topk_options_reach_the_scope_and_null_pages_are_the_device_tiers(tmp_pa
     s = engine.scope
     assert (s.pages, s.sinks, s.recall_slots, s.rank, s.per_head, s.query_rows, s.policy_share) == \
         (3, 0, 2, "quest_head", True, 2, 0.5)
+    (cfg,) = job_configs(["scope=topk", "scope.recall_slots=2", "scope.predictor=next_layer"])
+    assert type(build_scope(cfg, 8).predictor).__name__ == "NextLayerQuery"
+    with pytest.raises(ConfigError, match="compact runner"):  # an engine with no model (a hook's) predicts nothing
+        engine_for(["scope=topk", "scope.recall_slots=2", "scope.predictor=next_layer"], tmp_path)
 
 
 def test_a_user_scope_named_by_target_decodes_through_the_engine(tmp_path):
@@ -77,6 +81,8 @@ WRONG = [
     (["scope._target_=user_scope.Recent", "+scope.pages=0"], "scope.pages", ">= 1"),
     (["scope=topk", "scope.pages=0"], "scope.pages", ">= 1"),
     (["scope=topk", "scope.recall_slots=-1"], "scope.recall_slots", ">= 0"),
+    (["scope=topk", "scope.predictor=next_layer"], "scope.predictor", "set scope.recall_slots"),
+    (["scope=topk", "scope.recall_slots=2", "scope.predictor=oracle"], "scope.predictor", "unknown predictor"),
 ]
 
 

@@ -45,7 +45,7 @@ from kvtier.checks import check_decode_kernel, check_device_room, check_salience
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.feedback import Feedback
 from kvtier.engine.prefill import CAPTURE_TOKENS, Chunk, PrefillAttention
-from kvtier.engine.runner import make_runner
+from kvtier.engine.runner import LlamaRunner, make_runner
 from kvtier.engine.stats import AttentionStats, DeviceScores, KeyStats, QueryStats, SalienceStats
 from kvtier.errors import ConfigError, KVTierError, TierFullError
 from kvtier.eval.fidelity import FidelityStats, attention_fidelity
@@ -239,6 +239,11 @@ class Engine:
             slots = tiers[0].alloc(self._layers, self.scope.recall_slots).numpy().reshape(L, -1)  # [L, C]
             self.recall = RecallCache(slots, M, self.scratch, dev, compile=compiled)
             self.block_table = self.home.clone()  # the overlay's output, never the host's copy
+        self.predictor = getattr(self.scope, "predictor", None)  # the recall cache's prediction ahead
+        if self.predictor is not None and not isinstance(self.runner, LlamaRunner):
+            raise ConfigError("scope.predictor", "prediction ahead reads the hidden state between layers, which "
+                                                 "only the compact runner shows: a Llama-family model with "
+                                                 "engine.runner auto or llama")
         self.width = self.scope.width(budget, budget is not None and budget.mode == "once", M)
         self.feedback = Feedback(self)
         self.prefill_attention = PrefillAttention(self.table, self.transfer, self.kernel, self.stats, R, M,
@@ -612,7 +617,8 @@ class Engine:
         """The captured work: ``tokens[:B]`` -> ``logits[:B]``, greedy next tokens into ``tokens[:B]``."""
         token = ACTIVE_CACHE.set(self.kv)
         try:
-            logits = self._forward(self.tokens[:B, None], self.positions[:B, None], self.kv, 1)
+            logits = self._forward(self.tokens[:B, None], self.positions[:B, None], self.kv, 1,
+                                   (self.predictor.point, self._ahead) if self.predictor is not None else None)
         finally:
             ACTIVE_CACHE.reset(token)
         self._finish_step(B)
@@ -652,8 +658,25 @@ class Engine:
         if getattr(self.scope, "recent", None) is not None:
             state += [self.scope.recent, self.scope.seen]
         if self.recall is not None:
-            state += [self.recall.page, self.recall.stamp, self.recall.step, self.recall.copied]
+            r = self.recall
+            state += [r.page, r.stamp, r.step, r.copied, r.prefetched, r.predicted, r.ahead]
         return state
+
+    def _ahead(self, layer: int, hidden: torch.Tensor, rope: tuple) -> None:
+        """Prediction ahead (the compact runner calls it in layer ``layer - 1``, at the predictor's point):
+        ``layer``'s query estimated from ``hidden [B, 1, hidden]``, its pages chosen for the estimate and fetched
+        into its recall slots."""
+        self._prefetch(layer, self.predictor.query(self.runner, layer, hidden, rope))
+
+    @torch.compiler.disable
+    def _prefetch(self, layer: int, query: torch.Tensor) -> None:
+        """The scope's choice of ``layer``'s pages for the estimated query ``[B, H, D]``, admitted ahead."""
+        B = self._B
+        table = self.block_table[layer, :B]
+        self.recall.overlay(layer, self.home[layer, :B], table)
+        picks, _ = split_choice(self.scope.pick(layer, query.contiguous(), self.view(B)))
+        if picks is not None:
+            self.recall.prefetch(layer, picks, table, self.table.tiers[0].pool(layer), self.host.pool(layer))
 
     # -- what the attention modules call (left out of torch.compile: host logic, Triton launches) --
     @torch.compiler.disable

@@ -29,10 +29,15 @@ class HFRunner:
     def __init__(self, model):
         self.model = model
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv, keep) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv, keep, ahead=None) -> torch.Tensor:
         """``ids [B, q]`` at ``positions [B, q]`` -> logits ``[B, k, V]`` (float32) of the tokens ``keep`` names
         (HF's ``logits_to_keep``: an int n, the last n, 0 all; or a tensor of token indices ``[k]``); ``kv`` is
-        what the attention modules see as ``past_key_values``."""
+        what the attention modules see as ``past_key_values``. The model's forward shows no hidden state between
+        layers: ``ahead`` (prediction ahead) must be None."""
+        if ahead is not None:
+            raise ConfigError("scope.predictor", "prediction ahead reads the hidden state between layers, which the "
+                                                 "model's own forward does not show: use engine.runner=llama (the "
+                                                 "Llama family) or scope.predictor=null")
         use_hook(self.model)
         out = self.model(input_ids=ids, position_ids=positions, cache_position=positions[0], past_key_values=kv,
                          use_cache=True, logits_to_keep=keep)
@@ -50,16 +55,43 @@ class LlamaRunner:
         self.model = model
         self.base = model.model
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv, keep) -> torch.Tensor:
-        """As :meth:`HFRunner.forward`."""
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv, keep, ahead=None) -> torch.Tensor:
+        """As :meth:`HFRunner.forward`; ``ahead = (point, fn)``, if given: in each layer but the last, ``fn(layer,
+        hidden, rope)`` is called with the next layer's index and the hidden state ``[B, q, hidden]`` at ``point``
+        (``layer_input``: entering this layer; ``after_attention``: the residual after its attention), for
+        prediction ahead (:mod:`kvtier.scopes.predict`)."""
         use_hook(self.model)  # another user may have switched it
         hidden = self.base.embed_tokens(ids)  # [B, q, hidden]
         rope = self.base.rotary_emb(hidden, positions)  # (cos, sin) [B, q, D]
-        for layer in self.base.layers:
-            hidden = layer(hidden, attention_mask=None, position_ids=positions, past_key_values=kv,
-                           use_cache=True, position_embeddings=rope)
+        point, fn = ahead if ahead is not None else (None, None)
+        last = len(self.base.layers) - 1
+        for i, layer in enumerate(self.base.layers):
+            args = dict(attention_mask=None, position_ids=positions, past_key_values=kv, use_cache=True,
+                        position_embeddings=rope)
+            if point == "layer_input" and i < last:
+                fn(i + 1, hidden, rope)
+            if point == "after_attention" and i < last:  # the decoder layer's forward, split at its residual add
+                hidden = hidden + layer.self_attn(hidden_states=layer.input_layernorm(hidden), **args)[0]
+                fn(i + 1, hidden, rope)
+                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            else:
+                hidden = layer(hidden, **args)
         hidden = hidden[:, keep] if isinstance(keep, torch.Tensor) else hidden[:, -keep:]  # [B, k, hidden]
         return self.model.lm_head(self.base.norm(hidden)).float()
+
+    def layer_query(self, layer: int, hidden: torch.Tensor, rope: tuple) -> torch.Tensor:
+        """Layer ``layer``'s query for the hidden state ``hidden [B, q, hidden]`` (its input norm, query projection,
+        per-head norm where the family has one, rotary embedding ``rope``): ``[B, H, q, D]``."""
+        module = self.base.layers[layer]
+        attn = module.self_attn
+        q = attn.q_proj(module.input_layernorm(hidden))  # [B, q, H * D]
+        q = q.view(*hidden.shape[:2], -1, attn.head_dim)  # [B, q, H, D]
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMSNorm over each head's dims
+            q = attn.q_norm(q)
+        q = q.transpose(1, 2)  # [B, H, q, D]
+        cos, sin = (x[:, None] for x in rope)  # [B, 1, q, D]
+        half = q.shape[-1] // 2
+        return q * cos + torch.cat([-q[..., half:], q[..., :half]], -1) * sin
 
 
 def make_runner(model, name: str = "auto"):

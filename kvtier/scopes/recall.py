@@ -6,6 +6,9 @@ after attention (which reads a missed page in place from host memory), the pages
 that are still at home on the host are copied into the least recently picked recall slots, and the
 next steps read them from HBM. A slot's page is dropped when the host moves the page home to the
 device or frees it. Everything is static-shape device work, captured with the rest of the step.
+
+With a predictor (:mod:`kvtier.scopes.predict`) a layer's predicted picks are admitted the same way before the
+layer runs (:meth:`RecallCache.prefetch`), their copy on a side stream that the layer waits for before it reads.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from kvtier.tiers.copy_kernel import copy_pool_pages
 
 class RecallCache:
     """``C`` recall slots per layer: device slot ``slots [L, C]``, cached page ``page [L, C]``
-    (``row * M + logical``, -1 empty), last step picked ``stamp [L, C]``.
+    (``row * M + logical``, -1 empty), last step picked ``stamp [L, C]``; ``ahead [L, C]`` the slots filled by
+    this step's prediction that the layer has not picked from yet.
 
     ``compile``: the per-layer bookkeeping runs as torch.compile'd kernels (a few fused launches).
     """
@@ -31,14 +35,22 @@ class RecallCache:
         self.scratch = torch.from_numpy(scratch.astype(np.int64)).to(device)  # [L] a slot nothing reads
         self.step = torch.zeros((), dtype=torch.int64, device=device)
         self.max_pages = max_pages
-        self.copied = torch.zeros((), dtype=torch.int64, device=device)  # pages copied into recall slots
+        self.copied = torch.zeros((), dtype=torch.int64, device=device)  # pages copied in after their layer read them
+        self.prefetched = torch.zeros((), dtype=torch.int64, device=device)  # pages copied in ahead of their layer
+        self.predicted = torch.zeros((), dtype=torch.int64, device=device)  # of those, picked by the layer
+        self.ahead = torch.zeros((L, C), dtype=torch.bool, device=device)
+        self.side = torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None  # prefetch copies
+        # layer -> the index tensors of its prefetch copy, held until the layer waits for it (not reused before)
+        self._in_flight: dict[int, tuple] = {}
         self._overlay = torch.compile(overlay_recall, dynamic=False) if compile else overlay_recall
         self._admit = torch.compile(plan_admission, dynamic=False) if compile else plan_admission
 
     def overlay(self, layer: int, home: torch.Tensor, table: torch.Tensor) -> None:
         """``table [B, M] = home [B, M]``, with the cached pages pointing at their recall slots; a slot
         whose page went home to the device, was freed (home at the scratch slot) or whose row is
-        outside the bucket (idle) is emptied."""
+        outside the bucket (idle) is emptied. The layer's prefetch copy, if any, lands first."""
+        if self._in_flight.pop(layer, None) is not None:
+            torch.cuda.current_stream().wait_stream(self.side)
         self._overlay(home, table, self.page[layer], self.slots[layer])
 
     def forget_row(self, row: int) -> None:
@@ -48,10 +60,26 @@ class RecallCache:
     def admit(self, layer: int, picks: torch.Tensor, table: torch.Tensor, dev_pool: torch.Tensor,
               host_pool: torch.Tensor) -> None:
         """Copy the picked pages ``picks [B, K]`` (logical, -1 none) read from the host this step into the
-        least recently picked slots (pages picked again keep theirs), for the next steps."""
+        least recently picked slots (pages picked again keep theirs), for the next steps; counts the slots
+        filled ahead that the layer picked."""
         src, dst = self._admit(picks, table, self.page[layer], self.stamp[layer], self.slots[layer],
-                               self.scratch[layer], self.step, self.copied)
+                               self.scratch[layer], self.step, self.copied, self.ahead[layer], self.predicted, False)
         copy_pool_pages(host_pool, src, dev_pool, dst)
+
+    def prefetch(self, layer: int, picks: torch.Tensor, table: torch.Tensor, dev_pool: torch.Tensor,
+                 host_pool: torch.Tensor) -> None:
+        """Admit the predicted picks ``picks [B, K]`` of a layer that has not run (``table [B, M]``: its overlay)
+        as :meth:`admit` does, the copy on the side stream (on a GPU); they count as picked this step."""
+        src, dst = self._admit(picks, table, self.page[layer], self.stamp[layer], self.slots[layer],
+                               self.scratch[layer], self.step, self.prefetched, self.ahead[layer], self.predicted,
+                               True)
+        if self.side is None:
+            copy_pool_pages(host_pool, src, dev_pool, dst)
+            return
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side):
+            copy_pool_pages(host_pool, src, dev_pool, dst)
+        self._in_flight[layer] = (src, dst)
 
     def next_step(self) -> None:
         self.step += 1
@@ -71,9 +99,12 @@ def overlay_recall(home: torch.Tensor, table: torch.Tensor, page: torch.Tensor, 
 
 
 def plan_admission(picks: torch.Tensor, table: torch.Tensor, page: torch.Tensor, stamp: torch.Tensor,
-                   slots: torch.Tensor, scratch: torch.Tensor, step: torch.Tensor, copied: torch.Tensor):
+                   slots: torch.Tensor, scratch: torch.Tensor, step: torch.Tensor, copied: torch.Tensor,
+                   ahead: torch.Tensor, predicted: torch.Tensor, fetch_ahead: bool):
     """One layer's admission: updates ``page``/``stamp [C]`` and ``copied`` in place and returns the copy's
-    host slots and device slots ``[B*K]`` (-1 and the scratch slot: nothing to copy)."""
+    host slots and device slots ``[B*K]`` (-1 and the scratch slot: nothing to copy). ``fetch_ahead``: the picks
+    are predicted, ``ahead [C]`` marks the slots filled; else ``predicted`` counts the marked slots picked, and
+    the marks go."""
     B, M = table.shape
     C = page.shape[0]
     loc = table.gather(1, picks.clamp(min=0).long())  # [B, K]
@@ -81,7 +112,11 @@ def plan_admission(picks: torch.Tensor, table: torch.Tensor, page: torch.Tensor,
     key = (rows * M + picks.long()).reshape(-1)  # [B*K] cached-page key of each pick
     picked = (picks >= 0).reshape(-1)
     hit = (page[None, :] == key[:, None]) & picked[:, None]  # [B*K, C]
-    stamp.copy_(torch.where(hit.any(0), step, stamp))  # picked again: fresh
+    hit_slots = hit.any(0)  # [C]
+    stamp.copy_(torch.where(hit_slots, step, stamp))  # picked again: fresh
+    if not fetch_ahead:
+        predicted.add_((ahead & hit_slots).sum())
+        ahead.zero_()
     miss = picked & (loc.reshape(-1) < 0)  # [B*K] at home on the host, not in a recall slot
     n = min(miss.numel(), C)
     # [n] oldest first, equal stamps the lower slot first: one sort launch (a GPU topk selects, then sorts)
@@ -98,4 +133,6 @@ def plan_admission(picks: torch.Tensor, table: torch.Tensor, page: torch.Tensor,
     page.copy_(torch.where(filled, new, page))
     stamp.copy_(torch.where(filled, step, stamp))
     copied.add_(take.sum())
+    if fetch_ahead:
+        ahead.copy_(filled)
     return src, dst

@@ -12,7 +12,8 @@ the window; the pages that hold them are listed and moved whole, the kernel atte
 :func:`~kvtier.scopes.base.budget_pick`), ``per_head`` (each kv head its own pages, as Quest chooses per head), ``query_rows``
 (the bound is the max over the layer's last decode queries of the row), ``policy_share`` (that share of the pages by the policy's rank, the
 rest by the bound). With ``recall_slots`` each layer also keeps that many device slots that the
-captured step fills with its own picks read from the host (:class:`~kvtier.scopes.recall.RecallCache`).
+captured step fills with its own picks read from the host (:class:`~kvtier.scopes.recall.RecallCache`), and with
+``predictor`` (``"next_layer"``: :mod:`kvtier.scopes.predict`) with its predicted picks before the layer runs.
 
 On the Triton backend (a GPU, or the CPU under TRITON_INTERPRET=1) the bound and the choice of a layer are one
 launch (:mod:`kvtier.kernels.triton_page_choice`); on the torch backend its oracle
@@ -30,6 +31,7 @@ from kvtier.checks import check_topk_options
 from kvtier.engine.stats import over_heads, page_bounds
 from kvtier.errors import ConfigError
 from kvtier.kernels.reference import page_choice_reference
+from kvtier.scopes.predict import make_predictor
 from kvtier.scopes.base import Scope, StepView, best_of, budget_pick, compact, live_mask, window_pages
 from kvtier.scopes.simple import live_pages
 
@@ -43,7 +45,7 @@ class TopK(Scope):
 
     def __init__(self, pages: int | None = None, rank: str = "quest", per_head: bool = False, query_rows: int = 1,
                  policy_share: float = 0.0, recall_slots: int = 0, sinks: int = 4, sketch_rank: int | None = None,
-                 unit: str = "page"):
+                 unit: str = "page", predictor=None):
         for key, v, low in (("scope.pages", pages, 1), ("scope.recall_slots", recall_slots, 0),
                             ("scope.sinks", sinks, 0), ("scope.sketch_rank", sketch_rank, 1)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
@@ -62,6 +64,13 @@ class TopK(Scope):
                                             f"score per key) and no policy_share, got rank {rank!r}, policy_share "
                                             f"{policy_share}")
         self.unit = unit
+        self.predictor = make_predictor(predictor)
+        if self.predictor is not None and not recall_slots:
+            raise ConfigError("scope.predictor", "a prediction is fetched into the recall cache: set "
+                                                 "scope.recall_slots (and a host tier)")
+        if self.predictor is not None and query_rows > 1:
+            raise ConfigError("scope.predictor", "a choice over the last query_rows queries would remember the "
+                                                 "estimates: set scope.query_rows=1 with a predictor")
 
     def needs_rank(self, budget: TokenBudget | None) -> bool:
         return budget is not None and budget.mode == "continuous" and self.policy_share > 0

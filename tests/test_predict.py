@@ -1,0 +1,124 @@
+"""Prediction ahead for the recall cache (CPU, tiny Llama, fp32): a layer's query estimated from the hidden state
+before it, its pages fetched before it runs; a prediction changes where pages are read, never what is attended."""
+
+import pytest
+import torch
+
+from kvtier.engine import Engine, EngineConfig
+from kvtier.errors import ConfigError
+from kvtier.models import kv_layout_for, tiny_llama
+from kvtier.policies import SinkWindow
+from kvtier.scheduler.chunked_prefill import ChunkedPrefill
+from kvtier.scopes import TopK
+from kvtier.tiers import DeviceTier, HostTier
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = tiny_llama(seed=1)
+    return model, kv_layout_for(model.config, page_size=8, dtype=torch.float32)
+
+
+class RandomQuery:
+    """A predictor that knows nothing: a fresh random query for every layer."""
+
+    point = "layer_input"
+
+    def __init__(self):
+        self.gen = torch.Generator().manual_seed(0)
+
+    def query(self, runner, layer, hidden, rope):
+        heads = runner.model.config.num_attention_heads
+        return torch.randn(hidden.shape[0], heads, runner.base.layers[layer].self_attn.head_dim, generator=self.gen)
+
+
+def run(model, layout, predictor, runner="auto", steps=16):
+    """Greedy decode after a 150-token prompt, topk 4 pages with 6 recall slots: ``(logits [steps + 1, V], engine)``."""
+    tiers = [DeviceTier(layout, 18, device="cpu"), HostTier(layout, 64)]
+    engine = Engine(model, layout, tiers, SinkWindow(sinks=4, window=16), TopK(4, recall_slots=6, predictor=predictor),
+                    prefill=ChunkedPrefill(64), config=EngineConfig(max_context=256, runner=runner))
+    prompt = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(6))
+    logits = torch.stack([engine.add(prompt)[1][-1]] + [engine.step()[0].clone() for _ in range(steps)])
+    return logits, engine
+
+
+@pytest.mark.parametrize("predictor", ["next_layer", "after_attention", RandomQuery()])
+def test_a_prediction_changes_no_output(tiny, predictor):
+    """InfiniGen's estimate (from the layer input, and after the attention: the decoder layer run in two parts)
+    and a random one: the logits of the run without prediction; pages are fetched ahead, and at most those are
+    counted as picked."""
+    model, layout = tiny
+    want, plain = run(model, layout, None)
+    got, engine = run(model, layout, predictor)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-6
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    recall = engine.recall
+    assert int(recall.prefetched) > 0 and 0 <= int(recall.predicted) <= int(recall.prefetched)
+    assert int(plain.recall.prefetched) == 0 and int(plain.recall.predicted) == 0
+
+
+def test_the_estimate_from_the_layers_own_input_is_its_query(tiny):
+    """``LlamaRunner.layer_query`` given the hidden state entering the layer (not the one before) gives the query
+    the layer's attention computes."""
+    model, layout = tiny
+    _, engine = run(model, layout, None, steps=0)
+    seen, entering = {}, {}
+    attend = engine.attend
+
+    def spy(layer, query, scaling=None):
+        seen[layer] = query[:, :, -1].clone()  # [B, H, D]
+        return attend(layer, query, scaling)
+
+    hooks = [layer.register_forward_pre_hook(lambda m, args, kw, i=i: entering.__setitem__(i, args[0]),
+                                             with_kwargs=True) for i, layer in enumerate(engine.runner.base.layers)]
+    engine.attend = spy
+    try:
+        engine.step()
+        rope = engine.runner.base.rotary_emb(entering[0], engine.positions[:1, None])
+        for layer in range(layout.num_layers):
+            est = engine.runner.layer_query(layer, entering[layer], rope)[:, :, -1]
+            assert (est - seen[layer]).abs().max() < 1e-5
+    finally:
+        for h in hooks:
+            h.remove()
+        del engine.attend
+
+
+def test_prediction_needs_the_recall_cache_and_the_compact_runner(tiny):
+    model, layout = tiny
+    with pytest.raises(ConfigError, match="scope.predictor.*recall_slots"):
+        TopK(4, predictor="next_layer")
+    with pytest.raises(ConfigError, match="scope.predictor.*unknown predictor 'infinigen'"):
+        TopK(4, recall_slots=4, predictor="infinigen")
+    with pytest.raises(ConfigError, match="scope.predictor.*point must be one of"):
+        TopK(4, recall_slots=4, predictor=type("Mid", (RandomQuery,), {"point": "mid_mlp"})())
+    with pytest.raises(ConfigError, match="scope.predictor.*compact runner"):
+        run(model, layout, "next_layer", runner="hf", steps=0)
+
+
+def test_the_recall_cache_survives_sequences_joining_and_leaving(tiny):
+    """Three sequences through topk with recall slots (with and without prediction): one joins mid-run, one
+    finishes and a new one takes its row. Each step's logits are those of the run without a recall cache (the
+    same picks, read from wherever they are): a finished row's cached pages are never read for its successor."""
+    model, layout = tiny
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=gen) for n in (90, 70, 60, 80)]
+    runs = []
+    for slots, predictor in ((0, None), (8, None), (8, "after_attention")):
+        tiers = [DeviceTier(layout, 30 + slots, device="cpu"), HostTier(layout, 200)]
+        engine = Engine(model, layout, tiers, SinkWindow(sinks=4, window=16),
+                        TopK(4, recall_slots=slots, predictor=predictor), prefill=ChunkedPrefill(32),
+                        config=EngineConfig(max_batch=3, max_context=160))
+        out = [engine.add(p)[1][-1] for p in prompts[:2]]
+        for step in range(14):
+            if step == 3:
+                out.append(engine.add(prompts[2])[1][-1])
+            if step == 7:
+                engine.finish(0)
+                out.append(engine.add(prompts[3])[1][-1])  # takes the finished sequence's row
+            out.append(engine.step().clone())
+        runs.append((out, engine))
+    for out, engine in runs[1:]:
+        assert all(a.shape == b.shape and (a - b).abs().max() < 1e-5 for a, b in zip(out, runs[0][0]))
+        assert int(engine.recall.copied) + int(engine.recall.prefetched) > 0 and engine.hit_rate() > runs[0][1].hit_rate()
+    assert int(runs[2][1].recall.prefetched) > 0
