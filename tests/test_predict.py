@@ -1,5 +1,6 @@
-"""Prediction ahead for the recall cache (CPU, tiny Llama, fp32): a layer's query estimated from the hidden state
-before it, its pages fetched before it runs; a prediction changes where pages are read, never what is attended."""
+"""Prediction ahead for the recall cache (tiny Llama, fp32; on a GPU the engine's defaults: Triton kernels, compiled
+and captured steps, the copies on a side stream): a layer's query estimated from the hidden state before it, its
+pages fetched before it runs; a prediction changes where pages are read, never what is attended."""
 
 import pytest
 import torch
@@ -13,9 +14,12 @@ from kvtier.scopes import TopK
 from kvtier.tiers import DeviceTier, HostTier
 
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @pytest.fixture(scope="module")
 def tiny():
-    model = tiny_llama(seed=1)
+    model = tiny_llama(seed=1, device=DEV)
     return model, kv_layout_for(model.config, page_size=8, dtype=torch.float32)
 
 
@@ -29,15 +33,16 @@ class RandomQuery:
 
     def query(self, runner, layer, hidden, rope):
         heads = runner.model.config.num_attention_heads
-        return torch.randn(hidden.shape[0], heads, runner.base.layers[layer].self_attn.head_dim, generator=self.gen)
+        dim = runner.base.layers[layer].self_attn.head_dim
+        return torch.randn(hidden.shape[0], heads, dim, generator=self.gen).to(hidden.device)
 
 
-def run(model, layout, predictor, runner="auto", steps=16):
+def run(model, layout, predictor, steps=16, **config):
     """Greedy decode after a 150-token prompt, topk 4 pages with 6 recall slots: ``(logits [steps + 1, V], engine)``."""
-    tiers = [DeviceTier(layout, 18, device="cpu"), HostTier(layout, 64)]
+    tiers = [DeviceTier(layout, 18, device=DEV), HostTier(layout, 64)]
     engine = Engine(model, layout, tiers, SinkWindow(sinks=4, window=16), TopK(4, recall_slots=6, predictor=predictor),
-                    prefill=ChunkedPrefill(64), config=EngineConfig(max_context=256, runner=runner))
-    prompt = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(6))
+                    prefill=ChunkedPrefill(64), config=EngineConfig(max_context=256, **config))
+    prompt = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(6)).to(DEV)
     logits = torch.stack([engine.add(prompt)[1][-1]] + [engine.step()[0].clone() for _ in range(steps)])
     return logits, engine
 
@@ -50,7 +55,7 @@ def test_a_prediction_changes_no_output(tiny, predictor):
     model, layout = tiny
     want, plain = run(model, layout, None)
     got, engine = run(model, layout, predictor)
-    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-6
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5  # a split layer may fuse otherwise (GPU)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     recall = engine.recall
     assert int(recall.prefetched) > 0 and 0 <= int(recall.predicted) <= int(recall.prefetched)
@@ -61,7 +66,7 @@ def test_the_estimate_from_the_layers_own_input_is_its_query(tiny):
     """``LlamaRunner.layer_query`` given the hidden state entering the layer (not the one before) gives the query
     the layer's attention computes."""
     model, layout = tiny
-    _, engine = run(model, layout, None, steps=0)
+    _, engine = run(model, layout, None, steps=0, graphs=False, compile=False)  # an eager step to look into
     seen, entering = {}, {}
     attend = engine.attend
 
@@ -93,7 +98,7 @@ def test_prediction_needs_the_recall_cache_and_the_compact_runner(tiny):
     with pytest.raises(ConfigError, match="scope.predictor.*point must be one of"):
         TopK(4, recall_slots=4, predictor=type("Mid", (RandomQuery,), {"point": "mid_mlp"})())
     with pytest.raises(ConfigError, match="scope.predictor.*compact runner"):
-        run(model, layout, "next_layer", runner="hf", steps=0)
+        run(model, layout, "next_layer", steps=0, runner="hf")
 
 
 def test_the_recall_cache_survives_sequences_joining_and_leaving(tiny):
@@ -102,10 +107,10 @@ def test_the_recall_cache_survives_sequences_joining_and_leaving(tiny):
     same picks, read from wherever they are): a finished row's cached pages are never read for its successor."""
     model, layout = tiny
     gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 256, (n,), generator=gen) for n in (90, 70, 60, 80)]
+    prompts = [torch.randint(0, 256, (n,), generator=gen).to(DEV) for n in (90, 70, 60, 80)]
     runs = []
     for slots, predictor in ((0, None), (8, None), (8, "after_attention")):
-        tiers = [DeviceTier(layout, 30 + slots, device="cpu"), HostTier(layout, 200)]
+        tiers = [DeviceTier(layout, 30 + slots, device=DEV), HostTier(layout, 200)]
         engine = Engine(model, layout, tiers, SinkWindow(sinks=4, window=16),
                         TopK(4, recall_slots=slots, predictor=predictor), prefill=ChunkedPrefill(32),
                         config=EngineConfig(max_batch=3, max_context=160))
@@ -119,6 +124,7 @@ def test_the_recall_cache_survives_sequences_joining_and_leaving(tiny):
             out.append(engine.step().clone())
         runs.append((out, engine))
     for out, engine in runs[1:]:
-        assert all(a.shape == b.shape and (a - b).abs().max() < 1e-5 for a, b in zip(out, runs[0][0]))
-        assert int(engine.recall.copied) + int(engine.recall.prefetched) > 0 and engine.hit_rate() > runs[0][1].hit_rate()
+        assert all(a.shape == b.shape and (a - b).abs().max() < 1e-5 * b.abs().max() for a, b in zip(out, runs[0][0]))
+        assert int(engine.recall.copied) + int(engine.recall.prefetched) > 0
+        assert engine.hit_rate() > runs[0][1].hit_rate()
     assert int(runs[2][1].recall.prefetched) > 0

@@ -824,6 +824,8 @@ class Engine:
     def _finish_step(self, B: int) -> None:
         """The step's batched tail, per layer group: the attended-page tally, the step's keys and queries into
         their statistics, the feedback's per-page statistics (once every layer has attended)."""
+        if self.recall is not None:  # the recall copies of the step, on their side stream, end with it
+            self.recall.join()
         if not self.feedback.complete():
             return
         if self.keys is not None and self._step_keys:

@@ -7,8 +7,10 @@ that are still at home on the host are copied into the least recently picked rec
 next steps read them from HBM. A slot's page is dropped when the host moves the page home to the
 device or frees it. Everything is static-shape device work, captured with the rest of the step.
 
-With a predictor (:mod:`kvtier.scopes.predict`) a layer's predicted picks are admitted the same way before the
-layer runs (:meth:`RecallCache.prefetch`), their copy on a side stream that the layer waits for before it reads.
+On a GPU the copies run on a side stream, behind the compute of the layers after: the step waits for them at its
+end (:meth:`RecallCache.join`). With a predictor (:mod:`kvtier.scopes.predict`) a layer's predicted picks are
+admitted the same way before the layer runs (:meth:`RecallCache.prefetch`); the layer waits for that copy before
+it reads.
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ class RecallCache:
         self.prefetched = torch.zeros((), dtype=torch.int64, device=device)  # pages copied in ahead of their layer
         self.predicted = torch.zeros((), dtype=torch.int64, device=device)  # of those, picked by the layer
         self.ahead = torch.zeros((L, C), dtype=torch.bool, device=device)
-        self.side = torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None  # prefetch copies
-        # layer -> the index tensors of its prefetch copy, held until the layer waits for it (not reused before)
-        self._in_flight: dict[int, tuple] = {}
+        self.side = torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None  # the copies
+        self._landed: dict[int, torch.cuda.Event] = {}  # layer -> the end of its prefetch copy, until it waits
+        self._held: list[torch.Tensor] = []  # the side stream's index tensors, not reused before the join
         self._overlay = torch.compile(overlay_recall, dynamic=False) if compile else overlay_recall
         self._admit = torch.compile(plan_admission, dynamic=False) if compile else plan_admission
 
@@ -49,8 +51,9 @@ class RecallCache:
         """``table [B, M] = home [B, M]``, with the cached pages pointing at their recall slots; a slot
         whose page went home to the device, was freed (home at the scratch slot) or whose row is
         outside the bucket (idle) is emptied. The layer's prefetch copy, if any, lands first."""
-        if self._in_flight.pop(layer, None) is not None:
-            torch.cuda.current_stream().wait_stream(self.side)
+        landed = self._landed.pop(layer, None)
+        if landed is not None:
+            torch.cuda.current_stream().wait_event(landed)
         self._overlay(home, table, self.page[layer], self.slots[layer])
 
     def forget_row(self, row: int) -> None:
@@ -64,7 +67,7 @@ class RecallCache:
         filled ahead that the layer picked."""
         src, dst = self._admit(picks, table, self.page[layer], self.stamp[layer], self.slots[layer],
                                self.scratch[layer], self.step, self.copied, self.ahead[layer], self.predicted, False)
-        copy_pool_pages(host_pool, src, dev_pool, dst)
+        self._copy(host_pool, src, dev_pool, dst)
 
     def prefetch(self, layer: int, picks: torch.Tensor, table: torch.Tensor, dev_pool: torch.Tensor,
                  host_pool: torch.Tensor) -> None:
@@ -73,13 +76,27 @@ class RecallCache:
         src, dst = self._admit(picks, table, self.page[layer], self.stamp[layer], self.slots[layer],
                                self.scratch[layer], self.step, self.prefetched, self.ahead[layer], self.predicted,
                                True)
+        self._copy(host_pool, src, dev_pool, dst)
+        if self.side is not None:
+            self._landed[layer] = landed = torch.cuda.Event()
+            landed.record(self.side)
+
+    def _copy(self, host_pool: torch.Tensor, src: torch.Tensor, dev_pool: torch.Tensor, dst: torch.Tensor) -> None:
+        """Host slots ``src [n]`` into device slots ``dst [n]`` (:func:`copy_pool_pages`), on the side stream after
+        the work issued so far (on a GPU)."""
         if self.side is None:
             copy_pool_pages(host_pool, src, dev_pool, dst)
             return
         self.side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.side):
             copy_pool_pages(host_pool, src, dev_pool, dst)
-        self._in_flight[layer] = (src, dst)
+        self._held += [src, dst]
+
+    def join(self) -> None:
+        """The step waits for every copy on the side stream (a captured step joins it before its end)."""
+        if self._held:
+            torch.cuda.current_stream().wait_stream(self.side)
+            self._held, self._landed = [], {}
 
     def next_step(self) -> None:
         self.step += 1
