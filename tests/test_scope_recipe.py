@@ -56,6 +56,16 @@ def test_a_user_scope_named_by_target_decodes_through_the_engine(tmp_path):
     assert m["config"]["scope"] == {"_target_": "user_scope.Recent", "pages": 3}
 
 
+def test_a_recall_cache_with_a_predictor_reports_its_copies(tmp_path):
+    """topk with recall slots and prediction ahead through a recipe, on the real SmolLM2: metrics.json counts the
+    pages the recall cache copied in after a read and ahead of one, and the share of those the layers picked."""
+    (cfg,) = job_configs([*TINY, "scope=topk", "scope.pages=4", "scope.recall_slots=2",
+                          "scope.predictor=after_attention", "policy=sink_window"])
+    m = execute(cfg, tmp_path / "run")
+    assert m["recall_pages_copied"] > 0 and m["pages_fetched_ahead"] > 0 and 0 <= m["predictor_accuracy"] <= 1
+    assert m["config"]["scope"]["predictor"] == "after_attention" and 1 < m["perplexity"] < math.inf
+
+
 @pytest.mark.parametrize("old", sorted(MOVED))
 def test_an_old_cache_key_names_where_it_moved(old, tmp_path, monkeypatch, capsys):
     for args in ([f"{old}=1"], [f"+{old}=1"]):  # a key the recipe lacks, and one added past the schema

@@ -147,9 +147,12 @@ class Engine:
                                                          "address: the host tier must be pinned (pin_memory=True)")
         R = config.max_batch
         scratch = R > 1  # idle rows of a bucket write into one device slot per layer that nothing reads
+        recall_slots = getattr(self.scope, "recall_slots", 0)  # device slots the recall cache takes
         check_device_room(tiers[0].capacity - scratch, policy, layout.page_size, 0, f"tiers.{tiers[0].name}.capacity",
                           R)
-        held = sum(t.capacity for t in tiers) - scratch - getattr(self.scope, "recall_slots", 0)  # pages a row may hold
+        check_device_room(tiers[0].capacity - scratch - recall_slots, policy, layout.page_size, 0, "scope.recall_slots",
+                          R)  # what the recall cache leaves
+        held = sum(t.capacity for t in tiers) - scratch - recall_slots  # pages a row may hold
         self.max_pages = min(layout.pages_for(config.max_context), held) if config.max_context else held
         L, M = layout.num_layers, self.max_pages
         self.model = model
@@ -232,7 +235,7 @@ class Engine:
         self.staging = _Staging(self) if far and not isinstance(self.scope, Resident) else None
         self.scope.bind(self)
         self.recall = None
-        if getattr(self.scope, "recall_slots", 0):
+        if recall_slots:
             if self.host is None:
                 raise ConfigError("scope.recall_slots", "the recall cache holds pages picked from the host tier: "
                                                         "add a host tier")
