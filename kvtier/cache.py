@@ -156,6 +156,8 @@ class TieredKVCache(PagedCacheBase):
     def finish_step(self) -> None:
         """Close the open step; the policy hears its statistics (idempotent)."""
         if self.engine._mode == "decode":
+            if self.engine.recall is not None:  # a user's TopK(recall_slots=...): its stamps age by step
+                self.engine.recall.next_step()
             self.engine.end_decode()
         self.engine._mode = "idle"
         self.engine.feedback.take(upto=self.engine.step_idx)

@@ -5,6 +5,7 @@ pages fetched before it runs; a prediction changes where pages are read, never w
 import pytest
 import torch
 
+from kvtier.cache import TieredKVCache
 from kvtier.engine import Engine, EngineConfig
 from kvtier.errors import ConfigError
 from kvtier.models import kv_layout_for, tiny_llama
@@ -131,3 +132,18 @@ def test_the_recall_cache_survives_sequences_joining_and_leaving(tiny):
         assert int(engine.recall.copied) + int(engine.recall.prefetched) > 0
         assert engine.hit_rate() > runs[0][1].hit_rate()
     assert int(runs[2][1].recall.prefetched) > 0
+
+
+def test_a_cache_driven_by_the_models_forward_ages_its_recall_cache(tiny):
+    """A TieredKVCache with a user's TopK(recall_slots=...) (steps driven by the model's own forward): each decode
+    step advances the recall cache's clock, so its slots keep taking the newest picks read from the host."""
+    model, layout = tiny
+    tiers = [DeviceTier(layout, 14, device=DEV), HostTier(layout, 64)]
+    cache = TieredKVCache(layout, tiers, SinkWindow(sinks=4, window=16), scope=TopK(4, recall_slots=4))
+    ids = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(6)).to(DEV)
+    logits = cache.prefill(model, ids, chunk_size=64)
+    for _ in range(12):
+        logits = cache.forward(model, logits[:, -1:].argmax(-1))
+    cache.finish_step()
+    recall = cache.engine.recall
+    assert int(recall.step) == 12 and int(recall.copied) > recall.slots.shape[1]  # more than one fill
