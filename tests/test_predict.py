@@ -93,8 +93,9 @@ def test_the_estimate_from_the_layers_own_input_is_its_query(tiny):
 def test_prediction_needs_the_recall_cache_and_the_compact_runner(tiny):
     model, layout = tiny
     with pytest.raises(ConfigError, match="scope.recall_slots.*cannot hold what policy 'sink_window' pins"):
-        Engine(model, layout, [DeviceTier(layout, 18, device=DEV), HostTier(layout, 64)], SinkWindow(sinks=4, window=16),
-               TopK(4, recall_slots=16), config=EngineConfig(max_context=256))  # the recall slots leave 2 pages
+        tiers = [DeviceTier(layout, 18, device=DEV), HostTier(layout, 64)]
+        Engine(model, layout, tiers, SinkWindow(sinks=4, window=16), TopK(4, recall_slots=16),
+               config=EngineConfig(max_context=256))  # the recall slots leave 2 pages
     with pytest.raises(ConfigError, match="scope.predictor.*recall_slots"):
         TopK(4, predictor="next_layer")
     with pytest.raises(ConfigError, match="scope.predictor.*unknown predictor 'infinigen'"):

@@ -327,9 +327,9 @@ def _prefill_kernel(
     stride_ss, stride_skv, stride_sh,
     stride_os, stride_on, stride_oh, stride_ls, stride_ln, stride_pm,
     qk_scale, lse_scale, window_left,
-    SPLITS: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr, INT8: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-    BLOCK_Q: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    WITH_PAGE_MAX: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    SPLITS: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr, INT8: tl.constexpr, GROUP: tl.constexpr,
+    G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, WITH_PAGE_MAX: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One (query tile, kv head, split): rows ``[BLOCK_Q * G_PAD]`` of out ``[S, Nq, H, D]`` and lse ``[S, Nq, H]``
     (times ``lse_scale``: natural log with one split, log2 partials for :func:`merge_splits` with more)."""
@@ -371,7 +371,7 @@ def _prefill_kernel(
     first = tl.maximum(kv_len - n_q + i0 - window_left, 0) // BLOCK_N * BLOCK_N  # blocks before: no row sees
     lo_last = tl.maximum(kv_len - n_q + i_last - window_left, 0)
     win_end = tl.minimum(tl.maximum((lo_last + BLOCK_N - 1) // BLOCK_N * BLOCK_N, first), hi)  # every row from here
-    if SPLITS > 1:  # this split's share of the tile's blocks [first, hi): [first, end)
+    if SPLITS > 1:  # [first, hi) becomes this split's share of the tile's blocks; the bounds inside it, clamped
         per_split = tl.cdiv(tl.cdiv(hi - first, BLOCK_N), SPLITS) * BLOCK_N
         first = first + split * per_split
         hi = tl.minimum(hi, first + per_split)
