@@ -131,11 +131,11 @@ def test_wheel_installs_and_runs_from_an_empty_folder(tmp_path):
                           capture_output=True, check=True).stdout.strip()
     # this venv's packages (torch, hydra, ...) without its kvtier: a path in a .pth runs none of that dir's .pth
     Path(site, "deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": ""}  # (a kvtier on the path: pip installs none)
     subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--no-index",
-                    *map(str, dist.glob("*.whl"))], check=True, timeout=300, capture_output=True)
+                    *map(str, dist.glob("*.whl"))], check=True, timeout=300, capture_output=True, env=env)
     work = tmp_path / "empty"
     work.mkdir()
-    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": ""}
     proc = subprocess.run([str(env_dir / "bin" / "kvtier-run"), *TINY], cwd=work, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
