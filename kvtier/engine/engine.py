@@ -150,8 +150,9 @@ class Engine:
         recall_slots = getattr(self.scope, "recall_slots", 0)  # device slots the recall cache takes
         check_device_room(tiers[0].capacity - scratch, policy, layout.page_size, 0, f"tiers.{tiers[0].name}.capacity",
                           R)
-        check_device_room(tiers[0].capacity - scratch - recall_slots, policy, layout.page_size, 0, "scope.recall_slots",
-                          R)  # what the recall cache leaves
+        if recall_slots:  # what the recall cache leaves
+            check_device_room(tiers[0].capacity - scratch - recall_slots, policy, layout.page_size, 0,
+                              "scope.recall_slots", R)
         held = sum(t.capacity for t in tiers) - scratch - recall_slots  # pages a row may hold
         self.max_pages = min(layout.pages_for(config.max_context), held) if config.max_context else held
         L, M = layout.num_layers, self.max_pages

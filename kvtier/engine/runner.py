@@ -33,11 +33,7 @@ class HFRunner:
         """``ids [B, q]`` at ``positions [B, q]`` -> logits ``[B, k, V]`` (float32) of the tokens ``keep`` names
         (HF's ``logits_to_keep``: an int n, the last n, 0 all; or a tensor of token indices ``[k]``); ``kv`` is
         what the attention modules see as ``past_key_values``. The model's forward shows no hidden state between
-        layers: ``ahead`` (prediction ahead) must be None."""
-        if ahead is not None:
-            raise ConfigError("scope.predictor", "prediction ahead reads the hidden state between layers, which the "
-                                                 "model's own forward does not show: use engine.runner=llama (the "
-                                                 "Llama family) or scope.predictor=null")
+        layers, so ``ahead`` is None here (the engine refuses a predictor for this runner)."""
         use_hook(self.model)
         out = self.model(input_ids=ids, position_ids=positions, cache_position=positions[0], past_key_values=kv,
                          use_cache=True, logits_to_keep=keep)

@@ -13,7 +13,8 @@ the window; the pages that hold them are listed and moved whole, the kernel atte
 (the bound is the max over the layer's last decode queries of the row), ``policy_share`` (that share of the pages by the policy's rank, the
 rest by the bound). With ``recall_slots`` each layer also keeps that many device slots that the
 captured step fills with its own picks read from the host (:class:`~kvtier.scopes.recall.RecallCache`), and with
-``predictor`` (``"next_layer"``: :mod:`kvtier.scopes.predict`) with its predicted picks before the layer runs.
+``predictor`` (``"next_layer"``, ``"after_attention"``: :mod:`kvtier.scopes.predict`) with its predicted picks
+before the layer runs.
 
 On the Triton backend (a GPU, or the CPU under TRITON_INTERPRET=1) the bound and the choice of a layer are one
 launch (:mod:`kvtier.kernels.triton_page_choice`); on the torch backend its oracle
