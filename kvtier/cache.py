@@ -115,6 +115,7 @@ class TieredKVCache(PagedCacheBase):
         (sorted; the union over kv heads of a per-head choice): what the scope picks, for inspection."""
         e = self.engine
         B = len(self.seqs)
+        e.scope.start_step()  # chosen from the lengths and table of now
         picks, _ = split_choice(e.scope.pick(layer, query[:, :, 0].contiguous(), e.view(B)))
         out = []
         for b, seq in enumerate(self.seqs):
@@ -156,9 +157,9 @@ class TieredKVCache(PagedCacheBase):
     def finish_step(self) -> None:
         """Close the open step; the policy hears its statistics (idempotent)."""
         if self.engine._mode == "decode":
+            self.engine.end_decode()
             if self.engine.recall is not None:  # a user's TopK(recall_slots=...): its stamps age by step
                 self.engine.recall.next_step()
-            self.engine.end_decode()
         self.engine._mode = "idle"
         self.engine.feedback.take(upto=self.engine.step_idx)
 

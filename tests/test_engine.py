@@ -20,7 +20,7 @@ from kvtier.scheduler.base import MigrationPlan
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 from kvtier.scopes import DROPPED_LOC, All, Resident, StepView, TopK
 from kvtier.scopes.base import compact
-from kvtier.scopes.recall import plan_admission
+from kvtier.scopes.recall import overlay_recall, plan_admission
 from kvtier.tiers import DeviceTier, HostTier
 
 
@@ -298,41 +298,103 @@ def test_compact_lists_the_kept_pages_in_page_order():
             assert torch.equal(compact(keep), want)
 
 
+def _slot_index(slots: torch.Tensor, capacity: int = 128) -> torch.Tensor:
+    """``[1, capacity]``: each device slot's recall-slot index, -1 none."""
+    return torch.full((1, capacity), -1).scatter(1, slots, torch.arange(slots.shape[1])[None])
+
+
+def test_the_overlay_points_cached_pages_at_their_slots_and_empties_the_stale():
+    """Five recall slots of one layer over two rows of four pages: pages still on the host are read from their slots;
+    a slot whose page went home to the device, was dropped for good or belongs to a row outside the bucket is
+    emptied, and the table keeps the host's placement there."""
+    D = DROPPED_LOC
+    home = torch.tensor([[[-2, 5, D, -4], [-1, -3, 6, -5]]], dtype=torch.int32)  # [L=1, B=2, M=4]
+    page = torch.tensor([[0, 2, 1, 5, 8]])  # row * M + logical; 8: a third row, idle in this bucket
+    table = torch.zeros_like(home)
+    overlay_recall(home, table, page, torch.tensor([[100, 101, 102, 103, 104]]))
+    assert table.tolist() == [[[100, 5, D, -4], [-1, 103, 6, -5]]] and page.tolist() == [[0, -1, -1, 5, -1]]
+
+
 def test_recall_admission_takes_the_least_recently_picked_slots():
     """One layer's admission at step 8, four slots last picked at steps 5, 2, 5 and 5: a pick already cached is
     refreshed and not copied; two picks at home on the host take the oldest slot (stamp 2), then the lowest of the
     equal stamps 5; a pick on the device takes none."""
-    table = torch.tensor([[7, -3, -5, 100, 0, 0, 0, 0]], dtype=torch.int32)  # device slots; host slot h as -h - 1
-    page = torch.tensor([3, 9, 6, 5])  # cached pages (row * M + logical): slot 100 holds logical 3
-    stamp = torch.tensor([5, 2, 5, 5])
-    slots, copied = torch.tensor([100, 101, 102, 103]), torch.zeros((), dtype=torch.int64)
-    picks = torch.tensor([[3, 1, 2, 0]], dtype=torch.int32)  # 3: cached (the overlay pointed it at slot 100)
-    ahead, predicted = torch.tensor([True, False, False, True]), torch.zeros((), dtype=torch.int64)
-    src, dst = plan_admission(picks, table, page, stamp, slots, torch.tensor(99), torch.tensor(8), copied, ahead,
-                              predicted, False)
-    assert src.tolist() == [-1, 2, 4, -1] and dst.tolist() == [99, 101, 102, 99]  # host slots 2 and 4
-    assert page.tolist() == [3, 1, 2, 5] and stamp.tolist() == [8, 8, 8, 5] and int(copied) == 2
+    table = torch.tensor([[[7, -3, -5, 100, 0, 0, 0, 0]]], dtype=torch.int32)  # device slots; host slot h as -h - 1
+    page = torch.tensor([[3, 9, 6, 5]])  # cached pages (row * M + logical): slot 100 holds logical 3
+    stamp = torch.tensor([[5, 2, 5, 5]])
+    slots, copied = torch.tensor([[100, 101, 102, 103]]), torch.zeros((), dtype=torch.int64)
+    picks = torch.tensor([[[3, 1, 2, 0]]], dtype=torch.int32)  # 3: cached (the overlay pointed it at slot 100)
+    ahead, predicted = torch.tensor([[True, False, False, True]]), torch.zeros((), dtype=torch.int64)
+    before = table.clone()
+    src, dst = plan_admission(picks, table, None, page, stamp, slots, _slot_index(slots), torch.tensor([99]),
+                              torch.tensor(8), copied, ahead, predicted, False)
+    assert src.tolist() == [[-1, 2, 4, -1]] and dst.tolist() == [[99, 101, 102, 99]]  # host slots 2 and 4
+    assert page.tolist() == [[3, 1, 2, 5]] and stamp.tolist() == [[8, 8, 8, 5]] and int(copied) == 2
     assert int(predicted) == 1 and not ahead.any()  # slot 100 was filled ahead and picked; slot 103 was not picked
+    assert torch.equal(table, before)  # after the read: the next step's overlay points the table
 
 
 def test_a_prediction_is_admitted_ahead_and_counted_when_picked():
     """Step 8: the prediction (logical 1 and 2, on the host) fills the two oldest slots, marked ahead and stamped
-    this step; the layer then picks 2 and 6: 2 is a hit counted as predicted, 6 (on the host) cannot evict this
-    step's slots and stays a miss read in place."""
-    table = torch.tensor([[7, -3, -5, 100, 0, 0, -9, 0]], dtype=torch.int32)
-    page, stamp = torch.tensor([3, 9, 6, 5]), torch.tensor([5, 2, 5, 4])
-    slots, scratch, step = torch.tensor([100, 101, 102, 103]), torch.tensor(99), torch.tensor(8)
+    this step, and the table points at them (the evicted logical 4, cached in slot 103, back at home on the host);
+    the layer then picks 2 and 6: 2 is a hit counted as predicted, 6 (on the host) cannot evict this step's slots and
+    stays a miss read in place."""
+    home = torch.tensor([[[7, -3, -5, -2, -7, 0, -9, 0]]], dtype=torch.int32)
+    table = torch.tensor([[[7, -3, -5, 100, 103, 0, -9, 0]]], dtype=torch.int32)  # the step's overlay
+    page, stamp = torch.tensor([[3, 9, 6, 4]]), torch.tensor([[5, 2, 5, 4]])
+    slots, scratch, step = torch.tensor([[100, 101, 102, 103]]), torch.tensor([99]), torch.tensor(8)
     copied, prefetched, predicted = (torch.zeros((), dtype=torch.int64) for _ in range(3))
-    ahead = torch.zeros(4, dtype=torch.bool)
-    src, dst = plan_admission(torch.tensor([[1, 2]], dtype=torch.int32), table, page, stamp, slots, scratch, step,
-                              prefetched, ahead, predicted, True)
-    assert src.tolist() == [2, 4] and dst.tolist() == [101, 103] and int(prefetched) == 2
-    assert page.tolist() == [3, 1, 6, 2] and ahead.tolist() == [False, True, False, True]
-    table = torch.tensor([[7, 101, 103, 100, 0, 0, -9, 0]], dtype=torch.int32)  # the overlay after the prefetch
-    stamp[[0, 2]] = 8  # this step's other picks hold the remaining slots
-    src, dst = plan_admission(torch.tensor([[2, 6]], dtype=torch.int32), table, page, stamp, slots, scratch, step,
-                              copied, ahead, predicted, False)
-    assert src.tolist() == [-1, -1] and int(copied) == 0 and int(predicted) == 1 and not ahead.any()
+    ahead = torch.zeros(1, 4, dtype=torch.bool)
+    index = _slot_index(slots)
+    src, dst = plan_admission(torch.tensor([[[1, 2]]], dtype=torch.int32), table, home, page, stamp, slots, index,
+                              scratch, step, prefetched, ahead, predicted, True)
+    assert src.tolist() == [[2, 4]] and dst.tolist() == [[101, 103]] and int(prefetched) == 2
+    assert page.tolist() == [[3, 1, 6, 2]] and ahead.tolist() == [[False, True, False, True]]
+    assert table.tolist() == [[[7, 101, 103, 100, -7, 0, -9, 0]]]
+    stamp[0, [0, 2]] = 8  # this step's other picks hold the remaining slots
+    src, dst = plan_admission(torch.tensor([[[2, 6]]], dtype=torch.int32), table, None, page, stamp, slots, index,
+                              scratch, step, copied, ahead, predicted, False)
+    assert src.tolist() == [[-1, -1]] and int(copied) == 0 and int(predicted) == 1 and not ahead.any()
+
+
+def test_recall_admission_of_a_group_equals_each_layer_alone():
+    """Fresh random tables, caches and picks of three layers and two rows: the admission of the group in one call
+    equals the admissions of its layers one by one (what changes, what is copied)."""
+    g = torch.Generator().manual_seed(5)
+    L, B, M, C, K = 3, 2, 12, 5, 4
+    for trial in range(20):
+        slots = torch.stack([torch.randperm(40, generator=g)[:C] + 50 for _ in range(L)])  # [L, C] device slots
+        page = torch.full((L, C), -1)
+        table = -torch.randint(1, 30, (L, B, M), generator=g, dtype=torch.int32)  # at home on the host
+        for layer in range(L):  # some pages cached, the table pointing at their slots
+            for c in torch.randperm(C, generator=g)[:3].tolist():
+                key = int(torch.randint(0, B * M, (1,), generator=g))
+                if (page[layer] == key).any():
+                    continue
+                page[layer, c] = key
+                table.view(L, -1)[layer, key] = int(slots[layer, c])
+        table.view(L, -1)[torch.rand(L, B * M, generator=g) < 0.2] = 7  # some on the device
+        stamp = torch.randint(0, 8, (L, C), generator=g)
+        picks = torch.stack([torch.stack([torch.randperm(M, generator=g)[:K] for _ in range(B)]) for _ in range(L)])
+        picks[torch.rand(L, B, K, generator=g) < 0.2] = -1
+        ahead = torch.rand(L, C, generator=g) < 0.3
+        step = torch.tensor(8)
+        index = torch.full((L, 128), -1).scatter(1, slots, torch.arange(C).expand(L, C))
+        state = [t.clone() for t in (page, stamp, ahead)]
+        counts = [torch.zeros((), dtype=torch.int64) for _ in range(2)]
+        src, dst = plan_admission(picks.int(), table, None, *state[:2], slots, index, torch.full((L,), 99), step,
+                                  counts[0], state[2], counts[1], False)
+        for layer in range(L):
+            one = [t[layer:layer + 1].clone() for t in (page, stamp, ahead)]
+            c1 = [torch.zeros((), dtype=torch.int64) for _ in range(2)]
+            s1, d1 = plan_admission(picks[layer:layer + 1].int(), table[layer:layer + 1], None, *one[:2],
+                                    slots[layer:layer + 1], index[layer:layer + 1], torch.tensor([99]), step, c1[0],
+                                    one[2], c1[1], False)
+            assert torch.equal(s1[0], src[layer]) and torch.equal(d1[0], dst[layer]), trial
+            assert all(torch.equal(a[0], b[layer]) for a, b in zip(one, state)), trial
+            counts[0] -= c1[0]
+            counts[1] -= c1[1]
+        assert int(counts[0]) == 0 and int(counts[1]) == 0
 
 
 def test_recall_cache_changes_where_pages_are_read_not_what_is_attended(tiny):

@@ -8,10 +8,13 @@ import torch
 from kvtier.cache import TieredKVCache
 from kvtier.engine import Engine, EngineConfig
 from kvtier.errors import ConfigError
+from kvtier.kernels.registry import make_backend
 from kvtier.models import kv_layout_for, tiny_llama
 from kvtier.policies import SinkWindow
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 from kvtier.scopes import TopK
+from kvtier.scopes import recall as recall_module
+from kvtier.scopes.recall import admission_batches
 from kvtier.tiers import DeviceTier, HostTier
 
 
@@ -25,24 +28,23 @@ def tiny():
 
 
 class RandomQuery:
-    """A predictor that knows nothing: a fresh random query for every layer."""
+    """A predictor that knows nothing: a pseudo-random query of each layer and step, scrambled from the hidden state
+    on the device (a captured step may copy no pageable host memory)."""
 
     point = "layer_input"
-
-    def __init__(self):
-        self.gen = torch.Generator().manual_seed(0)
 
     def query(self, runner, layer, hidden, rope):
         heads = runner.model.config.num_attention_heads
         dim = runner.base.layers[layer].self_attn.head_dim
-        return torch.randn(hidden.shape[0], heads, dim, generator=self.gen).to(hidden.device)
+        x = hidden[:, -1].float().repeat(1, -(-heads * dim // hidden.shape[-1]))[:, :heads * dim]  # [B, H*D]
+        return torch.sin(x * 4.1e3 * (layer + 1)).mul(43758.5453).frac().sub(0.5).view(-1, heads, dim)
 
 
-def run(model, layout, predictor, steps=16, **config):
+def run(model, layout, predictor, steps=16, kernel=None, **config):
     """Greedy decode after a 150-token prompt, topk 4 pages with 6 recall slots: ``(logits [steps + 1, V], engine)``."""
     tiers = [DeviceTier(layout, 18, device=DEV), HostTier(layout, 64)]
     engine = Engine(model, layout, tiers, SinkWindow(sinks=4, window=16), TopK(4, recall_slots=6, predictor=predictor),
-                    prefill=ChunkedPrefill(64), config=EngineConfig(max_context=256, **config))
+                    prefill=ChunkedPrefill(64), kernel=kernel, config=EngineConfig(max_context=256, **config))
     prompt = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(6)).to(DEV)
     logits = torch.stack([engine.add(prompt)[1][-1]] + [engine.step()[0].clone() for _ in range(steps)])
     return logits, engine
@@ -61,6 +63,33 @@ def test_a_prediction_changes_no_output(tiny, predictor):
     recall = engine.recall
     assert int(recall.prefetched) > 0 and 0 <= int(recall.predicted) <= int(recall.prefetched)
     assert int(plain.recall.prefetched) == 0 and int(plain.recall.predicted) == 0
+
+
+def test_the_triton_backend_chooses_and_reads_as_the_torch_backend(tiny):
+    """The Triton kernels (the page choice written into the step's lists, the decode reading recall slots and host
+    pages in place; the interpreter on a CPU) with prediction ahead: the logits of the torch backend without it."""
+    model, layout = tiny
+    want, _ = run(model, layout, None, steps=5)
+    got, engine = run(model, layout, "after_attention", steps=5, kernel=make_backend("triton", DEV))
+    assert engine.scope.fused and int(engine.recall.prefetched) > 0
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_admissions_in_batches_of_layers_keep_the_state_of_one_layer_at_a_time(tiny, monkeypatch):
+    """The recall cache admits a batch of layers once the last of them has attended (runs within a layer group):
+    one layer at a time or both layers together, the same cached pages, stamps, copies and logits."""
+    assert admission_batches([range(0, 3), range(3, 20)]) == {2: range(0, 3), 10: range(3, 11), 18: range(11, 19),
+                                                              19: range(19, 20)}
+    model, layout = tiny
+    runs = []
+    for batch in (1, 2):
+        monkeypatch.setattr(recall_module, "ADMIT_LAYERS", batch)
+        logits, engine = run(model, layout, "after_attention", steps=8)
+        assert len(engine._admit_after) == 2 // batch
+        runs.append((logits, [t.clone() for t in engine.recall.tensors()]))
+    assert torch.equal(runs[0][0], runs[1][0]) and all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    assert int(runs[0][1][3]) > 0  # pages were copied after their reads
 
 
 def test_the_estimate_from_the_layers_own_input_is_its_query(tiny):

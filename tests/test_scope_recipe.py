@@ -35,12 +35,14 @@ def test_each_scope_option_builds_its_class_and_names_the_run(option, cls, tmp_p
 def test_topk_options_reach_the_scope_and_null_pages_are_the_device_tiers(tmp_path):
     engine, p, _ = engine_for(["scope=topk", "cache.sinks=8"], tmp_path)
     assert engine.scope.pages == p.capacities["device"] and engine.scope.sinks == 8  # sinks follow cache.sinks
-    engine, _, _ = engine_for(["scope=topk", "scope.pages=3", "scope.sinks=0", "scope.recall_slots=2",
-                               "cache.attend_budget=true", "scope.rank=quest_head", "scope.per_head=true",
-                               "scope.query_rows=2", "scope.policy_share=0.5"], tmp_path)
+    options = ["scope=topk", "scope.pages=3", "scope.sinks=0", "cache.attend_budget=true", "scope.rank=quest_head",
+               "scope.per_head=true", "scope.query_rows=2", "scope.policy_share=0.5"]
+    engine, _, _ = engine_for(options, tmp_path)
     s = engine.scope
     assert (s.pages, s.sinks, s.recall_slots, s.rank, s.per_head, s.query_rows, s.policy_share) == \
-        (3, 0, 2, "quest_head", True, 2, 0.5)
+        (3, 0, 0, "quest_head", True, 2, 0.5)
+    with pytest.raises(ConfigError, match="scope.recall_slots: the recall cache admits one page list per row"):
+        engine_for([*options, "scope.recall_slots=2"], tmp_path)  # each kv head's own list: no one row to admit
     (cfg,) = job_configs(["scope=topk", "scope.recall_slots=2", "scope.predictor=next_layer"])
     assert type(build_scope(cfg, 8).predictor).__name__ == "NextLayerQuery"
     with pytest.raises(ConfigError, match="compact runner"):  # an engine with no model (a hook's) predicts nothing

@@ -61,7 +61,7 @@ from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 from kvtier.scheduler.lookahead import LookaheadScheduler
 from kvtier.scopes import All, Resident, Scope, StepView, make_scope
 from kvtier.scopes.base import DROPPED_LOC, split_choice
-from kvtier.scopes.recall import RecallCache
+from kvtier.scopes.recall import RecallCache, admission_batches
 from kvtier.table import BlockTable
 from kvtier.tiers.base import Tier, rank_in_layer
 from kvtier.tiers.transfer import TransferEngine
@@ -241,7 +241,8 @@ class Engine:
                 raise ConfigError("scope.recall_slots", "the recall cache holds pages picked from the host tier: "
                                                         "add a host tier")
             slots = tiers[0].alloc(self._layers, self.scope.recall_slots).numpy().reshape(L, -1)  # [L, C]
-            self.recall = RecallCache(slots, M, self.scratch, dev, compile=compiled)
+            self.recall = RecallCache(slots, M, self.scratch, tiers[0], self.host, dev, compile=compiled)
+            self._admit_after = admission_batches(self.groups)  # last layer of a batch -> the batch
             self.block_table = self.home.clone()  # the overlay's output, never the host's copy
         self.predictor = getattr(self.scope, "predictor", None)  # the recall cache's prediction ahead
         if self.predictor is not None and not isinstance(self.runner, LlamaRunner):
@@ -543,6 +544,7 @@ class Engine:
     def _run_iteration(self, row: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, B: int) -> torch.Tensor:
         """The forward of an iteration's token row ``[1, B + T]`` (decode rows first): logits of the tokens ``keep``
         ``[k, V]``; the decode rows' logits and greedy next tokens into ``logits[:B]`` / ``tokens[:B]``."""
+        self._start_step(B)
         token = ACTIVE_CACHE.set(self.kv)
         try:
             logits = self._forward_chunks(row, positions, self.kv, keep)[0]  # [k, V]
@@ -607,7 +609,16 @@ class Engine:
 
     def begin_decode(self, tokens: dict[int, int] | None = None) -> int:
         """Plan a decode step for every running sequence (host work, uploads); the bucket's row count."""
-        return self._begin([], True, tokens)
+        B = self._begin([], True, tokens)
+        self._start_step(B)
+        return B
+
+    def _start_step(self, B: int) -> None:
+        """At a step's start: the scope's per-step state goes; the block table of the ``B`` decode rows, every layer,
+        from the host's placement and the recall slots' pages."""
+        self.scope.start_step()
+        if self.recall is not None and B:
+            self.recall.overlay(self.home[:, :B], self.block_table[:, :B])
 
     def end_decode(self) -> None:
         """The step's statistics towards the host, and the event that marks its end."""
@@ -619,6 +630,7 @@ class Engine:
 
     def _decode(self, B: int) -> None:
         """The captured work: ``tokens[:B]`` -> ``logits[:B]``, greedy next tokens into ``tokens[:B]``."""
+        self._start_step(B)
         token = ACTIVE_CACHE.set(self.kv)
         try:
             logits = self._forward(self.tokens[:B, None], self.positions[:B, None], self.kv, 1,
@@ -662,8 +674,7 @@ class Engine:
         if getattr(self.scope, "recent", None) is not None:
             state += [self.scope.recent, self.scope.seen]
         if self.recall is not None:
-            r = self.recall
-            state += [r.page, r.stamp, r.step, r.copied, r.prefetched, r.predicted, r.ahead]
+            state += self.recall.tensors()
         return state
 
     def _ahead(self, layer: int, hidden: torch.Tensor, rope: tuple) -> None:
@@ -676,11 +687,9 @@ class Engine:
     def _prefetch(self, layer: int, query: torch.Tensor) -> None:
         """The scope's choice of ``layer``'s pages for the estimated query ``[B, H, D]``, admitted ahead."""
         B = self._B
-        table = self.block_table[layer, :B]
-        self.recall.overlay(layer, self.home[layer, :B], table)
         picks, _ = split_choice(self.scope.pick(layer, query.contiguous(), self.view(B)))
         if picks is not None:
-            self.recall.prefetch(layer, picks, table, self.table.tiers[0].pool(layer), self.host.pool(layer))
+            self.recall.prefetch(layer, picks, self.home[layer, :B], self.block_table[layer, :B])
 
     # -- what the attention modules call (left out of torch.compile: host logic, Triton launches) --
     @torch.compiler.disable
@@ -706,8 +715,6 @@ class Engine:
                 return
             key, value = self._decode_rows(key), self._decode_rows(value)
         B = self._B
-        if self.recall is not None:
-            self.recall.overlay(layer, self.home[layer, :B], self.block_table[layer, :B])
         pos = self.positions[:B]  # [B]
         self._write_decode(self.table.tiers[0].pool(layer), self.block_table[layer, :B], pos, key, value,
                            self.layout.page_size, self.layout.scaled)
@@ -805,14 +812,17 @@ class Engine:
         stage = self.staging.pool(layer) if self.staging is not None else None
         budgeted = self.budget is not None and layer >= self.dense_layers
         stats = self.feedback.buffers(B, picks, H)
+        if self.recall is not None:
+            self.recall.wait(layer)  # its pages fetched ahead have landed
         out, lse = self.kernel.decode(q, self.table.tiers[0].pool(layer), host, table, lens,
                                       self._plan(B, H, D, None if picks is None else picks.shape[-1]), scale,
                                       page_list=picks, window_left=self._window_left(layer),
                                       spans=self.spans[:B] if budgeted and shown is None else None,
                                       stage_pool=stage, token_mask=shown, **stats)  # bits replace the spans
         self.feedback.observe(layer, picks, lse)
-        if self.recall is not None:
-            self.recall.admit(layer, picks, table, self.table.tiers[0].pool(layer), host)
+        batch = self._admit_after.get(layer) if self.recall is not None else None
+        if batch is not None and picks is not None:  # a batch of layers attended: their host reads into recall slots
+            self.recall.admit(batch, self.feedback.group_lists(batch), self.block_table[batch.start:batch.stop, :B])
         if self.fidelity is not None:
             self._measure_fidelity(layer, q, out, lse, scale, view)
         return out[:, None]  # [B, 1, H, D]
@@ -827,10 +837,11 @@ class Engine:
 
     def _finish_step(self, B: int) -> None:
         """The step's batched tail, per layer group: the attended-page tally, the step's keys and queries into
-        their statistics, the feedback's per-page statistics (once every layer has attended)."""
-        if self.recall is not None:  # the recall copies of the step, on their side stream, end with it
-            self.recall.join()
+        their statistics, the feedback's per-page statistics (once every layer has attended); the recall cache's
+        copies joined."""
         if not self.feedback.complete():
+            if self.recall is not None:
+                self.recall.join()
             return
         if self.keys is not None and self._step_keys:
             pos = self.positions[:B]
@@ -846,6 +857,8 @@ class Engine:
             self.counts += self._tally(table, self.seq_lens[:B], picks, self.layout.page_size)
             shown = torch.stack([self._shown[layer] for layer in layers]) if layers[0] in self._shown else None
             self.feedback.finish(layers, B, picks, self.visible_tokens(layers, B, picks, shown))
+        if self.recall is not None:  # the recall copies of the step, on their side stream, end with it
+            self.recall.join()
         self._drop_step_state()
 
     def _drop_step_state(self) -> None:

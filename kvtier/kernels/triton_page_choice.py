@@ -104,24 +104,25 @@ def _page_choice_kernel(q_ptr, kmin_ptr, kmax_ptr, pid_ptr, cand_ptr, count_ptr,
 
 def page_choice(q: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, pids: torch.Tensor,
                 cand: torch.Tensor, k: int, count: torch.Tensor | None = None, kv_head: int | None = None,
-                work: ChoiceWork | None = None) -> torch.Tensor:
+                work: ChoiceWork | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Quest's choice of one layer in one launch: logical pages ``[B, k]`` int32 (page order, -1 none).
 
     ``q [B, H, D]`` or ``[B, r, H, D]`` (query rows; any float dtype, fp32 math), the layer's key bounds
     ``key_min``/``key_max [capacity, N_kv, D]`` (fp32), ``pids [B, M]`` (-1 none), ``cand [B, M]`` (bool or
     int8), ``count [B]`` (at most that many picks per row; None: ``k``), ``kv_head`` (score by that kv
     head's query heads only; None: every head), ``work`` (scratch for at least B rows of M pages; None: made
-    here). Contract: :func:`kvtier.kernels.reference.page_choice_reference`.
+    here), ``out [B, k]`` int32 (rows of any stride; None: made here). Contract:
+    :func:`kvtier.kernels.reference.page_choice_reference`.
     """
     B, M = pids.shape
-    out = torch.empty(B, k, dtype=torch.int32, device=pids.device)  # [B, k]
+    out = torch.empty(B, k, dtype=torch.int32, device=pids.device) if out is None else out  # [B, k]
     if k == 0 or B == 0:
         return out
     q4 = q if q.dim() == 4 else q[:, None]  # [B, r, H, D]
     rows, H, D = q4.shape[1:]
     n_kv = key_min.shape[1]
     assert key_min.stride() == key_max.stride() and key_min.stride(-1) == 1 and q4.stride(-1) == 1
-    assert pids.stride(-1) == 1 and cand.stride(-1) == 1
+    assert pids.stride(-1) == 1 and cand.stride(-1) == 1 and out.stride(-1) == 1 and out.dtype == torch.int32
     work = work or ChoiceWork.make(B, M, pids.device)
     block_sel = triton.next_power_of_2(M)
     _page_choice_kernel[(B, triton.cdiv(M, BLOCK_M))](

@@ -134,6 +134,9 @@ class Scope:
     def reset_row(self, row: int) -> None:
         """A new sequence takes ``row``."""
 
+    def start_step(self) -> None:
+        """A decode step starts (per-step state of the scope goes)."""
+
 
 def view_budget_width(budget: TokenBudget) -> int:
     """List width of a continuous budget: sink pages, middle pages, the window's pages (one more where it

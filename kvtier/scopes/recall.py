@@ -1,16 +1,19 @@
 """A device-managed recall cache for the ``topk`` scope: no host work per pick.
 
 The host places pages at *home* (its block table, uploaded as ``home [L, R, M]``: device slot or
-host slot). Each layer also owns ``C`` device slots that the captured step manages by itself:
-after attention (which reads a missed page in place from host memory), the pages picked this step
-that are still at home on the host are copied into the least recently picked recall slots, and the
-next steps read them from HBM. A slot's page is dropped when the host moves the page home to the
-device or frees it. Everything is static-shape device work, captured with the rest of the step.
+host slot). Each layer also owns ``C`` device slots that the captured step manages by itself. At the
+step's start one overlay points every layer's block table at the pages its slots hold. Once a batch of
+``ADMIT_LAYERS`` layers has attended, the pages each of them picked that were still at home on the host
+(read in place by the kernel) are copied into its least recently picked slots: one plan and one copy for
+the batch, on a side stream (on a GPU) behind the compute of the layers after, joined at the step's end.
+The next steps read them from HBM. A slot's page is dropped when the host moves the page home to the
+device or frees it. Everything is static-shape device work, captured with the rest of the step: a
+handful of launches a step, none per layer.
 
-On a GPU the copies run on a side stream, behind the compute of the layers after: the step waits for them at its
-end (:meth:`RecallCache.join`). With a predictor (:mod:`kvtier.scopes.predict`) a layer's predicted picks are
-admitted the same way before the layer runs (:meth:`RecallCache.prefetch`); the layer waits for that copy before
-it reads.
+With a predictor (:mod:`kvtier.scopes.predict`) a layer's predicted picks are admitted before the layer
+runs (:meth:`RecallCache.prefetch`), its table pointed at their slots; on a GPU that copy runs on a second side
+stream (not queued behind the batches' copies) during the compute of the layer before, and the layer waits for it
+(:meth:`RecallCache.wait`) before it reads.
 """
 
 from __future__ import annotations
@@ -18,20 +21,38 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvtier.scopes.base import DROPPED_LOC
 from kvtier.tiers.copy_kernel import copy_pool_pages
+
+ADMIT_LAYERS = 8  # layers admitted together, once the last of them has attended
+
+
+def admission_batches(groups: list[range]) -> dict[int, range]:
+    """The layers each admission takes, keyed by the last of them: runs of at most ``ADMIT_LAYERS`` layers within a
+    layer group (whose page lists share their shape)."""
+    batches = {}
+    for group in groups:
+        for first in range(group.start, group.stop, ADMIT_LAYERS):
+            batch = range(first, min(first + ADMIT_LAYERS, group.stop))
+            batches[batch.stop - 1] = batch
+    return batches
 
 
 class RecallCache:
     """``C`` recall slots per layer: device slot ``slots [L, C]``, cached page ``page [L, C]``
     (``row * M + logical``, -1 empty), last step picked ``stamp [L, C]``; ``ahead [L, C]`` the slots filled by
-    this step's prediction that the layer has not picked from yet.
+    this step's prediction that the layer has not picked from yet. ``device_tier`` holds the slots, ``host_tier``
+    the pages at home on the host.
 
-    ``compile``: the per-layer bookkeeping runs as torch.compile'd kernels (a few fused launches).
+    ``compile``: the overlay and the admissions run as torch.compile'd kernels (a few fused launches).
     """
 
-    def __init__(self, slots: np.ndarray, max_pages: int, scratch: np.ndarray, device, compile: bool = False):
+    def __init__(self, slots: np.ndarray, max_pages: int, scratch: np.ndarray, device_tier, host_tier, device,
+                 compile: bool = False):
         L, C = slots.shape
         self.slots = torch.from_numpy(slots.astype(np.int64)).to(device)  # [L, C]
+        self.slot_index = torch.full((L, device_tier.capacity), -1, dtype=torch.int64, device=device)  # [L, cap]
+        self.slot_index.scatter_(1, self.slots, torch.arange(C, device=device).expand(L, C))  # device slot -> c
         self.page = torch.full((L, C), -1, dtype=torch.int64, device=device)  # [L, C]
         self.stamp = torch.full((L, C), -1, dtype=torch.int64, device=device)  # [L, C]
         self.scratch = torch.from_numpy(scratch.astype(np.int64)).to(device)  # [L] a slot nothing reads
@@ -41,115 +62,156 @@ class RecallCache:
         self.prefetched = torch.zeros((), dtype=torch.int64, device=device)  # pages copied in ahead of their layer
         self.predicted = torch.zeros((), dtype=torch.int64, device=device)  # of those, picked by the layer
         self.ahead = torch.zeros((L, C), dtype=torch.bool, device=device)
-        self.side = torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None  # the copies
+        self.device_tier, self.host_tier = device_tier, host_tier
+        cuda = torch.device(device).type == "cuda"
+        self.side = torch.cuda.Stream(device) if cuda else None  # the admissions after the reads
+        self.ahead_side = torch.cuda.Stream(device) if cuda else None  # the prefetches, which a layer waits for
         self._landed: dict[int, torch.cuda.Event] = {}  # layer -> the end of its prefetch copy, until it waits
-        self._held: list[torch.Tensor] = []  # the side stream's index tensors, not reused before the join
+        self._held: list[torch.Tensor] = []  # the side streams' index tensors, not reused before the join
+        self._forked: set = set()  # the side streams this step used
         self._overlay = torch.compile(overlay_recall, dynamic=False) if compile else overlay_recall
         self._admit = torch.compile(plan_admission, dynamic=False) if compile else plan_admission
 
-    def overlay(self, layer: int, home: torch.Tensor, table: torch.Tensor) -> None:
-        """``table [B, M] = home [B, M]``, with the cached pages pointing at their recall slots; a slot
-        whose page went home to the device, was freed (home at the scratch slot) or whose row is
-        outside the bucket (idle) is emptied. The layer's prefetch copy, if any, lands first."""
+    def tensors(self) -> list[torch.Tensor]:
+        """The state a step advances."""
+        return [self.page, self.stamp, self.step, self.copied, self.prefetched, self.predicted, self.ahead]
+
+    def overlay(self, home: torch.Tensor, table: torch.Tensor) -> None:
+        """At the step's start, every layer: ``table [L, B, M] = home [L, B, M]``, with the cached pages pointing
+        at their recall slots; a slot whose page went home to the device, was freed (home at the scratch slot) or
+        whose row is outside the bucket (idle) is emptied, and so is one whose page was dropped for good."""
+        self._overlay(home, table, self.page, self.slots)
+
+    def wait(self, layer: int) -> None:
+        """Before ``layer`` reads its pages: its prefetch copy, if any, has landed."""
         landed = self._landed.pop(layer, None)
         if landed is not None:
             torch.cuda.current_stream().wait_event(landed)
-        self._overlay(home, table, self.page[layer], self.slots[layer])
 
     def forget_row(self, row: int) -> None:
         """A new sequence takes ``row``: its old cached pages are stale."""
         self.page.masked_fill_(self.page // self.max_pages == row, -1)
 
-    def admit(self, layer: int, picks: torch.Tensor, table: torch.Tensor, dev_pool: torch.Tensor,
-              host_pool: torch.Tensor) -> None:
-        """Copy the picked pages ``picks [B, K]`` (logical, -1 none) read from the host this step into the
-        least recently picked slots (pages picked again keep theirs), for the next steps; counts the slots
-        filled ahead that the layer picked."""
-        src, dst = self._admit(picks, table, self.page[layer], self.stamp[layer], self.slots[layer],
-                               self.scratch[layer], self.step, self.copied, self.ahead[layer], self.predicted, False)
-        self._copy(host_pool, src, dev_pool, dst)
+    def admit(self, layers: range, picks: torch.Tensor, table: torch.Tensor) -> None:
+        """Once ``layers`` (a batch of :func:`admission_batches`) have attended: copy the picked pages ``picks [L',
+        B, K]`` (logical, -1 none) that were read from the host (``table [L', B, M]``: the step's overlay) into each
+        layer's least recently picked slots (pages picked again keep theirs), for the next steps, in one copy;
+        counts the slots filled ahead that their layer picked. The plan and the copy run on the side stream (on a
+        GPU)."""
+        at = slice(layers.start, layers.stop)
 
-    def prefetch(self, layer: int, picks: torch.Tensor, table: torch.Tensor, dev_pool: torch.Tensor,
-                 host_pool: torch.Tensor) -> None:
-        """Admit the predicted picks ``picks [B, K]`` of a layer that has not run (``table [B, M]``: its overlay)
-        as :meth:`admit` does, the copy on the side stream (on a GPU); they count as picked this step."""
-        src, dst = self._admit(picks, table, self.page[layer], self.stamp[layer], self.slots[layer],
-                               self.scratch[layer], self.step, self.prefetched, self.ahead[layer], self.predicted,
-                               True)
-        self._copy(host_pool, src, dev_pool, dst)
+        def work():
+            src, dst = self._admit(picks, table, None, self.page[at], self.stamp[at], self.slots[at],
+                                   self.slot_index[at], self.scratch[at], self.step, self.copied, self.ahead[at],
+                                   self.predicted, False)  # [L', B*K] host slots, device slots of each layer
+            first = torch.arange(layers.start, layers.stop, device=src.device)[:, None]  # [L', 1]
+            src = torch.where(src >= 0, first * self.host_tier.capacity + src, -1).reshape(-1)
+            dst = (first * self.device_tier.capacity + dst).reshape(-1)
+            copy_pool_pages(self.host_tier.pools(), src, self.device_tier.pools(), dst)
+            return picks, src, dst
+
+        self._on_side(work, self.side)
+
+    def prefetch(self, layer: int, picks: torch.Tensor, home: torch.Tensor, table: torch.Tensor) -> None:
+        """Admit the predicted picks ``picks [B, K]`` of a layer that has not run (``home [B, M]``, ``table [B,
+        M]``: its overlay) as :meth:`admit` does, and point ``table`` at the new slots (the pages they evicted back
+        at home); the plan and the copy on the side stream (on a GPU), which the layer waits for (:meth:`wait`)
+        before it reads. They count as picked this step."""
+        at = slice(layer, layer + 1)
+        picks = picks.clone()  # the layer's own choice may be written where the estimate's was
+
+        def work():
+            src, dst = self._admit(picks[None], table[None], home[None], self.page[at], self.stamp[at],
+                                   self.slots[at], self.slot_index[at], self.scratch[at], self.step, self.prefetched,
+                                   self.ahead[at], self.predicted, True)
+            copy_pool_pages(self.host_tier.pool(layer), src[0], self.device_tier.pool(layer), dst[0])
+            return picks, src, dst
+
+        self._on_side(work, self.ahead_side)
         if self.side is not None:
             self._landed[layer] = landed = torch.cuda.Event()
-            landed.record(self.side)
+            landed.record(self.ahead_side)
 
-    def _copy(self, host_pool: torch.Tensor, src: torch.Tensor, dev_pool: torch.Tensor, dst: torch.Tensor) -> None:
-        """Host slots ``src [n]`` into device slots ``dst [n]`` (:func:`copy_pool_pages`), on the side stream after
-        the work issued so far (on a GPU)."""
-        if self.side is None:
-            copy_pool_pages(host_pool, src, dev_pool, dst)
+    def _on_side(self, work, stream: torch.cuda.Stream | None) -> None:
+        """``work()`` on a side ``stream`` after the work issued so far (on a GPU; else now); the tensors it returns
+        are held until the join (the caching allocator does not hand them to the main stream before)."""
+        if stream is None:
+            work()
             return
-        self.side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.side):
-            copy_pool_pages(host_pool, src, dev_pool, dst)
-        self._held += [src, dst]
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._held += list(work())
+        self._forked.add(stream)
 
     def join(self) -> None:
-        """The step waits for every copy on the side stream (a captured step joins it before its end)."""
-        if self._held:
-            torch.cuda.current_stream().wait_stream(self.side)
-            self._held, self._landed = [], {}
+        """The step waits for every copy on the side streams it used (a captured step joins them before its end)."""
+        for stream in self._forked:
+            torch.cuda.current_stream().wait_stream(stream)
+        self._forked, self._held, self._landed = set(), [], {}
 
     def next_step(self) -> None:
         self.step += 1
 
 
 def overlay_recall(home: torch.Tensor, table: torch.Tensor, page: torch.Tensor, slots: torch.Tensor) -> None:
-    """:meth:`RecallCache.overlay` on one layer: ``table [B, M]`` and ``page [C]`` in place."""
-    B, M = home.shape
-    table.copy_(home)
+    """:meth:`RecallCache.overlay`: ``table [L, B, M]`` and ``page [L, C]`` in place."""
+    L, B, M = home.shape
     valid = (page >= 0) & (page < B * M)
-    at_home = home.reshape(-1).gather(0, torch.where(valid, page, 0))  # [C]
-    keep = valid & (at_home < 0)
+    at_home = home.reshape(L, -1).gather(1, torch.where(valid, page, 0))  # [L, C]
+    keep = valid & (at_home < 0) & (at_home != DROPPED_LOC)  # still on the host (a page dropped for good goes)
     page.copy_(torch.where(keep, page, -1))
-    flat = torch.cat([table.reshape(-1), table.new_zeros(1)])  # [B*M + 1]: the last entry takes the dropped
-    flat.scatter_(0, torch.where(keep, page, B * M), slots.to(table.dtype))
-    table.copy_(flat[:-1].view(B, M))
+    flat = torch.cat([home.reshape(L, -1), home.new_zeros(L, 1)], 1)  # [L, B*M + 1]: the last column takes the dropped
+    flat.scatter_(1, torch.where(keep, page, B * M), slots.to(home.dtype))
+    table.copy_(flat[:, :-1].view(L, B, M))
 
 
-def plan_admission(picks: torch.Tensor, table: torch.Tensor, page: torch.Tensor, stamp: torch.Tensor,
-                   slots: torch.Tensor, scratch: torch.Tensor, step: torch.Tensor, copied: torch.Tensor,
-                   ahead: torch.Tensor, predicted: torch.Tensor, fetch_ahead: bool):
-    """One layer's admission: updates ``page``/``stamp [C]`` and ``copied`` in place and returns the copy's
-    host slots and device slots ``[B*K]`` (-1 and the scratch slot: nothing to copy). ``fetch_ahead``: the picks
-    are predicted, ``ahead [C]`` marks the slots filled; else ``predicted`` counts the marked slots picked, and
-    the marks go."""
-    B, M = table.shape
-    C = page.shape[0]
-    loc = table.gather(1, picks.clamp(min=0).long())  # [B, K]
-    rows = torch.arange(B, device=picks.device)[:, None]  # [B, 1]
-    key = (rows * M + picks.long()).reshape(-1)  # [B*K] cached-page key of each pick
-    picked = (picks >= 0).reshape(-1)
-    hit = (page[None, :] == key[:, None]) & picked[:, None]  # [B*K, C]
-    hit_slots = hit.any(0)  # [C]
+def plan_admission(picks: torch.Tensor, table: torch.Tensor, home: torch.Tensor | None, page: torch.Tensor,
+                   stamp: torch.Tensor, slots: torch.Tensor, slot_index: torch.Tensor, scratch: torch.Tensor,
+                   step: torch.Tensor, copied: torch.Tensor, ahead: torch.Tensor, predicted: torch.Tensor,
+                   fetch_ahead: bool):
+    """The admission of ``L'`` layers' picks ``picks [L', B, K]`` read through ``table [L', B, M]``: updates
+    ``page``/``stamp [L', C]`` and ``copied`` in place and returns each layer's copy, host slots and device slots
+    ``[L', B*K]`` (-1 and the scratch slot: nothing to copy). A pick is cached when its table entry is a recall slot
+    (``slot_index [L', cap]``: device slot -> its index, -1 none). ``fetch_ahead``: the picks are predicted, ``ahead
+    [L', C]`` marks the slots filled, and the table points at them (the pages they evicted at ``home``); else
+    ``predicted`` counts the marked slots picked, and the marks go."""
+    L, B, M = table.shape
+    C = page.shape[1]
+    pick = picks.reshape(L, -1).long()  # [L', N]
+    picked = pick >= 0
+    rows = torch.arange(B, device=picks.device).repeat_interleave(picks.shape[-1])  # [N]
+    key = rows * M + pick.clamp(min=0)  # [L', N] cached-page key of each pick
+    loc = table.reshape(L, -1).gather(1, key).long()  # [L', N] device slot, or -(host slot) - 1
+    cached = slot_index.gather(1, loc.clamp(min=0))  # [L', N] recall slot of each pick, -1 none
+    hit = picked & (loc >= 0) & (cached >= 0)
+    hit_slots = torch.zeros(L, C + 1, dtype=torch.bool, device=picks.device)
+    hit_slots = hit_slots.scatter(1, torch.where(hit, cached, C), True)[:, :C]  # [L', C]
     stamp.copy_(torch.where(hit_slots, step, stamp))  # picked again: fresh
     if not fetch_ahead:
         predicted.add_((ahead & hit_slots).sum())
         ahead.zero_()
-    miss = picked & (loc.reshape(-1) < 0)  # [B*K] at home on the host, not in a recall slot
-    n = min(miss.numel(), C)
-    # [n] oldest first, equal stamps the lower slot first: one sort launch (a GPU topk selects, then sorts)
-    victims = torch.argsort(stamp, stable=True)[:n]
-    order = torch.cumsum(miss.long(), 0) - 1  # [B*K] rank of each miss
-    victim = victims[order.clamp(0, n - 1)]  # [B*K] slot for each miss
-    take = miss & (order < n) & (stamp[victim] < step)  # never evict this step's picks
-    src = torch.where(take, -loc.reshape(-1) - 1, -1)  # host slot
-    dst = torch.where(take, slots[victim], scratch)
-    index = torch.where(take, victim, C)  # [B*K]; C: dropped
-    new = torch.full((C + 1,), -1, dtype=torch.int64, device=picks.device)
-    new = new.scatter(0, index, torch.where(take, key, -1))[:C]  # [C]
+    miss = picked & (loc < 0)  # [L', N] at home on the host, not in a recall slot
+    n = min(miss.shape[1], C)
+    # [L', n] oldest first, equal stamps the lower slot first: one sort launch (a GPU topk selects, then sorts)
+    victims = torch.argsort(stamp, dim=1, stable=True)[:, :n]
+    order = torch.cumsum(miss.long(), 1) - 1  # [L', N] rank of each miss
+    victim = victims.gather(1, order.clamp(0, n - 1))  # [L', N] slot for each miss
+    take = miss & (order < n) & (stamp.gather(1, victim) < step)  # never evict this step's picks
+    src = torch.where(take, -loc - 1, -1)  # host slot
+    dst = torch.where(take, slots.gather(1, victim), scratch[:, None])
+    index = torch.where(take, victim, C)  # [L', N]; C: dropped
+    new = torch.full((L, C + 1), -1, dtype=torch.int64, device=picks.device)
+    new = new.scatter(1, index, torch.where(take, key, -1))[:, :C]  # [L', C]
     filled = new >= 0
+    if fetch_ahead:  # the layer reads the new pages from their slots, the evicted ones from home
+        evicted = filled & (page >= 0) & (page < B * M)
+        flat = torch.cat([table.reshape(L, -1), table.new_zeros(L, 1)], 1)  # [L', B*M + 1]
+        back = home.reshape(L, -1).gather(1, torch.where(evicted, page, 0))
+        flat.scatter_(1, torch.where(evicted, page, B * M), back)
+        flat.scatter_(1, torch.where(filled, new, B * M), slots.to(flat.dtype))
+        table.copy_(flat[:, :-1].view(L, B, M))
+        ahead.copy_(filled)
     page.copy_(torch.where(filled, new, page))
     stamp.copy_(torch.where(filled, step, stamp))
     copied.add_(take.sum())
-    if fetch_ahead:
-        ahead.copy_(filled)
     return src, dst

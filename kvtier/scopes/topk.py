@@ -65,6 +65,9 @@ class TopK(Scope):
                                             f"score per key) and no policy_share, got rank {rank!r}, policy_share "
                                             f"{policy_share}")
         self.unit = unit
+        if per_head and recall_slots:
+            raise ConfigError("scope.recall_slots", "the recall cache admits one page list per row; per_head gives "
+                                                    "each kv head its own: set scope.per_head=false or recall_slots=0")
         self.predictor = make_predictor(predictor)
         if self.predictor is not None and not recall_slots:
             raise ConfigError("scope.predictor", "a prediction is fetched into the recall cache: set "
@@ -99,6 +102,7 @@ class TopK(Scope):
         L, R = engine.layout.num_layers, engine.config.max_batch
         self.seen = torch.zeros(L, R, dtype=torch.int64, device=engine.device)
         self._forced = torch.compile(forced_pages, dynamic=False) if engine.compiled else forced_pages
+        self._lists = {}
         self.fused = engine.kernel.name == "triton"  # the page choice as one Triton launch per layer
         if self.fused:  # imported here: triton.jit picks compiled or interpreted kernels (TRITON_INTERPRET) at import
             from kvtier.kernels.triton_page_choice import ChoiceWork, page_choice
@@ -108,6 +112,9 @@ class TopK(Scope):
 
     def reset_row(self, row: int) -> None:
         self.seen[:, row] = 0
+
+    def start_step(self) -> None:
+        self._lists = {}  # a layer group's first index -> its lists, candidates and room this step
 
     def width(self, budget, once, max_pages):
         if budget is None:
@@ -150,11 +157,11 @@ class TopK(Scope):
 
     def _choose(self, layer: int, q: torch.Tensor, view: StepView, cand: torch.Tensor, k: int,
                 count: torch.Tensor | None = None, kv_head: int | None = None,
-                mass: torch.Tensor | None = None) -> torch.Tensor:
+                mass: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """The best ``k`` (at most ``count [B]``) candidates ``cand [B, M]`` for the row queries ``q [B, r, H, D]``:
         ``[B, k]`` logical pages in page order, -1 none. Scores over the query heads (per kv head: its group's):
         the max of Quest's bounds, the sum of ``gauss``'s and ``sketch``'s estimated shares (``mass [B, M, H]``
-        when the caller has them: :meth:`_shares`)."""
+        when the caller has them: :meth:`_shares`). ``out [B, k]``: where Quest's choice is written."""
         keys, pids = self.engine.keys, view.pids[:view.batch]  # [B, M]
         n_kv = self.engine.layout.num_kv_heads
         if self.rank in ("gauss", "sketch"):  # estimated attention mass per head: summed over the heads sharing
@@ -166,8 +173,9 @@ class TopK(Scope):
             return best_of(over_heads(ub, n_kv, kv_head), cand & (pids >= 0), k, count)
         if self.fused:
             return self._fused_choice(q, keys.key_min[layer], keys.key_max[layer], pids, cand, k, count, kv_head,
-                                      self.work)
-        return page_choice_reference(q, keys.key_min[layer], keys.key_max[layer], pids, cand, k, count, kv_head)
+                                      self.work, out)
+        picked = page_choice_reference(q, keys.key_min[layer], keys.key_max[layer], pids, cand, k, count, kv_head)
+        return picked if out is None else out.copy_(picked)
 
     def _shares(self, layer: int, q: torch.Tensor, view: StepView, per_key: bool = False) -> torch.Tensor:
         """Each live page's (``per_key``: each key's) estimated share of each head's attention for the row queries
@@ -220,30 +228,37 @@ class TopK(Scope):
 
     def _pick_pages(self, layer: int, q: torch.Tensor, view: StepView) -> torch.Tensor:
         """No budget: the sink pages and the tail (forced), and the ``pages`` best of the rest."""
-        table, lens = view.table[layer, :view.batch], view.lens[:view.batch]  # [B, M], [B]
-        width = self.width(None, False, table.shape[1])
-        if width >= table.shape[1]:  # every page fits the list: exact
+        M = view.table.shape[-1]
+        width = self.width(None, False, M)
+        if width >= M:  # every page fits the list: exact
             return live_pages(layer, view)
-        P = view.page_size
-        forced, free, room = self._forced(table, lens, view.window(layer), P, -(-self.sinks // P), self.pages, width)
-        best = self._choose(layer, q[:, None], view, free, self.pages, count=room)  # [B, pages]
-        return torch.cat([forced, best], 1)  # [B, width] int32
+        group = next(g for g in self.engine.groups if layer in g)
+        if group.start not in self._lists:  # once a step for the group: its layers share the window
+            P = view.page_size
+            self._lists[group.start] = self._forced(view.table[group.start:group.stop, :view.batch],
+                                                    view.lens[:view.batch], view.window(layer), P,
+                                                    -(-self.sinks // P), self.pages, width)
+        lists, free, room = (x[layer - group.start] for x in self._lists[group.start])
+        self._choose(layer, q[:, None], view, free, self.pages, count=room, out=lists[:, width - self.pages:])
+        return lists  # [B, width] int32
 
 
 def forced_pages(table: torch.Tensor, lens: torch.Tensor, window: int, page_size: int, sink_pages: int, pages: int,
                  width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The choice without a budget before the bound, for ``table [B, M]`` and ``lens [B]``: ``(forced [B, width -
-    pages], free [B, M], room [B])``, the sink pages and the tail (logical, page order, -1 none), the other live pages
-    seen (the candidates) and the picks left to each row. Pure tensor work: compiled, one or two launches a layer."""
-    M = table.shape[1]
+    """The choice without a budget before the bound, for the layers ``table [L', B, M]`` of one window and ``lens
+    [B]``: ``(lists [L', B, width], free [L', B, M], room [L', B])``, the lists with the sink pages and the tail first
+    (logical, page order, -1 none) and ``pages`` places for the bound's picks (-1), the other live pages seen (the
+    candidates) and the picks left to each row. Pure tensor work: compiled, one or two launches a step."""
+    M = table.shape[-1]
     lens = lens.long()
-    logical = torch.arange(M, device=table.device)[None, :]  # [1, M]
-    live = live_mask(table, lens, page_size)  # [B, M]
+    logical = torch.arange(M, device=table.device)  # [M]
+    live = live_mask(table, lens, page_size)  # [L', B, M]
     first, tail_from = window_pages(lens, window, page_size)  # [B]
     seen = live & (logical >= first[:, None])
     forced = ((logical >= tail_from[:, None]) | (logical < sink_pages)) & seen
-    room = (pages - forced.sum(1)).clamp(min=0)  # [B]
-    return compact(forced)[:, :width - pages], seen & ~forced, room
+    room = (pages - forced.sum(-1)).clamp(min=0)  # [L', B]
+    picks = torch.full((*table.shape[:-1], pages), -1, dtype=torch.int32, device=table.device)
+    return torch.cat([compact(forced)[..., :width - pages], picks], -1), seen & ~forced, room
 
 
 def gauss_mass(q: torch.Tensor, keys, layer: int, pids: torch.Tensor, live: torch.Tensor,
