@@ -13,6 +13,7 @@ active engine to attend. Two drivers of the same step:
 from __future__ import annotations
 
 import torch
+from transformers.models.llama.modeling_llama import rotate_half
 
 from kvtier.errors import ConfigError
 from kvtier.hook import use_hook
@@ -86,8 +87,7 @@ class LlamaRunner:
             q = attn.q_norm(q)
         q = q.transpose(1, 2)  # [B, H, q, D]
         cos, sin = (x[:, None] for x in rope)  # [B, 1, q, D]
-        half = q.shape[-1] // 2
-        return q * cos + torch.cat([-q[..., half:], q[..., :half]], -1) * sin
+        return q * cos + rotate_half(q) * sin  # the Llama family's rotary embedding (HF's own helper)
 
 
 def make_runner(model, name: str = "auto"):

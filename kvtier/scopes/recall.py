@@ -128,7 +128,7 @@ class RecallCache:
             return picks, src, dst
 
         self._on_side(work, self.ahead_side)
-        if self.side is not None:
+        if self.ahead_side is not None:
             self._landed[layer] = landed = torch.cuda.Event()
             landed.record(self.ahead_side)
 

@@ -102,7 +102,7 @@ class TopK(Scope):
         L, R = engine.layout.num_layers, engine.config.max_batch
         self.seen = torch.zeros(L, R, dtype=torch.int64, device=engine.device)
         self._forced = torch.compile(forced_pages, dynamic=False) if engine.compiled else forced_pages
-        self._lists = {}
+        self.start_step()
         self.fused = engine.kernel.name == "triton"  # the page choice as one Triton launch per layer
         if self.fused:  # imported here: triton.jit picks compiled or interpreted kernels (TRITON_INTERPRET) at import
             from kvtier.kernels.triton_page_choice import ChoiceWork, page_choice
