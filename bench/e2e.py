@@ -15,7 +15,9 @@ Weights are random (Llama-8B and SmolLM2 shapes); the context's K/V is written s
 pages (random, as the weights), then ``--steps`` greedy decode steps run. With ``--smollm2 PATH``
 (its GGUF file or a converted folder) the real SmolLM2-135M runs too, prefilled through the engine
 with Newton's Opticks (B sequences from different places in the text), because hit rates and
-hidden transfers only mean something with real attention; its rows are marked ``smollm2``. TPOT is the time between
+hidden transfers only mean something with real attention; its rows are marked ``smollm2``. ``--capacity BxS``
+adds the capacity rows (:func:`capacity_rows`): dense at batch B against recall at 5 B in the same HBM KV pool
+(the pool is sized from B, not from the GPU's whole HBM: a GPU with too little HBM for the batch). TPOT is the time between
 the ends of consecutive steps on the GPU's timeline (CUDA events; the host runs ahead, so host work
 shows only where it is slower than the GPU); p50/p99 after ``WARMUP`` steps. Hidden fraction =
 1 - (TPOT - TPOT all-HBM) / (bytes moved per step at the measured pinned copy rate), clipped to [0, 1].
@@ -33,7 +35,7 @@ import torch
 
 from bench.baselines import free_device_memory, hf_decode_tpot, measure_hbm_read_GBps, physical_limit_ms
 from bench.common import MODELS, pinned_bulk_ceiling, print_table, write_json
-from kvtier.data import token_stream
+from kvtier.data import text
 from kvtier.engine import Engine, EngineConfig
 from kvtier.models import convert_gguf, kv_layout_for, load_model, random_llama
 from kvtier.policies import LRU, SinkWindow
@@ -112,6 +114,36 @@ def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope
     return row
 
 
+def text_windows(tokenizer, batch: int, context: int) -> list[torch.Tensor]:
+    """``batch`` prompts of ``context`` tokens from Newton's Opticks: disjoint where the text is long enough,
+    else windows at evenly spread offsets (overlapping, each a different place in the text)."""
+    ids = torch.tensor(tokenizer(text("opticks"), add_special_tokens=False, verbose=False)["input_ids"])
+    stride = context if batch * context <= len(ids) else (len(ids) - context) // max(batch - 1, 1)
+    return [ids[b * stride:b * stride + context] for b in range(batch)]
+
+
+def capacity_rows(model, tokenizer, spec: str, steps: int, lookahead: int) -> list[dict]:
+    """Capacity at a fixed HBM KV pool (``BxS[:predictor]``): the pool holds B sequences' whole KV, so dense
+    decodes B of them; recall decodes 5 B sequences with 20% of each one's KV in that same pool (the rest in
+    pinned host memory), topk over the recall cache. Rows ``capacity-dense`` and ``capacity-recall`` with
+    tokens/s; the recall row's ``x_dense_tok_s`` is the ratio."""
+    shape, *predictor = spec.split(":")
+    batch, context = (int(x) for x in shape.split("x"))
+    prompts = text_windows(tokenizer, 5 * batch, context) if tokenizer is not None else None
+    layout = kv_layout_for(model.config, page_size=16, dtype=torch.bfloat16)
+    pool_gib = batch * layout.pages_for(context + steps + WARMUP + 1) * layout.page_bytes * layout.num_layers / 2 ** 30
+    rows = []
+    for system, b, budget, scope in (("capacity-dense", batch, 1.0, "all"), ("capacity-recall", 5 * batch, 0.2, "topk")):
+        t0 = time.time()
+        r = kvtier_row(model, b, context, steps, budget, scope, lookahead, prompts and prompts[:b], True,
+                       (predictor or [None])[0] if scope == "topk" else None)
+        rows.append({"B": b, "S": context, "system": system, "hbm_kv_GiB": pool_gib, **r,
+                     "tok_s": b / r["tpot_p50_ms"] * 1e3})
+        print(rows[-1], f"({time.time() - t0:.0f}s)", flush=True)
+    rows[1]["x_dense_tok_s"] = rows[1]["tok_s"] / rows[0]["tok_s"]
+    return rows
+
+
 def real_smollm2(path: str):
     """The real SmolLM2-135M (bf16, CUDA) and its tokenizer from a GGUF file (converted once beside it)
     or a converted folder."""
@@ -140,10 +172,17 @@ def main():
     ap.add_argument("--tiered-max-tokens", type=int, default=131072, help="tiered rows only up to B*S tokens")
     ap.add_argument("--smollm2", default="", help="the real SmolLM2: its GGUF file or converted HF folder")
     ap.add_argument("--smollm2-shapes", default="1x8192,16x8192")
+    ap.add_argument("--capacity", default="", help="capacity rows per model, BxS[:predictor] comma-separated: dense "
+                    "at batch B against recall (topk, 20%% HBM) at 5 B in the same HBM KV pool")
     args = ap.parse_args()
     hbm = measure_hbm_read_GBps("cuda")
     link = pinned_bulk_ceiling()
     rows = []
+
+    def save():
+        write_json(args.json, {"gpu": torch.cuda.get_device_name(), "hbm_read_GBps": hbm, "link": link,
+                               "args": vars(args), "rows": rows})
+
     runs = [(name, args.shapes) for name in args.models.split(",") if name]
     runs += [("smollm2", args.smollm2_shapes)] if args.smollm2 else []
     for name, shapes in runs:
@@ -154,10 +193,7 @@ def main():
             model = random_llama(**MODELS[name], device="cuda", dtype="bfloat16")
         for shape in shapes.split(","):
             batch, context = (int(x) for x in shape.split("x"))
-            prompts = None
-            if tokenizer is not None:  # B sequences from different places in the text
-                stream = token_stream(tokenizer, "opticks", batch * context)
-                prompts = [stream[b * context:(b + 1) * context] for b in range(batch)]
+            prompts = text_windows(tokenizer, batch, context) if tokenizer is not None else None
             base = {"model": name, "B": batch, "S": context}
             limit = physical_limit_ms(model, batch, context, hbm)
             rows.append({**base, "system": "limit", "tpot_p50_ms": limit})
@@ -192,15 +228,17 @@ def main():
                         xfer_ms = r["MB_moved_per_step"] * 1e6 / (link["h2d_GBps"] * 1e9) * 1e3
                         slow = r["tpot_p50_ms"] - all_hbm
                         r["hidden"] = float(np.clip(1 - slow / xfer_ms, 0, 1)) if xfer_ms > 0 else None
-            write_json(args.json, {"gpu": torch.cuda.get_device_name(), "hbm_read_GBps": hbm, "link": link,
-                                    "args": vars(args), "rows": rows})  # after each shape: a cut-off run keeps its rows
+            save()  # after each shape: a cut-off run keeps its rows
+        for spec in (x for x in args.capacity.split(",") if x):
+            rows += [{"model": name, **r} for r in capacity_rows(model, tokenizer, spec, args.steps, args.lookahead)]
+            save()
         del model
         free_device_memory()
     print_table(f"decode TPOT, bf16, page 16, steps={args.steps}; HBM read {hbm:.0f} GB/s, pinned h2d "
                 f"{link['h2d_GBps']:.1f} GB/s", rows,
                 ["model", "B", "S", "system", "budget", "scope", "lookahead", "recall", "predictor", "tpot_p50_ms",
                  "tpot_p99_ms", "x_limit", "x_allhbm", "tok_s", "hit_rate", "predictor_accuracy", "MB_moved_per_step",
-                 "host_wait_ms", "hidden", "offloaded"])
+                 "host_wait_ms", "hidden", "offloaded", "hbm_kv_GiB", "x_dense_tok_s"])
 
 
 if __name__ == "__main__":
