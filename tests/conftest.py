@@ -7,6 +7,12 @@ if not torch.cuda.is_available():
     # Triton kernels run through the interpreter on a CPU; it must be chosen before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set in each pytest-xdist worker
+if _workers > 1:  # the cores are shared between the workers: one's threads would wait on the other's
+    _threads = max(1, (os.cpu_count() or 1) // _workers)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))  # for the processes the tests start
+    torch.set_num_threads(_threads)
+
 
 @pytest.fixture(scope="session")
 def smollm2():

@@ -17,7 +17,7 @@ from kvtier.policies import LRU, SinkWindow
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 from kvtier.tiers import DeviceTier, HostTier
 
-PPL_LENGTH, PPL_PREFIX = 160, 16
+PPL_LENGTH, PPL_PREFIX = 96, 16
 
 
 @pytest.fixture(autouse=True)
@@ -59,7 +59,7 @@ def test_registry():
 
 def test_perplexity_all_matches_hf_and_resident_is_bounded(smol):
     model, tok, hf_nll = smol
-    task = Perplexity(length=PPL_LENGTH, prefix=PPL_PREFIX, block_tokens=64)
+    task = Perplexity(length=PPL_LENGTH, prefix=PPL_PREFIX, block_tokens=32)
     with Progress(disable=True) as progress:
         # 'all' with a 64-token device budget: most pages are fetched from the host, still exact
         exact = task.run(engine_factory(model, 64, LRU, "all", 8), tok, progress=progress)
