@@ -402,33 +402,45 @@ def documented_commands():
                 yield name, args
 
 
-def test_every_documented_command_composes_and_plans(tmp_path, monkeypatch):
-    """Each job of each command is composed and checked (``plan``: everything but the weights); the runs
-    themselves are exercised by test_run / test_frontend (default recipe, sweeps, joblib, custom policy)."""
+COMMANDS = sorted({tuple(args): name for name, args in documented_commands()}.items())  # [(args, file)]
+
+
+def test_the_documented_commands_are_found():
+    assert len(COMMANDS) >= 20 and any(name == "kvtier/recipes/model/local.yaml" for _, name in COMMANDS)
+
+
+@pytest.fixture(scope="module")
+def placeholders(tmp_path_factory):
+    """What the documented commands' placeholders stand for here: a local Llama config, a Redis server started
+    for the module, the custom-policy example, a scope in tests/user_scope.py."""
     from transformers import LlamaConfig
 
-    from kvtier.build import plan
     from kvtier.tiers.redis_server import LocalRedis
 
+    llama = tmp_path_factory.mktemp("model") / "llama"
     LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
-                intermediate_size=96, vocab_size=256).save_pretrained(tmp_path / "llama")
+                intermediate_size=96, vocab_size=256).save_pretrained(llama)
+    with LocalRedis() as server:
+        yield {"DIR": "examples/custom_policy", "policy=mine": "policy=fifo",
+               "mine.MyScope": "user_scope.Recent",  # tests/user_scope.py
+               "/models/Llama-3.1-8B": str(llama), "redis://127.0.0.1:6379/0": server.url}
+
+
+@pytest.mark.parametrize("args,name", COMMANDS, ids=[f"{i}-{name}" for i, (_, name) in enumerate(COMMANDS)])
+def test_every_documented_command_composes_and_plans(args, name, placeholders, monkeypatch):
+    """Each job of each command is composed and checked (``plan``: everything but the weights); the runs
+    themselves are exercised by test_run / test_frontend (default recipe, sweeps, joblib, custom policy)."""
+    from kvtier.build import plan
+
     monkeypatch.chdir(ROOT)
     monkeypatch.syspath_prepend(str(ROOT / "examples" / "custom_policy"))
-    commands = sorted({tuple(args): name for name, args in documented_commands()}.items())
-    assert len(commands) >= 20 and any(name == "kvtier/recipes/model/local.yaml" for _, name in commands)
-    with LocalRedis() as server:
-        placeholders = {"DIR": "examples/custom_policy", "policy=mine": "policy=fifo",
-                        "mine.MyScope": "user_scope.Recent",  # tests/user_scope.py
-                        "/models/Llama-3.1-8B": str(tmp_path / "llama"), "redis://127.0.0.1:6379/0": server.url}
-        for args, name in commands:
-            for old, new in placeholders.items():
-                args = [a.replace(old, new) for a in args]
-            try:
-                configs = list(job_configs(args))  # composed first: Hydra's global state is released
-                assert sum(1 for _ in map(plan, configs)) >= 1
-            except MissingDependencyError as e:  # an extra this install does not have (the message names it)
-                assert "pip install 'kvtier[" in str(e), e
-            except ConfigError as e:
-                if e.field == "model.id" and "hf download" in str(e):  # a Hub id needs the user's HF cache
-                    continue
-                pytest.fail(f"{name}: kvtier-run {' '.join(args)}: {e}")
+    for old, new in placeholders.items():
+        args = [a.replace(old, new) for a in args]
+    try:
+        configs = list(job_configs(args))  # composed first: Hydra's global state is released
+        assert sum(1 for _ in map(plan, configs)) >= 1
+    except MissingDependencyError as e:  # an extra this install does not have (the message names it)
+        assert "pip install 'kvtier[" in str(e), e
+    except ConfigError as e:
+        if not (e.field == "model.id" and "hf download" in str(e)):  # a Hub id needs the user's HF cache
+            pytest.fail(f"{name}: kvtier-run {' '.join(args)}: {e}")
