@@ -118,6 +118,8 @@ def text_windows(tokenizer, batch: int, context: int) -> list[torch.Tensor]:
     """``batch`` prompts of ``context`` tokens from Newton's Opticks: disjoint where the text is long enough,
     else windows at evenly spread offsets (overlapping, each a different place in the text)."""
     ids = torch.tensor(tokenizer(text("opticks"), add_special_tokens=False, verbose=False)["input_ids"])
+    if context > len(ids):
+        raise ValueError(f"Opticks has {len(ids)} tokens with this tokenizer: no prompt of {context}")
     stride = context if batch * context <= len(ids) else (len(ids) - context) // max(batch - 1, 1)
     return [ids[b * stride:b * stride + context] for b in range(batch)]
 
