@@ -56,3 +56,23 @@ def test_hf_decode_attends_the_whole_context():
     torch.testing.assert_close(static, dynamic)  # same K/V, same positions, padding slots masked
     perturbed = one_step_logits(model, DynamicCache(config=model.config), batch, context, perturb=True)
     assert not torch.allclose(perturbed, dynamic)  # the first context token is attended
+
+
+def test_e2e_prompts_are_places_in_opticks(smollm2):
+    """bench/e2e.py's prompts: disjoint windows while the text holds them, evenly spread overlapping ones past
+    that (the capacity rows' 5x batch), and a context longer than the text refused by name."""
+    from bench.e2e import text_windows
+    from kvtier.data import text
+
+    _, tok = smollm2
+    ids = torch.tensor(tok(text("opticks"), add_special_tokens=False, verbose=False)["input_ids"])
+    disjoint = text_windows(tok, 4, 1000)
+    assert all(torch.equal(w, ids[i * 1000:(i + 1) * 1000]) for i, w in enumerate(disjoint))
+    half = len(ids) // 2
+    spread = text_windows(tok, 5, half)  # 2.5x the text
+    stride = (len(ids) - half) // 4
+    assert all(torch.equal(w, ids[i * stride:i * stride + half]) for i, w in enumerate(spread))
+    assert len(ids) - 4 <= 4 * stride + half <= len(ids)  # the last one ends at the text's end
+    assert len({tuple(w[:8].tolist()) for w in spread}) == 5  # five different places
+    with pytest.raises(ValueError, match="Opticks has"):
+        text_windows(tok, 1, len(ids) + 1)
