@@ -35,7 +35,7 @@ import torch
 
 from bench.baselines import free_device_memory, hf_decode_tpot, measure_hbm_read_GBps, physical_limit_ms
 from bench.common import MODELS, pinned_bulk_ceiling, print_table, write_json
-from kvtier.data import text
+from kvtier.data import token_stream
 from kvtier.engine import Engine, EngineConfig
 from kvtier.models import convert_gguf, kv_layout_for, load_model, random_llama
 from kvtier.policies import LRU, SinkWindow
@@ -117,7 +117,7 @@ def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope
 def text_windows(tokenizer, batch: int, context: int) -> list[torch.Tensor]:
     """``batch`` prompts of ``context`` tokens from Newton's Opticks: disjoint where the text is long enough,
     else windows at evenly spread offsets (overlapping, each a different place in the text)."""
-    ids = torch.tensor(tokenizer(text("opticks"), add_special_tokens=False, verbose=False)["input_ids"])
+    ids = token_stream(tokenizer, "opticks")  # [N] every token of the text
     if context > len(ids):
         raise ValueError(f"Opticks has {len(ids)} tokens with this tokenizer: no prompt of {context}")
     stride = context if batch * context <= len(ids) else (len(ids) - context) // max(batch - 1, 1)

@@ -52,16 +52,17 @@ def lady_susan_text() -> str:
     return text("lady_susan")
 
 
-def token_stream(tokenizer, name: str, length: int) -> torch.LongTensor:
-    """The first ``length`` tokens of text ``name`` ("opticks" or "lady_susan"): LongTensor ``[length]``.
+def token_stream(tokenizer, name: str, length: int | None = None) -> torch.LongTensor:
+    """The first ``length`` tokens of text ``name`` ("opticks" or "lady_susan"), every token for None:
+    LongTensor ``[length]``.
 
     No special tokens are added. Raises ConfigError("task.text") for an unknown name or a length
     the text cannot provide.
     """
-    if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
+    if length is not None and (not isinstance(length, int) or isinstance(length, bool) or length <= 0):
         raise ConfigError("task.text", f"length must be a positive integer, got {length!r}")
     ids = tokenizer(text(name), add_special_tokens=False, verbose=False)["input_ids"]
-    if length > len(ids):
+    if length is not None and length > len(ids):
         raise ConfigError("task.text", f"{name!r} has only {len(ids)} tokens with this tokenizer; "
                                        f"ask for at most {len(ids)}, or use 'opticks' (the longer text)")
     return torch.tensor(ids[:length], dtype=torch.long)

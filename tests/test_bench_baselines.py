@@ -62,10 +62,10 @@ def test_e2e_prompts_are_places_in_opticks(smollm2):
     """bench/e2e.py's prompts: disjoint windows while the text holds them, evenly spread overlapping ones past
     that (the capacity rows' 5x batch), and a context longer than the text refused by name."""
     from bench.e2e import text_windows
-    from kvtier.data import text
+    from kvtier.data import token_stream
 
     _, tok = smollm2
-    ids = torch.tensor(tok(text("opticks"), add_special_tokens=False, verbose=False)["input_ids"])
+    ids = token_stream(tok, "opticks")
     disjoint = text_windows(tok, 4, 1000)
     assert all(torch.equal(w, ids[i * 1000:(i + 1) * 1000]) for i, w in enumerate(disjoint))
     half = len(ids) // 2

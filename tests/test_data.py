@@ -40,6 +40,7 @@ def test_token_stream_is_a_prefix_of_the_whole_text(tokenizer, name):
     assert int(whole.max()) < 49152 and int(whole.min()) >= 0
     head = data.token_stream(tokenizer, name, 100)
     assert torch.equal(head, whole[:100])
+    assert torch.equal(data.token_stream(tokenizer, name), whole)  # no length: every token
     assert data.text(name).startswith(tokenizer.decode(head))
 
 
