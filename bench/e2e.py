@@ -6,7 +6,10 @@ Per model shape and (batch B, context S), rows side by side:
 - ``kvtier all-HBM``: :class:`kvtier.engine.Engine`, scope ``all``, every page in HBM;
 - ``kvtier tiered``: 50% and 20% of the pages in HBM, the rest in pinned host DRAM, scopes ``topk``
   (Quest top-k pages; half the device budget is a recall cache of pages picked from the host, the other
-  half holds the sinks and the newest pages (SinkWindow); ``--no-recall``: LRU over the picks, lookahead
+  half holds the sinks and the newest pages (SinkWindow), and each row has a quarter of its picks' count in
+  landing slots per layer, where the decode writes the pages it reads from the host (``--recall-slots rest``: the
+  recall cache takes every device page the sinks, window and landing slots leave); ``--no-recall``: LRU over the
+  picks, lookahead
   ``--lookahead``) and ``resident`` (sink+window); ``0.2:topk:next_layer`` adds prediction ahead (each layer's
   pages fetched into its recall slots before it runs, :mod:`kvtier.scopes.predict`), with the predictor's accuracy
   (the share of the pages fetched ahead that the layer picked).
@@ -48,10 +51,12 @@ TIERED = "0.5:topk,0.5:resident,0.2:topk,0.2:resident"
 
 
 def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope: str, lookahead: int,
-               prompts: list[torch.Tensor] | None = None, recall: bool = True, predictor: str | None = None) -> dict:
+               prompts: list[torch.Tensor] | None = None, recall: bool = True, predictor: str | None = None,
+               recall_share: str = "half") -> dict:
     """Decode ``steps`` tokens of ``batch`` sequences through the engine, after ``context`` tokens each:
     ``prompts`` prefilled, or random K/V written straight into the pages; topk's recall cache fetches ahead with
-    ``predictor`` (:mod:`kvtier.scopes.predict`)."""
+    ``predictor`` (:mod:`kvtier.scopes.predict`) and takes half the device budget (``recall_share`` "half") or what
+    the sinks, window and landing slots leave ("rest")."""
     layout = kv_layout_for(model.config, page_size=16, dtype=torch.bfloat16)
     per_seq = layout.pages_for(context + steps + WARMUP + 1)
     total = per_seq * batch
@@ -61,10 +66,14 @@ def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope
         tiers.append(HostTier(layout, total + 64))
     topk = max(int(per_seq * budget) // 2, 16) if scope == "topk" else None
     recall_slots = topk * batch if recall and scope == "topk" and budget < 1 else 0  # within the device budget
+    landing = topk // 4 if recall_slots else 0  # per row and layer, within the device budget too
     # the placement: sinks + the newest pages (resident; topk beside a recall cache, which holds the picks: a policy
     # that heard the picks too would move them twice), or LRU over the picks (topk without the recall cache)
     policy = SinkWindow(sinks=4, window=256) if scope == "resident" or recall_slots else LRU()
-    scope_ = TopK(topk, recall_slots=recall_slots, predictor=predictor) if scope == "topk" else make_scope(scope)
+    if recall_slots and recall_share == "rest":  # what each row pins, the page being written, its landing; scratch
+        recall_slots = dev_pages - batch * (policy.pinned_pages(layout.page_size) + 1 + landing) - 1
+    scope_ = TopK(topk, recall_slots=recall_slots, predictor=predictor, landing_slots=landing) if scope == "topk" \
+        else make_scope(scope)
     engine = Engine(model, layout, tiers, policy, scope_, prefill=ChunkedPrefill(4096),
                     config=EngineConfig(max_batch=batch, max_context=context + steps + WARMUP + 1, lookahead=lookahead,
                                         buckets=[batch], sync_timing=False))
@@ -84,17 +93,17 @@ def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope
             torch.cuda.synchronize()
             t0, moved0, wait0 = time.perf_counter(), sum(engine.transfer.bytes_moved.values()), engine.stats.host_wait_s
             engine.counts.zero_()
-            counters = (engine.recall.copied, engine.recall.prefetched, engine.recall.predicted) \
+            counters = (engine.recall.copied, engine.recall.prefetched, engine.recall.predicted, engine.recall.landed) \
                 if engine.recall is not None else ()
-            copied0, ahead0, predicted0 = [int(c) for c in counters] or [0, 0, 0]
+            start = [int(c) for c in counters] or [0, 0, 0, 0]
         engine.step()
         events.append(engine._last_event)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     attended, on_device = engine.counts.tolist()
-    copied, ahead, predicted = [int(c) - c0 for c, c0 in zip(counters, (copied0, ahead0, predicted0))] or [0, 0, 0]
+    copied, ahead, predicted, landed = [int(c) - c0 for c, c0 in zip(counters, start)] or [0, 0, 0, 0]
     # bytes that crossed the link: migrations, copies into recall slots (after a read, and ahead of one), misses
-    # read in place from the host
+    # read in place from the host (a page admitted from its landing slot crossed once, when it was read)
     moved = sum(engine.transfer.bytes_moved.values()) - moved0 + (copied + ahead + attended - on_device) \
         * layout.page_bytes
     tpot = np.array([events[i - 1].elapsed_time(events[i]) for i in range(WARMUP + 1, len(events))])  # ms
@@ -104,7 +113,8 @@ def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope
            "tpot_p50_ms": float(np.percentile(tpot, 50)),
            "tpot_p99_ms": float(np.percentile(tpot, 99)), "wall_ms": wall / steps * 1e3,
            "hit_rate": on_device / attended if attended else 1.0,
-           "MB_moved_per_step": moved / steps / 1e6, "recall_slots": recall_slots,
+           "MB_moved_per_step": moved / steps / 1e6, "recall_slots": recall_slots, "landing_slots": landing,
+           "copied_per_step": copied / steps, "landed_per_step": landed / steps,
            "host_wait_ms": (engine.stats.host_wait_s - wait0) / steps * 1e3,
            "offloaded": 1 - min(engine.table.occupancy()["device"]) / total}
     engine.close()
@@ -124,7 +134,7 @@ def text_windows(tokenizer, batch: int, context: int) -> list[torch.Tensor]:
     return [ids[b * stride:b * stride + context] for b in range(batch)]
 
 
-def capacity_rows(model, tokenizer, spec: str, steps: int, lookahead: int) -> list[dict]:
+def capacity_rows(model, tokenizer, spec: str, steps: int, lookahead: int, recall_share: str = "half") -> list[dict]:
     """Capacity at a fixed HBM KV pool (``BxS[:predictor]``): the pool holds B sequences' whole KV, so dense
     decodes B of them; recall decodes 5 B sequences with 20% of each one's KV in that same pool (the rest in
     pinned host memory), topk over the recall cache. Rows ``capacity-dense`` and ``capacity-recall`` with
@@ -138,7 +148,7 @@ def capacity_rows(model, tokenizer, spec: str, steps: int, lookahead: int) -> li
     for system, b, budget, scope in (("capacity-dense", batch, 1.0, "all"), ("capacity-recall", 5 * batch, 0.2, "topk")):
         t0 = time.time()
         r = kvtier_row(model, b, context, steps, budget, scope, lookahead, prompts and prompts[:b], True,
-                       (predictor or [None])[0] if scope == "topk" else None)
+                       (predictor or [None])[0] if scope == "topk" else None, recall_share)
         rows.append({"B": b, "S": context, "system": system, "hbm_kv_GiB": pool_gib, **r,
                      "tok_s": b / r["tpot_p50_ms"] * 1e3})
         print(rows[-1], f"({time.time() - t0:.0f}s)", flush=True)
@@ -170,6 +180,8 @@ def main():
     ap.add_argument("--tiered", default=TIERED, help="tiered rows, HBM fraction:scope[:predictor], comma-separated "
                     "(e.g. 0.2:topk:next_layer: the recall cache fetches ahead)")
     ap.add_argument("--no-recall", action="store_true", help="topk rows without the recall cache (LRU over picks)")
+    ap.add_argument("--recall-slots", choices=("half", "rest"), default="half", help="the recall cache's share of "
+                    "the device budget: half, or the rest after the sinks, window and landing slots")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF rows (compiling takes minutes)")
     ap.add_argument("--tiered-max-tokens", type=int, default=131072, help="tiered rows only up to B*S tokens")
     ap.add_argument("--smollm2", default="", help="the real SmolLM2: its GGUF file or converted HF folder")
@@ -216,7 +228,8 @@ def main():
                     grid += [(0.2, "topk", int(k), False, None) for k in args.lookaheads.split(",") if k]
             for budget, scope, k, recall, predictor in grid:
                 t0 = time.time()
-                r = kvtier_row(model, batch, context, args.steps, budget, scope, k, prompts, recall, predictor)
+                r = kvtier_row(model, batch, context, args.steps, budget, scope, k, prompts, recall, predictor,
+                               args.recall_slots)
                 rows.append({**base, "system": "kvtier", **r})
                 print(rows[-1], f"({time.time() - t0:.0f}s)", flush=True)
             all_hbm = next(r["tpot_p50_ms"] for r in rows if r.get("system") == "kvtier" and r["budget"] == 1.0
@@ -232,7 +245,8 @@ def main():
                         r["hidden"] = float(np.clip(1 - slow / xfer_ms, 0, 1)) if xfer_ms > 0 else None
             save()  # after each shape: a cut-off run keeps its rows
         for spec in (x for x in args.capacity.split(",") if x):
-            rows += [{"model": name, **r} for r in capacity_rows(model, tokenizer, spec, args.steps, args.lookahead)]
+            rows += [{"model": name, **r} for r in capacity_rows(model, tokenizer, spec, args.steps, args.lookahead,
+                                                                 args.recall_slots)]
             save()
         del model
         free_device_memory()
@@ -240,6 +254,7 @@ def main():
                 f"{link['h2d_GBps']:.1f} GB/s", rows,
                 ["model", "B", "S", "system", "budget", "scope", "lookahead", "recall", "predictor", "tpot_p50_ms",
                  "tpot_p99_ms", "x_limit", "x_allhbm", "tok_s", "hit_rate", "predictor_accuracy", "MB_moved_per_step",
+                 "copied_per_step", "landed_per_step",
                  "host_wait_ms", "hidden", "offloaded", "hbm_kv_GiB", "x_dense_tok_s"])
 
 

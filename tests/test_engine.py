@@ -334,6 +334,28 @@ def test_recall_admission_takes_the_least_recently_picked_slots():
     assert torch.equal(table, before)  # after the read: the next step's overlay points the table
 
 
+def test_a_miss_that_landed_swaps_its_landing_slot_with_its_victims():
+    """The admission of the test above with landing slots: logical 1 landed in its row's landing slot 1 (slot 201),
+    logical 2 did not (more host pages than landing slots). Logical 1's victim slot takes device slot 201 (nothing
+    copied) and its old slot 101 becomes the row's landing slot 1; logical 2 is copied from the host as before."""
+    table = torch.tensor([[[7, -3, -5, 100, 0, 0, 0, 0]]], dtype=torch.int32)
+    page, stamp = torch.tensor([[3, 9, 6, 5]]), torch.tensor([[5, 2, 5, 5]])
+    slots = torch.tensor([[100, 101, 102, 103]])
+    index = _slot_index(slots, 256)
+    copied, landed, predicted = (torch.zeros((), dtype=torch.int64) for _ in range(3))
+    picks = torch.tensor([[[3, 1, 2, 0]]], dtype=torch.int32)
+    land = torch.tensor([[[200, 201]]])  # [L=1, R=1, n=2] the row's landing slots
+    land_index = torch.tensor([[[-1, 1, -1, -1]]], dtype=torch.int32)  # each pick's landing slot, -1 none
+    src, dst = plan_admission(picks, table, None, page, stamp, slots, index, torch.tensor([99]), torch.tensor(8),
+                              copied, torch.zeros(1, 4, dtype=torch.bool), predicted, False, land_index, land, landed)
+    assert src.tolist() == [[-1, -1, 4, -1]] and dst.tolist() == [[99, 101, 102, 99]]  # only logical 2 copied
+    assert int(copied) == 1 and int(landed) == 1
+    assert page.tolist() == [[3, 1, 2, 5]] and stamp.tolist() == [[8, 8, 8, 5]]
+    assert slots.tolist() == [[100, 201, 102, 103]] and land.tolist() == [[[200, 101]]]
+    assert index[0, 201] == 1 and index[0, 101] == -1 and index[0, [100, 102, 103]].tolist() == [0, 2, 3]
+    assert (index >= 0).sum() == 4
+
+
 def test_a_prediction_is_admitted_ahead_and_counted_when_picked():
     """Step 8: the prediction (logical 1 and 2, on the host) fills the two oldest slots, marked ahead and stamped
     this step, and the table points at them (the evicted logical 4, cached in slot 103, back at home on the host);
@@ -398,21 +420,29 @@ def test_recall_admission_of_a_group_equals_each_layer_alone():
 
 
 def test_recall_cache_changes_where_pages_are_read_not_what_is_attended(tiny):
-    """topk with device-managed recall slots (device + host tiers, CPU): the same tokens and logits as without
-    them (same picks, read from the device instead of host memory) and more hits."""
+    """topk with device-managed recall slots (device + host tiers, CPU), with and without landing slots: the same
+    tokens and logits as without them (same picks, read from the device instead of host memory) and more hits;
+    with landing slots the pages read from the host are admitted from where the decode wrote them, not copied from
+    the host again."""
     model, layout = tiny
     prompt = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(6))
     runs = {}
-    for slots in (0, 6):
-        tiers = [DeviceTier(layout, 12 + slots, device="cpu"), HostTier(layout, 64)]
-        engine = make(model, layout, tiers, SinkWindow(sinks=4, window=16), TopK(4, recall_slots=slots),
-                      max_context=256)
-        runs[slots] = (greedy(engine, prompt, 16), engine.hit_rate(), engine)
-    assert torch.equal(runs[6][0].argmax(-1), runs[0][0].argmax(-1))
-    assert rel_err(runs[6][0], runs[0][0]) < 1e-6
-    assert runs[6][1] > runs[0][1]
-    assert int(runs[6][2].recall.copied) > 0
-    assert runs[6][2].block_table is not runs[6][2].home  # the overlay never writes the host's copy
+    for slots, land in ((0, 0), (6, 0), (6, 2)):
+        tiers = [DeviceTier(layout, 12 + slots + land, device="cpu"), HostTier(layout, 64)]
+        engine = make(model, layout, tiers, SinkWindow(sinks=4, window=16),
+                      TopK(4, recall_slots=slots, landing_slots=land), max_context=256)
+        runs[slots, land] = (greedy(engine, prompt, 16), engine.hit_rate(), engine)
+    for key in ((6, 0), (6, 2)):
+        assert torch.equal(runs[key][0].argmax(-1), runs[0, 0][0].argmax(-1))
+        assert rel_err(runs[key][0], runs[0, 0][0]) < 1e-6
+        assert runs[key][1] > runs[0, 0][1]
+        assert runs[key][2].block_table is not runs[key][2].home  # the overlay never writes the host's copy
+    plain, landed = runs[6, 0][2].recall, runs[6, 2][2].recall
+    assert int(plain.copied) > 0 and int(plain.landed) == 0
+    assert int(landed.landed) > 0 and int(landed.copied) < int(plain.copied)
+    assert int(landed.landed) + int(landed.copied) == int(plain.copied)  # the same admissions, fewer copies
+    with pytest.raises(ConfigError, match="scope.landing_slots.*recall_slots"):
+        TopK(4, landing_slots=2)
 
 
 @pytest.mark.parametrize("policy,hears", [(SinkWindow(sinks=4, window=16), False), (LRU(), True)])

@@ -40,10 +40,12 @@ class RandomQuery:
         return torch.sin(x * 4.1e3 * (layer + 1)).mul(43758.5453).frac().sub(0.5).view(-1, heads, dim)
 
 
-def run(model, layout, predictor, steps=16, kernel=None, **config):
-    """Greedy decode after a 150-token prompt, topk 4 pages with 6 recall slots: ``(logits [steps + 1, V], engine)``."""
-    tiers = [DeviceTier(layout, 18, device=DEV), HostTier(layout, 64)]
-    engine = Engine(model, layout, tiers, SinkWindow(sinks=4, window=16), TopK(4, recall_slots=6, predictor=predictor),
+def run(model, layout, predictor, steps=16, kernel=None, landing=0, **config):
+    """Greedy decode after a 150-token prompt, topk 4 pages with 6 recall slots (and ``landing`` landing slots):
+    ``(logits [steps + 1, V], engine)``."""
+    tiers = [DeviceTier(layout, 18 + landing, device=DEV), HostTier(layout, 64)]
+    engine = Engine(model, layout, tiers, SinkWindow(sinks=4, window=16),
+                    TopK(4, recall_slots=6, predictor=predictor, landing_slots=landing),
                     prefill=ChunkedPrefill(64), kernel=kernel, config=EngineConfig(max_context=256, **config))
     prompt = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(6)).to(DEV)
     logits = torch.stack([engine.add(prompt)[1][-1]] + [engine.step()[0].clone() for _ in range(steps)])
@@ -67,11 +69,12 @@ def test_a_prediction_changes_no_output(tiny, predictor):
 
 def test_the_triton_backend_chooses_and_reads_as_the_torch_backend(tiny):
     """The Triton kernels (the page choice written into the step's lists, the decode reading recall slots and host
-    pages in place; the interpreter on a CPU) with prediction ahead: the logits of the torch backend without it."""
+    pages in place and landing the host pages it reads; the interpreter on a CPU) with prediction ahead: the logits
+    of the torch backend without either."""
     model, layout = tiny
     want, _ = run(model, layout, None, steps=5)
-    got, engine = run(model, layout, "after_attention", steps=5, kernel=make_backend("triton", DEV))
-    assert engine.scope.fused and int(engine.recall.prefetched) > 0
+    got, engine = run(model, layout, "after_attention", steps=5, kernel=make_backend("triton", DEV), landing=2)
+    assert engine.scope.fused and int(engine.recall.prefetched) > 0 and int(engine.recall.landed) > 0
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
@@ -136,17 +139,19 @@ def test_prediction_needs_the_recall_cache_and_the_compact_runner(tiny):
 
 
 def test_the_recall_cache_survives_sequences_joining_and_leaving(tiny):
-    """Three sequences through topk with recall slots (with and without prediction): one joins mid-run, one
-    finishes and a new one takes its row. Each step's logits are those of the run without a recall cache (the
-    same picks, read from wherever they are): a finished row's cached pages are never read for its successor."""
+    """Three sequences through topk with recall slots (with and without prediction, with landing slots): one joins
+    mid-run, one finishes and a new one takes its row. Each step's logits are those of the run without a recall
+    cache (the same picks, read from wherever they are): a finished row's cached pages are never read for its
+    successor."""
     model, layout = tiny
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 256, (n,), generator=gen).to(DEV) for n in (90, 70, 60, 80)]
     runs = []
-    for slots, predictor in ((0, None), (8, None), (8, "after_attention")):
-        tiers = [DeviceTier(layout, 30 + slots, device=DEV), HostTier(layout, 200)]
+    for slots, predictor, land in ((0, None, 0), (8, None, 0), (8, "after_attention", 0), (8, None, 2)):
+        tiers = [DeviceTier(layout, 30 + slots + 3 * land, device=DEV), HostTier(layout, 200)]
         engine = Engine(model, layout, tiers, SinkWindow(sinks=4, window=16),
-                        TopK(4, recall_slots=slots, predictor=predictor), prefill=ChunkedPrefill(32),
+                        TopK(4, recall_slots=slots, predictor=predictor, landing_slots=land),
+                        prefill=ChunkedPrefill(32),
                         config=EngineConfig(max_batch=3, max_context=160))
         out = [engine.add(p)[1][-1] for p in prompts[:2]]
         for step in range(14):
@@ -159,9 +164,10 @@ def test_the_recall_cache_survives_sequences_joining_and_leaving(tiny):
         runs.append((out, engine))
     for out, engine in runs[1:]:
         assert all(a.shape == b.shape and (a - b).abs().max() < 1e-5 * b.abs().max() for a, b in zip(out, runs[0][0]))
-        assert int(engine.recall.copied) + int(engine.recall.prefetched) > 0
+        assert int(engine.recall.copied) + int(engine.recall.prefetched) + int(engine.recall.landed) > 0
         assert engine.hit_rate() > runs[0][1].hit_rate()
     assert int(runs[2][1].recall.prefetched) > 0
+    assert int(runs[3][1].recall.landed) > 0  # admitted from where the decode wrote them
 
 
 def test_a_cache_driven_by_the_models_forward_ages_its_recall_cache(tiny):

@@ -394,3 +394,91 @@ def test_spans_per_head_lists_page_lse_and_a_staging_pool(per_head, window, toke
         assert_close(got, (o_out, o_lse, o_pm), torch.float32, "page_max")
     for got in (pl, pl_r):
         assert_close((out, lse, got), (o_out, o_lse, o_pl), torch.float32, "page_lse")
+
+
+def landing_oracle(lists, table, seq_lens, page, window_left, cap, spans=None, bits=None):
+    """Entry by entry: the row's r-th listed page at home on the host (live pages only) lands in slot r when every
+    one of its keys is shown (window, spans, token bits) and r < cap: ``land_index [B, K]`` (r or -1)."""
+    out = torch.full(lists.shape, -1, dtype=torch.int32)
+    for b, n in enumerate(seq_lens):
+        lo = max(n - 1 - window_left, 0) if window_left >= 0 else 0
+        r = 0
+        for i, p in enumerate(lists[b].tolist()):
+            if not 0 <= p < -(-n // page) or not -(1 << 30) < int(table[b, p]) < 0:
+                continue
+            shown = []
+            for t in range(p * page, (p + 1) * page):
+                visible = lo <= t < n
+                if spans is not None:
+                    sinks, win = spans[b].tolist()
+                    visible &= t < sinks or t >= win or -(-sinks // page) <= p < win // page
+                if bits is not None:
+                    visible &= bool((int(bits[b, i]) >> (t - p * page)) & 1)
+                shown.append(visible)
+            if all(shown) and r < cap:
+                out[b, i] = r
+            r += 1
+    return out
+
+
+@pytest.mark.parametrize("dtype,window,budget,config", [
+    (torch.float32, -1, "", DecodeConfig(block_n=16, pages_per_split=2)),  # splits of one 2-page block
+    (torch.float16, 45, "", DecodeConfig(block_n=32, pages_per_split=4)),  # a window cutting a page; skipped blocks
+    (torch.float32, -1, "spans", DecodeConfig(block_n=16, pages_per_split=4)),  # sinks and window cut pages
+    (torch.float32, -1, "tokens", None),  # random key bits; the default launch shape
+])
+def test_pages_read_whole_from_the_host_land_in_their_slots(dtype, window, budget, config):
+    """The decode lands each row's r-th listed host page that it read whole in the row's landing slot r (r below
+    the slots' count; a page cut by the window, the spans, the token bits or the sequence's end does not land):
+    kernel and reference write the entry-by-entry oracle's ``land_index``, the slots hold those pages' K and V,
+    no other device slot changes, and the attention is the same as without landing."""
+    gen = torch.Generator().manual_seed(17 + window)
+    seq_lens, max_pages, page, n_kv, group, dim, K, cap = [75, 0, 58, 120], 16, 8, 2, 2, 32, 9, 4
+    q, keys, values, dev_pool, host_pool, table = random_case(seq_lens, max_pages, page, n_kv, group, dim, dtype, 0.6,
+                                                              gen)
+    B = len(seq_lens)
+    lists = torch.full((B, K), -1, dtype=torch.int32)
+    for b, n in enumerate(seq_lens):
+        pages = torch.randperm(max(-(-n // page), 1), generator=gen)[:K - 1]
+        lists[b, :pages.numel()] = pages.sort().values.int()  # a -1 left in every row
+    lists[3, -1] = 15  # past the sequence's pages
+    spans = torch.tensor([[5, 60], [0, 0], [3, 50], [9, 100]], dtype=torch.int32) if budget == "spans" else None
+    bits = torch.where(torch.rand(B, K, generator=gen) < 0.5, -1,
+                       torch.randint(0, 2 ** 31 - 1, (B, K), generator=gen)).int() if budget == "tokens" else None
+    spare = dev_pool.shape[0]
+    dev_pool = torch.cat([dev_pool, torch.randn(B * cap, *dev_pool.shape[1:], generator=gen).to(dtype)])
+    land_slots = (spare + torch.randperm(B * cap, generator=gen)).view(B, cap)  # [B, cap] each row's landing slots
+    heads = n_kv * group
+    plan = plan_static_decode(B, max_pages, heads, n_kv, dim, page, device(), K, config)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    want = landing_oracle(lists, table, seq_lens, page, window, cap, spans, bits)
+    assert (want >= 0).sum() >= 4 and ((want < 0) & (lists >= 0)).sum() >= 4  # pages that land, pages that do not
+    to = lambda x: None if x is None else x.to(device())  # noqa: E731
+    args = (to(table), to(lens), plan, dim ** -0.5, to(lists), window, None, None, to(spans), None, to(bits))
+    plain = static_decode(to(q), to(dev_pool), host(host_pool), *args)
+    for decode, pool_of in ((static_decode, to), (static_decode_reference, lambda x: x)):
+        pool, index = pool_of(dev_pool.clone()), torch.full((B, K + 2), 7, dtype=torch.int32, device=device())
+        got = decode(to(q), pool, host(host_pool), *args, land_slots=to(land_slots), land_index=index)
+        assert torch.equal(index[:, :K].cpu(), want) and (index[:, K:] == 7).all(), decode.__name__
+        for b, i in (want >= 0).nonzero().tolist():
+            p, slot = int(lists[b, i]), int(land_slots[b, want[b, i]])
+            kv = torch.stack([keys[b, p * page:(p + 1) * page], values[b, p * page:(p + 1) * page]])
+            assert torch.equal(pool[slot].cpu(), kv), (decode.__name__, b, i)
+        landed = torch.zeros(pool.shape[0], dtype=torch.bool)
+        landed[land_slots.gather(1, want.clamp(min=0).long())[want >= 0]] = True
+        assert torch.equal(pool[~landed.to(pool.device)].cpu(), dev_pool[~landed]), decode.__name__
+        assert (got[0].cpu() - plain[0].cpu()).abs().max() <= TOL[dtype] * plain[0].abs().max().cpu(), decode.__name__
+
+
+def test_landing_needs_a_row_list_a_host_pool_and_both_tensors():
+    plan = plan_static_decode(1, 4, 2, 1, 32, 16, "cpu", max_listed=2, config=DecodeConfig(block_n=16))
+    q, pool = torch.zeros(1, 2, 32), torch.zeros(3, 2, 16, 1, 32)
+    bt, lens, lists = torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32), torch.zeros(1, 2).int()
+    slots, index = torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.int32)
+    for decode in (static_decode, static_decode_reference):
+        with pytest.raises(ValueError, match="together"):
+            decode(q, pool, pool, bt, lens, plan, 1.0, lists, land_slots=slots)
+        with pytest.raises(ValueError, match="per-sequence page_list"):
+            decode(q, pool, None, bt, lens, plan, 1.0, lists, land_slots=slots, land_index=index)
+        with pytest.raises(ValueError, match="int32 land_index"):
+            decode(q, pool, pool, bt, lens, plan, 1.0, lists, land_slots=slots, land_index=index.long())

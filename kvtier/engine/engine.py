@@ -147,7 +147,8 @@ class Engine:
                                                          "address: the host tier must be pinned (pin_memory=True)")
         R = config.max_batch
         scratch = R > 1  # idle rows of a bucket write into one device slot per layer that nothing reads
-        recall_slots = getattr(self.scope, "recall_slots", 0)  # device slots the recall cache takes
+        # device slots the recall cache takes: its slots, and each row's landing slots per layer
+        recall_slots = getattr(self.scope, "recall_slots", 0) + R * getattr(self.scope, "landing_slots", 0)
         check_device_room(tiers[0].capacity - scratch, policy, layout.page_size, 0, f"tiers.{tiers[0].name}.capacity",
                           R)
         if recall_slots:  # what the recall cache leaves
@@ -241,7 +242,12 @@ class Engine:
                 raise ConfigError("scope.recall_slots", "the recall cache holds pages picked from the host tier: "
                                                         "add a host tier")
             slots = tiers[0].alloc(self._layers, self.scope.recall_slots).numpy().reshape(L, -1)  # [L, C]
-            self.recall = RecallCache(slots, M, self.scratch, tiers[0], self.host, dev, compile=compiled)
+            n_land = getattr(self.scope, "landing_slots", 0)
+            if n_land and layout.scaled:
+                raise ConfigError("scope.landing_slots", "the decode lands 16/32-bit pages only (the layout's pages "
+                                                         "are 8-bit): set scope.landing_slots=0")
+            land = tiers[0].alloc(self._layers, R * n_land).numpy().reshape(L, R, n_land) if n_land else None
+            self.recall = RecallCache(slots, M, self.scratch, tiers[0], self.host, dev, compile=compiled, land=land)
             self._admit_after = admission_batches(self.groups)  # last layer of a batch -> the batch
             self.block_table = self.home.clone()  # the overlay's output, never the host's copy
         self.predictor = getattr(self.scope, "predictor", None)  # the recall cache's prediction ahead
@@ -658,8 +664,11 @@ class Engine:
             with torch.cuda.graph(graph):
                 work()
             self._graphs[key] = graph
+            warm = self.recall.page.clone() if self.recall is not None else None
             for t, before in zip(self._step_state(), saved):  # the warm-up step did not happen
                 t.copy_(before)
+            if warm is not None:  # but its admissions wrote pages into recall slots: those slots are emptied
+                self.recall.page.masked_fill_(warm != self.recall.page, -1)
         graph.replay()
 
     def _step_state(self) -> list[torch.Tensor]:
@@ -814,11 +823,13 @@ class Engine:
         stats = self.feedback.buffers(B, picks, H)
         if self.recall is not None:
             self.recall.wait(layer)  # its pages fetched ahead have landed
+        landing = self.recall.landing(layer, B, picks.shape[-1]) if self.recall is not None and picks is not None \
+            else {}
         out, lse = self.kernel.decode(q, self.table.tiers[0].pool(layer), host, table, lens,
                                       self._plan(B, H, D, None if picks is None else picks.shape[-1]), scale,
                                       page_list=picks, window_left=self._window_left(layer),
                                       spans=self.spans[:B] if budgeted and shown is None else None,
-                                      stage_pool=stage, token_mask=shown, **stats)  # bits replace the spans
+                                      stage_pool=stage, token_mask=shown, **stats, **landing)  # bits replace spans
         self.feedback.observe(layer, picks, lse)
         batch = self._admit_after.get(layer) if self.recall is not None else None
         if batch is not None and picks is not None:  # a batch of layers attended: their host reads into recall slots

@@ -151,6 +151,23 @@ def check_token_mask(token_mask: torch.Tensor | None, page_list: torch.Tensor | 
         raise ValueError(f"a token mask holds 32 keys per page, pages have {page_size}")
 
 
+def check_landing(land_slots: torch.Tensor | None, land_index: torch.Tensor | None, page_list: torch.Tensor | None,
+                  host_pool: torch.Tensor | None, scaled: bool, n_q: int, n_listed: int) -> None:
+    """The decode's landing arguments (:func:`~kvtier.kernels.triton_decode.static_decode`): both or neither,
+    with what they need."""
+    if land_slots is None and land_index is None:
+        return
+    if land_slots is None or land_index is None:
+        raise ValueError("landing needs land_slots and land_index together")
+    if page_list is None or page_list.dim() != 2 or host_pool is None or scaled:
+        raise ValueError("landing needs a per-sequence page_list [B, K], a host pool and 16/32-bit pages")
+    if land_slots.shape[0] != n_q or land_index.shape[0] != n_q or land_index.shape[1] < n_listed or \
+            land_index.dtype != torch.int32 or land_slots.stride(1) != 1 or land_index.stride(1) != 1:
+        raise ValueError(f"landing needs land_slots [{n_q}, cap] and int32 land_index [{n_q}, >= {n_listed}] with "
+                         f"unit last strides, got {tuple(land_slots.shape)} and {tuple(land_index.shape)} "
+                         f"{land_index.dtype}")
+
+
 def to_device(arrays: list, device, dtype: torch.dtype = torch.int32) -> list[torch.Tensor]:
     """Host int arrays (numpy or CPU tensors) as ``dtype`` tensors on ``device``.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.kernels.base import AttentionBackend, AttentionOutput, PagedBatch, check_token_mask
+from kvtier.kernels.base import AttentionBackend, AttentionOutput, PagedBatch, check_landing, check_token_mask
 from kvtier.quant import dequantize, is_scaled_pool
 
 
@@ -85,7 +85,8 @@ def static_decode_reference(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: 
                             page_list: torch.Tensor | None = None, window_left: int = -1,
                             page_max: torch.Tensor | None = None, page_lse: torch.Tensor | None = None,
                             spans: torch.Tensor | None = None, stage_pool: torch.Tensor | None = None,
-                            token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            token_mask: torch.Tensor | None = None, land_slots: torch.Tensor | None = None,
+                            land_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The contract of :func:`kvtier.kernels.triton_decode.static_decode` in fp32 torch, vectorised over the
     batch and pages: the engine's decode step on the CPU and the kernel's oracle.
 
@@ -97,6 +98,8 @@ def static_decode_reference(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: 
     page = plan.page_size
     check_token_mask(token_mask, page_list, page)
     scaled = is_scaled_pool(dev_pool, page)  # 8-bit pages hold rows of scales
+    check_landing(land_slots, land_index, page_list, host_pool, scaled, n_q,
+                  0 if page_list is None else page_list.shape[-1])
     as_f32 = (lambda pages: dequantize(pages, page)) if scaled else torch.Tensor.float  # [n, 2, P, N_kv, D] fp32
     dev = q.device
     max_pages = block_table.shape[1]
@@ -123,6 +126,14 @@ def static_decode_reference(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: 
                             (stage_pool, need & (loc <= staged), -loc + staged)):
         if pool is not None and bool(sel.any()):
             pages[sel] = as_f32(pool[slot[sel].to(pool.device)]).to(dev)
+    if land_slots is not None:  # the row's r-th listed page at home on the host, read whole, lands in slot r
+        live = (lists >= 0) & (lists < -(-lens[..., 0] // page))  # [B, 1, K]
+        from_host = live & (loc < 0) & (loc > staged)
+        rank = from_host.cumsum(-1) - from_host.long()  # [B, 1, K]
+        lands = from_host & ok.all(-1) & (rank < land_slots.shape[1])
+        land_index[:, :n_listed].copy_(torch.where(lands, rank, -1)[:, 0])
+        to = land_slots.to(dev, torch.long).gather(1, rank[:, 0].clamp(max=land_slots.shape[1] - 1))[lands[:, 0]]
+        dev_pool[to.to(dev_pool.device)] = host_pool[(-loc - 1)[lands].to(host_pool.device)].to(dev_pool.device)
     k = pages[:, :, :, 0].reshape(n_q, n_lists, n_listed * page, n_kv, dim)  # [B, h, S, N_kv, D]
     v = pages[:, :, :, 1].reshape(n_q, n_lists, n_listed * page, n_kv, dim)
     ok = ok.view(n_q, n_lists, -1)  # [B, h, S]

@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 
 from kvtier.errors import ConfigError
-from kvtier.kernels.base import AttentionBackend, AttentionOutput, PagedBatch, check_token_mask, to_device
+from kvtier.kernels.base import (AttentionBackend, AttentionOutput, PagedBatch, check_landing, check_token_mask,
+                                 to_device)
 from kvtier.kernels.triton_prefill import (LN2, LOG2E, PrefillConfig, check_page_size, dot_operand_dtype, finish_rows,
                                            MIN_DOT, fit_shared_memory, int8_tile, merge_splits,
                                            online_softmax_step, paged_prefill, plan_prefill, query_operand, value_operand)
@@ -190,21 +191,22 @@ def _page_rows(dev_kv, host_kv, stage_kv, loc, row, stride_slot, HAS_HOST: tl.co
 @triton.jit
 def _static_split_kernel(
     q, dev_kv, host_kv, stage_kv, block_table, seq_lens, page_list, token_mask, spans,
-    out, lse, page_max, page_lse,
+    out, lse, page_max, page_lse, land_slots, land_index,
     stride_qn, stride_qh,
     stride_slot, stride_kv, stride_p, stride_kh,
     stride_bt, stride_pl, stride_plh,
     stride_os, stride_on, stride_oh,
     stride_ls, stride_ln,
     stride_pb, stride_pk, stride_ph,
-    qk_scale, lse_scale, window_left, n_listed,
+    stride_lsb, stride_lib,
+    qk_scale, lse_scale, window_left, n_listed, land_cap,
     SPLITS: tl.constexpr, PPS: tl.constexpr, SCAN: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_HOST: tl.constexpr, HAS_STAGE: tl.constexpr, HAS_LIST: tl.constexpr, HAS_SPANS: tl.constexpr,
     HAS_TOKENS: tl.constexpr, WITH_PAGE_MAX: tl.constexpr, WITH_PAGE_LSE: tl.constexpr,
     DOT_F32: tl.constexpr, FP8_HALF: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
-    INT8: tl.constexpr,
+    INT8: tl.constexpr, LAND: tl.constexpr,
 ):
     """One (sequence x split, kv head): rows ``[GROUP]`` of split ``c`` of sequence ``b``.
 
@@ -221,6 +223,11 @@ def _static_split_kernel(
     partials, or the final output when there is one split. ``page_max [B, n_listed, H]``: every
     listed entry of the split is written, -inf where no key counts; ``page_lse`` (``WITH_PAGE_LSE``, same
     shape) the log-sum-exp of each listed page's scaled logits.
+
+    ``LAND`` (a per-sequence page list, 16/32-bit pages): the row's ``r``-th listed page at home on the host
+    (counted over the whole list) is also written, when every one of its keys was read, to device slot
+    ``land_slots[b, r]`` (``r < land_cap``); ``land_index [B, n_listed]`` gets ``r`` there, else -1 (kv head 0
+    writes it).
     """
     PPB: tl.constexpr = BLOCK_N // PAGE  # pages per block
     PAGE_STATS: tl.constexpr = WITH_PAGE_MAX or WITH_PAGE_LSE
@@ -256,7 +263,9 @@ def _static_split_kernel(
     qt, qk_scale = query_operand(qt, qk_scale, FP8_HALF, DOT_F32)
     pm_row = page_max + b * stride_pb
     pl_row = page_lse + b * stride_pb
-    if PAGE_STATS:  # entries of the split outside the walked blocks attend nothing
+    bt_row = block_table + b * stride_bt
+    land_row = land_index + b * stride_lib
+    if PAGE_STATS or LAND:  # entries of the split outside the walked blocks attend nothing
         for j in range(i0, i1, SCAN):
             idx = j + tl.arange(0, SCAN)  # [SCAN]
             skip = (idx < i1) & ((idx < blk_lo) | (idx >= blk_hi))
@@ -266,12 +275,21 @@ def _static_split_kernel(
                 tl.store(pm_row + where, none, mask=g_ok[:, None] & skip[None, :])
             if WITH_PAGE_LSE:
                 tl.store(pl_row + where, none, mask=g_ok[:, None] & skip[None, :])
+            if LAND:
+                tl.store(land_row + idx, tl.full([SCAN], -1, tl.int32), mask=skip & (kvh == 0))
+    from_host_before = tl.full([], 0, tl.int32)  # LAND: the row's listed host pages before the next block
+    if LAND:
+        for j in range(0, blk_lo, SCAN):
+            idx = j + tl.arange(0, SCAN)  # [SCAN]
+            pg = tl.load(list_row + idx, mask=idx < blk_lo, other=-1)
+            live = (pg >= 0) & (pg < n_pages)
+            at = tl.load(bt_row + pg, mask=live, other=0)
+            from_host_before += tl.sum((live & (at < 0) & (at > -STAGED)).to(tl.int32))
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     head_off = kvh * stride_kh
-    bt_row = block_table + b * stride_bt
     for i in range(blk_lo, blk_hi, PPB):
         li = i + order // PAGE  # [N] listed index of each token
         pidx = i + tl.arange(0, PPB)  # [PPB] listed index of each page
@@ -293,6 +311,22 @@ def _static_split_kernel(
                            HAS_HOST, HAS_STAGE)  # [N]
         k_ptrs = k_row[:, None] + offs_d[None, :]  # [N, D]
         kv_mask = ok[:, None] & d_ok[None, :]
+        if LAND:  # the block's pages at home on the host, read whole: their landing slots
+            page_pg = tl.load(list_row + pidx, mask=pidx < i1, other=-1)  # [PPB] logical page
+            live = (page_pg >= 0) & (page_pg < n_pages)
+            at = tl.load(bt_row + page_pg, mask=live, other=0)
+            from_host = (live & (at < 0) & (at > -STAGED)).to(tl.int32)  # [PPB]
+            rank = from_host_before + tl.cumsum(from_host, 0) - from_host  # [PPB] r of each host page
+            from_host_before += tl.sum(from_host)
+            whole = tl.min(tl.reshape(ok, [PPB, PAGE]).to(tl.int32), axis=1) > 0  # [PPB] every key read
+            lands = (from_host > 0) & whole & (rank < land_cap)
+            tl.store(land_row + pidx, tl.where(lands, rank, -1), mask=(pidx < i1) & (kvh == 0))
+            to = tl.load(land_slots + b * stride_lsb + rank, mask=lands, other=0)  # [PPB] device slot
+            to = tl.reshape(tl.broadcast_to(to[:, None], [PPB, PAGE]), [BLOCK_N])  # [N] each token's page's
+            lands = tl.reshape(tl.broadcast_to(lands[:, None], [PPB, PAGE]), [BLOCK_N])  # [N]
+            land_ptrs = (dev_kv + (to.to(tl.int64) * stride_slot + (order % PAGE) * stride_p + head_off))[:, None] \
+                + offs_d[None, :]  # [N, D]
+            land_mask = lands[:, None] & d_ok[None, :]
         if INT8:  # the block's whole pages: their steps and means read once per page
             page_ok = tl.max(tl.reshape(ok, [PPB, PAGE]).to(tl.int32), axis=1) > 0  # [PPB] pages with a counted key
             if HAS_LIST:
@@ -305,7 +339,10 @@ def _static_split_kernel(
             k = int8_tile(k_ptrs, kv_mask, scale_row, page_ok, offs_d, stride_p, PAGE, HEAD_DIM).to(qt.dtype)
         else:
             scale_row = k_row + (PAGE - order % PAGE) * stride_p  # [N] the page's scale row, this head (FP8 pages)
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(qt.dtype)  # [N, D]
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [N, D]
+            if LAND:
+                tl.store(land_ptrs, k, mask=land_mask)
+            k = k.to(qt.dtype)
         s = tl.dot(qt, tl.trans(k), input_precision=PRECISION) * qk_scale  # [G, N] log2 units
         if SCALED:  # K = values * the page's scale, folded into the logits
             s = s * tl.load(scale_row.to(tl.pointer_type(tl.float32)), mask=ok, other=1.0)[None, :]
@@ -322,7 +359,10 @@ def _static_split_kernel(
             v = int8_tile(k_ptrs + stride_kv, kv_mask, scale_row + stride_kv, page_ok, offs_d, stride_p, PAGE,
                           HEAD_DIM).to(qt.dtype)  # [N, D]
         else:
-            v = value_operand(tl.load(k_ptrs + stride_kv, mask=kv_mask, other=0.0), qt, FP8_HALF, DOT_F32)  # [N, D]
+            v = tl.load(k_ptrs + stride_kv, mask=kv_mask, other=0.0)  # [N, D]
+            if LAND:
+                tl.store(land_ptrs + stride_kv, v, mask=land_mask)
+            v = value_operand(v, qt, FP8_HALF, DOT_F32)
         if SCALED:  # V's scale on the probabilities (powers of two: exact)
             p = p * tl.load((scale_row + stride_kv).to(tl.pointer_type(tl.float32)), mask=ok, other=1.0)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)  # [G, D]
@@ -339,7 +379,8 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
                   page_list: torch.Tensor | None = None, window_left: int = -1,
                   page_max: torch.Tensor | None = None, page_lse: torch.Tensor | None = None,
                   spans: torch.Tensor | None = None, stage_pool: torch.Tensor | None = None,
-                  token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  token_mask: torch.Tensor | None = None, land_slots: torch.Tensor | None = None,
+                  land_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of ``q [B, H, D]`` over one layer's pools; no host sync, static shapes.
 
     ``dev_pool [slots, 2, P, N_kv, D]`` (8-bit: ``P + R`` rows, dequantized in the kernel as :mod:`kvtier.quant`
@@ -354,7 +395,11 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
     ``page_list``'s shape (page size <= 32): entry ``k`` shows only the keys ``t`` of its page whose bit ``t`` is
     set (None: every key); ``page_max`` / ``page_lse`` optional fp32 ``[B, K or max_pages, H]``
     filled with the max / log-sum-exp of each listed entry's scaled logits (natural log), -inf where no key
-    counts (per-head lists: entry k of head h's kv group). Returns out ``[B, H, D]`` (q's dtype) and lse
+    counts (per-head lists: entry k of head h's kv group). ``land_slots [B, cap]`` (with ``land_index [B, >= K]``
+    int32, a per-sequence ``page_list`` and a host pool of 16/32-bit pages): each row's ``r``-th listed page at
+    home on the host (in list order) that was read whole is also written to device slot ``land_slots[b, r]`` (``r
+    < cap``), and ``land_index[b, k]`` is its ``r``, else -1: the recall cache admits it from there
+    (:mod:`kvtier.scopes.recall`) without reading the host again. Returns out ``[B, H, D]`` (q's dtype) and lse
     ``[B, H]`` (fp32, natural log).
     """
     n_q, heads, dim = q.shape
@@ -386,6 +431,7 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
     for other in (host_pool, stage_pool):
         if other is not None and (other.stride() != dev_pool.stride() or other.dtype != dev_pool.dtype):
             raise ValueError("host and staging pools need dev_pool's strides and dtype")
+    check_landing(land_slots, land_index, page_list, host_pool, scaled, n_q, n_listed)
     block_d = triton.next_power_of_2(dim)
     dot_f32, precision = dot_operand_dtype(q.dtype)
     out = torch.empty(n_q, heads, dim, dtype=q.dtype, device=q.device)  # [B, H, D]
@@ -397,6 +443,7 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
     plse = page_lse if page_lse is not None else pm
     pl = page_list if page_list is not None else block_table
     per_head = pl.dim() == 3
+    land = land_slots is not None
     scan = min(triton.next_power_of_2(plan.pages_per_split), 256)  # listed entries per vector scan
     block_g = max(16, triton.next_power_of_2(heads // n_kv))
     _, stages = fit_shared_memory(block_g, plan.block_n, plan.config.num_stages, block_d,
@@ -406,14 +453,15 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
             q, dev_pool, host_pool if host_pool is not None else dev_pool,
             stage_pool if stage_pool is not None else dev_pool, block_table, seq_lens, pl,
             token_mask if token_mask is not None else pl, spans if spans is not None else seq_lens,
-            part_out, part_lse, pm, plse,
+            part_out, part_lse, pm, plse, land_slots if land else seq_lens, land_index if land else seq_lens,
             q.stride(0), q.stride(1),
             dev_pool.stride(0), dev_pool.stride(1), dev_pool.stride(2), dev_pool.stride(3),
             block_table.stride(0), pl.stride(0), pl.stride(1) if per_head else 0,
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
             part_lse.stride(0), part_lse.stride(1),
             pm.stride(0), pm.stride(1), pm.stride(2),
-            sm_scale * LOG2E, LN2 if single else 1.0, window_left, n_listed,
+            land_slots.stride(0) if land else 0, land_index.stride(0) if land else 0,
+            sm_scale * LOG2E, LN2 if single else 1.0, window_left, n_listed, land_slots.shape[1] if land else 0,
             SPLITS=plan.num_splits, PPS=plan.pages_per_split, SCAN=scan,
             GROUP=heads // n_kv, BLOCK_G=block_g, PAGE=page,
             BLOCK_N=plan.block_n, HEAD_DIM=dim, BLOCK_D=block_d,
@@ -421,7 +469,7 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
             HAS_SPANS=spans is not None, HAS_TOKENS=token_mask is not None, WITH_PAGE_MAX=page_max is not None,
             WITH_PAGE_LSE=page_lse is not None,
             DOT_F32=dot_f32, FP8_HALF=scaled and not int8 and q.dtype != torch.float32, PRECISION=precision,
-            SCALED=scaled and not int8, INT8=int8,
+            SCALED=scaled and not int8, INT8=int8, LAND=land,
             num_warps=plan.config.num_warps, num_stages=stages, maxnreg=plan.config.maxnreg,
         )
         if not single:

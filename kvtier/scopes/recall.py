@@ -6,9 +6,12 @@ step's start one overlay points every layer's block table at the pages its slots
 ``ADMIT_LAYERS`` layers has attended, the pages each of them picked that were still at home on the host
 (read in place by the kernel) are copied into its least recently picked slots: one plan and one copy for
 the batch, on a side stream (on a GPU) behind the compute of the layers after, joined at the step's end.
-The next steps read them from HBM. A slot's page is dropped when the host moves the page home to the
-device or frees it. Everything is static-shape device work, captured with the rest of the step: a
-handful of launches a step, none per layer.
+The next steps read them from HBM. With landing slots (``land [L, R, n]``), the decode kernel also writes
+each row's pages that it reads whole from the host into them
+(:func:`~kvtier.kernels.triton_decode.static_decode`), and the admission of such a page swaps its landing slot
+with its victim's slot instead of copying the page over the host link a second time. A slot's page is dropped
+when the host moves the page home to the device or frees it. Everything is static-shape device work, captured
+with the rest of the step: a handful of launches a step, none per layer.
 
 With a predictor (:mod:`kvtier.scopes.predict`) a layer's predicted picks are admitted before the layer
 runs (:meth:`RecallCache.prefetch`), its table pointed at their slots; on a GPU that copy runs on a second side
@@ -42,13 +45,14 @@ class RecallCache:
     """``C`` recall slots per layer: device slot ``slots [L, C]``, cached page ``page [L, C]``
     (``row * M + logical``, -1 empty), last step picked ``stamp [L, C]``; ``ahead [L, C]`` the slots filled by
     this step's prediction that the layer has not picked from yet. ``device_tier`` holds the slots, ``host_tier``
-    the pages at home on the host.
+    the pages at home on the host. ``land [L, R, n]`` (or None): each row's landing slots, where the decode writes
+    the pages it reads whole from the host (``land_index [L, R, M]``: each listed entry's landing slot, -1 none).
 
     ``compile``: the overlay and the admissions run as torch.compile'd kernels (a few fused launches).
     """
 
     def __init__(self, slots: np.ndarray, max_pages: int, scratch: np.ndarray, device_tier, host_tier, device,
-                 compile: bool = False):
+                 compile: bool = False, land: np.ndarray | None = None):
         L, C = slots.shape
         self.slots = torch.from_numpy(slots.astype(np.int64)).to(device)  # [L, C]
         self.slot_index = torch.full((L, device_tier.capacity), -1, dtype=torch.int64, device=device)  # [L, cap]
@@ -59,6 +63,11 @@ class RecallCache:
         self.step = torch.zeros((), dtype=torch.int64, device=device)
         self.max_pages = max_pages
         self.copied = torch.zeros((), dtype=torch.int64, device=device)  # pages copied in after their layer read them
+        self.landed = torch.zeros((), dtype=torch.int64, device=device)  # pages admitted from their landing slot
+        self.land = self.land_index = None
+        if land is not None:
+            self.land = torch.from_numpy(land.astype(np.int64)).to(device)  # [L, R, n]
+            self.land_index = torch.full((L, land.shape[1], max_pages), -1, dtype=torch.int32, device=device)
         self.prefetched = torch.zeros((), dtype=torch.int64, device=device)  # pages copied in ahead of their layer
         self.predicted = torch.zeros((), dtype=torch.int64, device=device)  # of those, picked by the layer
         self.ahead = torch.zeros((L, C), dtype=torch.bool, device=device)
@@ -66,7 +75,7 @@ class RecallCache:
         cuda = torch.device(device).type == "cuda"
         self.side = torch.cuda.Stream(device) if cuda else None  # the admissions after the reads
         self.ahead_side = torch.cuda.Stream(device) if cuda else None  # the prefetches, which a layer waits for
-        self._landed: dict[int, torch.cuda.Event] = {}  # layer -> the end of its prefetch copy, until it waits
+        self._fetched: dict[int, torch.cuda.Event] = {}  # layer -> the end of its prefetch copy, until it waits
         self._held: list[torch.Tensor] = []  # the side streams' index tensors, not reused before the join
         self._forked: set = set()  # the side streams this step used
         self._overlay = torch.compile(overlay_recall, dynamic=False) if compile else overlay_recall
@@ -74,7 +83,17 @@ class RecallCache:
 
     def tensors(self) -> list[torch.Tensor]:
         """The state a step advances."""
-        return [self.page, self.stamp, self.step, self.copied, self.prefetched, self.predicted, self.ahead]
+        state = [self.page, self.stamp, self.step, self.copied, self.prefetched, self.predicted, self.ahead]
+        if self.land is not None:  # admissions from the landing slots swap them with recall slots
+            state += [self.slots, self.slot_index, self.land, self.landed]
+        return state
+
+    def landing(self, layer: int, B: int, K: int) -> dict:
+        """The decode's landing arguments for ``layer``'s ``B`` rows and ``K`` listed pages (none without landing
+        slots)."""
+        if self.land is None:
+            return {}
+        return {"land_slots": self.land[layer, :B], "land_index": self.land_index[layer, :B, :K]}
 
     def overlay(self, home: torch.Tensor, table: torch.Tensor) -> None:
         """At the step's start, every layer: ``table [L, B, M] = home [L, B, M]``, with the cached pages pointing
@@ -84,9 +103,9 @@ class RecallCache:
 
     def wait(self, layer: int) -> None:
         """Before ``layer`` reads its pages: its prefetch copy, if any, has landed."""
-        landed = self._landed.pop(layer, None)
-        if landed is not None:
-            torch.cuda.current_stream().wait_event(landed)
+        fetched = self._fetched.pop(layer, None)
+        if fetched is not None:
+            torch.cuda.current_stream().wait_event(fetched)
 
     def forget_row(self, row: int) -> None:
         """A new sequence takes ``row``: its old cached pages are stale."""
@@ -99,11 +118,13 @@ class RecallCache:
         counts the slots filled ahead that their layer picked. The plan and the copy run on the side stream (on a
         GPU)."""
         at = slice(layers.start, layers.stop)
+        landing = () if self.land is None else \
+            (self.land_index[at, :picks.shape[1], :picks.shape[2]], self.land[at], self.landed)
 
         def work():
             src, dst = self._admit(picks, table, None, self.page[at], self.stamp[at], self.slots[at],
                                    self.slot_index[at], self.scratch[at], self.step, self.copied, self.ahead[at],
-                                   self.predicted, False)  # [L', B*K] host slots, device slots of each layer
+                                   self.predicted, False, *landing)  # [L', B*K] host slots, device slots
             first = torch.arange(layers.start, layers.stop, device=src.device)[:, None]  # [L', 1]
             src = torch.where(src >= 0, first * self.host_tier.capacity + src, -1).reshape(-1)
             dst = (first * self.device_tier.capacity + dst).reshape(-1)
@@ -129,8 +150,8 @@ class RecallCache:
 
         self._on_side(work, self.ahead_side)
         if self.ahead_side is not None:
-            self._landed[layer] = landed = torch.cuda.Event()
-            landed.record(self.ahead_side)
+            self._fetched[layer] = fetched = torch.cuda.Event()
+            fetched.record(self.ahead_side)
 
     def _on_side(self, work, stream: torch.cuda.Stream | None) -> None:
         """``work()`` on a side ``stream`` after the work issued so far (on a GPU; else now); the tensors it returns
@@ -147,7 +168,7 @@ class RecallCache:
         """The step waits for every copy on the side streams it used (a captured step joins them before its end)."""
         for stream in self._forked:
             torch.cuda.current_stream().wait_stream(stream)
-        self._forked, self._held, self._landed = set(), [], {}
+        self._forked, self._held, self._fetched = set(), [], {}
 
     def next_step(self) -> None:
         self.step += 1
@@ -168,13 +189,17 @@ def overlay_recall(home: torch.Tensor, table: torch.Tensor, page: torch.Tensor, 
 def plan_admission(picks: torch.Tensor, table: torch.Tensor, home: torch.Tensor | None, page: torch.Tensor,
                    stamp: torch.Tensor, slots: torch.Tensor, slot_index: torch.Tensor, scratch: torch.Tensor,
                    step: torch.Tensor, copied: torch.Tensor, ahead: torch.Tensor, predicted: torch.Tensor,
-                   fetch_ahead: bool):
+                   fetch_ahead: bool, land_index: torch.Tensor | None = None, land: torch.Tensor | None = None,
+                   landed: torch.Tensor | None = None):
     """The admission of ``L'`` layers' picks ``picks [L', B, K]`` read through ``table [L', B, M]``: updates
     ``page``/``stamp [L', C]`` and ``copied`` in place and returns each layer's copy, host slots and device slots
     ``[L', B*K]`` (-1 and the scratch slot: nothing to copy). A pick is cached when its table entry is a recall slot
     (``slot_index [L', cap]``: device slot -> its index, -1 none). ``fetch_ahead``: the picks are predicted, ``ahead
     [L', C]`` marks the slots filled, and the table points at them (the pages they evicted at ``home``); else
-    ``predicted`` counts the marked slots picked, and the marks go."""
+    ``predicted`` counts the marked slots picked, and the marks go. ``land_index [L', B, K]`` (each pick's landing
+    slot index, -1 none) and ``land [L', R, n]`` (each row's landing slots): a miss that landed is admitted by
+    swapping its landing slot with its victim's slot (``slots``, ``slot_index``, ``land`` in place; nothing to
+    copy), counted in ``landed`` instead of ``copied``."""
     L, B, M = table.shape
     C = page.shape[1]
     pick = picks.reshape(L, -1).long()  # [L', N]
@@ -197,8 +222,13 @@ def plan_admission(picks: torch.Tensor, table: torch.Tensor, home: torch.Tensor 
     order = torch.cumsum(miss.long(), 1) - 1  # [L', N] rank of each miss
     victim = victims.gather(1, order.clamp(0, n - 1))  # [L', N] slot for each miss
     take = miss & (order < n) & (stamp.gather(1, victim) < step)  # never evict this step's picks
-    src = torch.where(take, -loc - 1, -1)  # host slot
+    swap = take & (land_index.reshape(L, -1) >= 0) if land_index is not None else torch.zeros_like(take)
+    src = torch.where(take & ~swap, -loc - 1, -1)  # host slot
     dst = torch.where(take, slots.gather(1, victim), scratch[:, None])
+    if land_index is not None:
+        swap_landing(swap, victim, rows * land.shape[2] + land_index.reshape(L, -1).clamp(min=0).long(), slots,
+                     slot_index, land)
+        landed.add_(swap.sum())
     index = torch.where(take, victim, C)  # [L', N]; C: dropped
     new = torch.full((L, C + 1), -1, dtype=torch.int64, device=picks.device)
     new = new.scatter(1, index, torch.where(take, key, -1))[:, :C]  # [L', C]
@@ -213,5 +243,24 @@ def plan_admission(picks: torch.Tensor, table: torch.Tensor, home: torch.Tensor 
         ahead.copy_(filled)
     page.copy_(torch.where(filled, new, page))
     stamp.copy_(torch.where(filled, step, stamp))
-    copied.add_(take.sum())
+    copied.add_((take & ~swap).sum())
     return src, dst
+
+
+def swap_landing(swap: torch.Tensor, victim: torch.Tensor, where: torch.Tensor, slots: torch.Tensor,
+                 slot_index: torch.Tensor, land: torch.Tensor) -> None:
+    """Where ``swap [L', N]``: recall slot ``victim`` takes the landing slot at flat index ``where`` of ``land [L',
+    R, n]``, which takes the victim's old device slot (``slots [L', C]``, ``slot_index [L', cap]`` and ``land`` in
+    place)."""
+    L, C = slots.shape
+    flat = land.view(L, -1)  # [L', R*n]
+    new = flat.gather(1, where)  # [L', N] the landing slots
+    old = slots.gather(1, victim)  # [L', N] the victims' slots
+
+    def put(x: torch.Tensor, index: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """``x [L', W]`` with ``value`` at ``index`` where ``swap`` (the others into a column past the end)."""
+        return torch.cat([x, x[:, :1]], 1).scatter(1, torch.where(swap, index, x.shape[1]), value)[:, :-1]
+
+    slot_index.copy_(put(put(slot_index, old, torch.full_like(old, -1)), new, victim))
+    slots.copy_(put(slots, victim, new))
+    flat.copy_(put(flat, where, old))

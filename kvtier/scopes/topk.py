@@ -12,7 +12,9 @@ the window; the pages that hold them are listed and moved whole, the kernel atte
 :func:`~kvtier.scopes.base.budget_pick`), ``per_head`` (each kv head its own pages, as Quest chooses per head), ``query_rows``
 (the bound is the max over the layer's last decode queries of the row), ``policy_share`` (that share of the pages by the policy's rank, the
 rest by the bound). With ``recall_slots`` each layer also keeps that many device slots that the
-captured step fills with its own picks read from the host (:class:`~kvtier.scopes.recall.RecallCache`), and with
+captured step fills with its own picks read from the host (:class:`~kvtier.scopes.recall.RecallCache`); with
+``landing_slots`` each row also keeps that many device slots per layer where the decode kernel writes the pages it
+reads whole from the host, so that their admission crosses the host link once, not twice; and with
 ``predictor`` (``"next_layer"``, ``"after_attention"``: :mod:`kvtier.scopes.predict`) with its predicted picks
 before the layer runs.
 
@@ -46,8 +48,9 @@ class TopK(Scope):
 
     def __init__(self, pages: int | None = None, rank: str = "quest", per_head: bool = False, query_rows: int = 1,
                  policy_share: float = 0.0, recall_slots: int = 0, sinks: int = 4, sketch_rank: int | None = None,
-                 unit: str = "page", predictor=None):
+                 unit: str = "page", predictor=None, landing_slots: int = 0):
         for key, v, low in (("scope.pages", pages, 1), ("scope.recall_slots", recall_slots, 0),
+                            ("scope.landing_slots", landing_slots, 0),
                             ("scope.sinks", sinks, 0), ("scope.sketch_rank", sketch_rank, 1)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
                 raise ConfigError(key, f"must be an integer >= {low}, got {v!r}")
@@ -68,6 +71,10 @@ class TopK(Scope):
         if per_head and recall_slots:
             raise ConfigError("scope.recall_slots", "the recall cache admits one page list per row; per_head gives "
                                                     "each kv head its own: set scope.per_head=false or recall_slots=0")
+        if landing_slots and not recall_slots:
+            raise ConfigError("scope.landing_slots", "pages land to be admitted into the recall cache: set "
+                                                     "scope.recall_slots (and a host tier)")
+        self.landing_slots = landing_slots
         self.predictor = make_predictor(predictor)
         if self.predictor is not None and not recall_slots:
             raise ConfigError("scope.predictor", "a prediction is fetched into the recall cache: set "
