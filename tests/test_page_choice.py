@@ -61,14 +61,13 @@ def test_fused_choice_equals_the_reference(case):
     gen = torch.Generator().manual_seed(CASES.index(case))
     q, kmin, kmax, pids, cand = (t.to(DEV) for t in problem(gen, B, M, H, n_kv, rows=rows, dtype=dtype))
     n_cand = int((cand & (pids >= 0)).sum(1).max())
-    work = ChoiceWork.make(B, M, DEV)  # one scratch for every call: the tickets reset themselves
+    work = ChoiceWork.make(B, M, DEV)  # one scratch for every call
     for k in sorted({1, 2, max(1, n_cand // 2), n_cand, n_cand + 3, M + 5}):
         count = torch.randint(0, k + 2, (B,), generator=gen).to(DEV)
         for c in (None, count):
             got = page_choice(q, kmin, kmax, pids, cand, k, c, kv_head, work)
             want = page_choice_reference(q, kmin, kmax, pids, cand, k, c, kv_head)
             assert torch.equal(got.long(), want.long()), (k, c)
-    assert int(work.tickets.abs().sum()) == 0
 
 
 @needs_triton

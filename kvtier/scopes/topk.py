@@ -18,8 +18,8 @@ reads whole from the host, so that their admission crosses the host link once, n
 ``predictor`` (``"next_layer"``, ``"after_attention"``: :mod:`kvtier.scopes.predict`) with its predicted picks
 before the layer runs.
 
-On the Triton backend (a GPU, or the CPU under TRITON_INTERPRET=1) the bound and the choice of a layer are one
-launch (:mod:`kvtier.kernels.triton_page_choice`); on the torch backend its oracle
+On the Triton backend (a GPU, or the CPU under TRITON_INTERPRET=1) the bound and the choice of a layer are two
+launches (:mod:`kvtier.kernels.triton_page_choice`); on the torch backend its oracle
 (:func:`~kvtier.kernels.reference.page_choice_reference`) chooses the same pages. ``rank="quest_head"`` (a
 softmax over the candidates per head), ``rank="gauss"`` and ``rank="sketch"`` always run in torch. Equal scores: the lower page first; picks are
 listed in page order.
@@ -110,7 +110,7 @@ class TopK(Scope):
         self.seen = torch.zeros(L, R, dtype=torch.int64, device=engine.device)
         self._forced = torch.compile(forced_pages, dynamic=False) if engine.compiled else forced_pages
         self.start_step()
-        self.fused = engine.kernel.name == "triton"  # the page choice as one Triton launch per layer
+        self.fused = engine.kernel.name == "triton"  # the page choice as Triton launches (scores, selection)
         if self.fused:  # imported here: triton.jit picks compiled or interpreted kernels (TRITON_INTERPRET) at import
             from kvtier.kernels.triton_page_choice import ChoiceWork, page_choice
 
