@@ -49,6 +49,7 @@ class CacheRecord:
     recall_copied: int = 0  # pages the recall cache copied in after a layer read them from the host
     fetched_ahead: int = 0  # pages it copied in ahead of their layer (a predictor), ...
     predicted: int = 0  # ... of which the layer picked
+    recall_landed: int = 0  # pages admitted from the landing slot the decode kernel wrote them to (no copy)
 
     @classmethod
     def of(cls, cache) -> "CacheRecord":
@@ -58,7 +59,7 @@ class CacheRecord:
         stats = cache.stats
         attended, resident = cache.page_counts()
         recall = getattr(cache, "recall", None)
-        counts = [int(c) for c in (recall.copied, recall.prefetched, recall.predicted)] if recall is not None else []
+        counts = [int(c) for c in (recall.copied, recall.prefetched, recall.predicted, recall.landed)] if recall is not None else []
         return cls(attended, resident, stats.fetch_s, stats.fidelity_s,
                    dict(stats.fetched_bytes), dict(cache.transfer.bytes_moved),  # apart: fetches, migrations
                    dict(cache.transfer.pages_moved), list(stats.occupancy), off,
@@ -101,6 +102,7 @@ def collect(plan, result: dict, records: list[CacheRecord], wall_s: float, cfg, 
         "dropped_pages": sum(r.dropped_pages for r in records), "dropped_bytes": sum(r.dropped_bytes for r in records),
         "compressed_pages": sum(r.compressed_pages for r in records),
         "recall_pages_copied": sum(r.recall_copied for r in records),
+        "recall_pages_landed": sum(r.recall_landed for r in records),
         "pages_fetched_ahead": (ahead := sum(r.fetched_ahead for r in records)),
         "predictor_accuracy": sum(r.predicted for r in records) / ahead if ahead else float("nan"),
         "attended_tokens_per_step": _mean([x for r in records for x in r.attended_per_step]),
@@ -168,10 +170,11 @@ def metrics_table(m: dict) -> Table:
             t.add_row("keys attended per decode step mean / max", f"{m['attended_tokens_per_step']:.1f} / "
                                                                    f"{m['attended_tokens_per_step_max']:g}")
         t.add_row("offloaded fraction", f"{m['offloaded_fraction']:.1%}")
-        if m.get("recall_pages_copied") or m.get("pages_fetched_ahead"):
-            t.add_row("recall cache: pages copied in / ahead (picked)",
-                      f"{m['recall_pages_copied']} / {m['pages_fetched_ahead']} ({m['predictor_accuracy']:.1%})"
-                      if m["pages_fetched_ahead"] else f"{m['recall_pages_copied']} / 0")
+        if m.get("recall_pages_copied") or m.get("recall_pages_landed") or m.get("pages_fetched_ahead"):
+            ahead = (f"{m['pages_fetched_ahead']} ({m['predictor_accuracy']:.1%})" if m["pages_fetched_ahead"]
+                     else "0")
+            t.add_row("recall cache: pages copied in / landed / ahead (picked)",
+                      f"{m['recall_pages_copied']} / {m.get('recall_pages_landed', 0)} / {ahead}")
         for link, n in sorted(m["bytes_moved"].items()):
             t.add_row(f"bytes moved {link}", _mib(n))
         t.add_row("bytes moved total", _mib(m["bytes_moved_total"]))

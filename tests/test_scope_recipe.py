@@ -58,13 +58,16 @@ def test_a_user_scope_named_by_target_decodes_through_the_engine(tmp_path):
     assert m["config"]["scope"] == {"_target_": "user_scope.Recent", "pages": 3}
 
 
-def test_a_recall_cache_with_a_predictor_reports_its_copies(tmp_path):
+@pytest.mark.parametrize("landing", [0, 1])
+def test_a_recall_cache_with_a_predictor_reports_its_copies(landing, tmp_path):
     """topk with recall slots and prediction ahead through a recipe, on the real SmolLM2: metrics.json counts the
-    pages the recall cache copied in after a read and ahead of one, and the share of those the layers picked."""
-    (cfg,) = job_configs([*TINY, "scope=topk", "scope.pages=4", "scope.recall_slots=2",
+    pages the recall cache copied in after a read and ahead of one, the share of those the layers picked, and
+    with a landing slot the misses admitted from where the decode kernel wrote them (no copy)."""
+    (cfg,) = job_configs([*TINY, "scope=topk", "scope.pages=4", "scope.recall_slots=2", f"scope.landing_slots={landing}",
                           "scope.predictor=after_attention", "policy=sink_window"])
     m = execute(cfg, tmp_path / "run")
-    assert m["recall_pages_copied"] > 0 and m["pages_fetched_ahead"] > 0 and 0 <= m["predictor_accuracy"] <= 1
+    assert m["pages_fetched_ahead"] > 0 and 0 <= m["predictor_accuracy"] <= 1
+    assert m["recall_pages_copied"] + m["recall_pages_landed"] > 0 and (m["recall_pages_landed"] > 0) == bool(landing)
     assert m["config"]["scope"]["predictor"] == "after_attention" and 1 < m["perplexity"] < math.inf
 
 
