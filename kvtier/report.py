@@ -173,7 +173,7 @@ def metrics_table(m: dict) -> Table:
         if m.get("recall_pages_copied") or m.get("recall_pages_landed") or m.get("pages_fetched_ahead"):
             ahead = (f"{m['pages_fetched_ahead']} ({m['predictor_accuracy']:.1%})" if m["pages_fetched_ahead"]
                      else "0")
-            t.add_row("recall cache: pages copied in / landed / ahead (picked)",
+            t.add_row("recall pages copied / landed / ahead (picked)",
                       f"{m['recall_pages_copied']} / {m.get('recall_pages_landed', 0)} / {ahead}")
         for link, n in sorted(m["bytes_moved"].items()):
             t.add_row(f"bytes moved {link}", _mib(n))

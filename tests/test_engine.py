@@ -12,6 +12,7 @@ from kvtier.cache import TieredKVCache
 from kvtier.engine import Engine, EngineConfig
 from kvtier.errors import ConfigError
 from kvtier.hook import use_hook
+from kvtier.kernels.base import STAGED
 from kvtier.models import kv_layout_for, tiny_llama
 from kvtier.paged_io import read_tokens
 from kvtier.policies import LRU, SinkWindow
@@ -21,7 +22,7 @@ from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 from kvtier.scopes import DROPPED_LOC, All, Resident, StepView, TopK
 from kvtier.scopes.base import compact
 from kvtier.scopes.recall import overlay_recall, plan_admission
-from kvtier.tiers import DeviceTier, HostTier
+from kvtier.tiers import DeviceTier, DiskTier, HostTier
 
 
 @pytest.fixture(scope="module")
@@ -334,6 +335,19 @@ def test_recall_admission_takes_the_least_recently_picked_slots():
     assert torch.equal(table, before)  # after the read: the next step's overlay points the table
 
 
+def test_a_staged_disk_page_is_not_admitted():
+    """A pick staged from disk for the step (table ``-(STAGED + slot)``) is not in the host pool: it takes no slot
+    and nothing is copied for it, beside a host pick that is admitted."""
+    table = torch.tensor([[[7, -(STAGED + 3), -5, 0]]], dtype=torch.int32)
+    page, stamp, slots = torch.tensor([[-1, -1]]), torch.tensor([[-1, -1]]), torch.tensor([[100, 101]])
+    copied, predicted = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+    src, dst = plan_admission(torch.tensor([[[1, 2]]], dtype=torch.int32), table, None, page, stamp, slots,
+                              _slot_index(slots), torch.tensor([99]), torch.tensor(8), copied,
+                              torch.zeros(1, 2, dtype=torch.bool), predicted, False)
+    assert src.tolist() == [[-1, 4]] and dst.tolist() == [[99, 100]] and page.tolist() == [[2, -1]]
+    assert int(copied) == 1
+
+
 def test_a_miss_that_landed_swaps_its_landing_slot_with_its_victims():
     """The admission of the test above with landing slots: logical 1 landed in its row's landing slot 1 (slot 201),
     logical 2 did not (more host pages than landing slots). Logical 1's victim slot takes device slot 201 (nothing
@@ -419,25 +433,27 @@ def test_recall_admission_of_a_group_equals_each_layer_alone():
         assert int(counts[0]) == 0 and int(counts[1]) == 0
 
 
-def test_recall_cache_changes_where_pages_are_read_not_what_is_attended(tiny):
-    """topk with device-managed recall slots (device + host tiers, CPU), with and without landing slots: the same
-    tokens and logits as without them (same picks, read from the device instead of host memory) and more hits;
-    with landing slots the pages read from the host are admitted from where the decode wrote them, not copied from
-    the host again."""
+def test_recall_cache_changes_where_pages_are_read_not_what_is_attended(tiny, tmp_path):
+    """topk with device-managed recall slots (device + host tiers, CPU; and + disk, whose staged pages are not
+    admitted), with and without landing slots: the same tokens and logits as without them (same picks, read from
+    the device instead of host memory) and more hits; with landing slots the pages read from the host are admitted
+    from where the decode wrote them, not copied from the host again."""
     model, layout = tiny
     prompt = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(6))
     runs = {}
-    for slots, land in ((0, 0), (6, 0), (6, 2)):
-        tiers = [DeviceTier(layout, 12 + slots + land, device="cpu"), HostTier(layout, 64)]
+    for slots, land, disk in ((0, 0, False), (6, 0, False), (6, 2, False), (6, 2, True)):
+        tiers = [DeviceTier(layout, 12 + slots + land, device="cpu"), HostTier(layout, 8 if disk else 64)]
+        tiers += [DiskTier(layout, 64, tmp_path / "disk")] if disk else []  # most pages staged from disk
         engine = make(model, layout, tiers, SinkWindow(sinks=4, window=16),
                       TopK(4, recall_slots=slots, landing_slots=land), max_context=256)
-        runs[slots, land] = (greedy(engine, prompt, 16), engine.hit_rate(), engine)
-    for key in ((6, 0), (6, 2)):
-        assert torch.equal(runs[key][0].argmax(-1), runs[0, 0][0].argmax(-1))
-        assert rel_err(runs[key][0], runs[0, 0][0]) < 1e-6
-        assert runs[key][1] > runs[0, 0][1]
+        runs[slots, land, disk] = (greedy(engine, prompt, 16), engine.hit_rate(), engine)
+    assert runs[6, 2, True][2].stats.fetched_bytes["disk->staging"] > 0
+    for key in ((6, 0, False), (6, 2, False), (6, 2, True)):
+        assert torch.equal(runs[key][0].argmax(-1), runs[0, 0, False][0].argmax(-1))
+        assert rel_err(runs[key][0], runs[0, 0, False][0]) < 1e-6
+        assert runs[key][1] > runs[0, 0, False][1]
         assert runs[key][2].block_table is not runs[key][2].home  # the overlay never writes the host's copy
-    plain, landed = runs[6, 0][2].recall, runs[6, 2][2].recall
+    plain, landed = runs[6, 0, False][2].recall, runs[6, 2, False][2].recall
     assert int(plain.copied) > 0 and int(plain.landed) == 0
     assert int(landed.landed) > 0 and int(landed.copied) < int(plain.copied)
     assert int(landed.landed) + int(landed.copied) == int(plain.copied)  # the same admissions, fewer copies

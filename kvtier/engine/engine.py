@@ -49,6 +49,7 @@ from kvtier.engine.runner import LlamaRunner, make_runner
 from kvtier.engine.stats import AttentionStats, DeviceScores, KeyStats, QueryStats, SalienceStats
 from kvtier.errors import ConfigError, KVTierError, TierFullError
 from kvtier.eval.fidelity import FidelityStats, attention_fidelity
+from kvtier.kernels.base import STAGED
 from kvtier.kernels.reference import TorchBackend
 from kvtier.kernels.registry import make_backend
 from kvtier.layout import KVLayout
@@ -68,7 +69,6 @@ from kvtier.tiers.transfer import TransferEngine
 from kvtier.window import out_of_window
 
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, CAPTURE_TOKENS)  # chunk tokens a captured iteration is padded to
-STAGED = 1 << 30  # block-table values <= -STAGED: slots of the staging pool (kvtier.kernels.triton_decode)
 
 
 @dataclasses.dataclass

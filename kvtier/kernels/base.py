@@ -31,6 +31,8 @@ import torch
 
 from kvtier.errors import ConfigError
 
+STAGED = 1 << 30  # block-table values <= -STAGED: slot -x - STAGED of the pinned staging pool (disk and remote pages)
+
 
 @dataclass
 class PagedBatch:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.kernels.base import AttentionBackend, AttentionOutput, PagedBatch, check_landing, check_token_mask
+from kvtier.kernels.base import (STAGED, AttentionBackend, AttentionOutput, PagedBatch, check_landing,
+                                 check_token_mask)
 from kvtier.quant import dequantize, is_scaled_pool
 
 
@@ -121,7 +122,7 @@ def static_decode_reference(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: 
     loc = block_table.to(dev, torch.long).gather(1, lists.clamp(0, max_pages - 1).flatten(1)).view(lists.shape)
     need = ok.any(-1)  # [B, h, K] entries whose page is read
     pages = torch.zeros(*lists.shape, 2, page, n_kv, dim, dtype=torch.float32, device=dev)  # [B, h, K, 2, P, N_kv, D]
-    staged = -(1 << 30)
+    staged = -STAGED
     for pool, sel, slot in ((dev_pool, need & (loc >= 0), loc), (host_pool, need & (loc < 0) & (loc > staged), -loc - 1),
                             (stage_pool, need & (loc <= staged), -loc + staged)):
         if pool is not None and bool(sel.any()):

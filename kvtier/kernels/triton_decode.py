@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from kvtier.errors import ConfigError
+from kvtier.kernels.base import STAGED as STAGED_SLOTS
 from kvtier.kernels.base import (AttentionBackend, AttentionOutput, PagedBatch, check_landing, check_token_mask,
                                  to_device)
 from kvtier.kernels.triton_prefill import (LN2, LOG2E, PrefillConfig, check_page_size, dot_operand_dtype, finish_rows,
@@ -46,7 +47,7 @@ from kvtier.kernels.triton_prefill import (LN2, LOG2E, PrefillConfig, check_page
 from kvtier.quant import INT8, is_scaled_pool
 
 MAX_SPLITS = 128  # most splits per sequence that plan_static_decode chooses
-STAGED = tl.constexpr(1 << 30)  # block-table values <= -STAGED are slots of the staging pool
+STAGED = tl.constexpr(STAGED_SLOTS)  # block-table values <= -STAGED are slots of the staging pool
 
 
 @dataclass(frozen=True)
