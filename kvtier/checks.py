@@ -39,11 +39,11 @@ def check_topk_options(rank: str, query_rows, policy_share) -> None:
 
 
 def check_device_room(capacity: int, policy, page_size: int, chunk_tokens: int, field: str,
-                      batch_size: int = 1) -> None:
-    """The device holds :func:`device_pages_needed`."""
+                      batch_size: int = 1, taken: str = "") -> None:
+    """The device holds :func:`device_pages_needed` in ``capacity`` pages (``taken``: what took the rest, said)."""
     need = device_pages_needed(policy, page_size, chunk_tokens, batch_size)
     if capacity < need:
-        raise ConfigError(field, f"{capacity} device pages of {page_size} tokens cannot hold what policy "
+        raise ConfigError(field, f"{capacity} device pages{taken} of {page_size} tokens cannot hold what policy "
                                  f"'{policy.name}' pins, the page being written and {chunk_tokens} more tokens; "
                                  f"give the device at least {need} pages ({need * page_size} tokens), or pin less, "
                                  "or prefill in smaller steps (scheduler.prefill.chunk_size)")

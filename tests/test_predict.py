@@ -124,10 +124,13 @@ def test_the_estimate_from_the_layers_own_input_is_its_query(tiny):
 
 def test_prediction_needs_the_recall_cache_and_the_compact_runner(tiny):
     model, layout = tiny
-    with pytest.raises(ConfigError, match="scope.recall_slots.*cannot hold what policy 'sink_window' pins"):
-        tiers = [DeviceTier(layout, 18, device=DEV), HostTier(layout, 64)]
-        Engine(model, layout, tiers, SinkWindow(sinks=4, window=16), TopK(4, recall_slots=16),
-               config=EngineConfig(max_context=256))  # the recall slots leave 2 pages
+    for slots, land, taken in ((16, 0, "16 slots"), (12, 4, "12 slots and 1 x 4 landing slots")):
+        with pytest.raises(ConfigError, match=rf"scope.recall_slots: 2 device pages \(of 18, less the recall cache's "
+                                              rf"{taken}\) of 8 tokens cannot hold what policy 'sink_window' pins"):
+            tiers = [DeviceTier(layout, 18, device=DEV), HostTier(layout, 64)]
+            Engine(model, layout, tiers, SinkWindow(sinks=4, window=16),
+                   TopK(4, recall_slots=slots, landing_slots=land),
+                   config=EngineConfig(max_context=256))  # the recall and landing slots leave 2 pages
     with pytest.raises(ConfigError, match="scope.predictor.*recall_slots"):
         TopK(4, predictor="next_layer")
     with pytest.raises(ConfigError, match="scope.predictor.*unknown predictor 'infinigen'"):

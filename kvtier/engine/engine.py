@@ -148,12 +148,14 @@ class Engine:
         R = config.max_batch
         scratch = R > 1  # idle rows of a bucket write into one device slot per layer that nothing reads
         # device slots the recall cache takes: its slots, and each row's landing slots per layer
-        recall_slots = getattr(self.scope, "recall_slots", 0) + R * getattr(self.scope, "landing_slots", 0)
-        check_device_room(tiers[0].capacity - scratch, policy, layout.page_size, 0, f"tiers.{tiers[0].name}.capacity",
-                          R)
+        n_land = getattr(self.scope, "landing_slots", 0)
+        recall_slots = getattr(self.scope, "recall_slots", 0) + R * n_land
+        room = tiers[0].capacity - scratch
+        check_device_room(room, policy, layout.page_size, 0, f"tiers.{tiers[0].name}.capacity", R)
         if recall_slots:  # what the recall cache leaves
-            check_device_room(tiers[0].capacity - scratch - recall_slots, policy, layout.page_size, 0,
-                              "scope.recall_slots", R)
+            landing = f" and {R} x {n_land} landing slots" if n_land else ""
+            check_device_room(room - recall_slots, policy, layout.page_size, 0, "scope.recall_slots", R,
+                              f" (of {room}, less the recall cache's {self.scope.recall_slots} slots{landing})")
         held = sum(t.capacity for t in tiers) - scratch - recall_slots  # pages a row may hold
         self.max_pages = min(layout.pages_for(config.max_context), held) if config.max_context else held
         L, M = layout.num_layers, self.max_pages
@@ -242,7 +244,6 @@ class Engine:
                 raise ConfigError("scope.recall_slots", "the recall cache holds pages picked from the host tier: "
                                                         "add a host tier")
             slots = tiers[0].alloc(self._layers, self.scope.recall_slots).numpy().reshape(L, -1)  # [L, C]
-            n_land = getattr(self.scope, "landing_slots", 0)
             if n_land and layout.scaled:
                 raise ConfigError("scope.landing_slots", "the decode lands 16/32-bit pages only (the layout's pages "
                                                          "are 8-bit): set scope.landing_slots=0")
