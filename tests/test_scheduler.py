@@ -116,6 +116,24 @@ def test_demotion_cascades_to_lower_tier_when_full():
     assert transfer.pages_moved["host->slow"] > 0
 
 
+def test_demotions_past_a_lower_tiers_room_go_further_down():
+    """Eight pages fill a device of 3, a host of 2 and the tier below; the window moves to the last three pages.
+    Three pages leave the device for a full host that holds only two: both go down, and so does the lowest-ranked
+    of the three, straight from the device (the cascade raised TierFullError here before)."""
+    table = BlockTable(LAYOUT, [DeviceTier(LAYOUT, 3, device="cpu"), HostTier(LAYOUT, 2, name="host"),
+                                HostTier(LAYOUT, 16, name="slow")])
+    transfer = TransferEngine(table)
+    pol = SinkWindow(sinks=0, window=12)
+    pol.reset(2)
+    table.add_sequence(0)
+    table.append(0, 32)
+    pids = table.pages(0)
+    assert table.tier_of[:, pids].tolist() == [[0, 0, 0, 1, 1, 2, 2, 2]] * 2
+    step(table, transfer, LookaheadScheduler(), pol, 0, reserve=0)
+    assert table.tier_of[:, pids].tolist() == [[2, 1, 1, 2, 2, 0, 0, 0]] * 2
+    assert dict(transfer.pages_moved) == {"host->slow": 4, "device->slow": 2, "device->host": 4, "slow->device": 6}
+
+
 class Ranked(LRU):
     """Priorities fixed per logical page (higher first); every page may be promoted."""
 

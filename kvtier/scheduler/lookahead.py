@@ -196,25 +196,26 @@ class LookaheadScheduler(Scheduler):
         return plan
 
     def _demotions(self, table, layer, pids, prio, demote) -> list[Move]:
-        """Moves that push ``pids[demote]`` down one tier, cascading when a lower tier is full."""
+        """Moves that push ``pids[demote]`` down one tier, cascading when a lower tier is full: its lowest-priority
+        pages go a tier further, and where it holds too few of them, so do the lowest of the incoming pages."""
         moves = []
         incoming = demote
         for t in range(1, len(table.tiers)):
             if incoming.size == 0:
                 break
             tier = table.tiers[t]
-            free = tier.num_free(layer)
-            overflow = incoming.size - free
+            overflow = incoming.size - tier.num_free(layer)
+            moves_down = np.zeros(0, dtype=np.int64)
             if overflow > 0:
                 if t == len(table.tiers) - 1:
                     raise TierFullError(f"layer {layer}: tier '{tier.name}' is full and is the lowest tier; "
                                         "raise its capacity")
                 here = np.flatnonzero(table.tier_of[layer, pids] == t)
-                victims = here[np.argsort(prio[here], kind="stable")][:overflow]
-                moves_down = victims
-            else:
-                moves_down = np.zeros(0, dtype=np.int64)
-            moves.append(Move(layer, pids[incoming], t))
+                moves_down = here[np.argsort(prio[here], kind="stable")][:overflow]
+                passing = incoming[np.argsort(prio[incoming], kind="stable")][:overflow - moves_down.size]
+                incoming, moves_down = np.setdiff1d(incoming, passing), np.concatenate([moves_down, passing])
+            if incoming.size:
+                moves.append(Move(layer, pids[incoming], t))
             incoming = moves_down
         # lower tiers first, so each move finds its room
         return moves[::-1]
