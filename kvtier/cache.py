@@ -67,6 +67,7 @@ class TieredKVCache(PagedCacheBase):
     policy = _of_engine("policy")
     fidelity = _of_engine("fidelity")
     device = _of_engine("device")
+    hit_rate = _of_engine("hit_rate")  # cache.hit_rate(): attended pages read from the device tier, every step
 
     @property
     def scope(self) -> str:

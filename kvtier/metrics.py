@@ -11,10 +11,11 @@ import torch
 
 @dataclass
 class CacheStats:
-    """What the cache observed. Hit = an attended page that was read in place from the device tier."""
+    """What the cache observed. Hit = an attended page that was read in place from the device tier; the hit rate
+    over prefill and decode is :meth:`kvtier.engine.Engine.hit_rate` (decode pages are counted on the device)."""
 
-    attended_pages: int = 0
-    resident_pages: int = 0
+    attended_pages: int = 0  # pages prefill chunks attended (every layer)
+    resident_pages: int = 0  # of those, read from the device tier
     planned_pages: int = 0
     fetch_s: float = 0.0
     fidelity_s: float = 0.0  # time in the uncounted exact pass of cache.fidelity (left out of TTFT/TPOT)
@@ -42,10 +43,6 @@ class CacheStats:
     def attended_tokens_mean(self) -> float:
         per_step = self.attended_per_step()
         return float(np.mean(per_step)) if per_step else float("nan")
-
-    @property
-    def tier1_hit_rate(self) -> float:
-        return self.resident_pages / self.attended_pages if self.attended_pages else 1.0
 
     def add_fetch(self, link: str, nbytes: int) -> None:
         self.fetched_bytes[link] += nbytes

@@ -175,14 +175,19 @@ def test_the_recall_cache_survives_sequences_joining_and_leaving(tiny):
 
 def test_a_cache_driven_by_the_models_forward_ages_its_recall_cache(tiny):
     """A TieredKVCache with a user's TopK(recall_slots=...) (steps driven by the model's own forward): each decode
-    step advances the recall cache's clock, so its slots keep taking the newest picks read from the host."""
+    step advances the recall cache's clock, so its slots keep taking the newest picks read from the host, and the
+    cache's hit rate (prefill and decode) is above that of the same cache without recall slots."""
     model, layout = tiny
-    tiers = [DeviceTier(layout, 14, device=DEV), HostTier(layout, 64)]
-    cache = TieredKVCache(layout, tiers, SinkWindow(sinks=4, window=16), scope=TopK(4, recall_slots=4))
     ids = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(6)).to(DEV)
-    logits = cache.prefill(model, ids, chunk_size=64)
-    for _ in range(12):
-        logits = cache.forward(model, logits[:, -1:].argmax(-1))
-    cache.finish_step()
-    recall = cache.engine.recall
+    caches = []
+    for slots in (0, 4):
+        tiers = [DeviceTier(layout, 10 + slots, device=DEV), HostTier(layout, 64)]
+        cache = TieredKVCache(layout, tiers, SinkWindow(sinks=4, window=16), scope=TopK(4, recall_slots=slots))
+        logits = cache.prefill(model, ids, chunk_size=64)
+        for _ in range(12):
+            logits = cache.forward(model, logits[:, -1:].argmax(-1))
+        cache.finish_step()
+        caches.append(cache)
+    recall = caches[1].engine.recall
     assert int(recall.step) == 12 and int(recall.copied) > recall.slots.shape[1]  # more than one fill
+    assert caches[1].hit_rate() > caches[0].hit_rate()
