@@ -93,8 +93,11 @@ class TieredKVCache(PagedCacheBase):
         return key_states, value_states
 
     def attend(self, layer: int, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
-        """Paged attention of ``query [B, H, q, D]`` for ``layer`` under the scope: ``[B, q, H, D]``."""
+        """Paged attention of ``query [B, H, q, D]`` for ``layer`` under the scope: ``[B, q, H, D]``. The hook's
+        link is taken: each layer's ``update`` sets it again, and a forward with another cache (or none) finds no
+        kvtier cache instead of this one."""
         self._attended = layer
+        ACTIVE_CACHE.set(None)
         return self.engine.attend(layer, query, scaling)
 
     # -- running the model over it ------------------------------------------------------------------

@@ -198,6 +198,9 @@ def test_adapter_through_the_models_own_forward_matches_the_engine(tiny):
                 for _ in range(4):
                     out = model(input_ids=got[-1].argmax().view(1, 1), past_key_values=cache, use_cache=True)
                     got.append(out.logits[0, -1])
+                # a forward without the cache: refused by name, never attended over this cache's pages
+                with pytest.raises(ConfigError, match="past_key_values=TieredKVCache"):
+                    model(input_ids=got[-1].argmax().view(1, 1), use_cache=False)
             cache.close()
         finally:
             model.set_attn_implementation("sdpa")
