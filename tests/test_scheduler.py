@@ -100,14 +100,19 @@ def test_demoted_page_predicted_salient_is_promoted_back():
     assert transfer.pages_moved["host->device"] >= 2
 
 
-def test_demotion_cascades_to_lower_tier_when_full():
+def three_tiers(window: int, tokens: int):
+    """A device of 3 pages, a host of 2 and a slow tier of 16; one sequence of ``tokens``; SinkWindow(0, window)."""
     table = BlockTable(LAYOUT, [DeviceTier(LAYOUT, 3, device="cpu"), HostTier(LAYOUT, 2, name="host"),
                                 HostTier(LAYOUT, 16, name="slow")])
-    transfer = TransferEngine(table)
-    pol = SinkWindow(sinks=0, window=4)
+    pol = SinkWindow(sinks=0, window=window)
     pol.reset(2)
     table.add_sequence(0)
-    table.append(0, 12)
+    table.append(0, tokens)
+    return table, TransferEngine(table), pol
+
+
+def test_demotion_cascades_to_lower_tier_when_full():
+    table, transfer, pol = three_tiers(4, 12)
     for s in range(6):
         table.append(0, 4)
         step(table, transfer, LookaheadScheduler(), pol, s)
@@ -120,13 +125,7 @@ def test_demotions_past_a_lower_tiers_room_go_further_down():
     """Eight pages fill a device of 3, a host of 2 and the tier below; the window moves to the last three pages.
     Three pages leave the device for a full host that holds only two: both go down, and so does the lowest-ranked
     of the three, straight from the device (the cascade raised TierFullError here before)."""
-    table = BlockTable(LAYOUT, [DeviceTier(LAYOUT, 3, device="cpu"), HostTier(LAYOUT, 2, name="host"),
-                                HostTier(LAYOUT, 16, name="slow")])
-    transfer = TransferEngine(table)
-    pol = SinkWindow(sinks=0, window=12)
-    pol.reset(2)
-    table.add_sequence(0)
-    table.append(0, 32)
+    table, transfer, pol = three_tiers(12, 32)
     pids = table.pages(0)
     assert table.tier_of[:, pids].tolist() == [[0, 0, 0, 1, 1, 2, 2, 2]] * 2
     step(table, transfer, LookaheadScheduler(), pol, 0, reserve=0)
