@@ -33,7 +33,7 @@ compare-env: $(COMPARE_STAMP)
 run: $(STAMP)
 	$(VENV)/bin/kvtier-run $(ARGS)
 
-# The suite in WORKERS processes (pytest-xdist; CI has 2 cores): 13-18 minutes of pytest on 2 cores, 24 in one process.
+# The suite in WORKERS processes (pytest-xdist; CI has 2 cores): 6-18 minutes of pytest on 2 cores, by the box.
 WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) $(ARGS)
