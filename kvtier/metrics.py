@@ -22,7 +22,6 @@ class CacheStats:
     dropped_pages: int = 0  # (layer, page)s freed for good: left of their sliding window
     dropped_bytes: int = 0
     fetched_bytes: Counter = field(default_factory=Counter)  # link -> bytes copied for attention
-    read_bytes: Counter = field(default_factory=Counter)  # tier -> bytes read where they live (merge)
     occupancy: list = field(default_factory=list)  # [(step, {tier: pages in use, mean over layers})]
     compressed_pages: int = 0  # (layer, page)s dropped by a compression once the prefill ended
     attended_tokens: dict = field(default_factory=dict)  # decode step -> keys attended, summed over layers
@@ -46,9 +45,6 @@ class CacheStats:
 
     def add_fetch(self, link: str, nbytes: int) -> None:
         self.fetched_bytes[link] += nbytes
-
-    def add_read(self, tier: str, nbytes: int) -> None:
-        self.read_bytes[tier] += nbytes
 
     def observe_occupancy(self, step: int, table) -> None:
         self.occupancy.append((step, {name: float(np.mean(per_layer)) for name, per_layer in table.occupancy().items()}))
