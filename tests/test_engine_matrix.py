@@ -156,8 +156,8 @@ def test_a_statistic_the_scope_or_kernel_cannot_give_is_refused_at_construction(
 
 
 def test_python_api_mistakes_are_named(tiny):
-    """A string policy, a layout built for other heads, a float prompt and finishing an unknown sequence:
-    each a named error, nothing half-built."""
+    """A string policy, a layout built for other heads, a float, empty, 2-D or out-of-vocabulary prompt and
+    finishing an unknown sequence: each a named error, nothing half-built."""
     from kvtier import KVLayout
     from kvtier.errors import KVTierError
 
@@ -176,6 +176,12 @@ def test_python_api_mistakes_are_named(tiny):
     with pytest.raises(ConfigError) as e:
         engine.prefill_chunk(seq, torch.rand(10))
     assert e.value.field == "prompt" and "integer" in str(e.value)
+    vocab = model.config.vocab_size
+    for bad, says in ((torch.zeros(0, dtype=torch.long), "non-empty 1-D"), (torch.zeros(2, 5, dtype=torch.long), "1-D"),
+                      (torch.tensor([3, vocab]), f"in \\[0, {vocab}\\)"), (torch.tensor([-1, 3]), "from -1 to 3")):
+        with pytest.raises(ConfigError, match=says) as e:
+            engine.add(bad)
+        assert e.value.field == "prompt"
     with pytest.raises(KVTierError, match="unknown sequence 99"):
         engine.finish(99)
     assert engine.row_seq.count(seq) == 1  # the bad calls changed nothing

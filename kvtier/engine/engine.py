@@ -304,7 +304,7 @@ class Engine:
     def add(self, prompt: torch.Tensor, all_logits: bool = False) -> tuple[int, torch.Tensor]:
         """Prefill ``prompt [S]`` as a new sequence and start decoding it: ``(sequence id, logits [S or 1, V])``.
         The greedy next token becomes its input of the next :meth:`step`."""
-        seq = self.open(int(prompt.numel()))
+        seq = self.open(int(self._check_ids(prompt).numel()))
         logits = self.prefill_sequence(seq, prompt, all_logits)
         self.start_decode(seq, logits[-1].argmax())
         return seq, logits
@@ -395,9 +395,16 @@ class Engine:
         return row
 
     def _check_ids(self, ids) -> torch.Tensor:
-        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32) or ids.numel() < 1:
-            raise ConfigError("prompt", f"token ids must be a non-empty integer tensor, got "
-                                        f"{getattr(ids, 'dtype', type(ids).__name__)}")
+        """Prompt tokens ``ids [q]``: a non-empty 1-D integer tensor of ids in the model's vocabulary."""
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32) or ids.dim() != 1 or \
+                ids.numel() < 1:
+            raise ConfigError("prompt", "token ids must be a non-empty 1-D integer tensor [S], got "
+                                        f"{getattr(ids, 'dtype', type(ids).__name__)} of shape "
+                                        f"{tuple(getattr(ids, 'shape', ()))}")
+        vocab = self.model.config.vocab_size if self.model is not None else None
+        if vocab is not None and not 0 <= int(ids.min()) <= int(ids.max()) < vocab:
+            raise ConfigError("prompt", f"token ids must be in [0, {vocab}) (the model's vocabulary), got ids from "
+                                        f"{int(ids.min())} to {int(ids.max())}")
         return ids.long()
 
     @torch.no_grad()
