@@ -45,6 +45,10 @@ class BlockTable:
     def __init__(self, layout: KVLayout, tiers: list[Tier]):
         if not tiers:
             raise ConfigError("tiers", "at least one tier (the device tier) is needed")
+        kinds = [t.kind for t in tiers]
+        if kinds[0] != "device" or "device" in kinds[1:]:
+            raise ConfigError("tiers", f"the device tier comes first and only once (fastest first), got tiers of "
+                                       f"kinds {kinds}")
         for t in tiers:
             if t.layout != layout:
                 raise ConfigError(f"tiers.stack.{t.name}", "tier built for another KVLayout")

@@ -156,8 +156,8 @@ def test_a_statistic_the_scope_or_kernel_cannot_give_is_refused_at_construction(
 
 
 def test_python_api_mistakes_are_named(tiny):
-    """A string policy, a layout built for other heads, a float, empty, 2-D or out-of-vocabulary prompt and
-    finishing an unknown sequence: each a named error, nothing half-built."""
+    """A string policy, tiers out of order, a layout built for other heads, a float, empty, 2-D or
+    out-of-vocabulary prompt and finishing an unknown sequence: each a named error, nothing half-built."""
     from kvtier import KVLayout
     from kvtier.errors import KVTierError
 
@@ -166,6 +166,10 @@ def test_python_api_mistakes_are_named(tiny):
     with pytest.raises(ConfigError) as e:
         Engine(model, layout, tiers(), "sink_window", All())
     assert e.value.field == "policy" and "kvtier.policies" in str(e.value)
+    for stack in ([HostTier(layout, 8), DeviceTier(layout, 8, device="cpu")], tiers() + tiers()):
+        with pytest.raises(ConfigError, match="the device tier comes first and only once") as e:
+            Engine(model, layout, stack, LRU(), All())
+        assert e.value.field == "tiers"
     wrong = KVLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim * 2, layout.page_size, "float32")
     engine = Engine(model, wrong, tiers(wrong), LRU(), All())
     with pytest.raises(ConfigError) as e:
