@@ -37,6 +37,7 @@ from kvtier.errors import ConfigError
 from kvtier.hook import use_hook
 from kvtier.models import kv_layout_for
 from kvtier.policies import Policy
+from kvtier.scopes import make_scope
 from kvtier.tiers.redis_server import LocalRedis
 
 
@@ -60,6 +61,7 @@ def cache_for(model, prompt_tokens: int, new_tokens: int = 0, *, policy: str | P
         raise ConfigError("hbm", f"the device tier's share of the prompt must be in (0, 1], got {hbm!r}")
     if (budget := int(hbm * prompt_tokens)) < 1:
         raise ConfigError("hbm", f"{hbm} of a {prompt_tokens}-token prompt is no token; raise hbm")
+    make_scope(scope)  # a name it does not know is said before any size is
     device = next(model.parameters()).device
     layout = kv_layout_for(model.config, page_size=page_size, dtype=model.dtype)
     if not isinstance(policy, Policy):

@@ -81,7 +81,8 @@ def test_offload_makes_a_fresh_cache_per_call_and_refuses_one_given(model, promp
 
 @pytest.mark.parametrize("kwargs, field", [({"hbm": 0.0}, "hbm"), ({"hbm": 1.5}, "hbm"), ({"hbm": 0.01}, "hbm"),
                                            ({"policy": "fifo"}, "policy"), ({"tiers": "host"}, "tiers"),
-                                           ({"kernel": "cuda"}, "kernel")])
+                                           ({"kernel": "cuda"}, "kernel"),
+                                           ({"scope": "topkk", "hbm": 0.05}, "scope")])  # the name before the size
 def test_bad_arguments_name_their_key(model, kwargs, field):
     with pytest.raises(ConfigError) as err:
         kvtier.cache_for(model, 131, 4, **{"hbm": 0.5} | kwargs)
