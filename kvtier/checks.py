@@ -39,14 +39,17 @@ def check_topk_options(rank: str, query_rows, policy_share) -> None:
 
 
 def check_device_room(capacity: int, policy, page_size: int, chunk_tokens: int, field: str,
-                      batch_size: int = 1, taken: str = "") -> None:
-    """The device holds :func:`device_pages_needed` in ``capacity`` pages (``taken``: what took the rest, said)."""
+                      batch_size: int = 1, taken: int = 0, by: str = "") -> None:
+    """What the ``capacity`` device pages leave once ``taken`` of them went elsewhere (``by``: to what, said) holds
+    :func:`device_pages_needed`."""
     need = device_pages_needed(policy, page_size, chunk_tokens, batch_size)
-    if capacity < need:
-        raise ConfigError(field, f"{capacity} device pages{taken} of {page_size} tokens cannot hold what policy "
+    if capacity - taken < need:
+        left = f"{capacity - taken} device pages (of {capacity}, less {by})" if taken else f"{capacity} device pages"
+        raise ConfigError(field, f"{left} of {page_size} tokens cannot hold what policy "
                                  f"'{policy.name}' pins, the page being written and {chunk_tokens} more tokens; "
-                                 f"give the device at least {need} pages ({need * page_size} tokens), or pin less, "
-                                 "or prefill in smaller steps (scheduler.prefill.chunk_size)")
+                                 f"give the device at least {need + taken} pages ({(need + taken) * page_size} "
+                                 "tokens), or pin less, or prefill in smaller steps (scheduler.prefill.chunk_size)"
+                                 + (f", or give less to {by}" if taken else ""))
 
 
 def check_partial_budget(budget: int, context: int, scope: str, key: str) -> None:

@@ -154,8 +154,8 @@ class Engine:
         check_device_room(room, policy, layout.page_size, 0, f"tiers.{tiers[0].name}.capacity", R)
         if recall_slots:  # what the recall cache leaves
             landing = f" and {R} x {n_land} landing slots" if n_land else ""
-            check_device_room(room - recall_slots, policy, layout.page_size, 0, "scope.recall_slots", R,
-                              f" (of {room}, less the recall cache's {self.scope.recall_slots} slots{landing})")
+            check_device_room(room, policy, layout.page_size, 0, "scope.recall_slots", R, recall_slots,
+                              f"the recall cache's {self.scope.recall_slots} slots{landing}")
         held = sum(t.capacity for t in tiers) - scratch - recall_slots  # pages a row may hold
         self.max_pages = min(layout.pages_for(config.max_context), held) if config.max_context else held
         L, M = layout.num_layers, self.max_pages
