@@ -170,11 +170,11 @@ def metrics_table(m: dict) -> Table:
             t.add_row("keys attended per decode step mean / max", f"{m['attended_tokens_per_step']:.1f} / "
                                                                    f"{m['attended_tokens_per_step_max']:g}")
         t.add_row("offloaded fraction", f"{m['offloaded_fraction']:.1%}")
-        if m.get("recall_pages_copied") or m.get("recall_pages_landed") or m.get("pages_fetched_ahead"):
-            ahead = (f"{m['pages_fetched_ahead']} ({m['predictor_accuracy']:.1%})" if m["pages_fetched_ahead"]
-                     else "0")
-            t.add_row("recall pages copied / landed / ahead (picked)",
-                      f"{m['recall_pages_copied']} / {m.get('recall_pages_landed', 0)} / {ahead}")
+    if m.get("recall_pages_copied") or m.get("recall_pages_landed") or m.get("pages_fetched_ahead"):
+        ahead = f"{m['pages_fetched_ahead']} ({m['predictor_accuracy']:.1%})" if m["pages_fetched_ahead"] else "0"
+        t.add_row("recall pages copied / landed / ahead (picked)",
+                  f"{m['recall_pages_copied']} / {m.get('recall_pages_landed', 0)} / {ahead}")
+    if not serving:
         for link, n in sorted(m["bytes_moved"].items()):
             t.add_row(f"bytes moved {link}", _mib(n))
         t.add_row("bytes moved total", _mib(m["bytes_moved_total"]))
