@@ -621,3 +621,17 @@ def test_topk_sketch_refuses_a_rank_past_the_head_dim_and_a_rank_without_the_ske
                config=EngineConfig(max_context=64))
     with pytest.raises(ConfigError, match="scope.sketch_rank.*only rank 'sketch'"):
         TopK(rank="gauss", sketch_rank=8)
+
+
+def test_read_only_pid_arrays_index_the_statistics_without_a_warning():
+    """Pids handed over as a read-only array (a broadcast, a view of a frozen table) index the device statistics as
+    a copy: no "non-writable" warning in a run's console, and the pages named are the ones reset."""
+    import warnings
+
+    stats = KeyStats(LAYOUT, 16, "cpu")
+    stats.count[:] = 3.0
+    pids = np.broadcast_to(np.array([2, 5]), (2,))  # read-only
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stats.on_append(pids)
+    assert stats.count[:, [2, 5]].eq(0).all() and stats.count[:, [0, 1, 3, 4]].eq(3).all()

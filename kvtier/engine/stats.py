@@ -21,6 +21,12 @@ import numpy as np
 import torch
 
 
+def pid_index(pids, device) -> torch.Tensor:
+    """Pids ``[n]`` (any integer array, read-only ones too) as an int64 index on ``device``."""
+    a = np.asarray(pids, dtype=np.int64)
+    return torch.from_numpy(a if a.flags.writeable else a.copy()).to(device)
+
+
 class KeyStats:
     """Key statistics per (layer, pid, kv head): ``key_min``/``key_max``/``key_sum``/``key_sq`` are
     ``[L, pids, N_kv, D]``, ``norm_sum`` ``[L, pids, N_kv]``, ``count`` ``[L, pids]`` (float32), allocated
@@ -52,12 +58,12 @@ class KeyStats:
     def norm_mean(self, pids: np.ndarray) -> np.ndarray:
         """Mean key L2 norm of pages ``pids [n]`` ``[L, n, N_kv]`` (NaN for an empty page), read now (a wait for the
         queued steps)."""
-        idx = torch.from_numpy(np.asarray(pids, dtype=np.int64)).to(self.device)
+        idx = pid_index(pids, self.device)
         return (self.norm_sum[:, idx] / self.count[:, idx, None]).cpu().numpy()
 
     def on_append(self, pids: np.ndarray, step: int = 0) -> None:
         """Fresh pages (a recycled pid forgets its keys)."""
-        idx = torch.from_numpy(np.asarray(pids, dtype=np.int64)).to(self.device)
+        idx = pid_index(pids, self.device)
         for name, fill in self.FILL.items():
             getattr(self, name)[:, idx] = fill
         if self.sketch is not None:
@@ -206,7 +212,7 @@ class AttentionStats:
     # -- what the step adds ------------------------------------------------------------------------
     def on_append(self, pids: np.ndarray, step: int) -> None:
         """Fresh pages (a recycled pid forgets its past), from ``step`` on; the host view forgets them now."""
-        idx = torch.from_numpy(np.asarray(pids, dtype=np.int64)).to(self.device)
+        idx = pid_index(pids, self.device)
         for t in (self.total, self.window):
             if t is not None:
                 t[idx] = 0
@@ -315,7 +321,7 @@ class SalienceStats:
 
     def on_append(self, pids: np.ndarray, step: int) -> None:
         """Fresh pages (a recycled pid forgets its past); the host view forgets them now."""
-        self.ring[torch.from_numpy(np.asarray(pids, dtype=np.int64)).to(self.device)] = float("nan")
+        self.ring[pid_index(pids, self.device)] = float("nan")
         if self.host is not None:
             self.host.forget(pids, step)
 

@@ -16,7 +16,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from kvtier.engine.stats import ATTENTION_FIELDS, AttentionStats, SalienceStats
+from kvtier.engine.stats import ATTENTION_FIELDS, AttentionStats, SalienceStats, pid_index
 from kvtier.errors import KVTierError
 from kvtier.policies.base import PageInfo, grown
 
@@ -65,7 +65,7 @@ class StatsStore:
             self.attention = AttentionStats(self.L, max(64, 2 * size), mass.shape[-1], self.rows, self.keeps, "cpu")
             for old, new in zip(a.tensors() if a is not None else [], self.attention.tensors()):  # pids kept so far
                 (new[:old.shape[0]] if old.dim() == 3 else new[:, :old.shape[1]] if old.dim() == 4 else new).copy_(old)
-        self.attention.add(layer, torch.from_numpy(np.asarray(pids, dtype=np.int64)), torch.as_tensor(mass))
+        self.attention.add(layer, pid_index(pids, "cpu"), torch.as_tensor(mass))
 
     def on_salience(self, layer, pids: np.ndarray, scores: np.ndarray) -> None:
         """Salience fed by hand, without an engine (tests, the simulator): ``scores [n, N_kv]`` of pages ``pids [n]``
