@@ -39,13 +39,17 @@ X_AXES = {"fraction": ("budget_fraction", "device budget (fraction of the contex
 
 
 def load_runs(root: Path) -> list[dict]:
-    """Every run's metrics under ``root``, each with ``_dir`` (its folder relative to ``root``)."""
+    """Every run's metrics under ``root`` that has a task score, each with ``_dir`` (its folder relative to
+    ``root``); the others are named on stderr and left out."""
     runs = []
     for path in sorted(Path(root).rglob("metrics.json")):
         try:
             m = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             print(f"skipping {path}: {e}", file=sys.stderr)
+            continue
+        if "score_name" not in m:  # a simulator run (experiment=sim_seed*): its own figure is in its folder
+            print(f"skipping {path}: no task score (a simulator run's figure is in its folder)", file=sys.stderr)
             continue
         m["_dir"] = str(path.parent.relative_to(root)) if path.parent != Path(root) else path.parent.name
         runs.append(m)
@@ -201,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     runs = load_runs(args.dir)
     if not runs:
-        parser.error(f"no metrics.json under {args.dir}; point it at a kvtier-run output or multirun folder")
+        parser.error(f"no metrics.json with a task score under {args.dir}; point it at a kvtier-run output or "
+                     "multirun folder")
     out = args.out or args.dir / "plots"
     for path in summary(runs, out, args.x) + quality_vs_budget(runs, out, args.x) + occupancy(runs, out):
         print(path)

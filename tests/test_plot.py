@@ -71,6 +71,19 @@ def test_a_folder_without_runs_is_an_error(tmp_path, capsys):
     assert exc.value.code == 2 and "no metrics.json" in capsys.readouterr().err
 
 
+def test_a_simulator_run_beside_task_runs_is_left_out_by_name(sweep, capsys):
+    """An ``experiment=sim_seed*`` run's metrics.json has no task score: named on stderr and left out (a
+    KeyError before), and alone it is the no-runs error."""
+    sim = sweep / "sim" / "metrics.json"
+    sim.parent.mkdir()
+    sim.write_text(json.dumps({"task": "sim_seed", "run_name": "sim", "wall_s": 1.0, "task_result": {}, "config": {}}))
+    assert main([str(sweep)]) == 0
+    assert f"skipping {sim}: no task score" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main([str(sim.parent)])
+    assert exc.value.code == 2 and "no metrics.json with a task score" in capsys.readouterr().err
+
+
 def test_python_dash_m_entry(sweep):
     proc = subprocess.run([sys.executable, "-m", "kvtier.plot", str(sweep), "--x", "fraction"], capture_output=True,
                           text=True, timeout=120)
