@@ -188,7 +188,25 @@ def job_configs(argv: list[str]):
         axes = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
                 else [o.input_line] for o in parser.parse_overrides((params if multirun else []) + overrides)]
         for job in itertools.product(*axes):
-            yield compose(opts.config_name, overrides=list(job))
+            cfg = compose(opts.config_name, overrides=list(job))
+            check_read(cfg, job)
+            yield cfg
+
+
+NOT_READ_WITHOUT_MODEL = ("model", "tiers", "policy", "scope", "scheduler", "kernel", "logger", "page_size", "kv_dtype",
+                          "budget", "cache", "engine")  # what a task that loads no model (kvtier.sim) never reads
+
+
+def check_read(cfg: DictConfig, overrides) -> None:
+    """A task that loads no model (``experiment=sim_seed*``) reads only its own keys: an override of the cache's
+    groups and keys would change nothing (a sweep of identical runs), so it is refused by name."""
+    if getattr(build(cfg.task, "task", call=False), "needs_model", True):
+        return
+    for line in overrides:
+        key = line.split("=", 1)[0].lstrip("+~")
+        if key.split(".")[0].split("/")[0] in NOT_READ_WITHOUT_MODEL:
+            raise ConfigError(key, f"task {cfg.task._target_.rpartition('.')[2]} loads no model and reads only its "
+                                   "task.* keys: this setting would change nothing")
 
 
 @contextlib.contextmanager

@@ -170,6 +170,20 @@ def test_sim_seed_recipe_runs_without_a_model(tmp_path):
     assert not math.isnan(r["transfer_ms_4096"])
 
 
+def test_a_setting_a_simulator_run_would_not_read_is_refused_by_name():
+    """experiment=sim_seed* loads no model: a sweep of the budget, a logger or a policy would give identical runs
+    (a multirun of two such runs differed only in its plot's path), so the command is refused naming the key."""
+    from kvtier.run import job_configs
+
+    for args, key in ((["-m", "experiment=sim_seed001", "budget.fraction=0.2,0.3"], "budget.fraction"),
+                      (["experiment=sim_seed000", "logger=wandb"], "logger"),
+                      (["experiment=sim_seed002", "policy=lru"], "policy")):
+        with pytest.raises(ConfigError, match="loads no model") as e:
+            list(job_configs(args))
+        assert e.value.field == key
+    assert len(list(job_configs(["-m", "experiment=sim_seed001", "task.plots=true,false"]))) == 2
+
+
 def test_sim_seed_refuses_unknown_seed_and_options():
     from kvtier.sim.task import SimSeed
 
