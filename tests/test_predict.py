@@ -87,7 +87,7 @@ def test_the_triton_decode_reads_staged_disk_pages_beside_recall_and_landing(tin
     prompt = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(6)).to(DEV)
     runs = []
     for name in ("torch", "triton"):
-        tiers = [DeviceTier(layout, 20, device=DEV), HostTier(layout, 8), DiskTier(layout, 64, tmp_path / name)]
+        tiers = [DeviceTier(layout, 20, device=DEV), HostTier(layout, 4), DiskTier(layout, 64, tmp_path / name)]
         engine = Engine(model, layout, tiers, SinkWindow(sinks=4, window=16), TopK(4, recall_slots=6, landing_slots=2),
                         prefill=ChunkedPrefill(64), kernel=make_backend(name, DEV), config=EngineConfig(max_context=256))
         logits = torch.stack([engine.add(prompt)[1][-1]] + [engine.step()[0].clone() for _ in range(8)])
