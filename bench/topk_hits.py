@@ -14,9 +14,10 @@ picked.
 What limits a recall cache's hits: the rows with recall slots and no predictor also record every step's picks
 (:class:`PickTrace`) and replay them through three caches of those picks that are not at home on the device:
 the shipped rule (least recently picked, ``lru``: it gives the engine's hit rate), Belady's rule with the same
-slots (``opt``: each step keeps the pages picked again soonest, knowing the future; no rule that caches only the pages read does better),
-and a cache that never evicts (``unbounded``: only a page's first pick misses). ``--windows N`` splits the steps into
-N equal spans and reports the shipped rule's hit rate in each (the cache starts empty after the prefill).
+slots (``opt``: each step keeps the pages picked again soonest, knowing the future; no rule that caches only the
+pages read does better), and a cache that never evicts (``unbounded``: only a page's first pick misses).
+``--windows N`` splits the steps into N equal spans and reports the shipped rule's hit rate in each (the cache
+starts empty after the prefill).
 Run:  python -m bench.topk_hits [--context 2048] [--steps 32] [--grid 16:2:0,16:0:13,16:0:13:next_layer]
 (writes topk_hits.json; each grid entry is topk_pages:lookahead:recall_slots[:predictor])
 """
@@ -160,7 +161,8 @@ def main():
         attended, on_device = engine.counts.tolist()
         recalled = engine.recall
         ahead = int(recalled.prefetched) if recalled is not None else 0
-        rows.append({**(trace.hit_rates(recall, args.windows) if trace is not None else {}),"topk_pages": k, "lookahead": lookahead, "recall_slots": recall, "predictor": predictor or "-",
+        rows.append({**(trace.hit_rates(recall, args.windows) if trace is not None else {}),
+                     "topk_pages": k, "lookahead": lookahead, "recall_slots": recall, "predictor": predictor or "-",
                      "hit_rate": on_device / attended if attended else 1.0,
                      "pages_moved": sum(engine.transfer.pages_moved.values())
                      + (int(recalled.copied) + ahead if recalled is not None else 0),

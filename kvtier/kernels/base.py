@@ -34,6 +34,11 @@ from kvtier.errors import ConfigError
 STAGED = 1 << 30  # block-table values <= -STAGED: slot -x - STAGED of the pinned staging pool (disk and remote pages)
 
 
+def at_host(loc: torch.Tensor) -> torch.Tensor:
+    """Block-table values ``loc`` that are host-pool slots (``-s - 1``): not device slots, not staged."""
+    return (loc < 0) & (loc > -STAGED)
+
+
 @dataclass
 class PagedBatch:
     """The page lists of one attention call (all int32 on the pool's device)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.kernels.base import (STAGED, AttentionBackend, AttentionOutput, PagedBatch, check_landing,
+from kvtier.kernels.base import (STAGED, AttentionBackend, AttentionOutput, PagedBatch, at_host, check_landing,
                                  check_token_mask)
 from kvtier.quant import dequantize, is_scaled_pool
 
@@ -123,13 +123,13 @@ def static_decode_reference(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: 
     need = ok.any(-1)  # [B, h, K] entries whose page is read
     pages = torch.zeros(*lists.shape, 2, page, n_kv, dim, dtype=torch.float32, device=dev)  # [B, h, K, 2, P, N_kv, D]
     staged = -STAGED
-    for pool, sel, slot in ((dev_pool, need & (loc >= 0), loc), (host_pool, need & (loc < 0) & (loc > staged), -loc - 1),
+    for pool, sel, slot in ((dev_pool, need & (loc >= 0), loc), (host_pool, need & at_host(loc), -loc - 1),
                             (stage_pool, need & (loc <= staged), -loc + staged)):
         if pool is not None and bool(sel.any()):
             pages[sel] = as_f32(pool[slot[sel].to(pool.device)]).to(dev)
     if land_slots is not None:  # the row's r-th listed page at home on the host, read whole, lands in slot r
         live = (lists >= 0) & (lists < -(-lens[..., 0] // page))  # [B, 1, K]
-        from_host = live & (loc < 0) & (loc > staged)
+        from_host = live & at_host(loc)
         rank = from_host.cumsum(-1) - from_host.long()  # [B, 1, K]
         lands = from_host & ok.all(-1) & (rank < land_slots.shape[1])
         land_index[:, :n_listed].copy_(torch.where(lands, rank, -1)[:, 0])

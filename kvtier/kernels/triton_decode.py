@@ -38,9 +38,8 @@ import triton
 import triton.language as tl
 
 from kvtier.errors import ConfigError
-from kvtier.kernels.base import STAGED as STAGED_SLOTS
-from kvtier.kernels.base import (AttentionBackend, AttentionOutput, PagedBatch, check_landing, check_token_mask,
-                                 to_device)
+from kvtier.kernels.base import (STAGED as STAGED_SLOTS, AttentionBackend, AttentionOutput, PagedBatch, check_landing,
+                                 check_token_mask, to_device)
 from kvtier.kernels.triton_prefill import (LN2, LOG2E, PrefillConfig, check_page_size, dot_operand_dtype, finish_rows,
                                            MIN_DOT, fit_shared_memory, int8_tile, merge_splits,
                                            online_softmax_step, paged_prefill, plan_prefill, query_operand, value_operand)
@@ -190,6 +189,16 @@ def _page_rows(dev_kv, host_kv, stage_kv, loc, row, stride_slot, HAS_HOST: tl.co
 
 
 @triton.jit
+def _listed_on_host(list_row, bt_row, idx, listed, n_pages):
+    """``[n]`` int32: 1 where the listed entry ``idx`` (``listed``: within the list) is a live page at home on the host
+    (not staged), else 0."""
+    pg = tl.load(list_row + idx, mask=listed, other=-1)  # [n] logical page
+    live = (pg >= 0) & (pg < n_pages)
+    at = tl.load(bt_row + pg, mask=live, other=0)
+    return (live & (at < 0) & (at > -STAGED)).to(tl.int32)
+
+
+@triton.jit
 def _static_split_kernel(
     q, dev_kv, host_kv, stage_kv, block_table, seq_lens, page_list, token_mask, spans,
     out, lse, page_max, page_lse, land_slots, land_index,
@@ -282,10 +291,7 @@ def _static_split_kernel(
     if LAND:
         for j in range(0, blk_lo, SCAN):
             idx = j + tl.arange(0, SCAN)  # [SCAN]
-            pg = tl.load(list_row + idx, mask=idx < blk_lo, other=-1)
-            live = (pg >= 0) & (pg < n_pages)
-            at = tl.load(bt_row + pg, mask=live, other=0)
-            from_host_before += tl.sum((live & (at < 0) & (at > -STAGED)).to(tl.int32))
+            from_host_before += tl.sum(_listed_on_host(list_row, bt_row, idx, idx < blk_lo, n_pages))
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -313,10 +319,7 @@ def _static_split_kernel(
         k_ptrs = k_row[:, None] + offs_d[None, :]  # [N, D]
         kv_mask = ok[:, None] & d_ok[None, :]
         if LAND:  # the block's pages at home on the host, read whole: their landing slots
-            page_pg = tl.load(list_row + pidx, mask=pidx < i1, other=-1)  # [PPB] logical page
-            live = (page_pg >= 0) & (page_pg < n_pages)
-            at = tl.load(bt_row + page_pg, mask=live, other=0)
-            from_host = (live & (at < 0) & (at > -STAGED)).to(tl.int32)  # [PPB]
+            from_host = _listed_on_host(list_row, bt_row, pidx, pidx < i1, n_pages)  # [PPB]
             rank = from_host_before + tl.cumsum(from_host, 0) - from_host  # [PPB] r of each host page
             from_host_before += tl.sum(from_host)
             whole = tl.min(tl.reshape(ok, [PPB, PAGE]).to(tl.int32), axis=1) > 0  # [PPB] every key read

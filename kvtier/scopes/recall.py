@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvtier.kernels.base import STAGED
+from kvtier.kernels.base import at_host
 from kvtier.scopes.base import DROPPED_LOC
 from kvtier.tiers.copy_kernel import copy_pool_pages
 
@@ -196,8 +196,8 @@ def plan_admission(picks: torch.Tensor, table: torch.Tensor, home: torch.Tensor 
     ``page``/``stamp [L', C]`` and ``copied`` in place and returns each layer's copy, host slots and device slots
     ``[L', B*K]`` (-1 and the scratch slot: nothing to copy). A pick is cached when its table entry is a recall slot
     (``slot_index [L', cap]``: device slot -> its index, -1 none); a miss is admitted from the host tier only (a
-    disk or remote page staged for the step is read from the staging pool again). ``fetch_ahead``: the picks are predicted, ``ahead
-    [L', C]`` marks the slots filled, and the table points at them (the pages they evicted at ``home``); else
+    disk or remote page staged for the step is read from the staging pool again). ``fetch_ahead``: the picks are
+    predicted, ``ahead [L', C]`` marks the slots filled, and the table points at them (the pages they evicted at ``home``); else
     ``predicted`` counts the marked slots picked, and the marks go. ``land_index [L', B, K]`` (each pick's landing
     slot index, -1 none) and ``land [L', R, n]`` (each row's landing slots): a miss that landed is admitted by
     swapping its landing slot with its victim's slot (``slots``, ``slot_index``, ``land`` in place; nothing to
@@ -217,7 +217,7 @@ def plan_admission(picks: torch.Tensor, table: torch.Tensor, home: torch.Tensor 
     if not fetch_ahead:
         predicted.add_((ahead & hit_slots).sum())
         ahead.zero_()
-    miss = picked & (loc < 0) & (loc > -STAGED)  # [L', N] at home on the host (not staged), not in a recall slot
+    miss = picked & at_host(loc)  # [L', N] at home on the host (not staged), not in a recall slot
     n = min(miss.shape[1], C)
     # [L', n] oldest first, equal stamps the lower slot first: one sort launch (a GPU topk selects, then sorts)
     victims = torch.argsort(stamp, dim=1, stable=True)[:, :n]
