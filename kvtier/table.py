@@ -48,7 +48,8 @@ class BlockTable:
         kinds = [t.kind for t in tiers]
         if kinds[0] != "device" or "device" in kinds[1:]:
             raise ConfigError("tiers", f"the device tier comes first and only once (fastest first), got tiers of "
-                                       f"kinds {kinds}")
+                                       f"kinds {kinds} (a tier class of your own that holds the device's pages sets "
+                                       "kind = 'device')")
         for t in tiers:
             if t.layout != layout:
                 raise ConfigError(f"tiers.stack.{t.name}", "tier built for another KVLayout")
