@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -56,3 +58,34 @@ def write_json(name: str, payload) -> Path:
     path = out_path(name)
     path.write_text(json.dumps(payload, indent=1, default=str))
     return path
+
+
+# kinds of a decode step's kernels, by name (the first that matches; the rest is "other")
+KERNEL_KINDS = {"matmul": r"nvjet|gemm|cutlass|xmma|cublas", "page choice": r"_page_scores|_page_select",
+                "attention": r"_static_split|_merge_splits|_prefill", "copy": r"[Mm]emcpy"}
+
+
+def kernel_times(step, steps: int) -> list[tuple[str, float, float]]:
+    """``step()`` run ``steps`` times under the torch profiler: ``(kernel name, launches a step, us a step)`` for
+    every CUDA kernel and copy, slowest first."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    per_kernel = defaultdict(lambda: [0, 0.0])  # name -> [launches, us]
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[ev.name][0] += 1
+            per_kernel[ev.name][1] += ev.device_time
+    return sorted(((k, c / steps, t / steps) for k, (c, t) in per_kernel.items()), key=lambda x: -x[2])
+
+
+def kernel_ms_by_kind(kernels: list[tuple[str, float, float]]) -> dict[str, float]:
+    """:func:`kernel_times`' rows summed by :data:`KERNEL_KINDS`: ms a step of each kind, ``total`` and
+    ``launches``. The kinds overlap in time where streams run side by side (copies beside compute)."""
+    out = dict.fromkeys([*KERNEL_KINDS, "other"], 0.0)
+    for name, _, us in kernels:
+        kind = next((k for k, pattern in KERNEL_KINDS.items() if re.search(pattern, name)), "other")
+        out[kind] += us / 1e3
+    return {**out, "total": sum(out.values()), "launches": sum(c for _, c, _ in kernels)}

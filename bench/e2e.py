@@ -24,6 +24,10 @@ adds the capacity rows (:func:`capacity_rows`): dense at batch B against recall 
 the ends of consecutive steps on the GPU's timeline (CUDA events; the host runs ahead, so host work
 shows only where it is slower than the GPU); p50/p99 after ``WARMUP`` steps. Hidden fraction =
 1 - (TPOT - TPOT all-HBM) / (bytes moved per step at the measured pinned copy rate), clipped to [0, 1].
+Each tiered row says whether its greedy tokens equal the all-HBM row's (``same_tokens_as_dense``, the share of
+sequences) and, with a predictor, the same row's without one (``same_tokens_as_unpredicted``: a prediction must
+change no output). ``--profile N`` profiles N more steps of each row: its kernel time a step by kind (``kernel_ms``:
+matmul, page choice, attention, copy, other), which says where a row's time goes.
 Run on a GPU:  python -m bench.e2e [--models ...] [--shapes BxS,...] [--no-hf]   (writes $OUT/e2e.json)
 """
 
@@ -37,7 +41,8 @@ import numpy as np
 import torch
 
 from bench.baselines import free_device_memory, hf_decode_tpot, measure_hbm_read_GBps, physical_limit_ms
-from bench.common import MODELS, pinned_bulk_ceiling, print_table, write_json
+from bench.common import KERNEL_KINDS, MODELS, kernel_ms_by_kind, kernel_times, pinned_bulk_ceiling, print_table, \
+    write_json
 from kvtier.data import token_stream
 from kvtier.engine import Engine, EngineConfig
 from kvtier.models import convert_gguf, kv_layout_for, load_model, random_llama
@@ -50,15 +55,15 @@ WARMUP = 3
 TIERED = "0.5:topk,0.5:resident,0.2:topk,0.2:resident"
 
 
-def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope: str, lookahead: int,
-               prompts: list[torch.Tensor] | None = None, recall: bool = True, predictor: str | None = None,
-               recall_share: str = "half") -> dict:
-    """Decode ``steps`` tokens of ``batch`` sequences through the engine, after ``context`` tokens each:
-    ``prompts`` prefilled, or random K/V written straight into the pages; topk's recall cache fetches ahead with
-    ``predictor`` (:mod:`kvtier.scopes.predict`) and takes half the device budget (``recall_share`` "half") or what
-    the sinks, window and landing slots leave ("rest")."""
+def tiered_engine(model, batch: int, context: int, steps: int, budget: float, scope: str, lookahead: int,
+                  prompts: list[torch.Tensor] | None = None, recall: bool = True, predictor: str | None = None,
+                  recall_share: str = "half") -> Engine:
+    """The engine of a row: ``batch`` sequences of ``context`` tokens each (``prompts`` prefilled, or random K/V
+    written straight into the pages), room for ``steps`` more; ``budget`` of the pages in HBM, the rest in pinned
+    host memory. topk's recall cache fetches ahead with ``predictor`` (:mod:`kvtier.scopes.predict`) and takes half
+    the device budget (``recall_share`` "half") or what the sinks, window and landing slots leave ("rest")."""
     layout = kv_layout_for(model.config, page_size=16, dtype=torch.bfloat16)
-    per_seq = layout.pages_for(context + steps + WARMUP + 1)
+    per_seq = layout.pages_for(context + steps + 1)
     total = per_seq * batch
     dev_pages = total + 1 if budget >= 1 else max(int(total * budget), batch * 24)
     tiers = [DeviceTier(layout, dev_pages)]
@@ -75,7 +80,7 @@ def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope
     scope_ = TopK(topk, recall_slots=recall_slots, predictor=predictor, landing_slots=landing) if scope == "topk" \
         else make_scope(scope)
     engine = Engine(model, layout, tiers, policy, scope_, prefill=ChunkedPrefill(4096),
-                    config=EngineConfig(max_batch=batch, max_context=context + steps + WARMUP + 1, lookahead=lookahead,
+                    config=EngineConfig(max_batch=batch, max_context=context + steps + 1, lookahead=lookahead,
                                         buckets=[batch], sync_timing=False))
     gen = torch.Generator(device="cuda").manual_seed(0)
     shape = (layout.num_kv_heads, layout.head_dim)
@@ -86,7 +91,19 @@ def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope
             engine.add_written(context, lambda layer, a, b: torch.randn(2, b - a, *shape, generator=gen,
                                                                          device="cuda", dtype=torch.bfloat16))
     torch.cuda.synchronize()
-    moved0 = sum(engine.transfer.bytes_moved.values())
+    return engine
+
+
+def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope: str, lookahead: int,
+               prompts: list[torch.Tensor] | None = None, recall: bool = True, predictor: str | None = None,
+               recall_share: str = "half", profile: int = 0) -> dict:
+    """Decode ``WARMUP + steps`` greedy tokens of :func:`tiered_engine`'s sequences and time the last ``steps``;
+    ``profile`` more steps under the torch profiler give the kernel time a step by kind (``kernel_ms``). The row's
+    ``tokens`` are the timed steps' greedy tokens ``[steps][batch]``."""
+    engine = tiered_engine(model, batch, context, WARMUP + steps + profile, budget, scope, lookahead, prompts, recall,
+                           predictor, recall_share)
+    layout = engine.layout
+    tokens = torch.empty(steps, batch, dtype=torch.int64, device="cuda")
     events, t0 = [], 0.0
     for i in range(WARMUP + steps):
         if i == WARMUP:
@@ -98,6 +115,8 @@ def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope
             start = [int(c) for c in counters] or [0, 0, 0, 0]
         engine.step()
         events.append(engine._last_event)
+        if i >= WARMUP:
+            tokens[i - WARMUP].copy_(engine.tokens[:batch], non_blocking=True)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     attended, on_device = engine.counts.tolist()
@@ -107,21 +126,37 @@ def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope
     moved = sum(engine.transfer.bytes_moved.values()) - moved0 + (copied + ahead + attended - on_device) \
         * layout.page_bytes
     tpot = np.array([events[i - 1].elapsed_time(events[i]) for i in range(WARMUP + 1, len(events))])  # ms
-    row = {"budget": budget, "scope": scope, "lookahead": lookahead, "recall": recall_slots > 0,
+    row = {"budget": budget, "scope": scope, "lookahead": lookahead, "recall": engine.recall is not None,
            "predictor": predictor or "-", "fetched_ahead_per_step": ahead / steps,
            "predictor_accuracy": predicted / ahead if ahead else None,
            "tpot_p50_ms": float(np.percentile(tpot, 50)),
            "tpot_p99_ms": float(np.percentile(tpot, 99)), "wall_ms": wall / steps * 1e3,
            "hit_rate": on_device / attended if attended else 1.0,
-           "MB_moved_per_step": moved / steps / 1e6, "recall_slots": recall_slots, "landing_slots": landing,
+           "MB_moved_per_step": moved / steps / 1e6,
+           "recall_slots": getattr(engine.scope, "recall_slots", 0),
+           "landing_slots": getattr(engine.scope, "landing_slots", 0),
            "copied_per_step": copied / steps, "landed_per_step": landed / steps,
            "host_wait_ms": (engine.stats.host_wait_s - wait0) / steps * 1e3,
-           "offloaded": 1 - min(engine.table.occupancy()["device"]) / total}
+           "offloaded": 1 - min(engine.table.occupancy()["device"]) / (layout.pages_for(context + WARMUP + steps)
+                                                                       * batch),
+           "tokens": tokens.T.tolist()}
+    if profile:
+        row["kernel_ms"] = kernel_ms_by_kind(kernel_times(engine.step, profile))
     engine.close()
-    del engine, tiers
+    del engine
     free_device_memory()
     torch._C._host_emptyCache()  # pinned host tiers stay cached by torch otherwise (OOM at the next row)
     return row
+
+
+def show(row: dict, t0: float) -> None:
+    """A row on the console as it is measured (without its tokens), with the seconds it took."""
+    print({k: v for k, v in row.items() if k != "tokens"}, f"({time.time() - t0:.0f}s)", flush=True)
+
+
+def same_tokens(row: dict, reference: dict) -> float:
+    """The share of sequences whose greedy tokens in ``row`` equal those in ``reference`` at every step."""
+    return float(np.mean([a == b for a, b in zip(row["tokens"], reference["tokens"])]))
 
 
 def text_windows(tokenizer, batch: int, context: int) -> list[torch.Tensor]:
@@ -134,7 +169,8 @@ def text_windows(tokenizer, batch: int, context: int) -> list[torch.Tensor]:
     return [ids[b * stride:b * stride + context] for b in range(batch)]
 
 
-def capacity_rows(model, tokenizer, spec: str, steps: int, lookahead: int, recall_share: str = "half") -> list[dict]:
+def capacity_rows(model, tokenizer, spec: str, steps: int, lookahead: int, recall_share: str = "half",
+                  profile: int = 0) -> list[dict]:
     """Capacity at a fixed HBM KV pool (``BxS[:predictor]``): the pool holds B sequences' whole KV, so dense
     decodes B of them; recall decodes 5 B sequences with 20% of each one's KV in that same pool (the rest in
     pinned host memory), topk over the recall cache. Rows ``capacity-dense`` and ``capacity-recall`` with
@@ -143,15 +179,16 @@ def capacity_rows(model, tokenizer, spec: str, steps: int, lookahead: int, recal
     batch, context = (int(x) for x in shape.split("x"))
     prompts = text_windows(tokenizer, 5 * batch, context) if tokenizer is not None else None
     layout = kv_layout_for(model.config, page_size=16, dtype=torch.bfloat16)
-    pool_gib = batch * layout.pages_for(context + steps + WARMUP + 1) * layout.page_bytes * layout.num_layers / 2 ** 30
+    pool_gib = batch * layout.pages_for(context + WARMUP + steps + profile + 1) * layout.page_bytes \
+        * layout.num_layers / 2 ** 30  # tiered_engine's dense pool
     rows = []
     for system, b, budget, scope in (("capacity-dense", batch, 1.0, "all"), ("capacity-recall", 5 * batch, 0.2, "topk")):
         t0 = time.time()
         r = kvtier_row(model, b, context, steps, budget, scope, lookahead, prompts and prompts[:b], True,
-                       (predictor or [None])[0] if scope == "topk" else None, recall_share)
+                       (predictor or [None])[0] if scope == "topk" else None, recall_share, profile)
         rows.append({"B": b, "S": context, "system": system, "hbm_kv_GiB": pool_gib, **r,
                      "tok_s": b / r["tpot_p50_ms"] * 1e3})
-        print(rows[-1], f"({time.time() - t0:.0f}s)", flush=True)
+        show(rows[-1], t0)
     rows[1]["x_dense_tok_s"] = rows[1]["tok_s"] / rows[0]["tok_s"]
     return rows
 
@@ -186,8 +223,12 @@ def main():
     ap.add_argument("--tiered-max-tokens", type=int, default=131072, help="tiered rows only up to B*S tokens")
     ap.add_argument("--smollm2", default="", help="the real SmolLM2: its GGUF file or converted HF folder")
     ap.add_argument("--smollm2-shapes", default="1x8192,16x8192")
-    ap.add_argument("--capacity", default="", help="capacity rows per model, BxS[:predictor] comma-separated: dense "
+    ap.add_argument("--smollm2-tiered", default="", help="the real SmolLM2's tiered rows (default: --tiered)")
+    ap.add_argument("--profile", type=int, default=0, help="profile this many more steps of each kvtier row: its "
+                    "kernel time a step by kind (matmul, page choice, attention, copy, other) in kernel_ms")
+    ap.add_argument("--capacity", default="", help="capacity rows of --models, BxS[:predictor] comma-separated: dense "
                     "at batch B against recall (topk, 20%% HBM) at 5 B in the same HBM KV pool")
+    ap.add_argument("--smollm2-capacity", default="", help="the real SmolLM2's capacity rows, as --capacity")
     args = ap.parse_args()
     hbm = measure_hbm_read_GBps("cuda")
     link = pinned_bulk_ceiling()
@@ -197,9 +238,10 @@ def main():
         write_json(args.json, {"gpu": torch.cuda.get_device_name(), "hbm_read_GBps": hbm, "link": link,
                                "args": vars(args), "rows": rows})
 
-    runs = [(name, args.shapes) for name in args.models.split(",") if name]
-    runs += [("smollm2", args.smollm2_shapes)] if args.smollm2 else []
-    for name, shapes in runs:
+    runs = [("smollm2", args.smollm2_shapes, args.smollm2_tiered or args.tiered, args.smollm2_capacity)] \
+        if args.smollm2 else []  # the real model first: its rows carry the hit rates
+    runs += [(name, args.shapes, args.tiered, args.capacity) for name in args.models.split(",") if name]
+    for name, shapes, tiered, capacity in runs:
         tokenizer = None
         if name == "smollm2":
             model, tokenizer = real_smollm2(args.smollm2)
@@ -218,35 +260,43 @@ def main():
                     r = hf_decode_tpot(model, batch, context, args.steps, mode)
                     rows.append({**base, "system": f"hf-{mode}", **{k: r[k] for k in ("tpot_p50_ms", "tpot_p99_ms")},
                                  "compile_s": r.get("compile_s")})
-                    print(rows[-1], f"({time.time() - t0:.0f}s)", flush=True)
+                    show(rows[-1], t0)
                     free_device_memory()
             grid = [(1.0, "all", args.lookahead, False, None)]
             if batch * context <= args.tiered_max_tokens:
                 grid += [(float(b), s, args.lookahead, not args.no_recall, (p or [None])[0])
-                         for b, s, *p in (x.split(":") for x in args.tiered.split(",") if x)]
+                         for b, s, *p in (x.split(":") for x in tiered.split(",") if x)]
                 if batch == 1:  # with the recall cache k only bounds the host's run-ahead: these rows go without it
                     grid += [(0.2, "topk", int(k), False, None) for k in args.lookaheads.split(",") if k]
+            shape_rows = []
             for budget, scope, k, recall, predictor in grid:
                 t0 = time.time()
                 r = kvtier_row(model, batch, context, args.steps, budget, scope, k, prompts, recall, predictor,
-                               args.recall_slots)
-                rows.append({**base, "system": "kvtier", **r})
-                print(rows[-1], f"({time.time() - t0:.0f}s)", flush=True)
-            all_hbm = next(r["tpot_p50_ms"] for r in rows if r.get("system") == "kvtier" and r["budget"] == 1.0
-                           and r["B"] == batch and r["S"] == context and r["model"] == name)
+                               args.recall_slots, args.profile)
+                shape_rows.append({**base, "system": "kvtier", **r})
+                rows.append(shape_rows[-1])
+                show(rows[-1], t0)
+                save()  # after each row: a cut-off run keeps its rows
+            all_hbm = shape_rows[0]
             for r in rows:
                 if r["model"] == name and r["B"] == batch and r["S"] == context:
                     r["x_limit"] = r["tpot_p50_ms"] / limit
                     r["tok_s"] = batch / r["tpot_p50_ms"] * 1e3
-                    if r.get("system") == "kvtier":
-                        r["x_allhbm"] = r["tpot_p50_ms"] / all_hbm
-                        xfer_ms = r["MB_moved_per_step"] * 1e6 / (link["h2d_GBps"] * 1e9) * 1e3
-                        slow = r["tpot_p50_ms"] - all_hbm
-                        r["hidden"] = float(np.clip(1 - slow / xfer_ms, 0, 1)) if xfer_ms > 0 else None
-            save()  # after each shape: a cut-off run keeps its rows
-        for spec in (x for x in args.capacity.split(",") if x):
+            for r in shape_rows[1:]:
+                r["x_allhbm"] = r["tpot_p50_ms"] / all_hbm["tpot_p50_ms"]
+                xfer_ms = r["MB_moved_per_step"] * 1e6 / (link["h2d_GBps"] * 1e9) * 1e3
+                slow = r["tpot_p50_ms"] - all_hbm["tpot_p50_ms"]
+                r["hidden"] = float(np.clip(1 - slow / xfer_ms, 0, 1)) if xfer_ms > 0 else None
+                r["same_tokens_as_dense"] = same_tokens(r, all_hbm)
+                unpredicted = next((u for u in shape_rows if u["predictor"] == "-" and u["recall"] == r["recall"]
+                                    and (u["budget"], u["scope"], u["lookahead"]) == (r["budget"], r["scope"],
+                                                                                      r["lookahead"])), None)
+                if r["predictor"] != "-" and unpredicted is not None:
+                    r["same_tokens_as_unpredicted"] = same_tokens(r, unpredicted)
+            save()
+        for spec in (x for x in capacity.split(",") if x):
             rows += [{"model": name, **r} for r in capacity_rows(model, tokenizer, spec, args.steps, args.lookahead,
-                                                                 args.recall_slots)]
+                                                                 args.recall_slots, args.profile)]
             save()
         del model
         free_device_memory()
@@ -254,8 +304,13 @@ def main():
                 f"{link['h2d_GBps']:.1f} GB/s", rows,
                 ["model", "B", "S", "system", "budget", "scope", "lookahead", "recall", "predictor", "tpot_p50_ms",
                  "tpot_p99_ms", "x_limit", "x_allhbm", "tok_s", "hit_rate", "predictor_accuracy", "MB_moved_per_step",
-                 "copied_per_step", "landed_per_step",
-                 "host_wait_ms", "hidden", "offloaded", "hbm_kv_GiB", "x_dense_tok_s"])
+                 "copied_per_step", "landed_per_step", "host_wait_ms", "hidden", "offloaded", "hbm_kv_GiB",
+                 "x_dense_tok_s", "same_tokens_as_dense", "same_tokens_as_unpredicted"])
+    profiled = [{**r, **r["kernel_ms"]} for r in rows if "kernel_ms" in r]
+    if profiled:
+        print_table(f"kernel ms a step by kind ({args.profile} profiled steps a row)", profiled,
+                    ["model", "B", "S", "system", "budget", "scope", "predictor", "tpot_p50_ms", *KERNEL_KINDS,
+                     "other", "total", "launches"])
 
 
 if __name__ == "__main__":
