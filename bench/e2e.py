@@ -99,9 +99,12 @@ def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope
                recall_share: str = "half", profile: int = 0) -> dict:
     """Decode ``WARMUP + steps`` greedy tokens of :func:`tiered_engine`'s sequences and time the last ``steps``;
     ``profile`` more steps under the torch profiler give the kernel time a step by kind (``kernel_ms``). The row's
-    ``tokens`` are the timed steps' greedy tokens ``[steps][batch]``."""
+    ``tokens`` are the timed steps' greedy tokens ``[steps][batch]``; ``setup_s`` the seconds to build and fill its
+    engine."""
+    built = time.perf_counter()
     engine = tiered_engine(model, batch, context, WARMUP + steps + profile, budget, scope, lookahead, prompts, recall,
                            predictor, recall_share)
+    built = time.perf_counter() - built
     layout = engine.layout
     tokens = torch.empty(steps, batch, dtype=torch.int64, device="cuda")
     events, t0 = [], 0.0
@@ -139,7 +142,7 @@ def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope
            "host_wait_ms": (engine.stats.host_wait_s - wait0) / steps * 1e3,
            "offloaded": 1 - min(engine.table.occupancy()["device"]) / (layout.pages_for(context + WARMUP + steps)
                                                                        * batch),
-           "tokens": tokens.T.tolist()}
+           "setup_s": built, "tokens": tokens.T.tolist()}
     if profile:
         row["kernel_ms"] = kernel_ms_by_kind(kernel_times(engine.step, profile))
     engine.close()

@@ -28,10 +28,6 @@ class PageEvictedError(PageCorruptedError):
     replaced by other bytes."""
 
 
-class PageInFlightError(KVTierError):
-    """A page was read while a transfer into or out of it had not completed."""
-
-
 class TierIOError(KVTierError):
     """A tier's backing store failed (disk full, server gone, truncated file)."""
 

@@ -190,6 +190,7 @@ def job_configs(argv: list[str]):
         for job in itertools.product(*axes):
             cfg = compose(opts.config_name, overrides=list(job))
             check_read(cfg, job)
+            check_shadowed(cfg, job)
             yield cfg
 
 
@@ -207,6 +208,28 @@ def check_read(cfg: DictConfig, overrides) -> None:
         if key.split(".")[0].split("/")[0] in NOT_READ_WITHOUT_MODEL:
             raise ConfigError(key, f"task {cfg.task._target_.rpartition('.')[2]} loads no model and reads only its "
                                    "task.* keys: this setting would change nothing")
+
+
+def sizing_keys(cfg: DictConfig) -> list[tuple[str, ...]]:
+    """Each group of keys that size one thing, the one read first: the budget (``tokens``, else ``size``, else
+    ``fraction``) and each lower tier (``size``, else ``fraction``)."""
+    groups = [("budget.tokens", "budget.size", "budget.fraction")]
+    stack = cfg.get("tiers", {}).get("stack") or {}
+    return groups + [(f"tiers.stack.{name}.size", f"tiers.stack.{name}.fraction") for name in list(stack)[1:]]
+
+
+def check_shadowed(cfg: DictConfig, overrides) -> None:
+    """A command-line setting that a key read before it overrides (``budget.fraction=0.5`` where an experiment sets
+    ``budget.tokens``) would change nothing (a sweep of identical runs): refused by name, with the key to clear."""
+    for line in overrides:
+        key, _, value = line.lstrip("+").partition("=")
+        for group in sizing_keys(cfg):
+            if key not in group[1:] or value in ("", "null") or line.startswith("~"):
+                continue
+            first = next((k for k in group[:group.index(key)] if OmegaConf.select(cfg, k) is not None), None)
+            if first is not None:
+                raise ConfigError(key, f"{first}={OmegaConf.select(cfg, first)} is read first ({' > '.join(group)}), "
+                                       f"so this setting would change nothing; add {first}=null to size by {key}")
 
 
 @contextlib.contextmanager

@@ -160,6 +160,12 @@ BAD = [
     (["+tiers.stack.host.capacity=3"], "tiers.stack.host", "capacity"),
     (["+model.foo=2"], "model", "foo"),
     (["cpu_threads=0"], "cpu_threads", ">= 1"),
+    # a setting that a key read before it shadows (an experiment's budget.tokens): a sweep of identical runs
+    (["experiment=serve_trace", "budget.fraction=0.3"], "budget.fraction", "add budget.tokens=null"),
+    (["-m", "experiment=streaming_llm", "budget.fraction=0.25,0.5"], "budget.fraction", "add budget.tokens=null"),
+    (["budget.tokens=64", "budget.size=1MiB"], "budget.size", "budget.tokens=64 is read first"),
+    (["tiers.stack.host.size=1GiB", "tiers.stack.host.fraction=2"], "tiers.stack.host.fraction",
+     "add tiers.stack.host.size=null"),
 ]
 
 
@@ -174,6 +180,13 @@ def test_bad_config_raises_config_error_naming_the_field_and_writes_nothing(tmp_
     with pytest.raises(SystemExit) as exit_:
         main()
     assert exit_.value.code == 2 and list(tmp_path.iterdir()) == []
+
+
+def test_a_shadowing_key_cleared_lets_the_setting_through():
+    """The fix the shadowed-setting error names works: with the experiment's budget.tokens cleared, the budget is
+    the fraction given (a sweep over it differs)."""
+    jobs = list(job_configs(["-m", "experiment=streaming_llm", "budget.tokens=null", "budget.fraction=0.25,0.5"]))
+    assert [validate(cfg).budget_tokens for cfg in jobs] == [1024, 2048]
 
 
 def recipe_options():
