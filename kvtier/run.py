@@ -190,7 +190,6 @@ def job_configs(argv: list[str]):
         for job in itertools.product(*axes):
             cfg = compose(opts.config_name, overrides=list(job))
             check_read(cfg, job)
-            check_shadowed(cfg, job)
             yield cfg
 
 
@@ -198,38 +197,40 @@ NOT_READ_WITHOUT_MODEL = ("model", "tiers", "policy", "scope", "scheduler", "ker
                           "budget", "cache", "engine")  # what a task that loads no model (kvtier.sim) never reads
 
 
+BUDGET_KEYS = ("cache.window", "cache.mode", "cache.sinks")  # read by the token budget (cache.attend_budget)
+
+
 def check_read(cfg: DictConfig, overrides) -> None:
-    """A task that loads no model (``experiment=sim_seed*``) reads only its own keys: an override of the cache's
-    groups and keys would change nothing (a sweep of identical runs), so it is refused by name."""
-    if getattr(build(cfg.task, "task", call=False), "needs_model", True):
-        return
+    """A command-line setting that nothing reads would change nothing (a sweep of identical runs), so it is refused
+    by name (:func:`unread` says why)."""
     for line in overrides:
-        key = line.split("=", 1)[0].lstrip("+~")
+        key, _, value = line.lstrip("+~").partition("=")
+        why = unread(cfg, key, None if line.startswith("~") or value in ("", "null") else value)
+        if why:
+            raise ConfigError(key, f"this setting would change nothing: {why}")
+
+
+def unread(cfg: DictConfig, key: str, value: str | None) -> str | None:
+    """Why ``key`` (set to ``value``, None: cleared) is read by nothing in ``cfg``, or None: a task that loads no
+    model reads only its own keys; a key read before it sizes the same thing (``budget.tokens`` before
+    ``budget.size`` before ``budget.fraction``, a tier's ``size`` before its ``fraction``); the token budget's keys
+    without the token budget (unless another node interpolates them, as topk's ``scope.sinks``)."""
+    if not getattr(build(cfg.task, "task", call=False), "needs_model", True):
         if key.split(".")[0].split("/")[0] in NOT_READ_WITHOUT_MODEL:
-            raise ConfigError(key, f"task {cfg.task._target_.rpartition('.')[2]} loads no model and reads only its "
-                                   "task.* keys: this setting would change nothing")
-
-
-def sizing_keys(cfg: DictConfig) -> list[tuple[str, ...]]:
-    """Each group of keys that size one thing, the one read first: the budget (``tokens``, else ``size``, else
-    ``fraction``) and each lower tier (``size``, else ``fraction``)."""
-    groups = [("budget.tokens", "budget.size", "budget.fraction")]
-    stack = cfg.get("tiers", {}).get("stack") or {}
-    return groups + [(f"tiers.stack.{name}.size", f"tiers.stack.{name}.fraction") for name in list(stack)[1:]]
-
-
-def check_shadowed(cfg: DictConfig, overrides) -> None:
-    """A command-line setting that a key read before it overrides (``budget.fraction=0.5`` where an experiment sets
-    ``budget.tokens``) would change nothing (a sweep of identical runs): refused by name, with the key to clear."""
-    for line in overrides:
-        key, _, value = line.lstrip("+").partition("=")
-        for group in sizing_keys(cfg):
-            if key not in group[1:] or value in ("", "null") or line.startswith("~"):
-                continue
+            return f"task {cfg.task._target_.rpartition('.')[2]} loads no model and reads only its task.* keys"
+        return None
+    stack = list(cfg.tiers.stack)[1:]
+    for group in [("budget.tokens", "budget.size", "budget.fraction"),
+                  *((f"tiers.stack.{name}.size", f"tiers.stack.{name}.fraction") for name in stack)]:
+        if key in group[1:] and value is not None:
             first = next((k for k in group[:group.index(key)] if OmegaConf.select(cfg, k) is not None), None)
             if first is not None:
-                raise ConfigError(key, f"{first}={OmegaConf.select(cfg, first)} is read first ({' > '.join(group)}), "
-                                       f"so this setting would change nothing; add {first}=null to size by {key}")
+                return f"{first}={OmegaConf.select(cfg, first)} is read first ({' > '.join(group)}); add {first}=null " \
+                       f"to size by {key}"
+    if key in BUDGET_KEYS and not cfg.cache.attend_budget and \
+            f"${{{key}}}" not in json.dumps(OmegaConf.to_container(cfg, resolve=False)):
+        return "only the token budget reads it; add cache.attend_budget=true"
+    return None
 
 
 @contextlib.contextmanager

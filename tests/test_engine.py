@@ -105,7 +105,8 @@ def test_batched_decode_matches_hf_while_sequences_join_finish_and_pages_move(ti
 def test_prefill_on_a_shared_prefix_computes_its_tail_and_copies_no_device_page(tiny, on_host):
     """A prompt opened on another sequence's 4 full pages (a radix hit) computes only its last token: exact
     against HF over the whole prompt. Its attention reads device pages in place (no copy of the prefix);
-    only a prefix with pages on the host is gathered into a temporary pool."""
+    only a prefix with pages on the host is gathered into a temporary pool, and only its host pages count as read
+    over the link."""
     model, layout = tiny
     prompt = torch.randint(0, 256, (33,), generator=torch.Generator().manual_seed(3))
     ref = hf_greedy(model, prompt, 0)[0]
@@ -121,10 +122,14 @@ def test_prefill_on_a_shared_prefix_computes_its_tail_and_copies_no_device_page(
     gathered = []
     gather = engine.transfer.gather
     engine.transfer.gather = lambda layer, pids, device: gathered.append(layer) or gather(layer, pids, device)
+    fetched = dict(engine.stats.fetched_bytes)
     seq = engine.open(33, prefix, 32)
     logits = engine.prefill_chunk(seq, prompt[32:])
     assert rel_err(logits[-1], ref) < 1e-4
     assert gathered == (list(range(layout.num_layers)) if on_host else [])
+    # the ledger counts the prefix's host pages; the chunk's own device page is copied within the device, not moved
+    read = {k: v - fetched.get(k, 0) for k, v in engine.stats.fetched_bytes.items() if v != fetched.get(k, 0)}
+    assert read == ({"host->device": layout.num_layers * prefix.size * layout.page_bytes} if on_host else {})
 
 
 def test_engine_matches_hf_on_smollm2(smollm2):

@@ -166,6 +166,10 @@ BAD = [
     (["budget.tokens=64", "budget.size=1MiB"], "budget.size", "budget.tokens=64 is read first"),
     (["tiers.stack.host.size=1GiB", "tiers.stack.host.fraction=2"], "tiers.stack.host.fraction",
      "add tiers.stack.host.size=null"),
+    # the token budget's keys without the token budget (resident reads no sinks of its own)
+    (["cache.mode=once"], "cache.mode", "cache.attend_budget=true"),
+    (["-m", "cache.window=16,32"], "cache.window", "cache.attend_budget=true"),
+    (["cache.sinks=8"], "cache.sinks", "cache.attend_budget=true"),
 ]
 
 
@@ -182,11 +186,14 @@ def test_bad_config_raises_config_error_naming_the_field_and_writes_nothing(tmp_
     assert exit_.value.code == 2 and list(tmp_path.iterdir()) == []
 
 
-def test_a_shadowing_key_cleared_lets_the_setting_through():
+def test_a_setting_refused_as_unread_goes_through_where_it_is_read():
     """The fix the shadowed-setting error names works: with the experiment's budget.tokens cleared, the budget is
-    the fraction given (a sweep over it differs)."""
+    the fraction given (a sweep over it differs); the token budget's keys under the token budget, or interpolated."""
     jobs = list(job_configs(["-m", "experiment=streaming_llm", "budget.tokens=null", "budget.fraction=0.25,0.5"]))
     assert [validate(cfg).budget_tokens for cfg in jobs] == [1024, 2048]
+    # read: under the token budget, and topk's own sinks interpolate cache.sinks
+    for args in (["cache.attend_budget=true", "cache.mode=once", "cache.window=32"], ["scope=topk", "cache.sinks=8"]):
+        assert len(list(job_configs(args))) == 1
 
 
 def recipe_options():

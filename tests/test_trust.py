@@ -109,7 +109,7 @@ def test_a_signal_writes_the_finished_part(tmp_path, sig, code):
 
 def test_a_tier_failing_mid_run_writes_the_finished_part_and_names_tier_and_fault(tmp_path):
     """Pages of the run's Redis expire (ttl) before they are read back: PageEvictedError mid-run."""
-    proc = python("import sys, kvtier.run; sys.argv[0] = 'kvtier-run'; kvtier.run.main()", tmp_path, *TINY,
+    proc = python("import sys, kvtier.run; sys.argv[0] = 'kvtier-run'; kvtier.run.main()", tmp_path, *TINY[:-1],
                   "tiers=device_host_remote", "budget.tokens=80", "tiers.stack.host.fraction=0.25",
                   "+tiers.stack.remote.ttl_s=0.05")
     line = one_line(proc)

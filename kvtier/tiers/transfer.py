@@ -144,7 +144,8 @@ class TransferEngine:
 
     def gather(self, layer: int, pids: np.ndarray, device) -> tuple[torch.Tensor, Counter]:
         """Copies of ``pids``'s pages of ``layer`` in one temporary pool ``[n, 2, P, N_kv, D]`` on ``device``
-        (one launch per source tier between addressable pools), and the bytes read per link."""
+        (one launch per source tier between addressable pools), and the bytes read per link from the tiers below
+        the device (its own pages are copied within it, not moved between tiers)."""
         layout = self.table.layout
         tiers, slots = self.table.locate(layer, pids)
         pool = torch.empty((pids.size, *layout.page_shape), dtype=layout.kv_dtype, device=device)
@@ -159,7 +160,8 @@ class TransferEngine:
             else:
                 dst = torch.from_numpy(sel).to(device)
                 pool[dst] = tier.read(layer, torch.from_numpy(slots[sel])).to(device, non_blocking=True)
-            links[f"{tier.name}->{self.table.tiers[0].name}"] += sel.size * layout.page_bytes
+            if t:
+                links[f"{tier.name}->{self.table.tiers[0].name}"] += sel.size * layout.page_bytes
         return pool, links
 
     def use_kernel(self, src_pool, dst_pool) -> bool:
