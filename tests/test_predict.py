@@ -82,19 +82,24 @@ def test_the_triton_backend_chooses_and_reads_as_the_torch_backend(tiny):
 def test_the_triton_decode_reads_staged_disk_pages_beside_recall_and_landing(tiny, tmp_path):
     """A small host over a disk: most pages are staged for the step. The Triton decode (the interpreter on a CPU)
     reads them from the staging pool, lands only host pages, and its recall cache admits no staged page: the logits,
-    hits and landings of the torch backend."""
+    hits and landings of the torch backend, eager and (on a GPU) captured."""
     model, layout = tiny
     prompt = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(6)).to(DEV)
-    runs = []
-    for name in ("torch", "triton"):
+    runs = {}
+    eager = {"graphs": False, "compile": False}
+    for name, kernel, config in (("torch", "torch", {}), ("triton eager", "triton", eager),
+                                 *([("triton captured", "triton", {})] if DEV == "cuda" else [])):
         tiers = [DeviceTier(layout, 20, device=DEV), HostTier(layout, 4), DiskTier(layout, 64, tmp_path / name)]
         engine = Engine(model, layout, tiers, SinkWindow(sinks=4, window=16), TopK(4, recall_slots=6, landing_slots=2),
-                        prefill=ChunkedPrefill(64), kernel=make_backend(name, DEV), config=EngineConfig(max_context=256))
+                        prefill=ChunkedPrefill(64), kernel=make_backend(kernel, DEV),
+                        config=EngineConfig(max_context=256, **config))
         logits = torch.stack([engine.add(prompt)[1][-1]] + [engine.step()[0].clone() for _ in range(8)])
-        runs.append((logits, engine.hit_rate(), int(engine.recall.landed), engine.stats.fetched_bytes["disk->staging"]))
-    (want, *counts), (got, *got_counts) = runs
-    assert got_counts == counts and counts[1] > 0 and counts[2] > 0, f"triton {got_counts}, torch {counts}"
-    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
+        runs[name] = (logits, engine.hit_rate(), int(engine.recall.landed), engine.stats.fetched_bytes["disk->staging"])
+    want, *counts = runs.pop("torch")
+    assert counts[1] > 0 and counts[2] > 0
+    for name, (got, *got_counts) in runs.items():
+        assert got_counts == counts, f"{name}: hit rate, landed, staged bytes {got_counts}; torch {counts}"
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4, name
 
 
 def test_admissions_in_batches_of_layers_keep_the_state_of_one_layer_at_a_time(tiny, monkeypatch):
