@@ -470,6 +470,45 @@ def test_pages_read_whole_from_the_host_land_in_their_slots(dtype, window, budge
         assert (got[0].cpu() - plain[0].cpu()).abs().max() <= TOL[dtype] * plain[0].abs().max().cpu(), decode.__name__
 
 
+@pytest.mark.parametrize("per_head", [False, True])
+def test_the_reference_reads_a_static_width_list_as_its_listed_part(per_head):
+    """A list padded to a static width with -1 (as the engine's ``resident`` lists, ``max_pages`` wide): the
+    reference, which leaves the padding out, gives the kernel's output, LSE, page statistics and landing slots on
+    the unpadded list, and -inf and -1 on the padding (spans, token bits and landing on)."""
+    gen = torch.Generator().manual_seed(5)
+    seq_lens, max_pages, page, n_kv, group, dim, K, pad, cap = [75, 0, 58, 120], 16, 8, 2, 2, 32, 6, 7, 2
+    q, _, _, dev_pool, host_pool, table = random_case(seq_lens, max_pages, page, n_kv, group, dim, torch.float32,
+                                                      0.6, gen)
+    B, h = len(seq_lens), n_kv if per_head else 1
+    lists = torch.stack([torch.randperm(max_pages, generator=gen)[:K].sort().values for _ in range(B * h)]).int()
+    lists[::3, -2:] = -1  # some rows end early
+    bits = torch.where(torch.rand(B * h, K, generator=gen) < 0.5, -1,
+                       torch.randint(0, 2 ** 31 - 1, (B * h, K), generator=gen)).int()  # half the pages whole
+    spans = torch.tensor([[5, 60], [0, 0], [3, 50], [9, 100]], dtype=torch.int32)
+    dev_pool = torch.cat([dev_pool, torch.zeros(B * cap, *dev_pool.shape[1:])])
+    land = (dev_pool.shape[0] - B * cap + torch.arange(B * cap)).view(B, cap)
+    to = lambda x: None if x is None else x.to(device())  # noqa: E731
+    runs = []
+    for decode, width in ((static_decode, K), (static_decode_reference, K + pad)):
+        widen = lambda x: torch.cat([x, torch.full((x.shape[0], width - K), -1, dtype=x.dtype)], 1)  # noqa: E731
+        stats = [torch.zeros(B, width * h, n_kv * group, device=device()) for _ in range(2)]
+        index = torch.zeros(B, width, dtype=torch.int32, device=device())
+        pool = to(dev_pool.clone())
+        plan = plan_static_decode(B, max_pages, n_kv * group, n_kv, dim, page, device(), width * h)
+        out, lse = decode(to(q), pool, host(host_pool), to(table), to(torch.tensor(seq_lens, dtype=torch.int32)),
+                          plan, dim ** -0.5, to(widen(lists).view(B, -1)), -1, *stats, to(spans), None,
+                          to(widen(bits).view(B, -1)), *((to(land), index) if not per_head else (None, None)))
+        runs.append([x.cpu() for x in (out, lse, *(s.view(B, h, width, -1) for s in stats), index, pool)])
+    (out, lse, page_max, page_lse, index, pool), (out2, lse2, page_max2, page_lse2, index2, pool2) = runs
+    close = lambda a, b: torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # noqa: E731
+    close(out2, out), close(lse2, lse), close(pool2, pool)
+    for a, b in ((page_max, page_max2), (page_lse, page_lse2)):
+        close(b[:, :, :K], a)
+        assert (b[:, :, K:] == float("-inf")).all()
+    if not per_head:
+        assert torch.equal(index2[:, :K], index) and (index2[:, K:] == -1).all() and (index >= 0).any()
+
+
 def test_landing_needs_a_row_list_a_host_pool_and_both_tensors():
     plan = plan_static_decode(1, 4, 2, 1, 32, 16, "cpu", max_listed=2, config=DecodeConfig(block_n=16))
     q, pool = torch.zeros(1, 2, 32), torch.zeros(3, 2, 16, 1, 32)

@@ -107,7 +107,11 @@ def static_decode_reference(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: 
     longest = min(max_pages, int((seq_lens.max() + page - 1) // page)) if n_q else 0  # every page: only those held
     lists = torch.arange(longest, device=dev).expand(n_q, 1, -1) if page_list is None else \
         page_list.to(dev, torch.long).view(n_q, -1, page_list.shape[-1])  # [B, 1 or N_kv, K]
-    n_lists, n_listed = lists.shape[1:]
+    n_lists, width = lists.shape[1:]
+    if page_list is not None and width:  # entries after the last that any list holds read nothing (-inf, -1 there)
+        held = torch.where((lists >= 0).flatten(0, 1).any(0), torch.arange(width, device=dev), -1)  # [K]
+        lists = lists[..., :int(held.max()) + 1 or 1]  # [B, h, K' <= K]: a static-width list's padding
+    n_listed = lists.shape[-1]
     lens = seq_lens.to(dev, torch.long)[:, None, None, None]  # [B, 1, 1, 1]
     lo = (lens - 1 - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(lens)
     pg = lists[..., None]  # [B, h, K, 1]
@@ -117,7 +121,7 @@ def static_decode_reference(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: 
         sinks, win = (x.to(dev, torch.long)[:, None, None, None] for x in spans.unbind(1))
         ok &= (tok < sinks) | (tok >= win) | ((pg >= -(-sinks // page)) & (pg < win // page))
     if token_mask is not None:  # the chosen keys of each listed page
-        bits = token_mask.to(dev, torch.int64).view(lists.shape)[..., None]  # [B, h, K, 1]
+        bits = token_mask.to(dev, torch.int64).view(n_q, n_lists, width)[..., :n_listed, None]  # [B, h, K', 1]
         ok &= ((bits >> torch.arange(page, device=dev)) & 1) != 0
     loc = block_table.to(dev, torch.long).gather(1, lists.clamp(0, max_pages - 1).flatten(1)).view(lists.shape)
     need = ok.any(-1)  # [B, h, K] entries whose page is read
@@ -133,6 +137,7 @@ def static_decode_reference(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: 
         rank = from_host.cumsum(-1) - from_host.long()  # [B, 1, K]
         lands = from_host & ok.all(-1) & (rank < land_slots.shape[1])
         land_index[:, :n_listed].copy_(torch.where(lands, rank, -1)[:, 0])
+        land_index[:, n_listed:width].fill_(-1)
         to = land_slots.to(dev, torch.long).gather(1, rank[:, 0].clamp(max=land_slots.shape[1] - 1))[lands[:, 0]]
         dev_pool[to.to(dev_pool.device)] = host_pool[(-loc - 1)[lands].to(host_pool.device)].to(dev_pool.device)
     k = pages[:, :, :, 0].reshape(n_q, n_lists, n_listed * page, n_kv, dim)  # [B, h, S, N_kv, D]
