@@ -225,8 +225,8 @@ def unread(cfg: DictConfig, key: str, value: str | None) -> str | None:
         if key in group[1:] and value is not None:
             first = next((k for k in group[:group.index(key)] if OmegaConf.select(cfg, k) is not None), None)
             if first is not None:
-                return f"{first}={OmegaConf.select(cfg, first)} is read first ({' > '.join(group)}); add {first}=null " \
-                       f"to size by {key}"
+                return f"{first}={OmegaConf.select(cfg, first)} is read first ({' > '.join(group)}); " \
+                       f"add {first}=null to size by {key}"
     if key in BUDGET_KEYS and not cfg.cache.attend_budget and \
             f"${{{key}}}" not in json.dumps(OmegaConf.to_container(cfg, resolve=False)):
         return "only the token budget reads it; add cache.attend_budget=true"
