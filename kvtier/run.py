@@ -187,10 +187,9 @@ def job_configs(argv: list[str]):
         multirun = opts.multirun or str(head.hydra.mode) == "RunMode.MULTIRUN"
         axes = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
                 else [o.input_line] for o in parser.parse_overrides((params if multirun else []) + overrides)]
-        for job in itertools.product(*axes):
-            cfg = compose(opts.config_name, overrides=list(job))
-            check_read(cfg, job)
-            yield cfg
+        jobs = [(compose(opts.config_name, overrides=list(job)), job) for job in itertools.product(*axes)]
+        check_read(jobs)
+        yield from (cfg for cfg, _ in jobs)
 
 
 NOT_READ_WITHOUT_MODEL = ("model", "tiers", "policy", "scope", "scheduler", "kernel", "logger", "page_size", "kv_dtype",
@@ -200,12 +199,16 @@ NOT_READ_WITHOUT_MODEL = ("model", "tiers", "policy", "scope", "scheduler", "ker
 BUDGET_KEYS = ("cache.window", "cache.mode", "cache.sinks")  # read by the token budget (cache.attend_budget)
 
 
-def check_read(cfg: DictConfig, overrides) -> None:
-    """A command-line setting that nothing reads would change nothing (a sweep of identical runs), so it is refused
-    by name (:func:`unread` says why)."""
-    for line in overrides:
-        key, _, value = line.lstrip("+~").partition("=")
-        why = unread(cfg, key, None if line.startswith("~") or value in ("", "null") else value)
+def check_read(jobs: list[tuple[DictConfig, tuple[str, ...]]]) -> None:
+    """A command-line setting that no job of a run or sweep reads would change nothing (a sweep of identical runs),
+    so it is refused by name (:func:`unread` says why). ``jobs``: each job's config and override lines."""
+    reasons: dict[str, str | None] = {}  # key -> why the jobs so far leave it unread; None: one reads it
+    for cfg, overrides in jobs:
+        for line in overrides:
+            key, _, value = line.lstrip("+~").partition("=")
+            why = unread(cfg, key, None if line.startswith("~") or value in ("", "null") else value)
+            reasons[key] = why if reasons.get(key, why) is not None else None
+    for key, why in reasons.items():
         if why:
             raise ConfigError(key, f"this setting would change nothing: {why}")
 

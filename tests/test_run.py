@@ -194,6 +194,8 @@ def test_a_setting_refused_as_unread_goes_through_where_it_is_read():
     # read: under the token budget, and topk's own sinks interpolate cache.sinks
     for args in (["cache.attend_budget=true", "cache.mode=once", "cache.window=32"], ["scope=topk", "cache.sinks=8"]):
         assert len(list(job_configs(args))) == 1
+    # a sweep where some jobs read it (the budget's window beside the run without a budget)
+    assert len(list(job_configs(["-m", "cache.attend_budget=true,false", "cache.window=32"]))) == 2
 
 
 def recipe_options():
