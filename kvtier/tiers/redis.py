@@ -86,6 +86,7 @@ class RedisTier(KeyValueTier):
         if ttl_s is not None and not ttl_s > 0:
             raise ConfigError(f"{field}.ttl_s", f"must be > 0 seconds or null (never expire), got {ttl_s}")
         self.url, self.timeout_s, self.ttl_s = url, timeout_s, ttl_s
+        self._client = self._stale = None  # this connection's server-side id; a timed-out one's, until killed
         from redis.backoff import NoBackoff
         from redis.retry import Retry
         # a dropped connection (server restarted) is redialled once; a timeout is never retried
@@ -93,6 +94,7 @@ class RedisTier(KeyValueTier):
         self._db = self._call(lambda: redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=reconnect_once,
             single_connection_client=True))  # connects now
+        self._client = self._call(self._db.client_id)
         info = self._call(lambda: self._db.info("memory"))
         room = info["maxmemory"] - info["used_memory"]
         if info["maxmemory"] and info.get("maxmemory_policy") == "noeviction" and room < self.stored_bytes:
@@ -127,11 +129,17 @@ class RedisTier(KeyValueTier):
         self._db.close()
 
     def _call(self, fn):
-        """Run one round trip; a dead, refusing or silent server becomes ``TierIOError``."""
+        """Run one round trip; a dead, refusing or silent server becomes ``TierIOError``. After a timeout the
+        server may still hold commands the timed-out connection sent (a pipeline of writes): before the next round
+        trip that connection is killed on the server, so none of them lands after a later write of the same key."""
         redis = _redis()
         try:
+            if self._stale is not None:
+                self._db.client_kill_filter(_id=self._stale)  # its unread commands are dropped with it
+                self._stale, self._client = None, self._db.client_id()
             return fn()
         except redis.exceptions.TimeoutError as e:
+            self._stale = self._stale or self._client
             raise TierIOError(f"remote tier '{self.name}': no answer from {self.url} within {self.timeout_s} s; "
                               f"raise tiers.stack.{self.name}.timeout_s or check the server") from e
         except redis.exceptions.ConnectionError as e:
