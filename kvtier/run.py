@@ -231,7 +231,7 @@ def unread(cfg: DictConfig, key: str, value: str | None) -> str | None:
                 return f"{first}={OmegaConf.select(cfg, first)} is read first ({' > '.join(group)}); " \
                        f"add {first}=null to size by {key}"
     if key in BUDGET_KEYS and not cfg.cache.attend_budget and \
-            f"${{{key}}}" not in json.dumps(OmegaConf.to_container(cfg, resolve=False)):
+            f"${{{key}}}" not in json.dumps(OmegaConf.to_container(cfg, resolve=False), default=str):
         return "only the token budget reads it; add cache.attend_budget=true"
     return None
 
