@@ -33,7 +33,7 @@ from kvtier.tiers.redis_server import LocalRedis
 
 RECIPES = Path(__file__).resolve().parent / "recipes"  # the recipes kvtier ships (Hydra's config folder)
 LOCAL_STORE = "local"  # tiers.stack.<remote>.url that starts a redis-server on loopback for the run
-SIZING = ("fraction", "size")  # a lower tier's size keys, read by kvtier.checks.tier_pages
+SIZING = ("size", "fraction")  # a lower tier's size keys, in the order kvtier.checks.tier_pages reads them
 
 
 class Plan(NamedTuple):
@@ -139,7 +139,7 @@ def plan(cfg: DictConfig) -> Plan:
         if spec.get("url", LOCAL_STORE) != LOCAL_STORE:
             probe_url(spec.url, f"{field}.url", spec.get("timeout_s") or 5.0)
         if issubclass(tier, MemoryTier):
-            sizing = recipe.budget.key if len(capacities) == 1 else f"{field}.{SIZING[spec.get('size') is not None]}"
+            sizing = recipe.budget.key if len(capacities) == 1 else f"{field}.{SIZING[spec.get('size') is None]}"
             place = "cpu" if issubclass(tier, HostTier) else spec.get("device") or default_device()
             in_memory[sizing] = (capacities[key] * page_bytes, place)
     check_device_room(next(iter(capacities.values())), policy, layout.page_size, min(prefill.chunk_size, context),

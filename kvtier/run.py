@@ -35,10 +35,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from kvtier.build import RECIPES, EngineFactory, build, build_model, label, plan
+from kvtier.build import RECIPES, SIZING, EngineFactory, build, build_model, label, plan
 from kvtier.errors import ConfigError, Interrupted, KVTierError, MissingDependencyError, TierFailed
 from kvtier.report import collect, write_json
-from kvtier.schema import unknown_key
+from kvtier.schema import BUDGET_SIZING, unknown_key
 
 LAUNCHERS = {  # hydra/launcher option -> (the package that ships it, kvtier's extra)
     "joblib": ("hydra-joblib-launcher", "sweep"), "ray": ("hydra-ray-launcher", "ray"),
@@ -222,9 +222,8 @@ def unread(cfg: DictConfig, key: str, value: str | None) -> str | None:
         if key.split(".")[0].split("/")[0] in NOT_READ_WITHOUT_MODEL:
             return f"task {cfg.task._target_.rpartition('.')[2]} loads no model and reads only its task.* keys"
         return None
-    stack = list(cfg.tiers.stack)[1:]
-    for group in [("budget.tokens", "budget.size", "budget.fraction"),
-                  *((f"tiers.stack.{name}.size", f"tiers.stack.{name}.fraction") for name in stack)]:
+    for group in [tuple(f"budget.{k}" for k in BUDGET_SIZING),
+                  *(tuple(f"tiers.stack.{name}.{k}" for k in SIZING) for name in list(cfg.tiers.stack)[1:])]:
         if key in group[1:] and value is not None:
             first = next((k for k in group[:group.index(key)] if OmegaConf.select(cfg, k) is not None), None)
             if first is not None:

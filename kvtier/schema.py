@@ -17,6 +17,9 @@ from kvtier.engine.config import EngineConfig
 from kvtier.errors import ConfigError
 
 
+BUDGET_SIZING = ("tokens", "size", "fraction")  # the budget's keys, in the order they are read
+
+
 @dataclass
 class Budget:
     """Device-tier KV per sequence: ``tokens``, else ``size`` (bytes over all layers, "64MiB"), else
@@ -33,7 +36,7 @@ class Budget:
     @property
     def key(self) -> str:
         """The setting in force: ``budget.tokens``, else ``budget.size``, else ``budget.fraction``."""
-        return "budget." + next((k for k in ("tokens", "size") if getattr(self, k) is not None), "fraction")
+        return "budget." + next((k for k in BUDGET_SIZING[:-1] if getattr(self, k) is not None), BUDGET_SIZING[-1])
 
     def tokens_for(self, context: int, token_bytes: int) -> int:
         """Device tokens for a task of ``context`` tokens, each ``token_bytes`` of KV over all layers."""
