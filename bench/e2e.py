@@ -57,11 +57,12 @@ TIERED = "0.5:topk,0.5:resident,0.2:topk,0.2:resident"
 
 def tiered_engine(model, batch: int, context: int, steps: int, budget: float, scope: str, lookahead: int,
                   prompts: list[torch.Tensor] | None = None, recall: bool = True, predictor: str | None = None,
-                  recall_share: str = "half") -> Engine:
+                  recall_share: str = "half", engine_settings: dict | None = None) -> Engine:
     """The engine of a row: ``batch`` sequences of ``context`` tokens each (``prompts`` prefilled, or random K/V
     written straight into the pages), room for ``steps`` more; ``budget`` of the pages in HBM, the rest in pinned
     host memory. topk's recall cache fetches ahead with ``predictor`` (:mod:`kvtier.scopes.predict`) and takes half
-    the device budget (``recall_share`` "half") or what the sinks, window and landing slots leave ("rest")."""
+    the device budget (``recall_share`` "half") or what the sinks, window and landing slots leave ("rest");
+    ``engine_settings``: more :class:`EngineConfig` fields (graphs, compile)."""
     layout = kv_layout_for(model.config, page_size=16, dtype=torch.bfloat16)
     per_seq = layout.pages_for(context + steps + 1)
     total = per_seq * batch
@@ -81,7 +82,7 @@ def tiered_engine(model, batch: int, context: int, steps: int, budget: float, sc
         else make_scope(scope)
     engine = Engine(model, layout, tiers, policy, scope_, prefill=ChunkedPrefill(4096),
                     config=EngineConfig(max_batch=batch, max_context=context + steps + 1, lookahead=lookahead,
-                                        buckets=[batch], sync_timing=False))
+                                        buckets=[batch], sync_timing=False, **(engine_settings or {})))
     gen = torch.Generator(device="cuda").manual_seed(0)
     shape = (layout.num_kv_heads, layout.head_dim)
     for b in range(batch):

@@ -47,6 +47,7 @@ def problem(gen, B, M, H, n_kv, D=64, rows=1, dtype=torch.float32):
 
 CASES = [  # (B, M, H, N_kv, rows, kv_head, dtype)
     (1, 600, 9, 3, 1, None, torch.float32),
+    (1, 2100, 8, 2, 1, None, torch.float32),  # eight warps select
     (3, 97, 8, 2, 1, None, torch.bfloat16),
     (4, 40, 9, 3, 2, None, torch.float32),
     (2, 130, 8, 2, 1, 1, torch.float32),

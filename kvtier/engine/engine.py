@@ -42,6 +42,7 @@ import torch
 from kvtier.budget import TokenBudget
 from kvtier.cache_base import ACTIVE_CACHE, PassCache
 from kvtier.checks import check_decode_kernel, check_device_room, check_salience, check_scheduler
+from kvtier.compiling import compile_step
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.feedback import Feedback
 from kvtier.engine.prefill import CAPTURE_TOKENS, Chunk, PrefillAttention
@@ -177,16 +178,16 @@ class Engine:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self._forward = self._forward_chunks = self.runner.forward if self.runner is not None else None
         if compiled and self.runner is not None:
-            self._forward = torch.compile(self.runner.forward, dynamic=False)  # a decode bucket: static rows
+            self._forward = compile_step(self.runner.forward, dynamic=False)  # a decode bucket: static rows
             # an iteration with prompt chunks: one compile for every token count (captured ones pay its guards
             # once, at capture)
-            self._forward_chunks = torch.compile(self.runner.forward, dynamic=True)
-        self._tally = torch.compile(tally, dynamic=False) if compiled else tally
+            self._forward_chunks = compile_step(self.runner.forward, dynamic=True)
+        self._tally = compile_step(tally, dynamic=False) if compiled else tally
         # the decode K/V write fused into one kernel (eager it is six launches a layer); 8-bit pages stay eager
-        self._write_decode = torch.compile(write_decode, dynamic=False) if compiled and not layout.scaled \
+        self._write_decode = compile_step(write_decode, dynamic=False) if compiled and not layout.scaled \
             else write_decode
         # the chunks' K/V write: one kernel for every token count (eager, an indexed put at ~0.3 TB/s)
-        self._store_rows = torch.compile(store_rows, dynamic=True) if compiled and not layout.scaled else store_rows
+        self._store_rows = compile_step(store_rows, dynamic=True) if compiled and not layout.scaled else store_rows
         self._lists: dict | None = None  # layer -> page list of the step being computed (None: not planned)
         self._shown: dict = {}  # layer -> token bits of its page list, for a scope that chooses single keys
         self._step_keys: dict = {}  # layer -> the decode keys [B, N_kv, D] written this step

@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvtier.compiling import compile_step
 from kvtier.kernels.base import at_host
 from kvtier.scopes.base import DROPPED_LOC
 from kvtier.tiers.copy_kernel import copy_pool_pages
@@ -79,8 +80,8 @@ class RecallCache:
         self._fetched: dict[int, torch.cuda.Event] = {}  # layer -> the end of its prefetch copy, until it waits
         self._held: list[torch.Tensor] = []  # the side streams' index tensors, not reused before the join
         self._forked: set = set()  # the side streams this step used
-        self._overlay = torch.compile(overlay_recall, dynamic=False) if compile else overlay_recall
-        self._admit = torch.compile(plan_admission, dynamic=False) if compile else plan_admission
+        self._overlay = compile_step(overlay_recall, dynamic=False) if compile else overlay_recall
+        self._admit = compile_step(plan_admission, dynamic=False) if compile else plan_admission
 
     def tensors(self) -> list[torch.Tensor]:
         """The state a step advances."""

@@ -31,6 +31,7 @@ import torch
 
 from kvtier.budget import TokenBudget
 from kvtier.checks import check_topk_options
+from kvtier.compiling import compile_step
 from kvtier.engine.stats import over_heads, page_bounds
 from kvtier.errors import ConfigError
 from kvtier.kernels.reference import page_choice_reference
@@ -108,7 +109,7 @@ class TopK(Scope):
         self.recent = None  # [L, R, query_rows, H, D] the last decode queries of each (layer, row), made at the first
         L, R = engine.layout.num_layers, engine.config.max_batch
         self.seen = torch.zeros(L, R, dtype=torch.int64, device=engine.device)
-        self._forced = torch.compile(forced_pages, dynamic=False) if engine.compiled else forced_pages
+        self._forced = compile_step(forced_pages, dynamic=False) if engine.compiled else forced_pages
         self.start_step()
         self.fused = engine.kernel.name == "triton"  # the page choice as Triton launches (scores, selection)
         if self.fused:  # imported here: triton.jit picks compiled or interpreted kernels (TRITON_INTERPRET) at import
