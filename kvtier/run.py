@@ -217,7 +217,8 @@ def unread(cfg: DictConfig, key: str, value: str | None) -> str | None:
     """Why ``key`` (set to ``value``, None: cleared) is read by nothing in ``cfg``, or None: a task that loads no
     model reads only its own keys; a key read before it sizes the same thing (``budget.tokens`` before
     ``budget.size`` before ``budget.fraction``, a tier's ``size`` before its ``fraction``); the token budget's keys
-    without the token budget (unless another node interpolates them, as topk's ``scope.sinks``)."""
+    without the token budget (unless another node interpolates them, as topk's ``scope.sinks``);
+    ``cache.exact_prefill`` where the scope's prefill attends every page anyway (all, topk)."""
     if not getattr(build(cfg.task, "task", call=False), "needs_model", True):
         if key.split(".")[0].split("/")[0] in NOT_READ_WITHOUT_MODEL:
             return f"task {cfg.task._target_.rpartition('.')[2]} loads no model and reads only its task.* keys"
@@ -229,6 +230,9 @@ def unread(cfg: DictConfig, key: str, value: str | None) -> str | None:
             if first is not None:
                 return f"{first}={OmegaConf.select(cfg, first)} is read first ({' > '.join(group)}); " \
                        f"add {first}=null to size by {key}"
+    if key == "cache.exact_prefill" and not getattr(build(cfg.scope, "scope", call=False), "prefill_device_only", False):
+        return f"scope {cfg.scope._target_.rpartition('.')[2]} prefills over every page already; only a scope " \
+               f"whose prefill reads the device's pages alone (resident) reads it"
     if key in BUDGET_KEYS and not cfg.cache.attend_budget and \
             f"${{{key}}}" not in json.dumps(OmegaConf.to_container(cfg, resolve=False), default=str):
         return "only the token budget reads it; add cache.attend_budget=true"

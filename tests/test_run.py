@@ -170,6 +170,9 @@ BAD = [
     (["cache.mode=once"], "cache.mode", "cache.attend_budget=true"),
     (["-m", "cache.window=16,32"], "cache.window", "cache.attend_budget=true"),
     (["cache.sinks=8"], "cache.sinks", "cache.attend_budget=true"),
+    # exact prefill where every prefill is exact already
+    (["scope=topk", "cache.exact_prefill=true"], "cache.exact_prefill", "resident"),
+    (["-m", "scope=all,topk", "cache.exact_prefill=true"], "cache.exact_prefill", "prefills over every page"),
 ]
 
 
@@ -196,6 +199,7 @@ def test_a_setting_refused_as_unread_goes_through_where_it_is_read():
         assert len(list(job_configs(args))) == 1
     # a sweep where some jobs read it (the budget's window beside the run without a budget)
     assert len(list(job_configs(["-m", "cache.attend_budget=true,false", "cache.window=32"]))) == 2
+    assert len(list(job_configs(["-m", "scope=resident,topk", "cache.exact_prefill=true"]))) == 2
 
 
 def recipe_options():
