@@ -149,7 +149,6 @@ def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope
     engine.close()
     del engine
     free_device_memory()
-    torch._C._host_emptyCache()  # pinned host tiers stay cached by torch otherwise (OOM at the next row)
     return row
 
 

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from bench.baselines import free_device_memory
 from bench.common import MODELS, write_json
 from bench.e2e import tiered_engine
 from kvtier.models import random_llama
@@ -32,8 +33,11 @@ def compare(model, args, config: dict) -> dict:
         rel.append(((a - b).abs().max() / a.abs().max()).item())
         differ.append(int((a.argmax(-1) != b.argmax(-1)).sum()))
         forced = {s: int(t) for s, t in zip(plain.row_seq, a.argmax(-1).tolist()) if s is not None}
-    return {"max_rel_diff": max(rel), "rel_diff": rel, "argmax_differs": differ,
-            "prefetched": int(predicted.recall.prefetched), "hit_rate": predicted.hit_rate()}
+    row = {"max_rel_diff": max(rel), "rel_diff": rel, "argmax_differs": differ,
+           "prefetched": int(predicted.recall.prefetched), "hit_rate": predicted.hit_rate()}
+    plain.close()
+    predicted.close()
+    return row
 
 
 def main():
@@ -50,7 +54,7 @@ def main():
     for mode, config in MODES.items():
         t0 = time.time()
         rows.append({"mode": mode, **compare(model, args, config)})
-        torch.cuda.empty_cache()
+        free_device_memory()
         r = rows[-1]
         print(f"{mode:18s} max rel logit diff {r['max_rel_diff']:.3g}, rows whose token differs a step "
               f"{r['argmax_differs']}, {r['prefetched']} pages fetched ahead ({time.time() - t0:.0f}s)", flush=True)
