@@ -12,7 +12,8 @@ def test_serve_bench_smoke(tmp_path):
     out = tmp_path / "serve.json"
     subprocess.run([sys.executable, "-m", "bench.serve", "--smoke", "--rates", "4", "--requests", "4", "--json",
                     str(out)], cwd=ROOT, check=True, capture_output=True, timeout=600)
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
     systems = {(r["part"], r["system"]) for r in rows}
     for system in ("floor (compute)", "cold, one chunk", "cold, chunks of 512", "radix hit"):
         assert ("ttft 128", system) in systems
@@ -23,7 +24,9 @@ def test_serve_bench_smoke(tmp_path):
     replays = [r for r in rows if r["part"] == "goodput" and "rate_rps" in r]
     assert {r["system"] for r in replays} == {"all-HBM", "tiered 20% HBM + host"}
     assert all(r["cached_share"] > 0 for r in replays)  # the trace's requests share prefixes
+    assert all(r["replays"] == 1 and r["captured_in_timed"] == 0 and r["decoding_mean"] > 0 for r in replays)
     assert len([r for r in rows if r["part"] == "sustained"]) == 2
+    assert set(result["sustained_ratio"]) == {"peak_running", "decoding_mean", "rate_rps"}
 
 
 def test_trace_workload_keeps_the_traces_output_lengths_or_fixes_them():

@@ -456,6 +456,11 @@ class Engine:
         return self.config.max_batch
 
     @property
+    def captured(self) -> int:
+        """CUDA graphs captured so far (decode buckets and iteration shapes; each capture costs hundreds of ms)."""
+        return len(self._graphs)
+
+    @property
     def decodes_like_prefill(self) -> bool:
         """A decode row attends what a prefill query at its place would (scope all, no token budget): a prompt's
         last token may run as its sequence's first decode row."""
