@@ -42,7 +42,7 @@ import torch
 from kvtier.budget import TokenBudget
 from kvtier.cache_base import ACTIVE_CACHE, PassCache
 from kvtier.checks import check_decode_kernel, check_device_room, check_salience, check_scheduler
-from kvtier.compiling import compile_step
+from kvtier.compiling import compile_step, make_room
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.feedback import Feedback
 from kvtier.engine.prefill import CAPTURE_TOKENS, Chunk, PrefillAttention
@@ -174,8 +174,6 @@ class Engine:
         self.graphs = (on_gpu and self.fidelity is None and model is not None and not reference) \
             if config.graphs is None else config.graphs
         self.compiled = compiled = on_gpu if config.compile is None else config.compile  # torch.compile'd step parts
-        if compiled:  # each engine and bucket is one more specialisation; dynamo's default of 8 runs out
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self._forward = self._forward_chunks = self.runner.forward if self.runner is not None else None
         if compiled and self.runner is not None:
             self._forward = compile_step(self.runner.forward, dynamic=False)  # a decode bucket: static rows
@@ -193,6 +191,8 @@ class Engine:
         self._step_keys: dict = {}  # layer -> the decode keys [B, N_kv, D] written this step
         self._step_queries: dict = {}  # layer -> the first row's decode query [H, D]
         self.buckets = config.buckets or tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < R} | {R}))
+        if compiled:  # per layer: each decode bucket, the prompt forward (its first shape, then dynamic), spare
+            make_room(L * (len(self.buckets) + 3))
         self.lookahead = config.lookahead
         self._layers = np.arange(L)  # [L]
         self.scratch = (tiers[0].alloc(self._layers).numpy() if scratch else np.zeros(L)).astype(np.int32)  # [L]
