@@ -34,11 +34,13 @@ Run on a GPU:  python -m bench.e2e [--models ...] [--shapes BxS,...] [--no-hf]  
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch._dynamo.utils import counters as dynamo_counters
 
 from bench.baselines import free_device_memory, hf_decode_tpot, measure_hbm_read_GBps, physical_limit_ms
 from bench.common import KERNEL_KINDS, MODELS, kernel_ms_by_kind, kernel_times, pinned_bulk_ceiling, print_table, \
@@ -117,6 +119,7 @@ def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope
             counters = (engine.recall.copied, engine.recall.prefetched, engine.recall.predicted, engine.recall.landed) \
                 if engine.recall is not None else ()
             start = [int(c) for c in counters] or [0, 0, 0, 0]
+            stalls0 = timed_stalls(engine)
         engine.step()
         events.append(engine._last_event)
         if i >= WARMUP:
@@ -143,13 +146,22 @@ def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope
            "host_wait_ms": (engine.stats.host_wait_s - wait0) / steps * 1e3,
            "offloaded": 1 - min(engine.table.occupancy()["device"]) / (layout.pages_for(context + WARMUP + steps)
                                                                        * batch),
-           "setup_s": built, "tokens": tokens.T.tolist()}
+           "setup_s": built, "tokens": tokens.T.tolist(),
+           # what may stall a timed step for 100s of ms (the p99): graph captures, dynamo compiles, full GC passes
+           **{f"{k}_in_timed": v - v0 for (k, v), v0 in zip(timed_stalls(engine).items(), stalls0.values())}}
     if profile:
         row["kernel_ms"] = kernel_ms_by_kind(kernel_times(engine.step, profile))
     engine.close()
     del engine
     free_device_memory()
     return row
+
+
+def timed_stalls(engine) -> dict:
+    """Counts of what stalls a step: the engine's CUDA graphs captured, dynamo's graphs compiled, Python's full
+    (generation 2) garbage collections."""
+    return {"captures": engine.captured, "compiles": dynamo_counters["stats"]["unique_graphs"],
+            "gc_full": gc.get_stats()[2]["collections"]}
 
 
 def show(row: dict, t0: float) -> None:
