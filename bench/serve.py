@@ -27,11 +27,11 @@ in the run.
    session served alone): TTFT < 3x its TTFT, ITL p99 < 5x its decode ITL (p50); TTFT / ITL p99, peak and
    mean of sessions decoding at once, preemptions. Sustained: per system the highest rate whose scaled-SLO
    share is >= 0.9 and the sessions decoding at once then, and their ratios tiered / all-HBM (target >= 3x).
-   Warm-up, per engine: 16 short requests whose batch shrinks through every decode bucket, then one session
-   more than the HBM holds, at once, then the workload at its highest rate (an iteration's CUDA graph is
-   captured at the first use of its decode rows and token bucket: hundreds of ms that would land in a timed
-   request). A timed replay that still captured a graph runs once more (``replays`` 2; ``captured_in_timed``:
-   the second's captures).
+   Warm-up, per engine: 16 short requests whose batch shrinks through every decode bucket, per decode bucket
+   one prompt beside that many decoders, then one session more than the HBM holds, at once, then the workload
+   at its highest rate (an iteration's CUDA graph is captured at the first use of its decode rows and token
+   bucket: hundreds of ms that would land in a timed request). A timed replay that still captured a graph runs
+   once more (``replays`` 2; ``captured_in_timed``: the second's captures).
 
 Every engine runs with ``lookahead=2``: the scheduler plans and launches an iteration before it reads the last
 one's tokens back (one iteration in flight), so the host's planning overlaps the GPU.
@@ -251,10 +251,18 @@ def trace_workload(trace: str, n: int, S: int, new: int, vocab: int, outputs: st
 
 def warm_up(sched: ServeScheduler, rng, vocab: int, S: int, new: int, sessions: int) -> None:
     """Untimed, the shapes a replay meets: ``max_batch`` short requests at once, each ending a token before the
-    one admitted before it (the batch shrinks through every decode bucket), then ``sessions`` S-token requests
-    at once (chunked prefills beside decode; on a tiered engine, pages moved to the host and read back)."""
+    one admitted before it (the batch shrinks through every decode bucket); per decode bucket, one S-token prompt
+    arriving while that many requests decode (its chunks beside them, as at a low rate); then ``sessions``
+    S-token requests at once (chunked prefills beside decode; on a tiered engine, pages moved to the host and
+    read back)."""
     rows = sched.engine.max_batch
     serve_now(sched, [(prompt(rng, PAGE, vocab), rows + 2 - i) for i in range(rows)])
+    for bucket in sched.engine.buckets:
+        decoders = [sched.submit(Request(next(RIDS), prompt(rng, PAGE, vocab), 8 + S // 64, sched.clock()))
+                    for _ in range(bucket)]
+        while not all(s.decoding for s in decoders):
+            sched.iterate()
+        serve_now(sched, [(prompt(rng, S, vocab), 2)])
     serve_now(sched, [(prompt(rng, S, vocab), new) for _ in range(sessions)])
 
 
