@@ -347,7 +347,7 @@ def sessions_ratio(rows: list[dict]) -> dict:
     """Tiered / all-HBM at the rates each sustains: sessions decoding (peak, mean) and the rates (NaN when all-HBM
     sustains none)."""
     all_hbm, tiered = (r for r in rows if r["part"] == "sustained")
-    return {key: tiered[key] / all_hbm[key] if all_hbm[key] else float("nan")
+    return {key: (tiered[key] or 0) / all_hbm[key] if all_hbm[key] else float("nan")  # tiered none: 0
             for key in ("peak_running", "decoding_mean", "rate_rps")}
 
 

@@ -18,8 +18,9 @@ def make_room(entries: int) -> None:
     """Let dynamo compile ``entries`` more specialisations of a function before it gives up on it. The attention
     hook breaks the model's graph at every attention call, so the attention module's forward is a frame of its own,
     specialised per layer index and per shape: an engine adds layers x (decode buckets + prompt forms) of them to
-    that one function. Past dynamo's limits (8 a function, 256 in all, by default) a new one runs eager: unfused
-    rotary and reshapes in every step of a bucket met late (a 24-row serving engine of 32 layers met it)."""
+    that one function. Past dynamo's limits (by default 8, and 256 counting every specialisation of the function) a
+    new one runs eager: unfused rotary and reshapes in every step of a bucket met late (a 24-row serving engine of
+    32 layers met it)."""
     config = torch._dynamo.config
     config.recompile_limit += entries
     config.accumulated_recompile_limit += entries

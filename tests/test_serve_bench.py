@@ -1,6 +1,7 @@
 """The serving bench's CPU smoke run (tiny fp32 model, tiny sizes): every part runs and writes its rows."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -47,3 +48,19 @@ def test_iteration_host_bench_runs(tmp_path):
     works = [r["work"] for r in rows]
     assert [w.split(":")[0].split(" ")[0] for w in works] == ["plan", "plan", "free"], works
     assert "decode rows" in works[0] and "cold" in works[1] and all(r["ms"] > 0 for r in rows)
+
+
+def test_sustained_ratios_read_a_system_that_sustains_no_rate():
+    """Tiered over all-HBM at the highest rate each sustains: a tiered engine that sustains none gives 0, an
+    all-HBM one that sustains none leaves the ratios undefined."""
+    from bench.serve import sessions_ratio
+
+    def sustained(rate, peak, mean):
+        return {"part": "sustained", "rate_rps": rate, "peak_running": peak, "decoding_mean": mean}
+
+    both = sessions_ratio([sustained(0.25, 3, 1.5), sustained(4.0, 16, 9.0)])
+    assert both == {"peak_running": 16 / 3, "decoding_mean": 6.0, "rate_rps": 16.0}
+    assert sessions_ratio([sustained(0.25, 3, 1.5), sustained(None, 0, 0.0)]) == \
+        {"peak_running": 0.0, "decoding_mean": 0.0, "rate_rps": 0.0}
+    undefined = sessions_ratio([sustained(None, 0, 0.0), sustained(4.0, 16, 9.0)])
+    assert all(math.isnan(v) for v in undefined.values())
