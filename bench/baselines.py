@@ -151,10 +151,12 @@ def hf_decode_tpot(model, batch: int, context: int, steps: int, mode: str, seed:
     return row
 
 
-def free_device_memory() -> None:
-    """Drop compiled graphs and cached allocator blocks between rows, pinned host blocks too (torch keeps a closed
-    engine's pinned host tiers cached otherwise: the next row ran out of memory)."""
-    torch._dynamo.reset()
+def free_device_memory(keep_compiled: bool = False) -> None:
+    """Drop compiled graphs (unless ``keep_compiled``: the next engine runs the same shapes) and cached allocator
+    blocks between rows, pinned host blocks too (torch keeps a closed engine's pinned host tiers cached otherwise:
+    the next row ran out of memory)."""
+    if not keep_compiled:
+        torch._dynamo.reset()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch._C._host_emptyCache()

@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 import torch
 
+from bench.baselines import free_device_memory
 from bench.common import MODELS, bench_ms, print_table, write_json
 from kvtier.engine import Engine, EngineConfig
 from kvtier.models import kv_layout_for, random_llama
@@ -94,12 +95,6 @@ SMOKE = Sizes(long=128, session=128, ctx=32, batch=4, rows=4, chunks=(64, 16), b
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def release_memory() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch._C._host_emptyCache()
 
 
 def peak_tflops(device: torch.device, dtype: torch.dtype) -> float:
@@ -326,7 +321,7 @@ def goodput_rows(model, rng, sz: Sizes, rates: list[float], n_requests: int, ses
             print(rows[-1], flush=True)
         eng.close()
         del eng, sched, used
-        release_memory()
+        free_device_memory(keep_compiled=True)
     return rows + sustained_rows(rows)
 
 
