@@ -203,3 +203,50 @@ def test_drop_prefix_cache_gives_every_page_back(tiny):
     sched.drop_prefix_cache()
     assert sched.tree.num_pages == 0 and not sched.engine.table.seqs
     assert sched._free_pages() == sched.engine.table.tiers[0].capacity - 1  # all but the scratch page
+
+
+def causal_reference(q, k, v, scale):
+    """Causal attention of ``q [T, H, D]`` over ``k, v [T, N_kv, D]`` in fp32: ``(out [T, H, D], lse [T, H])``."""
+    T, H, _ = q.shape
+    k, v = (x.float().repeat_interleave(H // x.shape[1], dim=1) for x in (k, v))  # [T, H, D]
+    s = torch.einsum("thd,shd->hts", q.float(), k) * scale  # [H, T, T]
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    lse = s.logsumexp(-1)  # [H, T]
+    return torch.einsum("hts,shd->thd", (s - lse[..., None]).exp(), v).to(q.dtype), lse.T
+
+
+def test_cold_chunks_on_contiguous_kv_equal_their_paged_call(tiny, monkeypatch):
+    """Uncaptured iterations (over CAPTURE_TOKENS tokens) of cold prompts' first chunks: each global layer's causal
+    call runs on the chunks' contiguous K/V (here the fp32 reference in place of cuDNN); the logits equal the paged
+    call's. A chunk over earlier pages (the second) and a captured one (the third) keep the paged call."""
+    from kvtier.engine import prefill
+
+    model, layout = tiny
+    long, a, b = prompts(3, [2300, 700, 600], seed=7)
+    engines = [Engine(model, layout, [DeviceTier(layout, 500, device=DEV)], LRU(), prefill=ChunkedPrefill(1104),
+                      config=EngineConfig(max_batch=3, max_context=2304)) for _ in range(2)]
+    engines[1].prefill_attention._own_ok = True  # on any device, with the reference kernel below
+    own_calls = []
+    monkeypatch.setattr(prefill, "own_causal", lambda *x: own_calls.append(x[0].shape[0]) or causal_reference(*x))
+    want, got = (e.prefill_sequence(e.open(2300), long, all_logits=True) for e in engines)
+    assert own_calls == [1104] * layout.num_layers  # chunks of 1,104, 1,104 and 92 tokens
+    assert got.shape == want.shape == (2300, model.config.vocab_size)
+    assert (got - want).abs().max() < 1e-4
+    want, got = (e.iterate([(e.open(700), a), (e.open(600), b)], decode=False, all_logits=True).chunk_logits
+                 for e in engines)  # two cold prompts in one iteration
+    assert own_calls[layout.num_layers:] == [700, 600] * layout.num_layers
+    assert all((x - y).abs().max() < 1e-4 for x, y in zip(got, want))
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="cuDNN's fused attention: a GPU")
+def test_own_causal_kernel_equals_the_reference():
+    """cuDNN's causal attention with GQA (through repeated kv heads) and LSE, bf16, against the fp32 reference."""
+    from kvtier.kernels.own_causal import own_causal
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (torch.randn(1500, n, 128, generator=g, device="cuda", dtype=torch.bfloat16) for n in (32, 8, 8))
+    out, lse = own_causal(q, k, v, 128 ** -0.5)
+    want_out, want_lse = causal_reference(q, k, v, 128 ** -0.5)
+    assert out.shape == (1500, 32, 128) and lse.shape == (1500, 32) and lse.dtype == torch.float32
+    assert (out.float() - want_out.float()).abs().max() < 2e-2
+    assert (lse - want_lse).abs().max() < 1e-2

@@ -725,6 +725,8 @@ class Engine:
         if self._mode in ("prefill", "mixed"):
             keys, values = self._chunk_tokens(key), self._chunk_tokens(value)  # [T, N_kv, D]
             planned = self.prefill_attention.writes.get(layer)
+            if self.prefill_attention.own_contiguous:  # the chunks' own causal part reads them contiguous
+                self.prefill_attention.own_kv = (layer, keys, values)
             if planned is not None:  # every token's page on the device: one write of all chunks
                 self._store_rows(self.layout, self.table.tiers[0].pool(layer), *planned, torch.stack([keys, values]))
             for c in self._chunks if planned is None or self.keys is not None else ():

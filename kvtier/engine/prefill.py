@@ -5,7 +5,10 @@ Each row's chosen pages split into the pages every query of its chunk sees whole
 subset of them is exact) and the tail (from ``tail_from`` on: the chunk's own pages and, on a sliding layer,
 the page the window cuts). A row that attends every page from its first lists them all in the causal call.
 So one layer makes a non-causal call over the rows' whole-seen subsets (only when some row has one) and one
-causal call over the tails with the layer's ``window_left``, merged by LSE. A call reads the device pool in
+causal call over the tails with the layer's ``window_left``, merged by LSE. In an uncaptured iteration whose chunks
+all start their sequences (cold prompts), a global layer's one causal call sees exactly the chunks' own tokens:
+where the pool holds the step's K/V as they are, it runs on their contiguous K/V instead
+(:func:`kvtier.kernels.own_causal.own_causal`, cuDNN). A call reads the device pool in
 place when all its pages are there, else one temporary pool gathered from their tiers
 (:meth:`kvtier.tiers.transfer.TransferEngine.gather`). :meth:`PrefillAttention.begin` plans once per
 iteration the calls of every layer whose pages are all on the device (they differ only in slots), and where
@@ -26,6 +29,7 @@ from kvtier.engine.stats import page_mass
 from kvtier.errors import KVTierError
 from kvtier.kernels.base import PagedBatch, page_salience
 from kvtier.kernels.merge import merge_many
+from kvtier.kernels.own_causal import own_causal, runs_own_causal
 from kvtier.quant import dequantize
 from kvtier.window import attended_range
 
@@ -55,6 +59,7 @@ class Call:
     row_ptr: np.ndarray  # [R+1] the chunks' segments of the lists
     layer: int
     planned: bool = False  # its lists are the iteration's static ones (the Triton kernel reads their tiles)
+    own: bool = False  # causal over exactly the chunks' own pages: runs on their contiguous K/V when stored
 
 
 CAPTURE_TOKENS = 1024  # an iteration of up to this many chunk tokens plans into static buffers (capturable)
@@ -122,6 +127,10 @@ class PrefillAttention:
         self.version = 0  # counts the static lists made (a captured iteration reads one set)
         self._lists: _Lists | None = None
         self._tiles = None  # the Triton kernel's tile plan of the iteration (None: the backend plans each call)
+        self.own_contiguous = False  # the iteration's global layers run their causal call on the chunks' contiguous K/V
+        self.own_kv: tuple | None = None  # (layer, keys [T, N_kv, D], values) of the chunks' tokens, from store
+        layout = self.layout
+        self._own_ok = layout.kv_dtype == layout.dtype and runs_own_causal(self.device, layout.dtype)
 
     def begin(self, chunks: list[Chunk], device_only: bool, tokens: int) -> None:
         """An iteration's chunks (their pages appended), attending with ``device_only`` the device's pages and
@@ -130,6 +139,10 @@ class PrefillAttention:
         that hold every page their calls read get their calls planned: into the lists, one copy per array."""
         self.chunks, self.device_only, self.tokens, self.planned, self.writes = chunks, device_only, tokens, {}, {}
         L, R, M = self.layout.num_layers, self.rows, self.max_pages
+        self.own_kv = None
+        # a chunk over earlier pages would split into a paged non-causal call and this one, merged by LSE: measured
+        # slower than one causal call (bench/RESULTS.md, session 32), so only cold prompts' first chunks take it
+        self.own_contiguous = self._own_ok and tokens > CAPTURE_TOKENS and all(c.start == 0 for c in chunks)
         pids = np.concatenate([self.table.pages(c.seq) for c in chunks])
         width = pids.size  # a call lists at most every page of the chunks' rows
         if tokens <= CAPTURE_TOKENS:
@@ -214,7 +227,7 @@ class PrefillAttention:
                     batch = PagedBatch(lists.qo[:r + 1], ptr[:r + 1], index[:pids_k.size], last_len[:r], P, causal,
                                        qo[:r + 1], kv_ptr[layer, k, :r + 1], window - 1 if window and causal else -1)
                     calls.append(Call(self.table.tiers[0].pool(layer), batch, pids_k, logical, tokens_k,
-                                      np.ones(pids_k.size, dtype=bool), row_ptr, layer, planned=True))
+                                      np.ones(pids_k.size, dtype=bool), row_ptr, layer, True, self._own(layer, causal)))
                 self.planned[layer] = calls
             self.groups.append((layers, self.planned[int(layers[0])]))
 
@@ -261,6 +274,10 @@ class PrefillAttention:
             out.append((pids, np.concatenate(logical), np.concatenate(tokens), row_ptr, causal))
         return out
 
+    def _own(self, layer: int, causal: bool) -> bool:
+        """``layer``'s causal call sees exactly the chunks' own tokens (:attr:`own_contiguous`, a global layer)."""
+        return causal and self.own_contiguous and not self.layout.window(layer)
+
     def _tile_count(self, tokens: int) -> int:
         """Tiles the Triton kernel launches for ``tokens`` padded chunk tokens, at most (one query per tile)."""
         return tokens + self.rows
@@ -297,6 +314,12 @@ class PrefillAttention:
         [T, H])``."""
         results = []
         for call in calls:
+            if call.own and self.own_kv is not None and self.own_kv[0] == call.layer:  # contiguous K/V, stored
+                _, keys, values = self.own_kv
+                parts = [own_causal(q[c.offset:c.offset + c.q_len], keys[c.offset:c.offset + c.q_len],
+                                    values[c.offset:c.offset + c.q_len], scale) for c in self.chunks]
+                results.append(parts[0] if len(parts) == 1 else tuple(map(torch.cat, zip(*parts))))
+                continue
             if call.planned and self.triton:  # the lists' tiles
                 from kvtier.kernels.triton_prefill import paged_prefill
 
@@ -308,7 +331,8 @@ class PrefillAttention:
                 self.backend.plan(call.batch, q.shape[1], self.layout.num_kv_heads, q.shape[2], scale)
                 res = self.backend.run(q, call.pool)
             results.append((res.out, res.lse))
-        return merge_many(results)
+        out, lse = merge_many(results)
+        return out.contiguous(), lse
 
     def salience(self, calls: list[Call], q_last: torch.Tensor, lse_last: torch.Tensor,
                  scale: float) -> list[tuple[np.ndarray, torch.Tensor]]:
@@ -358,4 +382,4 @@ class PrefillAttention:
         qo = np.concatenate([[0], np.cumsum([c.q_len for c in self.chunks])])  # [n+1]
         batch = PagedBatch.from_host(qo, row_ptr, indices, _last_page_lens(tokens, row_ptr), self.layout.page_size, causal, self.device,
                                      window_left)
-        return Call(pool, batch, pids, logical, tokens, tiers == 0, row_ptr, layer)
+        return Call(pool, batch, pids, logical, tokens, tiers == 0, row_ptr, layer, own=self._own(layer, causal))
