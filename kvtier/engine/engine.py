@@ -194,6 +194,7 @@ class Engine:
         if compiled:  # per layer: each decode bucket, the prompt forward (its first shape, then dynamic), spare
             make_room(L * (len(self.buckets) + 3))
         self.lookahead = config.lookahead
+        self.prompt_room = 0  # device slots per layer each step keeps free for a prompt chunk (keep_room)
         self._layers = np.arange(L)  # [L]
         self.scratch = (tiers[0].alloc(self._layers).numpy() if scratch else np.zeros(L)).astype(np.int32)  # [L]
         self.mirror = np.repeat(self.scratch[:, None, None], R, 1).repeat(M, 2)  # [L, R, M] host copy of locations
@@ -446,6 +447,15 @@ class Engine:
             self.transfer.wait(layer, pids)
             out.append(read_tokens(self.table, layer, seq, device="cpu")[:, :n])
         return out
+
+    def keep_room(self, pages: int) -> None:
+        """Keep ``pages`` device slots per layer free beyond the running rows' next pages: each step's moves make
+        the room, the prefix cache's pages leaving first, so a prompt chunk that arrives finds it without waiting
+        for copies (a serving scheduler's token budget). Needs a tier below the device to move pages to."""
+        if len(self.table.tiers) < 2 or isinstance(pages, bool) or not isinstance(pages, int) or pages < 0:
+            raise ConfigError("keep_room", f"device slots to keep free, an int >= 0, on an engine with a tier below "
+                                           f"the device; got {pages!r} with {len(self.table.tiers)} tier(s)")
+        self.prompt_room = pages
 
     def reclaim(self) -> None:
         """Free the pages of finished sequences now (waiting for the queued steps that read them)."""
@@ -965,7 +975,7 @@ class Engine:
         self._drop_out_of_window()
         # pages a prefill step wrote may still be queued: the copies wait for the compute stream then; a decode
         # step's unsettled pages are pinned instead (_pin_unsettled), so its copies need not wait
-        self._schedule(reserve=self._reserve(rows), after_compute=self._prefill_queued)
+        self._schedule(reserve=self._reserve(rows) + self.prompt_room, after_compute=self._prefill_queued)
         self._prefill_queued = False
         self.step_idx += 1
         self.policy.on_step(self.step_idx)

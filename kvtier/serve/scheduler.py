@@ -16,7 +16,10 @@ A new request starts from the longest cached page-aligned prefix of its prompt (
 over the engine's block table, whichever tier the pages are in: prefill gathers them, decode reads
 host pages in place and the engine's scheduler promotes them). Its prompt pages enter the tree when
 its prefill ends, its generated pages when it finishes; pages no request holds are evicted from the
-tree, leaf first in the engine policy's order, whenever room is short.
+tree, leaf first in the engine policy's order, whenever room is short. On an engine with a tier below the device,
+each step keeps a budget's chunk of device slots free (at most a quarter of the device,
+:meth:`~kvtier.engine.Engine.keep_room`): the tree's pages go down first, while earlier requests run, so a prompt
+that arrives at an idle engine full of them need not wait for its room to be copied out.
 
 **Preemption.** Before each iteration the engine must hold one free page per running request (its
 next token may open a page); when the tiers cannot, even after evicting the tree, the most recently
@@ -136,6 +139,8 @@ class ServeScheduler:
         self.done: list[RequestState] = []
         self.stats = ServeStats()
         self.ahead = engine.lookahead >= 2  # one iteration in flight while the next is planned
+        if len(engine.table.tiers) > 1:  # room for a budget's chunk, made ahead: a prompt need not wait for copies
+            engine.keep_room(min(engine.layout.pages_for(token_budget) + 1, device.capacity // 4))
         self.inflight: InFlight | None = None
 
     def submit(self, req: Request) -> RequestState:
