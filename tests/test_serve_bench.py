@@ -64,3 +64,16 @@ def test_sustained_ratios_read_a_system_that_sustains_no_rate():
         {"peak_running": 0.0, "decoding_mean": 0.0, "rate_rps": 0.0}
     undefined = sessions_ratio([sustained(None, 0, 0.0), sustained(4.0, 16, 9.0)])
     assert all(math.isnan(v) for v in undefined.values())
+
+
+def test_sustained_rows_name_the_lower_rates_that_missed():
+    """Session 32's H100 shares: the tiered engine meets the scaled SLOs at 1 and 4 req/s but not at 0.25, so its
+    sustained rate 4 carries the miss below it; all-HBM's 0.25 has none below."""
+    from bench.serve import SYSTEMS, sustained_rows
+
+    shares = {SYSTEMS[0][0]: {0.25: 1.0, 1.0: 0.875, 4.0: 0.375}, SYSTEMS[1][0]: {0.25: 0.625, 1.0: 1.0, 4.0: 1.0}}
+    rows = [{"system": system, "rate_rps": rate, "scaled_slo_met": met, "peak_running": int(4 * rate),
+             "decoding_mean": rate} for system, by_rate in shares.items() for rate, met in by_rate.items()]
+    all_hbm, tiered = sustained_rows(rows)
+    assert (all_hbm["rate_rps"], all_hbm["missed_below"]) == (0.25, [])
+    assert (tiered["rate_rps"], tiered["peak_running"], tiered["missed_below"]) == (4.0, 16, [0.25])
