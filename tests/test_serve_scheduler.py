@@ -117,30 +117,12 @@ def test_bad_settings(setup):
     model.set_attn_implementation("sdpa")
 
 
-def test_prefix_cache_pages_make_room_on_the_device(setup):
-    """Requests served one after another leave their pages to the prefix tree; on a tiered engine those pages go
-    down a tier when running requests need the device (they held it for good before: 'no device room for the page
-    being written' once the tree filled it)."""
-    model, layout, prompts, _ = setup
-    tiers = [DeviceTier(layout, 14, device="cpu"), HostTier(layout, 120)]
-    engine = Engine(model, layout, tiers, SinkWindow(sinks=4, window=16), "resident", prefill=ChunkedPrefill(16),
-                    config=EngineConfig(max_batch=3, max_context=128))
-    sched = ServeScheduler(engine, token_budget=24)
-    for i, p in enumerate(prompts + [p.flip(0) for p in prompts]):  # the flipped prompts share nothing
-        sched.submit(Request(i, p.numpy(), NEW, arrival_s=float(i)))
-        while not sched.idle:
-            sched.iterate()
-    model.set_attn_implementation("sdpa")
-    assert [len(s.output) for s in sched.done] == [NEW] * 6
-    cached = cached_pages(engine.table, np.zeros(0, dtype=np.int64))  # no request runs: every held page
-    assert cached.size > 14 and (engine.table.tier_of[:, cached] == 1).any()
-
-
 @pytest.mark.parametrize("room", [True, False])
 def test_a_prompt_at_an_idle_engine_finds_room_made_ahead(setup, room):
-    """Requests one after another on a tiered engine whose device the prefix tree fills: each step keeps a
-    budget's chunk of device slots free (the tree's pages going down first), so no prompt waits for copies to make
-    its room; without that room (``prompt_room`` 0) the later prompts do wait."""
+    """Requests one after another on a tiered engine leave their pages to the prefix tree, which outgrows the
+    device: its pages go down a tier (they held the device for good once: 'no device room for the page being
+    written'). Each step keeps a budget's chunk of device slots free (the tree's pages going first), so no prompt
+    waits for copies to make its room; without that room (``prompt_room`` 0) the later prompts do wait."""
     model, layout, prompts, _ = setup
     tiers = [DeviceTier(layout, 14, device="cpu"), HostTier(layout, 120)]
     engine = Engine(model, layout, tiers, SinkWindow(sinks=4, window=16), "resident", prefill=ChunkedPrefill(16),
@@ -158,7 +140,8 @@ def test_a_prompt_at_an_idle_engine_finds_room_made_ahead(setup, room):
             sched.iterate()
     model.set_attn_implementation("sdpa")
     assert [len(s.output) for s in sched.done] == [NEW] * 6
-    assert (engine.table.tier_of[:, cached_pages(engine.table, np.zeros(0, dtype=np.int64))] == 1).any()
+    cached = cached_pages(engine.table, np.zeros(0, dtype=np.int64))  # no request runs: every held page
+    assert cached.size > 14 and (engine.table.tier_of[:, cached] == 1).any()
     assert (not waits) == room
     with pytest.raises(ConfigError, match="keep_room"):
         make(model, layout, 16).keep_room(2)  # one tier: nowhere to move pages to
