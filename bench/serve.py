@@ -55,6 +55,7 @@ import torch
 from bench.baselines import free_device_memory
 from bench.common import MODELS, bench_ms, print_table, write_json
 from kvtier.engine import Engine, EngineConfig
+from kvtier.engine.engine import TOKEN_BUCKETS
 from kvtier.models import kv_layout_for, random_llama
 from kvtier.policies import LRU, SinkWindow
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
@@ -247,18 +248,25 @@ def trace_workload(trace: str, n: int, S: int, new: int, vocab: int, outputs: st
 
 def warm_up(sched: ServeScheduler, rng, vocab: int, S: int, new: int, sessions: int) -> None:
     """Untimed, the shapes a replay meets: ``max_batch`` short requests at once, each ending a token before the
-    one admitted before it (the batch shrinks through every decode bucket); per decode bucket, one S-token prompt
-    arriving while that many requests decode (its chunks beside them, as at a low rate); then ``sessions``
-    S-token requests at once (chunked prefills beside decode; on a tiered engine, pages moved to the host and
-    read back)."""
+    one admitted before it (the batch shrinks through every decode bucket); per decode bucket, prompts arriving
+    one after another while that many requests decode (their chunks beside them, as at a low rate): one of each
+    token bucket up to the budget (a trace's short prompts and the last chunks of long ones), then an S-token
+    one; then ``sessions`` S-token requests at once (chunked prefills beside decode; on a tiered engine, pages
+    moved to the host and read back)."""
     rows = sched.engine.max_batch
     serve_now(sched, [(prompt(rng, PAGE, vocab), rows + 2 - i) for i in range(rows)])
+    lengths = [b for b in TOKEN_BUCKETS if b < sched.budget] + [S]
     for bucket in sched.engine.buckets:
-        decoders = [sched.submit(Request(next(RIDS), prompt(rng, PAGE, vocab), 8 + S // 64, sched.clock()))
-                    for _ in range(bucket)]
+        decoders = [sched.submit(Request(next(RIDS), prompt(rng, PAGE, vocab), 8 + S // 64 + 4 * len(lengths),
+                                         sched.clock())) for _ in range(bucket)]
         while not all(s.decoding for s in decoders):
             sched.iterate()
-        serve_now(sched, [(prompt(rng, S, vocab), 2)])
+        for n in lengths:  # each served to its end while the decoders run on
+            state = sched.submit(Request(next(RIDS), prompt(rng, n, vocab), 2, sched.clock()))
+            while state not in sched.done:
+                sched.iterate()
+        while not sched.idle:
+            sched.iterate()
     serve_now(sched, [(prompt(rng, S, vocab), new) for _ in range(sessions)])
 
 
