@@ -21,7 +21,7 @@ def runs_own_causal(device: torch.device, dtype: torch.dtype) -> bool:
 def own_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of one chunk's queries ``q [T, H, D]`` over its keys and values ``k, v [T, N_kv, D]``:
     ``(out [T, H, D], lse [T, H] float32, natural log)``."""
-    T, H, D = q.shape
+    T, H, _ = q.shape
     if k.shape[1] != H:  # GQA: cuDNN's kernel takes one kv head per query head
         k, v = (x.repeat_interleave(H // x.shape[1], dim=1) for x in (k, v))  # [T, H, D]
     q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, H, T, D], strided views
