@@ -29,7 +29,8 @@ in the run.
    share is >= 0.9, the sessions decoding at once then and the lower rates that missed (``missed_below``), and
    their ratios tiered / all-HBM (target >= 3x).
    Warm-up, per engine: 16 short requests whose batch shrinks through every decode bucket, per decode bucket
-   one prompt beside that many decoders, then one session more than the HBM holds, at once, then the workload
+   one prompt of each token bucket below the budget and one S-token prompt beside that many decoders, then one
+   session more than the HBM holds, at once, then the workload
    at its highest rate (an iteration's CUDA graph is captured at the first use of its decode rows and token
    bucket: hundreds of ms that would land in a timed request). A timed replay that still captured a graph runs
    once more (``replays`` 2; ``captured_in_timed``: the second's captures).

@@ -130,7 +130,7 @@ def test_a_prompt_at_an_idle_engine_finds_room_made_ahead(setup, room):
     sched = ServeScheduler(engine, token_budget=24)
     assert engine.prompt_room == min(layout.pages_for(24) + 1, 14 // 4)
     if not room:
-        engine.prompt_room = 0
+        engine.keep_room(0)
     waits = []
     wait_room = engine._wait_room
     engine._wait_room = lambda: waits.append(engine.step_idx) or wait_room()
