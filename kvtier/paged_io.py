@@ -30,7 +30,7 @@ def write_tokens(table: BlockTable, layer: int, seq: int, kv: torch.Tensor, star
         chunk = kv if sel.size == n else kv[:, to_device([sel], kv.device, torch.int64)[0]]  # [2, m, N_kv, D]
         uniq, inv = np.unique(slots[sel], return_inverse=True)
         if pool is not None:
-            store_rows(table.layout, pool, *to_device([uniq, inv, offs[sel]], pool.device, torch.int64), chunk)
+            store_rows(table.layout, pool, *to_device([uniq, inv, offs[sel]], pool.device, torch.int64), *chunk)
             continue
         u = torch.from_numpy(uniq)
         fresh = np.zeros(uniq.size, dtype=bool)  # a write from offset 0 starts a page: nothing to keep
@@ -39,19 +39,25 @@ def write_tokens(table: BlockTable, layer: int, seq: int, kv: torch.Tensor, star
         if not fresh.all():
             old = np.flatnonzero(~fresh)
             pages[torch.from_numpy(old)] = tier.read(layer, u[old]).to(pages.device)
-        store_rows(table.layout, pages, *to_device([np.arange(uniq.size), inv, offs[sel]], "cpu", torch.int64), chunk)
+        store_rows(table.layout, pages, *to_device([np.arange(uniq.size), inv, offs[sel]], "cpu", torch.int64),
+                   *chunk)
         tier.write(layer, u, pages)
 
 
-def store_rows(layout, pool: torch.Tensor, p: torch.Tensor, i: torch.Tensor, o: torch.Tensor,
-               kv: torch.Tensor) -> None:
-    """Token ``t`` of ``kv [2, m, N_kv, D]`` into row ``o[t]`` of slot ``p[i[t]]`` of ``pool``: ``p [u]`` distinct
-    slots, ``i [m]``, ``o [m]`` int64 on the pool's device; no host work."""
-    kv = kv.to(pool.device)
+def store_rows(layout, pool: torch.Tensor, p: torch.Tensor, i: torch.Tensor, o: torch.Tensor, keys: torch.Tensor,
+               values: torch.Tensor) -> None:
+    """Token ``t`` of ``keys, values [m, N_kv, D]`` into row ``o[t]`` of slot ``p[i[t]]`` of ``pool``: ``p [u]``
+    distinct slots, ``i [m]``, ``o [m]`` int64 on the pool's device; no host work. Unscaled pages take two row
+    copies into the pool seen as rows of ``N_kv * D`` (an indexed put over the page dims ran at ~0.2 TB/s on an
+    H100, the row copies at ~0.45: bench/RESULTS.md, session 33)."""
     if layout.scaled:
-        write_scaled(pool, layout.page_size, p, i, o, kv)
-    else:
-        pool[p[i], :, o] = kv.transpose(0, 1).to(pool.dtype)
+        write_scaled(pool, layout.page_size, p, i, o, torch.stack([keys, values]).to(pool.device))
+        return
+    m, P = keys.shape[0], pool.shape[2]
+    rows = pool.view(-1, pool.shape[-2] * pool.shape[-1])  # [S * 2 * P, N_kv * D]: row (slot, K or V, offset)
+    at = p[i] * (2 * P) + o  # [m] the keys' rows; the values' are P further
+    rows.index_copy_(0, at, keys.reshape(m, -1).to(pool.device, pool.dtype))
+    rows.index_copy_(0, at + P, values.reshape(m, -1).to(pool.device, pool.dtype))
 
 
 def read_tokens(table: BlockTable, layer: int, seq: int, device=None) -> torch.Tensor:

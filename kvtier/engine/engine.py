@@ -184,8 +184,6 @@ class Engine:
         # the decode K/V write fused into one kernel (eager it is six launches a layer); 8-bit pages stay eager
         self._write_decode = compile_step(write_decode, dynamic=False) if compiled and not layout.scaled \
             else write_decode
-        # the chunks' K/V write: one kernel for every token count (eager, an indexed put at ~0.3 TB/s)
-        self._store_rows = compile_step(store_rows, dynamic=True) if compiled and not layout.scaled else store_rows
         self._lists: dict | None = None  # layer -> page list of the step being computed (None: not planned)
         self._shown: dict = {}  # layer -> token bits of its page list, for a scope that chooses single keys
         self._step_keys: dict = {}  # layer -> the decode keys [B, N_kv, D] written this step
@@ -738,7 +736,7 @@ class Engine:
             if self.prefill_attention.own_contiguous:  # the chunks' own causal part reads them contiguous
                 self.prefill_attention.own_kv = (layer, keys, values)
             if planned is not None:  # every token's page on the device: one write of all chunks
-                self._store_rows(self.layout, self.table.tiers[0].pool(layer), *planned, torch.stack([keys, values]))
+                store_rows(self.layout, self.table.tiers[0].pool(layer), *planned, keys, values)
             for c in self._chunks if planned is None or self.keys is not None else ():
                 kv = torch.stack([keys[c.offset:c.offset + c.q_len], values[c.offset:c.offset + c.q_len]])
                 if planned is None:
