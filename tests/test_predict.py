@@ -145,8 +145,8 @@ def test_the_estimate_from_the_layers_own_input_is_its_query(tiny):
         seen[layer] = query[:, :, -1].clone()  # [B, H, D]
         return attend(layer, query, scaling)
 
-    hooks = [layer.register_forward_pre_hook(lambda m, args, kw, i=i: entering.__setitem__(i, args[0]),
-                                             with_kwargs=True) for i, layer in enumerate(engine.runner.base.layers)]
+    hooks = [layer.input_layernorm.register_forward_pre_hook(lambda m, args, i=i: entering.__setitem__(i, args[0]))
+             for i, layer in enumerate(engine.runner.base.layers)]  # the hidden state entering each layer
     engine.attend = spy
     try:
         engine.step()

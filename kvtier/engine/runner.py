@@ -67,12 +67,12 @@ class LlamaRunner:
                         position_embeddings=rope)
             if point == "layer_input" and i < last:
                 fn(i + 1, hidden, rope)
-            if point == "after_attention" and i < last:  # the decoder layer's forward, split at its residual add
-                hidden = hidden + layer.self_attn(hidden_states=layer.input_layernorm(hidden), **args)[0]
+            # the decoder layer's forward, written out: one compiled region from its MLP's residual add on to the
+            # next layer's attention (norm fused with the add), where the layer's own frame would split them
+            hidden = hidden + layer.self_attn(hidden_states=layer.input_layernorm(hidden), **args)[0]
+            if point == "after_attention" and i < last:
                 fn(i + 1, hidden, rope)
-                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-            else:
-                hidden = layer(hidden, **args)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         hidden = hidden[:, keep] if isinstance(keep, torch.Tensor) else hidden[:, -keep:]  # [B, k, hidden]
         return self.model.lm_head(self.base.norm(hidden)).float()
 
