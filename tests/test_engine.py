@@ -727,6 +727,32 @@ def test_a_device_scorer_ranks_from_the_feedbacks_snapshot_of_its_scores(tiny, p
     np.testing.assert_allclose(fresh.device_score[:, :-1], got.device_score[:, :-1])
 
 
+def test_a_scorers_key_statistics_are_those_of_the_pages_keys(tiny):
+    """What a scorer reads of the keys (``key_mean``, ``key_sq_mean``, ``key_bounds``; docs/policies.md) equals the
+    statistics of the keys each page holds, over its written tokens, after prefill chunks and decode steps."""
+    from kvtier.policies import POLICIES
+
+    model, layout = tiny
+    policy = POLICIES["quest"](sinks=4, window=8)
+    engine = Engine(model, layout, [DeviceTier(layout, 64, device="cpu")], policy, prefill=ChunkedPrefill(16))
+    engine.add(torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(6)))
+    for _ in range(4):
+        engine.step()
+    engine.feedback.take(upto=engine.step_idx)
+    pids = engine.table.pages(0)
+    got = policy.store.stats(PageInfo(pids, np.zeros(pids.size, np.int64), np.ones(pids.size, np.int64), 1, 0))
+    P = layout.page_size
+    for layer in range(layout.num_layers):
+        keys = read_tokens(engine.table, layer, 0)[0]  # [S, N_kv, D]
+        pages = [keys[j * P:(j + 1) * P] for j in range(pids.size)]  # the last one partly written
+        want = [torch.stack([f(k) for k in pages]) for f in (lambda k: k.mean(0), lambda k: (k * k).mean(0),
+                                                              lambda k: k.amin(0), lambda k: k.amax(0))]
+        for name, have, exp in zip(["mean", "sq_mean", "min", "max"],
+                                   [got.key_mean[layer], got.key_sq_mean[layer], *(b[layer] for b in got.key_bounds)],
+                                   want):
+            torch.testing.assert_close(have, exp, rtol=1e-5, atol=1e-6, msg=f"layer {layer}: key {name}")
+
+
 def test_a_sequence_opens_without_waiting_for_the_step_in_flight():
     """A finished sequence's pages are freed once the steps queued before its end have run (its fence): opening the
     next sequence does not wait for them (the host keeps its lead on the GPU); a growth the device has no room for
