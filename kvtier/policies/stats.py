@@ -161,7 +161,7 @@ class PageStats:
     def _keys(self, name: str) -> torch.Tensor:
         """The engine's key statistic ``name`` of the candidate pages ``[L, n, ...]``, on its device."""
         keys = self.store.keys
-        return getattr(keys, name)[:, torch.from_numpy(self.info.pids).to(keys.device)]
+        return getattr(keys, name)[:, torch.tensor(self.info.pids, device=keys.device)]
 
     @cached_property
     def key_norm(self) -> np.ndarray:
@@ -175,7 +175,7 @@ class PageStats:
         scores = self.store.scores
         if scores is None:
             keys = self.store.keys
-            pids = torch.from_numpy(self.info.pids).to(keys.device)
+            pids = torch.tensor(self.info.pids, device=keys.device)
             return self.store.score_device(keys, self.store.queries, keys.count.shape[1])[:, pids].double().cpu().numpy()
         return np.nan_to_num(scores.read(self.info.pids).astype(np.float64), nan=np.finfo(np.float64).min)
 
