@@ -699,6 +699,22 @@ def test_attention_statistics_of_a_step_equal_a_loop_over_its_page_lists():
                                np.delete(total.transpose(1, 0, 2), fresh, 1), rtol=1e-6)
 
 
+def scored_run(model, layout, policy, tiers, prompt: int, steps: int, seed: int, **engine_args):
+    """An engine ranked by ``policy``: a random prompt of ``prompt`` tokens in chunks of 16, ``steps`` decode steps,
+    every step's feedback taken; ``(engine, the sequence's pids)``."""
+    engine = Engine(model, layout, tiers, policy, prefill=ChunkedPrefill(16), **engine_args)
+    engine.add(torch.randint(0, 256, (prompt,), generator=torch.Generator().manual_seed(seed)))
+    for _ in range(steps):
+        engine.step()
+    engine.feedback.take(upto=engine.step_idx)
+    return engine, engine.table.pages(0)
+
+
+def all_candidates(policy, pids: np.ndarray):
+    """The scorer's view of pages ``pids``, every one a candidate."""
+    return policy.store.stats(PageInfo(pids, np.zeros(pids.size, np.int64), np.ones(pids.size, np.int64), 1, 0))
+
+
 @pytest.mark.parametrize("policy_name", ["knorm", "quest", "expected_attention"])
 def test_a_device_scorer_ranks_from_the_feedbacks_snapshot_of_its_scores(tiny, policy_name):
     """A scorer that scores on the device (Knorm, Quest, Expected Attention) is scored by the engine after each step;
@@ -709,20 +725,15 @@ def test_a_device_scorer_ranks_from_the_feedbacks_snapshot_of_its_scores(tiny, p
 
     model, layout = tiny
     policy = POLICIES[policy_name](sinks=4, window=8)
-    engine = Engine(model, layout, [DeviceTier(layout, 64, device="cpu"), HostTier(layout, 64)], policy, Resident(),
-                    prefill=ChunkedPrefill(16))
+    engine, pids = scored_run(model, layout, policy, [DeviceTier(layout, 64, device="cpu"), HostTier(layout, 64)],
+                              prompt=40, steps=5, seed=4, scope=Resident())
     assert len(engine.scores) == 1 and engine.scores[0] in engine.feedback.snapshotted
-    engine.add(torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(4)))
-    for _ in range(5):
-        engine.step()
-    engine.feedback.take(upto=engine.step_idx)
-    pids = engine.table.pages(0)
-    got = policy.store.stats(PageInfo(pids, np.zeros(pids.size, np.int64), np.ones(pids.size, np.int64), 1, 0))
+    got = all_candidates(policy, pids)
     live = policy.scorer.score_device(engine.keys, engine.queries, engine.keys.count.shape[1])[:, pids]  # [L, n]
     assert np.isfinite(got.device_score).all() and live.abs().sum() > 0
     np.testing.assert_allclose(got.device_score, live.double().numpy(), rtol=1e-6)
     policy.on_append(pids[-1:], engine.step_idx + 1)  # as a page appended after the shown step
-    fresh = policy.store.stats(PageInfo(pids, np.zeros(pids.size, np.int64), np.ones(pids.size, np.int64), 1, 0))
+    fresh = all_candidates(policy, pids)
     assert (fresh.device_score[:, -1] == np.finfo(np.float64).min).all()
     np.testing.assert_allclose(fresh.device_score[:, :-1], got.device_score[:, :-1])
 
@@ -734,13 +745,8 @@ def test_a_scorers_key_statistics_are_those_of_the_pages_keys(tiny):
 
     model, layout = tiny
     policy = POLICIES["quest"](sinks=4, window=8)
-    engine = Engine(model, layout, [DeviceTier(layout, 64, device="cpu")], policy, prefill=ChunkedPrefill(16))
-    engine.add(torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(6)))
-    for _ in range(4):
-        engine.step()
-    engine.feedback.take(upto=engine.step_idx)
-    pids = engine.table.pages(0)
-    got = policy.store.stats(PageInfo(pids, np.zeros(pids.size, np.int64), np.ones(pids.size, np.int64), 1, 0))
+    engine, pids = scored_run(model, layout, policy, [DeviceTier(layout, 64, device="cpu")], prompt=37, steps=4, seed=6)
+    got = all_candidates(policy, pids)
     P = layout.page_size
     for layer in range(layout.num_layers):
         keys = read_tokens(engine.table, layer, 0)[0]  # [S, N_kv, D]
