@@ -62,9 +62,9 @@ class LlamaRunner:
         rope = self.base.rotary_emb(hidden, positions)  # (cos, sin) [B, q, D]
         point, fn = ahead if ahead is not None else (None, None)
         last = len(self.base.layers) - 1
+        args = dict(attention_mask=None, position_ids=positions, past_key_values=kv, use_cache=True,
+                    position_embeddings=rope)  # every layer's attention
         for i, layer in enumerate(self.base.layers):
-            args = dict(attention_mask=None, position_ids=positions, past_key_values=kv, use_cache=True,
-                        position_embeddings=rope)
             if point == "layer_input" and i < last:
                 fn(i + 1, hidden, rope)
             # the decoder layer's forward, written out: one compiled region from its MLP's residual add on to the
