@@ -490,6 +490,21 @@ def test_the_policy_hears_accesses_only_when_it_listens(tiny, policy, hears):
         assert len(set(steps)) >= 2 * layout.page_size - 1
 
 
+def test_pages_attended_are_each_listed_page_once_in_row_layer_page_order(tiny):
+    """The feedback's attended pages from per-head page lists: every listed live page of a (row, layer) once (heads
+    that list the same page, padding -1 and pages past the row's end left out), sorted by row, layer, page."""
+    model, layout = tiny
+    engine = make(model, layout, [DeviceTier(layout, 40, device="cpu")], LRU(), max_batch=3, max_context=128)
+    rng = np.random.default_rng(4)
+    L, R, M = 3, 3, 10
+    lists = rng.integers(-1, M + 2, size=(L, R, layout.num_kv_heads * 4))  # [L', R, G * K], repeats across heads
+    n_pages = np.array([10, 4, 7])
+    row, at, logical = engine.feedback._attended(np.arange(L), np.zeros((R, M), dtype=np.int64), n_pages,
+                                                 n_pages * layout.page_size, lists)
+    want = sorted({(r, li, int(p)) for li in range(L) for r in range(R) for p in lists[li, r] if 0 <= p < n_pages[r]})
+    assert list(zip(row.tolist(), at.tolist(), logical.tolist())) == want
+
+
 def test_every_page_of_every_layer_is_heard_in_one_call_as_page_by_page(tiny):
     """Scope ``all`` without sliding windows: LRU hears each step's pages for every layer at once
     (``layer=slice(None)``) and ends in the state the per-(layer, page) feed gives."""

@@ -278,8 +278,9 @@ class Feedback:
             return np.nonzero(seen.transpose(1, 0, 2))  # sorted by row, layer, page
         lists = lists.reshape(layers.size, R, -1)  # [L', R, G * K]
         li, ri, k = np.nonzero((lists >= 0) & (lists < n_pages[None, :, None]))
-        code = np.unique((ri * layers.size + li) * M + lists[li, ri, k])
-        return code // (layers.size * M), code // M % layers.size, code % M
+        seen = np.zeros((R, layers.size, M), dtype=bool)  # a page listed by several heads counts once
+        seen[ri, li, lists[li, ri, k]] = True
+        return np.nonzero(seen)  # sorted by row, layer, page
 
 
 def _to_host(x: torch.Tensor, device) -> torch.Tensor:
