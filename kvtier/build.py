@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvtier.budget import TokenBudget
 from kvtier.checks import (check_decode_kernel, check_device_room, check_memory, check_partial_budget, check_positions,
-                           check_salience, check_stack, device_pages_needed, tier_pages)
+                           check_salience, check_stack, device_pages_needed, pay_for_key_stats, tier_pages)
 from kvtier.errors import ConfigError
 from kvtier.hook import use_hook
 from kvtier.layout import KVLayout
@@ -133,7 +133,9 @@ def plan(cfg: DictConfig) -> Plan:
             capacities[key] = tier_pages(spec, field, pages, page_bytes)
         else:
             chunk_room = device_pages_needed(policy, layout.page_size, min(prefill.chunk_size, context))
-            capacities[key] = _device_pages(scope, layout.pages_for(budget), attended, pages, chunk_room)
+            device = _device_pages(scope, layout.pages_for(budget), attended, pages, chunk_room)
+            capacities[key] = pay_for_key_stats(device, build_scope(cfg, device), layout,
+                                                task.context_tokens + task.new_tokens, recipe.budget.key)
         if "path" in spec:  # a disk tier: relative paths live in the run folder
             check_folder(spec.path if Path(spec.path).is_absolute() else ".", f"{field}.path")
         if spec.get("url", LOCAL_STORE) != LOCAL_STORE:

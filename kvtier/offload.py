@@ -32,12 +32,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvtier.build import LOCAL_STORE, RECIPES, build, unsized
 from kvtier.cache import TieredKVCache
-from kvtier.checks import check_device_room, check_stack, tier_pages
+from kvtier.checks import check_device_room, check_stack, pay_for_key_stats, tier_pages
 from kvtier.errors import ConfigError
 from kvtier.hook import use_hook
 from kvtier.models import kv_layout_for
 from kvtier.policies import Policy
-from kvtier.scopes import make_scope
+from kvtier.scopes import TopK, make_scope
+from kvtier.scopes.topk import OPTIONS as TOPK_OPTIONS
 from kvtier.tiers.redis_server import LocalRedis
 
 
@@ -73,7 +74,15 @@ def cache_for(model, prompt_tokens: int, new_tokens: int = 0, *, policy: str | P
         capacities[key] = batch_size * (tier_pages(spec, f"tiers.stack.{key}", context_pages,
                                                    layout.num_layers * layout.page_bytes)
                                         if capacities else layout.pages_for(budget))
-    device_pages = next(iter(capacities.values()))
+    topk = {k: cache.pop(k) for k in list(cache) if k in TOPK_OPTIONS}
+    if topk and scope != "topk":
+        raise ConfigError(f"scope.{next(iter(topk))}", f"is an option of scope 'topk', not of {scope!r}")
+    scope_for = (lambda pages: TopK(pages, sinks=cache.get("sinks", 4), **topk)) if scope == "topk" else \
+        (lambda pages: make_scope(scope))
+    first = next(iter(capacities))
+    capacities[first] = pay_for_key_stats(capacities[first], scope_for(capacities[first] // batch_size), layout,
+                                          batch_size * (prompt_tokens + new_tokens), "hbm")
+    device_pages = capacities[first]
     check_device_room(device_pages, policy, page_size, 0, "hbm", batch_size)
     check_stack(capacities, batch_size * context_pages)
     servers, made = [], []
@@ -87,9 +96,8 @@ def cache_for(model, prompt_tokens: int, new_tokens: int = 0, *, policy: str | P
                 node.url = servers[-1].url
             made.append(build(node, f"tiers.stack.{key}", layout=layout, capacity=capacities[key], name=key))
         scheduler = build(recipe_node("scheduler", "lookahead", device).placement, "scheduler.placement")
-        options = {"topk_pages": device_pages // batch_size} if scope == "topk" else {}
         result = TieredKVCache(layout, made, policy, scheduler, build(recipe_node("kernel", kernel, device), "kernel"),
-                               scope=scope, batch_size=batch_size, **options | cache)
+                               scope=scope_for(device_pages // batch_size), batch_size=batch_size, **cache)
     except BaseException:
         for tier in made:
             tier.close()
