@@ -28,7 +28,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -150,7 +150,7 @@ class Instance:
         self.prefill_res = 0  # KV tokens reserved by prompts being prefilled (both)
         self.queued = 0  # prompt tokens waiting or being prefilled, not yet computed
         self.extra_ms = 0.0  # swap copies the next iteration waits for
-        self.run_ahead = None  # [ends (s), step ms, steps, rows, joined, keys, version]: quiet decode steps in one event
+        self.run_ahead = None  # quiet decode steps as one event: [ends (s), ms, steps, rows, joined, keys, version]
         self.run_version = 0
         self.busy = False
         self.busy_s = self.flops = self.stored = self.held = self.row_s = 0.0
@@ -200,11 +200,11 @@ class Cluster:
 
     def __init__(self, spec: ClusterSpec, requests: list[SimRequest], closed_loop: int = 0, seed: int = 0):
         self.spec, self.requests, self.closed_loop = spec, list(requests), closed_loop
-        front = [i for i, s in enumerate(spec.instances) if s.role in ("both", "prefill")]
-        self.holders = Holders(len(front))  # the front instances' HBM prefixes, a bit each
-        self.instances = [Instance(s, i, self.holders, front.index(i) if i in front else 0) if i in front
-                          else Instance(s, i) for i, s in enumerate(spec.instances)]
-        self.front = [self.instances[i] for i in front]
+        bit = {i: b for b, i in enumerate(i for i, s in enumerate(spec.instances) if s.role != "decode")}
+        self.holders = Holders(len(bit))  # the front instances' HBM prefixes, a bit each
+        self.instances = [Instance(s, i, self.holders if i in bit else None, bit.get(i, 0))
+                          for i, s in enumerate(spec.instances)]
+        self.front = [self.instances[i] for i in bit]
         self.decoders = [i for i in self.instances if i.spec.role in ("both", "decode")]
         self.pool = Tiers(list(spec.pool)) if spec.pool else None
         self.router = Router(spec.router)
@@ -236,7 +236,8 @@ class Cluster:
             end = begin + link.seconds(blocks * inst.block_bytes)
             setattr(inst, attr, end)
             ready = max(ready, end)
-            self.ledger.prefix_read_bytes[name] = self.ledger.prefix_read_bytes.get(name, 0.0) + blocks * inst.block_bytes
+            read = self.ledger.prefix_read_bytes
+            read[name] = read.get(name, 0.0) + blocks * inst.block_bytes
         f.loaded, f.reach = sum(k for _, k, _, _ in loads), reach if loads else 0
         if loads and inst.tiers is not None:
             inst.tiers.touch(req.blocks[:reach])

@@ -7,10 +7,10 @@ Each engine serves the Mooncake conversation trace (prompts cut to ``max_prompt`
 arrival times scaled to the rate at which the engine decodes the seed's stream count on average (rows per
 iteration, time-averaged), found by bisection below ``headroom`` of the engine's prefill capacity (one mean
 prompt's prefill per request: faster arrivals queue without bound); an engine that cannot decode that many
-there is measured there, and its streams claim fails. Contiguous = one TP-8 instance reserving ``max_context`` per stream;
-paged = the same with 16-token pages; disaggregated FP8 = a TP-4 prefill and a TP-4 decode instance over the
-node's NVLink, FP8 KV (and FP8 weights on the roofline). Each figure is simulated on kvtier's engine and on the
-hardware roofline.
+there is measured there, and its streams claim fails. Contiguous = one TP-8 instance reserving ``max_context``
+per stream; paged = the same with 16-token pages; disaggregated FP8 = a TP-4 prefill and a TP-4 decode instance
+over the node's NVLink, FP8 KV (and FP8 weights on the roofline). Each figure is simulated on kvtier's engine and
+on the hardware roofline.
 """
 
 from __future__ import annotations
@@ -132,7 +132,8 @@ class MemoryManagers:
                       supported(e["itl_p99_ms"], itl, False), f"{r['itl_p99_ms']:.1f} ms",
                       supported(r["itl_p99_ms"], itl, False),
                       f"a {self.chunk:,}-token chunk in the iteration ({e['chunk_ms']:.0f} ms engine, "
-                      f"{r['chunk_ms']:.0f} ms roofline)" if name != "disaggregated FP8" else
+                      f"{r['chunk_ms']:.0f} ms roofline); the chunk budget is the scenario's (the seed gives none)"
+                      if name != "disaggregated FP8" else
                       f"a decode step of 70B on 4 H100s at {e['peak_rows']} rows (no chunk rides along)"),
                 Claim(f"{name}: KV utilisation", f"{util:.1%}", f"{e['kv_util']:.1%}",
                       supported(e["kv_util"], util, tolerance=0.02), f"{r['kv_util']:.1%}",
