@@ -129,6 +129,20 @@ def hbm_prefix(tokens: int) -> tuple:
     return (Tier("HBM", max(1, tokens // BLOCK)),) if tokens >= BLOCK else ()
 
 
+@dataclass(slots=True)
+class RunAhead:
+    """Decode steps of the same rows as one event: their ends (s) and times (ms), how many (fewer once cut
+    short), the rows, those that joined at the first, pages opened by each step (paged), the event's version."""
+
+    ends: np.ndarray
+    ms: np.ndarray
+    steps: int
+    rows: int
+    joined: int
+    grown: np.ndarray | None
+    version: int
+
+
 class Instance:
     """One instance's state while the simulation runs: queues, running rows, iteration times and tallies."""
 
@@ -150,7 +164,7 @@ class Instance:
         self.prefill_res = 0  # KV tokens reserved by prompts being prefilled (both)
         self.queued = 0  # prompt tokens waiting or being prefilled, not yet computed
         self.extra_ms = 0.0  # swap copies the next iteration waits for
-        self.run_ahead = None  # quiet decode steps as one event: [ends (s), ms, steps, rows, joined, keys, version]
+        self.run_ahead: RunAhead | None = None  # quiet decode steps as one event
         self.run_version = 0
         self.busy = False
         self.busy_s = self.flops = self.stored = self.held = self.row_s = 0.0
@@ -334,9 +348,9 @@ class Cluster:
         if not rows and not parts:
             return
         if not parts and not preempted and s.offload is None:  # (a preemption frees room the next step may fill)
-            steps = self._quiet_steps(inst)
+            steps, grown = self._quiet_steps(inst)
             if steps > 1:
-                return self._start_run_ahead(inst, rows, steps)
+                return self._start_run_ahead(inst, rows, steps, grown)
         keys = inst.ctx_sum
         inst.stored += keys
         inst.held += inst.reservation()
@@ -358,71 +372,71 @@ class Cluster:
         joined, inst.joined = inst.joined, 0
         self.q.push(self.q.now + ms / 1e3, "iteration", (inst, rows, joined, parts))
 
-    def _quiet_steps(self, inst: Instance) -> int:
+    def _quiet_steps(self, inst: Instance) -> tuple[int, np.ndarray | None]:
         """Decode steps the instance can run before anything of its own changes: its next finish, or the step
-        whose page growth its memory would refuse (work routed to it meanwhile cuts them short: :meth:`_wake`)."""
+        whose page growth its memory would refuse (work routed to it meanwhile cuts them short: :meth:`_wake`);
+        and the pages its rows will have opened by each of them (paged)."""
         h = inst.finishing
         while h and h[0][2] != h[0][3].version:
             heapq.heappop(h)
         steps = min(h[0][0] - inst.iters if h else RUN_AHEAD, RUN_AHEAD)
-        if inst.page and steps > 1:
-            grown = np.cumsum(np.asarray(inst.phase)[(inst.iters + np.arange(steps)) % inst.page])
-            over = np.flatnonzero(grown > (inst.spec.kv_tokens - inst.prefill_res) // inst.page - inst.pages)
-            steps = int(over[0]) if over.size else steps
-        return steps
+        if not inst.page or steps < 2:
+            return steps, None
+        grown = np.cumsum(np.asarray(inst.phase)[(inst.iters + np.arange(steps)) % inst.page])
+        over = np.flatnonzero(grown > (inst.spec.kv_tokens - inst.prefill_res) // inst.page - inst.pages)
+        return (int(over[0]) if over.size else steps), grown
 
-    def _start_run_ahead(self, inst: Instance, rows: int, steps: int) -> None:
+    def _start_run_ahead(self, inst: Instance, rows: int, steps: int, grown: np.ndarray | None) -> None:
         """``steps`` decode steps of the same rows as one event; each step's time is the one :meth:`_start` would
         give it (the step is affine in the keys it attends), its own noise drawn."""
-        c, now = inst.costs, self.q.now
+        c = inst.costs
         base = c.decode_ms(rows, 0.0)
-        keys = inst.ctx_sum + rows * np.arange(steps, dtype=np.float64)
-        ms = base + (c.decode_ms(rows, 1.0) - base) * keys
+        ms = base + (c.decode_ms(rows, 1.0) - base) * (inst.ctx_sum + rows * np.arange(steps, dtype=np.float64))
         if inst.sigma_decode:
             ms *= np.exp(inst.sigma_decode * self._rng.standard_normal(steps))
         ms[0] += inst.extra_ms
         inst.extra_ms = 0.0
-        ends = now + np.cumsum(ms) / 1e3
         inst.run_version += 1
-        inst.run_ahead = [ends, ms, steps, rows, inst.joined, keys, inst.run_version]
+        run = inst.run_ahead = RunAhead(self.q.now + np.cumsum(ms) / 1e3, ms, steps, rows, inst.joined, grown,
+                                        inst.run_version)
         inst.busy, inst.joined = True, 0
         inst.peak_running = max(inst.peak_running, rows)
-        self.q.push(float(ends[-1]), "run_ahead", (inst, inst.run_version))
+        self.q.push(float(run.ends[-1]), "run_ahead", (inst, run.version))
 
     def _wake(self, inst: Instance) -> None:
         """Work arrived at ``inst``: if it is running decode steps ahead, stop them at the first step ending now
         or later (the step in progress), where a single step would have let it in."""
         run = inst.run_ahead
         if run is not None:
-            cut = int(np.searchsorted(run[0], self.q.now, side="left"))
-            if cut < run[2] - 1:
-                run[2] = cut + 1
+            cut = int(np.searchsorted(run.ends, self.q.now, side="left"))
+            if cut < run.steps - 1:
+                run.steps = cut + 1
                 inst.run_version += 1
-                run[6] = inst.run_version
-                self.q.push(float(run[0][cut]), "run_ahead", (inst, inst.run_version))
+                run.version = inst.run_version
+                self.q.push(float(run.ends[cut]), "run_ahead", (inst, run.version))
 
     def _end_run_ahead(self, inst: Instance, version: int) -> None:
-        if inst.run_ahead is None or version != inst.run_ahead[6]:
+        run = inst.run_ahead
+        if run is None or version != run.version:
             return  # cut short since: a later event stands for it
-        ends, ms, steps, rows, joined, keys, _ = inst.run_ahead
-        k0, P = inst.iters, inst.page
-        inst.iter_end_s.extend(ends[:steps].tolist())
-        inst.iter_cont.extend([rows - joined] + [rows] * (steps - 1))
-        keys = keys[:steps]
-        inst.stored += float(keys.sum())
+        k, rows, P = run.steps, run.rows, inst.page
+        inst.iter_end_s.extend(run.ends[:k].tolist())
+        inst.iter_cont.extend([rows - run.joined] + [rows] * (k - 1))
+        keys = k * inst.ctx_sum + rows * k * (k - 1) / 2  # attended over the k steps
+        inst.stored += keys
         if P:
-            grown = np.cumsum(np.asarray(inst.phase)[(k0 + np.arange(steps)) % P])
-            inst.held += steps * (inst.pages * P + inst.prefill_res) + P * float(grown[:-1].sum())
-            inst.pages += int(grown[-1])
+            inst.held += k * (inst.pages * P + inst.prefill_res) + P * float(run.grown[:k - 1].sum())
+            inst.pages += int(run.grown[k - 1])
         else:
-            inst.held += steps * inst.reservation()
+            inst.held += k * inst.reservation()
         m = inst.costs.model
-        inst.flops += steps * 2 * m.decode_params * rows + 4 * m.layers * m.q_heads * m.head_dim * float(keys.sum())
-        inst.busy_s += float(ms[:steps].sum()) / 1e3
-        inst.row_s += rows * float(ms[:steps].sum()) / 1e3
-        inst.iters = k0 + steps
-        inst.ctx_sum += rows * steps
-        self.ledger.output_tokens += rows * steps
+        inst.flops += k * 2 * m.decode_params * rows + 4 * m.layers * m.q_heads * m.head_dim * keys
+        busy = float(run.ms[:k].sum()) / 1e3
+        inst.busy_s += busy
+        inst.row_s += rows * busy
+        inst.iters += k
+        inst.ctx_sum += rows * k
+        self.ledger.output_tokens += rows * k
         inst.run_ahead, inst.busy = None, False
         self._finish_rows(inst)
         self._start(inst)
