@@ -89,10 +89,11 @@ class KVPoolCluster:
     def run_one(self, placement: str = "pool", router: str = "cache_aware") -> dict:
         """One configuration's summary, with its wall and CPU seconds (simulation and summary)."""
         wall, cpu = time.perf_counter(), time.process_time()
-        ledger = Cluster(self.spec(placement, router), self.workload, seed=self.seed).run()
+        cluster = Cluster(self.spec(placement, router), self.workload, seed=self.seed)
+        ledger = cluster.run()
         s = ledger.summary()
         return {"placement": placement, "router": router, **s, "rate_rps": self.rate,
-                "iterations": sum(i.iters for i in ledger.instances),
+                "iterations": sum(i.iters for i in ledger.instances), "events": cluster.q.popped,
                 "wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu}
 
     def run(self, out_dir: Path | None = None) -> dict:
