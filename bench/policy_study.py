@@ -128,7 +128,7 @@ def engine_factory(model, layout, config: str, budget: int, args, context: int):
     """A function building a fresh engine for ``config`` at ``budget`` tokens."""
     total = layout.pages_for(context + 512) + 8
     device, kernel = args.device, make_backend(args.kernel, args.device)
-    settings = EngineConfig(graphs=args.graphs)
+    settings = EngineConfig(graphs=args.graphs, compile=args.compile)
     prefill = ChunkedPrefill(512)
     if config == "exact":
         return lambda: Engine(model, layout, [DeviceTier(layout, total, device=device), HostTier(layout, total)],
@@ -306,6 +306,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu", help="cpu or cuda (the model, the device tier and the kernel)")
     p.add_argument("--kernel", default="torch", help="torch | triton")
     p.add_argument("--graphs", action="store_true", help="replay each decode step as a CUDA graph")
+    p.add_argument("--compile", action="store_true", help="torch.compile the step (on a GPU; each engine compiles)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not args.plot and not args.protocol:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvtier.kernels.base import DROPPED
-from kvtier.kernels.reference import key_choice_reference
+from kvtier.kernels.reference import key_choice_reference, key_images_reference
 
 DEV = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"  # where the Triton kernel runs
 needs_triton = pytest.mark.skipif(DEV == "cuda" and not torch.cuda.is_available(),
@@ -56,6 +56,19 @@ CASES = [  # (B, M, P, H, N_kv, D, r, n, window, sketch dtype)
 ]
 
 
+def assert_threshold_flips(got: torch.Tensor, want: torch.Tensor, images: torch.Tensor) -> None:
+    """``got`` lists what ``want`` lists, but for keys whose (reference) image is within one of the threshold's (the
+    lowest image ``want`` chose in that row): as many keys, the same spans."""
+    assert torch.equal((got >= 0).sum(-1), (want >= 0).sum(-1))
+    for b, h in ((b, h) for b in range(got.shape[0]) for h in range(got.shape[1])):
+        flipped = set(got[b, h].tolist()) ^ set(want[b, h].tolist())
+        if not flipped:
+            continue
+        chosen = [t for t in want[b, h].tolist() if t >= 0 and images[b, h, t] >= 0]
+        threshold = int(images[b, h, chosen].min())
+        assert all(abs(int(images[b, h, t]) - threshold) <= 1 for t in flipped), (b, h, sorted(flipped), threshold)
+
+
 @needs_triton
 @pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}-M{c[1]}-P{c[2]}-{c[3]}/{c[4]}-r{c[6]}-n{c[7]}-w{c[8]}"
                                              for c in CASES])
@@ -72,8 +85,10 @@ def test_the_device_key_choice_equals_the_reference(case, monkeypatch, max_chunk
                                 torch.empty(B, n_kv, width, dtype=torch.int32, device=DEV), window)
     got = module.key_choice(q, basis, sketch, pids, table, lens, spans, n,
                             torch.full((B, n_kv, width), 7, dtype=torch.int32, device=DEV), window)
-    assert torch.equal(got, want), [(b, h, sorted(set(got[b, h].tolist()) ^ set(want[b, h].tolist())))
-                                    for b in range(B) for h in range(n_kv) if not torch.equal(got[b, h], want[b, h])]
+    if DEV == "cpu":
+        assert torch.equal(got, want)
+    else:  # a GPU's exp/log round otherwise than torch's: a key may cross a 16-bit boundary, at the threshold only
+        assert_threshold_flips(got, want, key_images_reference(q, basis, sketch, pids, table, lens, spans, window))
     assert (want[0] == -1).all()  # the idle row lists nothing
     listed = want[want >= 0]
     live = (pids.long() >= 0) & (table != DROPPED)

@@ -41,26 +41,28 @@ class RandomQuery:
         return torch.sin(x * 4.1e3 * (layer + 1)).mul(43758.5453).frac().sub(0.5).view(-1, heads, dim)
 
 
-def run(model, layout, predictor, steps=16, kernel=None, landing=0, **config):
-    """Greedy decode after a 150-token prompt, topk 4 pages with 6 recall slots (and ``landing`` landing slots):
-    ``(logits [steps + 1, V], engine)``."""
+def run(model, layout, predictor, steps=16, kernel=None, landing=0, unit="page", **config):
+    """Greedy decode after a 150-token prompt, topk 4 pages (``unit="token"``: 4 pages' worth of keys) with 6 recall
+    slots (and ``landing`` landing slots): ``(logits [steps + 1, V], engine)``."""
     tiers = [DeviceTier(layout, 18 + landing, device=DEV), HostTier(layout, 64)]
-    engine = Engine(model, layout, tiers, SinkWindow(sinks=4, window=16),
-                    TopK(4, unit="page", rank="quest", recall_slots=6, predictor=predictor, landing_slots=landing),
+    scope = TopK(4, unit="page", rank="quest", recall_slots=6, predictor=predictor, landing_slots=landing) \
+        if unit == "page" else TopK(4, recall_slots=6, predictor=predictor)
+    engine = Engine(model, layout, tiers, SinkWindow(sinks=4, window=16), scope,
                     prefill=ChunkedPrefill(64), kernel=kernel, config=EngineConfig(max_context=256, **config))
     prompt = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(6)).to(DEV)
     logits = torch.stack([engine.add(prompt)[1][-1]] + [engine.step()[0].clone() for _ in range(steps)])
     return logits, engine
 
 
-@pytest.mark.parametrize("predictor", ["next_layer", "after_attention", RandomQuery()])
-def test_a_prediction_changes_no_output(tiny, predictor):
+@pytest.mark.parametrize("predictor,unit", [("next_layer", "page"), ("after_attention", "page"),
+                                            (RandomQuery(), "page"), ("next_layer", "token")])
+def test_a_prediction_changes_no_output(tiny, predictor, unit):
     """InfiniGen's estimate (from the layer input, and after the attention: the decoder layer run in two parts)
-    and a random one: the logits of the run without prediction; pages are fetched ahead, and at most those are
-    counted as picked."""
+    and a random one, for Quest's pages and for the key choice (the pages of its keys fetched ahead): the logits of
+    the run without prediction; pages are fetched ahead, and at most those are counted as picked."""
     model, layout = tiny
-    want, plain = run(model, layout, None)
-    got, engine = run(model, layout, predictor)
+    want, plain = run(model, layout, None, unit=unit)
+    got, engine = run(model, layout, predictor, unit=unit)
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5  # a split layer may fuse otherwise (GPU)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     recall = engine.recall

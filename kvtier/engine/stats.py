@@ -106,12 +106,14 @@ class KeyStats:
         later writes are sketched with it. Host work, once: never inside a captured step."""
         L, N, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim
         P = self.layout.page_size
-        second = torch.zeros(L, N, D, D, device=self.device)  # [L, N_kv, D, D] sum of k k^T
+        second = torch.zeros(L, N, D, D, dtype=torch.float64, device=self.device)  # [L, N_kv, D, D] sum of k k^T
         for _, keys in sequences:
             for layer, k in enumerate(keys):  # k [S, N_kv, D]
-                k = k.to(self.device, torch.float32)
+                k = k.to(self.device, torch.float64)
                 second[layer] += torch.einsum("snd,sne->nde", k, k)
-        self.basis.copy_(torch.linalg.eigh(second).eigenvectors[..., -self.basis.shape[-1]:])  # [L, N_kv, D, r]
+        # float64 on the host: the same keys give the same basis on every device and run
+        basis = torch.linalg.eigh(second.cpu()).eigenvectors[..., -self.basis.shape[-1]:]  # [L, N_kv, D, r]
+        self.basis.copy_(basis.to(self.basis.dtype))
         for pids, keys in sequences:
             for layer, k in enumerate(keys):
                 k = k.to(self.device, torch.float32)
