@@ -28,6 +28,7 @@ import numpy as np
 from kvtier.errors import ConfigError
 from kvtier.sim.split import HELD_OUT
 
+BENCH_DIR = "bench/results"  # the bench JSONs bench/RESULTS.md cites, from the repository root
 GPU_KINDS = {"NVIDIA H200": "H200", "NVIDIA H100 80GB HBM3": "H100"}
 FIRST_SESSION = 20
 SERVE_FILES = {"H200": ("serve-s21-ttft.json", "serve-s24-itl.json", "serve-s22-goodput.json"),
@@ -56,7 +57,7 @@ def read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError("bench", f"{path} not found; point --bench at kvtier's bench folder") from None
+        raise ConfigError("bench", f"{path} not found; point --bench at kvtier's {BENCH_DIR}") from None
     except json.JSONDecodeError as e:
         raise ConfigError("bench", f"{path} is not JSON ({e})") from None
 
