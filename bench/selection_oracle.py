@@ -19,7 +19,7 @@ Scores here read every key (a page's statistics are computed on the fly): what a
 with per-page statistics, not its cost. It runs the model's own attention (HF, sdpa for the prefill) with a registered attention function that masks the
 keys outside the choice before the softmax; no kvtier kernel is involved. An upper bound for a scorer, not a method.
 
-    .venv/bin/python -m bench.selection_oracle --slices 3      # bench/selection_oracle.json
+    .venv/bin/python -m bench.selection_oracle --slices 3      # bench/results/selection_oracle.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Exact attention across tiers, on the device that runs it: the engine's logits against the model's own HF forward
 (fp32, the whole sequence at once) with pages in HBM only, or pushed down to pinned host memory, a disk folder or a
-Redis server, per page format and kernel. It found a GPU race (session 9): a move's source slot was released before
+Redis server, per page format and kernel. It found a GPU race: a move's source slot was released before
 a prefill chunk queued on the GPU had read it, so host pages of bf16/FP8/int8 layouts read another page's data
 (maxdiff 0.1 against 0.006).
 

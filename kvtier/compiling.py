@@ -10,7 +10,7 @@ def compile_step(fn, dynamic: bool):
     (Inductor's ``emulate_precision_casts``). Without that, a fused bf16 kernel keeps sums in fp32 that eager rounds,
     so where the graph is cut changes the result: a predictor's hook after a layer's attention changed the logits
     of a random-weight SmolLM2 by 44% (28% between compiled and eager), though identical in fp32
-    (``bench/RESULTS.md``, session 30)."""
+    (``python -m bench.prediction_exact`` checks it on a GPU: bench/RESULTS.md, "Recall")."""
     return torch.compile(fn, dynamic=dynamic, options={"emulate_precision_casts": True})
 
 

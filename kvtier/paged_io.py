@@ -49,7 +49,7 @@ def store_rows(layout, pool: torch.Tensor, p: torch.Tensor, i: torch.Tensor, o: 
     """Token ``t`` of ``keys, values [m, N_kv, D]`` into row ``o[t]`` of slot ``p[i[t]]`` of ``pool``: ``p [u]``
     distinct slots, ``i [m]``, ``o [m]`` int64 on the pool's device; no host work. Unscaled pages take two row
     copies into the pool seen as rows of ``N_kv * D`` (an indexed put over the page dims ran at ~0.2 TB/s on an
-    H100, the row copies at ~0.45: bench/RESULTS.md, session 33)."""
+    H100, the row copies at ~0.45)."""
     if layout.scaled:
         write_scaled(pool, layout.page_size, p, i, o, torch.stack([keys, values]).to(pool.device))
         return

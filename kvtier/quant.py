@@ -21,9 +21,9 @@ not depend on the scale; removing each channel's page mean before rounding, Sage
 per-channel K (Liu et al. 2024, arXiv 2402.02750), spend all 8 bits on the channel's range within the
 page (RoPE turns K's slow channels into near-constant offsets over a page): -0.17% / -0.06% against bf16
 pages (ctx2k decode / 2k prefill; FP8 pages +2.8% / +3.0%), and V in the same format costs nothing where
-E4M3 V costs up to 0.5% on short contexts (``bench/fp8_quality.py``, bench/RESULTS.md). The mean is the page's own and stored in it, so the kernels
-read ``x`` back whole (``q·k = q·(k - m) + q·m`` in one dot) wherever the page goes, moved or shared: no
-softmax-invariance argument is needed.
+E4M3 V costs up to 0.5% on short contexts (``bench/fp8_quality.py``; bench/RESULTS.md, "FP8 and int8 pages").
+The mean is the page's own and stored in it, so the kernels read ``x`` back whole (``q·k = q·(k - m) + q·m`` in one
+dot) wherever the page goes, moved or shared: no softmax-invariance argument is needed.
 
 Granularity per page (KIVI keeps per-channel K groups; vLLM and FlashInfer FP8 use one scale per
 layer): a page's scales come from its own values at the moment they are written, so no calibration

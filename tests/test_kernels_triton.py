@@ -141,7 +141,7 @@ def test_decode_head_mask_matches_reference(group, num_kv, kv_lens, per_split):
 ])
 def test_decode_page_max_per_page_of_each_block(page, block_n, num_warps, kv_lens, per_split, window_left, head_mask):
     """page_max of every page of a key block, for pages of 4 to 32 tokens and several warp counts (a block
-    layout that dealt tokens to warps out of order gave wrong maxima on the GPU only, session 7); pages of
+    layout that dealt tokens to warps out of order gave wrong maxima on the GPU only); pages of
     splits left of the window and hidden pages are -inf."""
     config = DecodeConfig(block_n=block_n, num_warps=num_warps, pages_per_split=per_split)
     check_against_reference(TritonBackend(decode_config=config), kv_lens, [1] * len(kv_lens), 3, 2, 32,

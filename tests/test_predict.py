@@ -74,7 +74,7 @@ def test_a_compiled_bf16_step_rounds_as_eager_so_a_split_layer_changes_no_bit():
     """bf16 and torch.compile'd (:func:`kvtier.compiling.compile_step`: fused kernels round as eager does): the step
     gives eager's logits bit for bit, and so does the step that ``after_attention`` splits at the residual add.
     (Fused kernels that kept fp32 sums changed the logits of a 30-layer random model by 28%, and by 44% with the
-    split: session 30.)"""
+    split.)"""
     model = tiny_llama(seed=1, device="cpu", dtype="bfloat16").to(DEV)
     layout = kv_layout_for(model.config, page_size=8, dtype=torch.bfloat16)
     eager, _ = run(model, layout, None, steps=4, graphs=False, compile=False)

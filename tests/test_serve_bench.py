@@ -67,8 +67,8 @@ def test_sustained_ratios_read_a_system_that_sustains_no_rate():
 
 
 def test_sustained_rows_name_the_lower_rates_that_missed():
-    """Session 32's H100 shares: the tiered engine meets the scaled SLOs at 1 and 4 req/s but not at 0.25, so its
-    sustained rate 4 carries the miss below it; all-HBM's 0.25 has none below."""
+    """An H100 goodput run's shares (before ``keep_room``): the tiered engine meets the scaled SLOs at 1 and 4 req/s
+    but not at 0.25, so its sustained rate 4 carries the miss below it; all-HBM's 0.25 has none below."""
     from bench.serve import SYSTEMS, sustained_rows
 
     shares = {SYSTEMS[0][0]: {0.25: 1.0, 1.0: 0.875, 4.0: 0.375}, SYSTEMS[1][0]: {0.25: 0.625, 1.0: 1.0, 4.0: 1.0}}

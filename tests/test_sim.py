@@ -27,7 +27,7 @@ from kvtier.sim.pool import BlockCache, Holders, Tier
 from kvtier.sim.validate import predict
 from kvtier.sim.workload import long_context_mix, prefix_hit_ideal, trace_workload
 
-BENCH = RECIPES.parents[1] / "bench"
+BENCH = RECIPES.parents[1] / "bench" / "results"
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from kvtier.sim.pd_disaggregation import PDDisaggregation
 from kvtier.sim.split import HELD_OUT
 from kvtier.sim.validate import validation
 
-BENCH = RECIPES.parents[1] / "bench"
+BENCH = RECIPES.parents[1] / "bench" / "results"
 GOLD = 0.02
 
 

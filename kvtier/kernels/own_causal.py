@@ -3,7 +3,7 @@
 The first chunk of a cold prompt sees only its own tokens: the engine's prefill (:mod:`kvtier.engine.prefill`) runs
 its causal call here rather than over its pages. The K/V are the step's own (the values its pages hold when the
 pool stores them unscaled), read contiguous: on an H100, 8k tokens, 32/8 heads of 128, cuDNN takes 0.95 ms a layer
-where the paged Triton kernel takes 1.37 (bench/RESULTS.md, sessions 32-33). cuDNN takes the kv heads of GQA as they
+where the paged Triton kernel takes 1.37 (bench/RESULTS.md, "Kernels"). cuDNN takes the kv heads of GQA as they
 are (repeating them first cost 0.1 ms a layer, with identical output).
 """
 

@@ -68,7 +68,7 @@ def default_decode_config(head_dim: int, kv_bytes: int = 2) -> DecodeConfig:
     Triton 3.6 (``bench/kernels.py --tune``; re-tune when Triton changes).
 
     16-bit pages: D=128, 64-token steps, 3 stages, registers capped at 128 so that four programs fit a
-    multiprocessor (same time without ``page_max``, session 5);
+    multiprocessor (the same time without ``page_max``);
     small heads, 128-token steps (the bytes of 64 tokens at D=128) with 5 stages, since the page-index
     load takes a pipeline stage of its own. FP8 pages: D=128, 128-token steps (the bytes of bf16's 64)
     capped at 128 registers (0.470 against 0.532 ms uncapped at B=64 x 8k); small heads, 64-token steps

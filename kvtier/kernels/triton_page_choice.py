@@ -15,7 +15,7 @@ k-th largest image ``t`` by bisection on the integer range (32 steps of one coun
 above ``t``, then the ties ``== t`` in page order until k are taken, at their prefix-sum positions. It runs in
 one warp for rows of up to ``ONE_WARP_PAGES`` pages, so that its 32 counts need no block-wide barrier. (Run by the
 scoring launch's last program, found by an atomic ticket, the selection took 5.4 of a launch's 9.7 us on an H200
-at 512 pages, with three block barriers per count. Two launches take 8.9 us: ``bench/RESULTS.md``, session 26.)
+at 512 pages, with three block barriers per count. Two launches take 8.9 us: ``bench/RESULTS.md``, "Kernels".)
 No host work, no sync, static shapes: both launches are captured with the decode step. The cost grows with the
 pages scored (``B M``).
 """

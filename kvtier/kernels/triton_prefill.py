@@ -199,7 +199,7 @@ class PrefillPlan:
 
 
 # (launch shape, the programs per multiprocessor its grid must give at least), largest tile first: tuned on an
-# H200 with Triton 3.6 over chunks of 128 to 8k tokens and prefixes of 0 to 8k (bench/RESULTS.md, session 21); the
+# H200 with Triton 3.6 over chunks of 128 to 8k tokens and prefixes of 0 to 8k (``bench/kernels.py --tune``); the
 # 256-row tile only for heads of up to 128 dims (its accumulator takes 128 registers a thread there)
 PREFILL_CONFIGS = ((PrefillConfig(block_m=256, block_n=64, num_warps=8, num_stages=3), 2.0), (PrefillConfig(), 0.75),
                    (PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=5), 0.0))

@@ -1,4 +1,4 @@
-"""Regenerate a calibration from bench JSONs: ``python -m kvtier.sim.calibrate --bench bench --gpu H100 --out FILE``.
+"""Regenerate a calibration from bench JSONs: ``python -m kvtier.sim.calibrate --bench bench/results --gpu H100 --out FILE``.
 
 Hardware rates are read as measured (:func:`kvtier.sim.measured.hardware_rates`, and the H200 host's link
 benches). kvtier's engine parameters (:data:`~kvtier.sim.calibration.PARAMS`) are fitted on the kind's anchor
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.sim.calibration import NOISE_Z99, PARAMS, SHIPPED, Calibration
-from kvtier.sim.measured import Measured, hardware_rates, measured_rows, read_json
+from kvtier.sim.measured import BENCH_DIR, Measured, hardware_rates, measured_rows, read_json
 from kvtier.sim.validate import predict
 
 STAGES = (("decode",), ("recall",), ("prefill", "serving"))
@@ -104,7 +104,7 @@ def fit_engine(cal: Calibration, rows: list[Measured]) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m kvtier.sim.calibrate", description=__doc__.splitlines()[0])
-    p.add_argument("--bench", default="bench", help="folder of the bench JSONs")
+    p.add_argument("--bench", default=BENCH_DIR, help="folder of the bench JSONs")
     p.add_argument("--gpu", default="H100", choices=sorted(SHIPPED), help="the GPU kind whose rows are fitted")
     p.add_argument("--out", default=None, help="calibration file to write (default: the shipped one of --gpu)")
     a = p.parse_args(argv)

@@ -45,7 +45,7 @@ class Calibration:
     page_copy_GBps: dict  # copy method -> [[page KiB, pages, GB/s host-to-device], ...] (bench/transfers.py)
     redis_read_GBps: float  # RedisTier batched reads (bench/redis_tier.py)
     pool_read_GBps: float  # MooncakeTier batched reads, TCP on one CPU box (bench/mooncake_tier.py)
-    fp8_kv_x: float  # kvtier's FP8-page decode kernel: time per token over its bf16 kernel's (bench/kernels-s5.json)
+    fp8_kv_x: float  # kvtier's FP8-page decode kernel: time per token over its bf16 kernel's (bench/results/kernels-s5.json)
     picks: dict = field(default_factory=dict)  # the recall cache's pick statistics (calibrate.pick_statistics)
     params: dict = field(default_factory=lambda: {g: dict.fromkeys(ks, 0.0) for g, ks in PARAMS.items()})
     noise: dict = field(default_factory=lambda: dict.fromkeys(PARAMS, 0.0))  # group -> sigma of ln(step time)

@@ -52,7 +52,7 @@ class LongContextOffload:
     def offload(self, costs: StepCosts, offloaded: float, hit_rate: float, link_GBps: float = CXL_GBPS,
                 attended: float | None = None, promoted: float = 0.0) -> Offload:
         """The node's tiers: ``link_GBps`` per node, split over its GPUs; kvtier's engine moves pages at the share of
-        a link its copy kernel reached for pages of this size (bench/transfers.json), the roofline at all of it."""
+        a link its copy kernel reached for pages of this size (bench/results/transfers.json), the roofline at all of it."""
         page_KiB = PAGE * costs.token_bytes() / costs.model.layers / 1024  # one layer's page on one GPU
         share = self.cal.page_copy_efficiency(page_KiB) if costs.engine else 1.0
         return Offload(Link("CXL", link_GBps / costs.tp * share), 1 - offloaded,

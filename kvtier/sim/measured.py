@@ -2,9 +2,9 @@
 
 Which runs count, per kind (the device name each JSON records):
 
-- ``bench.e2e`` (decode steps): every ``e2e*-sNN.json`` of session 20 on (the one engine's current decode
-  path: the H200's last run of the Llama-shape grid is session 20, the H100's runs are sessions 30 to 34). A
-  configuration (model, batch x context, scope, budget, recall-cache pages) is measured by its latest session;
+- ``bench.e2e`` (decode steps): every ``e2e*-sNN.json`` with NN >= 20 (the one engine's current decode path:
+  the H200's last run of the Llama-shape grid is ``-s20``, the H100's runs are ``-s30`` to ``-s34``). A
+  configuration (model, batch x context, scope, budget, recall-cache pages) is measured by its latest run number;
   several runs of it there give their median. Rows with a page predictor are left out: the simulator does not
   model prediction ahead.
 - ``bench.serve`` (TTFT, ITL, one session alone): the latest run of each part on each kind (:data:`SERVE_FILES`).
@@ -28,6 +28,7 @@ import numpy as np
 from kvtier.errors import ConfigError
 from kvtier.sim.split import HELD_OUT
 
+BENCH_DIR = "bench/results"  # the bench JSONs bench/RESULTS.md cites, from the repository root
 GPU_KINDS = {"NVIDIA H200": "H200", "NVIDIA H100 80GB HBM3": "H100"}
 FIRST_SESSION = 20
 SERVE_FILES = {"H200": ("serve-s21-ttft.json", "serve-s24-itl.json", "serve-s22-goodput.json"),
@@ -56,7 +57,7 @@ def read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError("bench", f"{path} not found; point --bench at kvtier's bench folder") from None
+        raise ConfigError("bench", f"{path} not found; point --bench at kvtier's {BENCH_DIR}") from None
     except json.JSONDecodeError as e:
         raise ConfigError("bench", f"{path} is not JSON ({e})") from None
 

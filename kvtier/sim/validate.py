@@ -21,7 +21,7 @@ import numpy as np
 from kvtier.sim.calibration import Calibration
 from kvtier.sim.costs import StepCosts
 from kvtier.sim.hardware import model_named
-from kvtier.sim.measured import GROUPS, Measured, measured_rows
+from kvtier.sim.measured import BENCH_DIR, GROUPS, Measured, measured_rows
 
 TARGET_MEDIAN, TARGET_WORST = 0.10, 0.25
 KINDS = ("H200", "H100")
@@ -95,7 +95,7 @@ def table(checked: list[Checked], title: str) -> str:
     return "\n".join(lines)
 
 
-def validation(folder: str | Path = "bench") -> dict:
+def validation(folder: str | Path = BENCH_DIR) -> dict:
     """Same-GPU and cross-hardware checks of every kind's rows (see the module docstring); ``tables`` holds them."""
     from kvtier.sim.calibrate import calibrate
 
@@ -124,7 +124,7 @@ def validation(folder: str | Path = "bench") -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m kvtier.sim.validate", description=__doc__.splitlines()[0])
-    p.add_argument("--bench", default="bench", help="folder of the bench JSONs")
+    p.add_argument("--bench", default=BENCH_DIR, help="folder of the bench JSONs")
     p.add_argument("--json", default=None, help="write the figures here")
     a = p.parse_args(argv)
     v = validation(a.bench)
