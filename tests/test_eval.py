@@ -53,7 +53,8 @@ def engine_factory(model, budget_tokens, policy, scope, chunk=256):
 
 
 def test_registry():
-    assert TASKS == {"perplexity": Perplexity, "passkey": Passkey, "needle": Needle, "ruler": Ruler}
+    assert set(TASKS) == {"perplexity", "passkey", "needle", "ruler", "longbench", "infinitebench"}
+    assert (TASKS["passkey"], TASKS["ruler"]) == (Passkey, Ruler)
     assert build_task("passkey", {"context_tokens": 512}).context_tokens == 512
 
 

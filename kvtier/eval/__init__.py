@@ -1,5 +1,5 @@
 """Evaluation tasks over kvtier's engine: streaming perplexity, passkey retrieval, needle in real text, and the
-benchmarks papers report (RULER; :mod:`kvtier.eval.generation` is their common loop).
+benchmarks papers report (RULER, LongBench v1/v2, InfiniteBench; :mod:`kvtier.eval.generation` is their common loop).
 
 Every task is a small validated dataclass with ``run(make_engine, tokenizer, progress=None)`` returning a dict
 with ``task``, its score (``perplexity``, ``accuracy``, or a benchmark's own 0-100 ``score`` with ``per_group``),
@@ -13,10 +13,13 @@ import dataclasses
 from kvtier.errors import ConfigError
 from kvtier.eval.needle import Needle
 from kvtier.eval.passkey import Passkey
+from kvtier.eval.infinitebench import InfiniteBench
+from kvtier.eval.longbench import LongBench
 from kvtier.eval.perplexity import Perplexity
 from kvtier.eval.ruler import Ruler
 
-TASKS = {"perplexity": Perplexity, "passkey": Passkey, "needle": Needle, "ruler": Ruler}
+TASKS = {"perplexity": Perplexity, "passkey": Passkey, "needle": Needle, "ruler": Ruler, "longbench": LongBench,
+         "infinitebench": InfiniteBench}
 
 
 def build_task(name: str, config: dict | None = None):
@@ -31,4 +34,4 @@ def build_task(name: str, config: dict | None = None):
     return cls(**(config or {}))
 
 
-__all__ = ["Needle", "Passkey", "Perplexity", "Ruler", "TASKS", "build_task"]
+__all__ = ["InfiniteBench", "LongBench", "Needle", "Passkey", "Perplexity", "Ruler", "TASKS", "build_task"]
