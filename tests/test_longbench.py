@@ -6,19 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from kvtier.engine import Engine
 from kvtier.errors import ConfigError, MissingDependencyError
 from kvtier.eval import InfiniteBench, LongBench
 from kvtier.eval.infinitebench import correct
 from kvtier.eval.longbench import classification, code_sim, count, extract_choice, qa_f1, retrieval, rouge_l, \
     truncate_middle
-from kvtier.hook import install
-from kvtier.models import kv_layout_for, load_model
-from kvtier.policies import LRU
-from kvtier.scheduler.chunked_prefill import ChunkedPrefill
-from kvtier.tiers import DeviceTier, HostTier
 
 DATA = Path(__file__).parent / "data"
 V1, V2, IB = DATA / "longbench_fixture.jsonl", DATA / "longbench_v2_fixture.jsonl", DATA / "infinitebench_fixture.jsonl"
@@ -45,21 +38,8 @@ def test_infinitebench_scoring():
     assert correct("math_find", " 9", [9]) == 1.0
 
 
-@pytest.fixture(scope="module")
-def smol():
-    torch.set_num_threads(1)
-    model, tok = load_model(None, dtype="float32")
-    model.set_attn_implementation(install())
-    layout = kv_layout_for(model.config, page_size=16, dtype=torch.float32)
-
-    def make():
-        return Engine(model, layout, [DeviceTier(layout, 8, device="cpu"), HostTier(layout, 32)], LRU(), "all",
-                      prefill=ChunkedPrefill(128))
-    return make, tok
-
-
-def test_longbench_prompts_are_the_official_ones_cut_in_the_middle(smol):
-    _, tok = smol
+def test_longbench_prompts_are_the_official_ones_cut_in_the_middle(smollm2_engines):
+    _, tok = smollm2_engines
     task = LongBench(length=48, datasets=["hotpotqa", "lcc"], path=str(V1))
     samples = list(task.samples(tok))
     assert [s.group for s in samples] == ["hotpotqa", "lcc"] and all(s.ids.numel() <= 48 for s in samples)
@@ -70,8 +50,8 @@ def test_longbench_prompts_are_the_official_ones_cut_in_the_middle(smol):
     assert samples[0].max_new_tokens == 32 and samples[1].max_new_tokens == 64  # dataset2maxlen
 
 
-def test_longbench_and_infinitebench_end_to_end_on_smollm2(smol):
-    make, tok = smol
+def test_longbench_and_infinitebench_end_to_end_on_smollm2(smollm2_engines):
+    make, tok = smollm2_engines
     v1 = LongBench(length=256, datasets=["passage_count", "trec", "samsum"], path=str(V1)).run(make, tok)
     assert v1["samples"] == 3 and set(v1["per_group"]) == {"passage_count", "trec", "samsum"}
     assert all(0 <= v <= 100 for v in v1["per_group"].values())

@@ -8,16 +8,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from kvtier.engine import Engine
 from kvtier.errors import ConfigError
 from kvtier.eval import Ruler, build_task
 from kvtier.eval.ruler import SUBTASKS, clean, hotpotqa_questions, squad_questions, string_match_all, \
     string_match_part
-from kvtier.hook import install
-from kvtier.models import ensure_model, kv_layout_for
-from kvtier.policies import LRU
-from kvtier.scheduler.chunked_prefill import ChunkedPrefill
-from kvtier.tiers import DeviceTier, HostTier
+from kvtier.models import ensure_model
 
 SYNTHETIC = [s for s, (kind, _) in SUBTASKS.items() if kind != "qa"]
 
@@ -112,19 +107,9 @@ def test_a_length_too_short_for_the_prompt_is_named():
     assert err.value.field == "task.length"
 
 
-def test_ruler_end_to_end_on_smollm2():
+def test_ruler_end_to_end_on_smollm2(smollm2_engines):
     """A needle at 512 tokens through a fresh engine per sample (pages on the host too), scored per subtask."""
-    from kvtier.models import load_model
-
-    torch.set_num_threads(1)
-    model, tok = load_model(None, dtype="float32")
-    model.set_attn_implementation(install())
-    layout = kv_layout_for(model.config, page_size=16, dtype=torch.float32)
-
-    def make():
-        return Engine(model, layout, [DeviceTier(layout, 16, device="cpu"), HostTier(layout, 64)], LRU(), "all",
-                      prefill=ChunkedPrefill(256))
-
+    make, tok = smollm2_engines
     task = build_task("ruler", {"length": 512, "subtasks": ["niah_single_1", "niah_multikey_2"],
                                 "max_new_tokens": 12})
     result = task.run(make, tok)
