@@ -106,14 +106,15 @@ def run_press(task, name: str, budget: int, model, tokenizer, sinks: int, window
     if isinstance(task, Perplexity):
         return _perplexity(task, name, budget, model, tokenizer, sinks, window)
 
-    def generate(ids: torch.Tensor, n: int) -> tuple[list[int], dict]:
+    def generate(ids: torch.Tensor, n: int, max_new_tokens: int, stop: frozenset = frozenset()):
         ids, kept = ids.to(model.device), min(budget, n)
         logits, cache = prefill(model, ids[:n], make_press(name, n, budget, sinks, window), kept)
         if n < ids.numel():  # the question, after the compressed context
             logits = feed(model, cache, ids[n:], n)[-1]
         out = [int(logits.argmax())]
-        for i in range(task.max_new_tokens - 1):
-            out.append(int(feed(model, cache, torch.tensor([out[-1]], device=model.device), ids.numel() + i)[-1].argmax()))
+        while len(out) < max_new_tokens and out[-1] not in stop:
+            step = torch.tensor([out[-1]], device=model.device)
+            out.append(int(feed(model, cache, step, ids.numel() + len(out) - 1)[-1].argmax()))
         return out, {"kept_tokens": kept}
 
     result = task.run_with(generate, tokenizer)

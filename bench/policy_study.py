@@ -12,6 +12,9 @@ Protocols (``--protocol``):
 - ``passkey_inside`` / ``passkey_after``: passkey at ``--context`` tokens, exact prefill; the question
   is inside the compressed context, or fed token by token after it. Budget = fraction x context.
 - ``needle``: the needle task (Lady Susan), question inside; budget = fraction x context.
+- ``ruler``: RULER's subtasks (``--subtasks``, default every synthetic one; ``--samples`` each) at ``--context``
+  tokens (RULER's length: prompt + generated), question inside; budget = fraction x context. Scores 0-100 per
+  subtask and averaged (:mod:`kvtier.eval.ruler`). ``--model gemma3_270m`` runs Gemma-3-270m instead of SmolLM2.
 
 Configurations (``--configs``, names below): ``exact`` (scope all); ``<scope>:<policy>`` with
 scope ``resident`` (continuous eviction), ``once`` (compress once after the prefill, resident) or
@@ -37,10 +40,16 @@ budget holds at every step).
     .venv-compare/bin/python -m bench.policy_study --protocol ctx2k --fractions 0.1,0.2 \\
         --configs exact,topk:sink_window,resident:snapkv,kvpress:snapkv,kvpress:knorm --out ctx2k-kvpress.json
 
-Writes a JSON list of rows (appending to ``--out`` if it exists) and prints a markdown table per task
-(protocol, and text where not Opticks). ``--plot A.json B.json ... --plot-out DIR`` draws quality vs budget
-per task (one line per
-configuration, exact dashed, kvpress dotted) from such files, and prints their tables.
+Writes a JSON list of rows (appending to ``--out`` if it exists; each names its ``model``, ``task`` and ``method``:
+the configuration, or ``kvpress:<press>``) and prints a markdown table per task (protocol, and text where not
+Opticks). ``--plot A.json B.json ... --plot-out DIR`` draws quality vs budget per task (one line per configuration,
+exact dashed, kvpress dotted) from such files, and prints their tables; with benchmark rows (RULER) it also prints
+the leaderboard (per model: each method's score at each budget, per task and averaged over tasks, as kvpress's
+leaderboard shows them) and draws ``leaderboard-<model>.png``.
+
+    .venv/bin/python -m bench.policy_study --protocol ruler --model gemma3_270m --context 4096 --fractions 0.1,0.2,0.5 \\
+        --configs exact,topk:sink_window,resident:snapkv,once:snapkv --out ruler.json
+    .venv/bin/python -m bench.policy_study --plot ruler.json --plot-out docs/policy_study
 """
 
 from __future__ import annotations
@@ -59,7 +68,8 @@ from kvtier.budget import TokenBudget
 from kvtier.checks import pay_for_key_stats
 from kvtier.engine import Engine, EngineConfig
 from kvtier.errors import ConfigError
-from kvtier.eval import Needle, Passkey, Perplexity
+from kvtier.eval import Needle, Passkey, Perplexity, Ruler
+from kvtier.eval.ruler import SUBTASKS
 from kvtier.hook import install
 from kvtier.models import kv_layout_for, load_model
 from kvtier.policies import POLICIES
@@ -83,6 +93,9 @@ def make_task(args, protocol: str, offset: int = 0):
     if protocol == "needle":
         return Needle(text="lady_susan", context_tokens=args.context, depths=args.depths, samples=args.samples,
                       max_new_tokens=16), args.context
+    if protocol == "ruler":
+        return Ruler(length=args.context, subtasks=args.subtasks.split(","), samples_per_task=args.samples,
+                     max_new_tokens=args.max_new_tokens), args.context
     raise SystemExit(f"unknown protocol {protocol!r}")
 
 
@@ -152,10 +165,10 @@ def engine_factory(model, layout, config: str, budget: int, args, context: int):
 
 
 @functools.cache
-def model_for(attn: str, device: str):
-    """``(model, tokenizer)``: SmolLM2 in fp32 with attention ``attn`` (kvtier's hook; eager for kvpress, whose
-    ObservedAttention reads the prefill's attention weights), loaded once per process."""
-    return load_model(None, dtype="float32", device=device, attn_implementation=attn)
+def model_for(attn: str, device: str, name: str = "smollm2", dtype: str = "float32"):
+    """``(model, tokenizer)``: SmolLM2 (or packaged model ``name``) in ``dtype`` with attention ``attn`` (kvtier's
+    hook; eager for kvpress, whose ObservedAttention reads the prefill's attention weights), loaded once."""
+    return load_model(name, dtype=dtype, device=device, attn_implementation=attn)
 
 
 def run_one(args, protocol, config, fraction, tokens=None) -> dict:
@@ -169,16 +182,16 @@ def run_one(args, protocol, config, fraction, tokens=None) -> dict:
         task, context = make_task(args, protocol, off)
         budget = tokens or int(round(fraction * context))
         if config.startswith("kvpress:"):
-            model, tok = model_for("eager", args.device)
+            model, tok = model_for("eager", args.device, args.model, args.dtype)
             results.append(run_press(task, press_name(config), budget, model, tok, args.sinks, args.window))
         else:
-            model, tok = model_for(install(), args.device)
-            layout = kv_layout_for(model.config, page_size=args.page, dtype=torch.float32, kv_dtype=args.kv_dtype)
+            model, tok = model_for(install(), args.device, args.model, args.dtype)
+            layout = kv_layout_for(model.config, page_size=args.page, dtype=model.dtype, kv_dtype=args.kv_dtype)
             results.append(task.run(engine_factory(model, layout, config, budget, args, context), tok))
     streaming = config.endswith("sink_window") and not config.startswith("topk")
     kvpress = config.startswith("kvpress:")  # no pages, no window: the press keeps budget pairs
     row = {"protocol": protocol, "config": config, "budget_tokens": budget, "page": None if kvpress else args.page,
-           "kv_dtype": None if kvpress else args.kv_dtype or "float32",
+           "kv_dtype": None if kvpress else args.kv_dtype or args.dtype,
            "window": None if config == "exact" or kvpress else budget - args.sinks if streaming else args.window,
            "fraction": round(budget / context, 4), "wall_s": round(time.time() - t0, 1)}
     row["scope_recipe"] = scope_recipe(config, budget, args)
@@ -191,15 +204,24 @@ def run_one(args, protocol, config, fraction, tokens=None) -> dict:
         row.update(perplexity=round(math.exp(nll), 3), per_slice=[round(r["perplexity"], 3) for r in results],
                    attended_tokens=round(sum(r["attended_tokens"] for r in results) / len(results), 1),
                    text=results[0]["text"])
+    elif "score" in results[0]:  # a benchmark (RULER): its 0-100 score per subtask and their mean
+        r = results[0]
+        row.update(score=round(r["score"], 2), per_group={k: round(v, 2) for k, v in r["per_group"].items()},
+                   samples=r["samples"], skipped=r["skipped"], context=args.context,
+                   outputs=[x["output"] for x in r["records"]])
     else:
         r = results[0]
         row.update(accuracy=r["accuracy"], samples=r["samples"], per_depth=r["per_depth"],
                    outputs=[x["output"] for x in r["records"]])
+    row.update(model=args.model, task=task_of(row), method=config)
     return row
 
 
 def task_of(row) -> str:
-    """A row's task, one table and one plot each: its protocol, and its text where that is not Opticks."""
+    """A row's task, one table and one plot each: its protocol, and its text where that is not Opticks (a
+    benchmark's: its protocol and length, ``ruler-4096``)."""
+    if "context" in row:
+        return f"{row['protocol']}-{row['context']}"
     return row["protocol"] if row.get("text", "opticks") == "opticks" else f"{row['protocol']}-{row['text']}"
 
 
@@ -211,7 +233,8 @@ def table(rows) -> str:
                  "| protocol | config | page, window | budget (tokens, fraction) | score | attended tok/step | wall s |",
                  "| --- | --- | --- | --- | ---: | ---: | ---: |"]
         for r in (r for r in rows if task_of(r) == task):
-            score = f"ppl {r['perplexity']:.2f}" if "perplexity" in r else f"acc {r['accuracy']:.2f} ({r['samples']})"
+            score = f"ppl {r['perplexity']:.2f}" if "perplexity" in r else f"score {r['score']:.1f} ({r['samples']})" \
+                if "score" in r else f"acc {r['accuracy']:.2f} ({r['samples']})"
             shape = f"{r.get('page', 16) or '-'}, {r.get('window') or '-'}"
             lines.append(f"| {r['protocol']} | {r['config']} | {shape} | {r['budget_tokens']} ({r['fraction']:.0%}) | "
                          f"{score} | {r.get('attended_tokens', '-')} | {r['wall_s']} |")
@@ -254,7 +277,7 @@ def plot(rows, out_dir: Path) -> list[Path]:
     paths = []
     for task in sorted(set(map(task_of, rows))):
         mine = [r for r in rows if task_of(r) == task]
-        score = "perplexity" if "perplexity" in mine[0] else "accuracy"
+        score = next(k for k in ("perplexity", "score", "accuracy") if k in mine[0])
         exact = next((r for r in mine if r["config"] == "exact"), None)
         bars = [slice_error(r, exact) if score == "perplexity" else (0.0, 0.0) for r in mine]  # per row
         fig, ax = plt.subplots(figsize=(8, 4))
@@ -268,11 +291,75 @@ def plot(rows, out_dir: Path) -> list[Path]:
                             ls=":" if config.startswith("kvpress:") else "-", label=config)
         ax.set_xlabel("budget (fraction of the context: keys a step attends; kvpress: KV pairs kept)")
         ax.set_ylabel(score + (" (bars: s.e. over slices of the ratio to exact)" if any(map(any, bars)) else ""))
-        ax.set_title(f"{task} (SmolLM2-135M)")
+        ax.set_title(f"{task} ({mine[0].get('model', 'smollm2')})")
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the lines, not over them
         fig.tight_layout()
         paths.append(out_dir / f"quality_vs_budget-{task}.png")
         fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths
+
+
+def leaderboard(rows) -> str:
+    """Per model, a markdown table of each method's benchmark score (0-100) at each budget fraction: per task and
+    averaged over the tasks (the full cache, ``exact``, at every budget; a method's average only over the tasks
+    that ran it at that budget)."""
+    bench = [r for r in rows if "score" in r]
+    out = []
+    for model in dict.fromkeys(r.get("model", "smollm2") for r in bench):
+        mine = [r for r in bench if r.get("model", "smollm2") == model]
+        tasks = list(dict.fromkeys(r["task"] for r in mine))
+        fractions = sorted({r["fraction"] for r in mine if r["config"] != "exact"})
+        cells = {}
+        for r in mine:
+            for f in fractions if r["config"] == "exact" else [r["fraction"]]:
+                cells[(r["config"], r["task"], f)] = r["score"]
+        head = [f"{t} @{f:.0%}" for t in tasks for f in fractions] + [f"average @{f:.0%}" for f in fractions]
+        lines = [f"{model}:", "", "| method | " + " | ".join(head) + " |", "| --- |" + " ---: |" * len(head)]
+        for config in dict.fromkeys(r["config"] for r in mine):
+            values = [cells.get((config, t, f)) for t in tasks for f in fractions]
+            means = [statistics.fmean(v) if (v := [cells[(config, t, f)] for t in tasks if (config, t, f) in cells])
+                     else None for f in fractions]
+            lines.append(f"| {config} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in values + means) + " |")
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
+def plot_leaderboard(rows, out_dir: Path) -> list[Path]:
+    """``leaderboard-<model>.png``: score against the budget fraction, a panel per task and one averaged over the
+    tasks, a line per method (exact dashed, kvpress dotted), as kvpress's leaderboard plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bench, paths = [r for r in rows if "score" in r], []
+    for model in sorted({r.get("model", "smollm2") for r in bench}):
+        mine = [r for r in bench if r.get("model", "smollm2") == model]
+        tasks = sorted({r["task"] for r in mine})
+        fig, axes = plt.subplots(1, len(tasks) + 1, figsize=(4.2 * (len(tasks) + 1), 4), squeeze=False)
+        for ax, task in zip(axes[0], tasks + ["average"]):
+            group = mine if task == "average" else [r for r in mine if r["task"] == task]
+            for config in sorted({r["config"] for r in group}):
+                points = {}
+                for r in (r for r in group if r["config"] == config):
+                    points.setdefault(r["fraction"], []).append(r["score"])
+                if config == "exact":
+                    ax.axhline(statistics.fmean(v for vs in points.values() for v in vs), ls="--", color="k",
+                               label="exact (full cache)")
+                    continue
+                x = sorted(points)
+                ax.plot(x, [statistics.fmean(points[f]) for f in x], marker="o", label=config,
+                        ls=":" if config.startswith("kvpress:") else "-")
+            ax.set(title=task if task != "average" else f"average over {len(tasks)} tasks", ylim=(0, 100),
+                   xlabel="budget (fraction of the context)", ylabel="score (0-100)")
+            ax.grid(alpha=0.3)
+        axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+        fig.suptitle(f"{model}: score vs budget")
+        fig.tight_layout()
+        paths.append(out_dir / f"leaderboard-{model}.png")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     return paths
 
@@ -301,6 +388,12 @@ def parse_args(argv=None):
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--context", type=int, default=2048, help="ctx2k: tokens prefilled; passkey, needle: prompt tokens")
     p.add_argument("--depths", default="0.1,0.5,0.9")
+    p.add_argument("--subtasks", default=",".join(s for s, (kind, _) in SUBTASKS.items() if kind != "qa"),
+                   help="ruler: the subtasks (RULER's names; qa_1/qa_2 need SQuAD v2 / HotpotQA in the HF cache)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="ruler: cap on generated tokens (default: "
+                                                                   "RULER's per subtask)")
+    p.add_argument("--model", default="smollm2", help="smollm2 | gemma3_270m (kvtier.models.PACKAGED_MODELS)")
+    p.add_argument("--dtype", default="float32", help="the model's dtype: float32 | bfloat16 | float16")
     p.add_argument("--samples", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu or cuda (the model, the device tier and the kernel)")
@@ -320,7 +413,9 @@ def main(argv=None):
     if args.plot:
         rows = [r for f in args.plot for r in json.loads(Path(f).read_text())]
         print(table(rows))
-        for path in plot(rows, Path(args.plot_out)):
+        if any("score" in r for r in rows):
+            print(leaderboard(rows))
+        for path in plot(rows, Path(args.plot_out)) + plot_leaderboard(rows, Path(args.plot_out)):
             print(path)
         return
     configs = args.configs.split(",")
@@ -345,6 +440,8 @@ def main(argv=None):
                 old = json.loads(out.read_text()) if out.exists() else []
                 out.write_text(json.dumps(old + [row], indent=1))
     print(table(rows))
+    if any("score" in r for r in rows):
+        print(leaderboard(rows))
 
 
 if __name__ == "__main__":

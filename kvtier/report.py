@@ -23,7 +23,7 @@ from kvtier.eval.fidelity import FidelityStats
 from kvtier.metrics import percentile
 
 WANDB_MODES = ("offline", "disabled")
-SCORES = ("perplexity", "accuracy", "goodput_rps")
+SCORES = ("perplexity", "accuracy", "score", "goodput_rps")  # score: a benchmark's own 0-100 (RULER, LongBench)
 
 
 @dataclass
@@ -165,7 +165,10 @@ def metrics_table(m: dict) -> Table:
     t.add_column("value", justify="right")
     score, serving = m[m["score_name"]], m["score_name"] == "goodput_rps"
     t.add_row(m["score_name"], f"{score:.4f}" if m["score_name"] == "perplexity" else
-              f"{score:.3f} req/s" if serving else f"{score:.1%}")
+              f"{score:.3f} req/s" if serving else f"{score:.2f} / 100" if m["score_name"] == "score" else
+              f"{score:.1%}")
+    for group, value in m["task_result"].get("per_group", {}).items():  # a benchmark's subtasks or datasets
+        t.add_row(f"  {group}", f"{value:.2f}")
     if serving:
         _serving_rows(t, m["task_result"])
     t.add_row("budget", f"{m['budget_tokens']} tokens ({m['budget_fraction']:.2f} of {m['context_tokens']:g})")

@@ -22,3 +22,25 @@ def smollm2():
     model, tokenizer = load_model(None, dtype="float32", device="cpu", attn_implementation="sdpa")
     model.eval()
     return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def smollm2_engines():
+    """``(make, tokenizer)``: SmolLM2 (fp32, one CPU thread) through kvtier's hook, ``make()`` a fresh engine of
+    scope ``all`` whose 8-page device tier sends the rest of a long prompt to the host (the benchmark tasks' tests)."""
+    from kvtier.engine import Engine
+    from kvtier.hook import install
+    from kvtier.models import kv_layout_for, load_model
+    from kvtier.policies import LRU
+    from kvtier.scheduler.chunked_prefill import ChunkedPrefill
+    from kvtier.tiers import DeviceTier, HostTier
+
+    torch.set_num_threads(1)
+    model, tok = load_model(None, dtype="float32")
+    model.set_attn_implementation(install())
+    layout = kv_layout_for(model.config, page_size=16, dtype=torch.float32)
+
+    def make():
+        return Engine(model, layout, [DeviceTier(layout, 8, device="cpu"), HostTier(layout, 64)], LRU(), "all",
+                      prefill=ChunkedPrefill(128))
+    return make, tok

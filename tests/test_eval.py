@@ -10,7 +10,7 @@ from rich.progress import Progress
 from kvtier.data import token_stream
 from kvtier.engine import Engine
 from kvtier.errors import ConfigError
-from kvtier.eval import TASKS, Needle, Passkey, Perplexity, build_task
+from kvtier.eval import TASKS, Needle, Passkey, Perplexity, Ruler, build_task
 from kvtier.hook import install
 from kvtier.models import kv_layout_for, load_model
 from kvtier.policies import LRU, SinkWindow
@@ -53,7 +53,8 @@ def engine_factory(model, budget_tokens, policy, scope, chunk=256):
 
 
 def test_registry():
-    assert TASKS == {"perplexity": Perplexity, "passkey": Passkey, "needle": Needle}
+    assert set(TASKS) == {"perplexity", "passkey", "needle", "ruler", "longbench", "infinitebench"}
+    assert (TASKS["passkey"], TASKS["ruler"]) == (Passkey, Ruler)
     assert build_task("passkey", {"context_tokens": 512}).context_tokens == 512
 
 

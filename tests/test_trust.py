@@ -344,10 +344,11 @@ def test_the_exact_baseline_is_scope_all_at_the_whole_budget():
 def test_a_text_that_is_not_utf8_is_named(monkeypatch):
     import kvtier.data
 
-    from kvtier.models import SMOLLM2_GGUF, SMOLLM2_PACKAGE
+    from kvtier.models import PACKAGED_MODELS
 
-    name, version = SMOLLM2_PACKAGE.split("==")
-    monkeypatch.setitem(kvtier.data.PACKAGED, "gguf", (name, version, SMOLLM2_GGUF))  # a binary file in a package
+    smollm2 = PACKAGED_MODELS["smollm2"]
+    (dist, gguf), version = smollm2.parts[0], smollm2.requirement.split("==")[1]
+    monkeypatch.setitem(kvtier.data.PACKAGED, "gguf", (dist, version, gguf))  # a binary file in a package
     with pytest.raises(ConfigError, match="not UTF-8") as err:
         kvtier.data.text("gguf")
     assert err.value.field == "task.text"

@@ -1,8 +1,9 @@
-"""Evaluation tasks over a TieredKVCache: streaming perplexity, passkey retrieval, needle in real text.
+"""Evaluation tasks over kvtier's engine: streaming perplexity, passkey retrieval, needle in real text, and the
+benchmarks papers report (RULER, LongBench v1/v2, InfiniteBench; :mod:`kvtier.eval.generation` is their common loop).
 
-Every task is a small validated dataclass with ``run(engine, make_cache, tokenizer, progress=None)``
-returning a dict with ``task``, its score (``perplexity`` or ``accuracy``), ``samples`` and
-``context_tokens``. ``make_cache`` builds a fresh TieredKVCache per sample; tasks never build tiers.
+Every task is a small validated dataclass with ``run(make_engine, tokenizer, progress=None)`` returning a dict
+with ``task``, its score (``perplexity``, ``accuracy``, or a benchmark's own 0-100 ``score`` with ``per_group``),
+``samples`` and ``context_tokens``. ``make_engine`` builds a fresh engine per sample; tasks never build tiers.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ import dataclasses
 from kvtier.errors import ConfigError
 from kvtier.eval.needle import Needle
 from kvtier.eval.passkey import Passkey
+from kvtier.eval.infinitebench import InfiniteBench
+from kvtier.eval.longbench import LongBench
 from kvtier.eval.perplexity import Perplexity
+from kvtier.eval.ruler import Ruler
 
-TASKS = {"perplexity": Perplexity, "passkey": Passkey, "needle": Needle}
+TASKS = {"perplexity": Perplexity, "passkey": Passkey, "needle": Needle, "ruler": Ruler, "longbench": LongBench,
+         "infinitebench": InfiniteBench}
 
 
 def build_task(name: str, config: dict | None = None):
@@ -29,4 +34,4 @@ def build_task(name: str, config: dict | None = None):
     return cls(**(config or {}))
 
 
-__all__ = ["Needle", "Passkey", "Perplexity", "TASKS", "build_task"]
+__all__ = ["InfiniteBench", "LongBench", "Needle", "Passkey", "Perplexity", "Ruler", "TASKS", "build_task"]

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Callable, ClassVar
 import numpy as np
 import torch
 
-from kvtier.checks import check_positions
 from kvtier.errors import ConfigError, partial_on_stop
+from kvtier.eval.generation import engine_generate
 from kvtier.eval.perplexity import check_int, progress_task
 
 if TYPE_CHECKING:  # the engine imports kvtier.eval.fidelity
@@ -131,28 +131,19 @@ class RetrievalTask:
         raise NotImplementedError
 
     def run(self, make_engine: Callable[[], Engine], tokenizer, progress=None) -> dict:
-        """Every case through a fresh engine from ``make_engine`` (greedy, :func:`greedy`)."""
-        def generate(ids: torch.Tensor, prefill_tokens: int) -> tuple[list[int], dict]:
-            engine = make_engine()
-            check_positions(self, engine.model.config)
-            try:
-                out = greedy(engine, ids, self.max_new_tokens, prefill_tokens=prefill_tokens)
-                return out, {"tier1_hit_rate": engine.hit_rate()}
-            finally:
-                engine.close()
-
-        return self.run_with(generate, tokenizer, progress)
+        """Every case through a fresh engine from ``make_engine`` (greedy, :func:`kvtier.eval.generation.greedy`)."""
+        return self.run_with(engine_generate(make_engine, self), tokenizer, progress)
 
     @torch.no_grad()
     def run_with(self, generate, tokenizer, progress=None) -> dict:
-        """Score every case's answer from ``generate(ids [S], prefill_tokens) -> (max_new_tokens ids, extra)``
+        """Score every case's answer from ``generate(ids [S], prefill_tokens, max_new_tokens) -> (ids, extra)``
         (the first ``prefill_tokens`` prefilled, the question after them fed later); ``extra`` joins the record."""
         rng = np.random.default_rng(self.seed)
         advance = progress_task(progress, f"{self.name} ({self.context_tokens} tok)", len(self.depths) * self.samples)
         records = []
         with partial_on_stop(lambda: self._result(records)):
             for depth, ids, expected, info in self.cases(tokenizer, rng):
-                out, extra = generate(ids, ids.numel() - self.question_tokens)
+                out, extra = generate(ids, ids.numel() - self.question_tokens, self.max_new_tokens)
                 text = tokenizer.decode(out, skip_special_tokens=True)
                 records.append({"depth": depth, "expected": expected, "output": text,
                                 "correct": self.score(text, expected), "prompt_tokens": int(ids.numel()),
@@ -171,25 +162,6 @@ class RetrievalTask:
                 "context_tokens": mean([r["prompt_tokens"] for r in records]), "per_depth": per_depth,
                 "tier1_hit_rate": mean([r["tier1_hit_rate"] for r in records if "tier1_hit_rate" in r]),
                 "records": records}
-
-
-def greedy(engine, ids: torch.Tensor, max_new_tokens: int, prefill_tokens: int | None = None) -> list[int]:
-    """Greedy continuation of the prompt ``ids [S]`` (``max_new_tokens`` ids). With ``prefill_tokens`` only the first
-    that many are prefilled; the rest (a question asked after the context was compressed) are fed one
-    decode step each, under the engine's budget."""
-    S = int(ids.numel())
-    n = S if prefill_tokens is None else prefill_tokens
-    seq = engine.open(S + max_new_tokens)
-    logits = engine.prefill_sequence(seq, ids[:n])[-1]  # [V]
-    engine.start_decode(seq, ids[n] if n < S else logits.argmax())
-    row = engine.row_seq.index(seq)
-    for i in range(n, S):
-        logits = engine.step({seq: int(ids[i])})[row]
-    out = [int(logits.argmax())]
-    for _ in range(max_new_tokens - 1):
-        out.append(int(engine.step({seq: out[-1]})[row].argmax()))
-    engine.feedback.take(upto=engine.step_idx)
-    return out
 
 
 @dataclass
