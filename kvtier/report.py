@@ -167,7 +167,7 @@ def metrics_table(m: dict) -> Table:
     t.add_row(m["score_name"], f"{score:.4f}" if m["score_name"] == "perplexity" else
               f"{score:.3f} req/s" if serving else f"{score:.2f} / 100" if m["score_name"] == "score" else
               f"{score:.1%}")
-    for group, value in m["task_result"].get("per_group", {}).items():  # a benchmark's subtasks or datasets
+    for group, value in m.get("task_result", {}).get("per_group", {}).items():  # a benchmark's subtasks or datasets
         t.add_row(f"  {group}", f"{value:.2f}")
     if serving:
         _serving_rows(t, m["task_result"])

@@ -220,6 +220,11 @@ def test_every_recipe_option_validates(group, option):
     elif (group, option) in (("model", "local"), ("model", "hf")):  # model.path / model.id: ??? (the user's)
         with pytest.raises(ConfigError, match="model.path" if option == "local" else "model.id"):
             validate(cfg)
+    elif (group, option) in (("task", "longbench"), ("task", "infinitebench")):  # data from the user's HF cache
+        try:
+            validate(cfg)
+        except ConfigError as e:  # not fetched here: one line naming the command that fetches it
+            assert e.field == "task" and "hf download --repo-type dataset" in str(e)
     else:
         plan = validate(cfg)
         if plan.needs_model:

@@ -444,5 +444,6 @@ def test_every_documented_command_composes_and_plans(args, name, placeholders, m
     except MissingDependencyError as e:  # an extra this install does not have (the message names it)
         assert "pip install 'kvtier[" in str(e), e
     except ConfigError as e:
-        if not (e.field == "model.id" and "hf download" in str(e)):  # a Hub id needs the user's HF cache
+        if not (e.field in ("model.id", "task") and "hf download" in str(e)):  # a Hub model or dataset needs the
+            # user's HF cache
             pytest.fail(f"{name}: kvtier-run {' '.join(args)}: {e}")
