@@ -345,11 +345,13 @@ class Engine:
         logits ``[q or 1, V]``."""
         return self.iterate([(seq, ids)], decode=False, all_logits=all_logits).chunk_logits[0]
 
-    def begin_prefill(self, seqs: list[int], q_len: int) -> None:
-        """Open a step in which each of ``seqs`` (opened, not decoding) grows by ``q_len`` prompt tokens;
-        its layers are then written and attended by :meth:`store` / :meth:`attend` (any driver) as ``[len(seqs),
-        heads, q_len, D]``."""
-        self._begin([(s, q_len) for s in seqs], decode=False)
+    def begin_prefill(self, seqs: list[int], q_len) -> None:
+        """Open a step in which each of ``seqs`` (opened, not decoding) grows by ``q_len`` prompt tokens (an int, or
+        one count per sequence); its layers are then written and attended by :meth:`store` / :meth:`attend` (any
+        driver) as ``[len(seqs), heads, q_len, D]``, or with counts per sequence as ``[1, heads, their sum, D]``
+        (one sequence's tokens after another)."""
+        q_lens = [q_len] * len(seqs) if isinstance(q_len, (int, np.integer)) else list(q_len)
+        self._begin(list(zip(seqs, q_lens)), decode=False)
 
     def start_decode(self, seq: int, next_token) -> None:
         """``seq``'s prompt is in its pages: (compress it once, under such a budget) and decode it from the next
@@ -435,6 +437,38 @@ class Engine:
         self.win_start.pop(seq, None)
         self._dirty.add(row)
         self._to_free.append((seq, self._queued_fence()))
+
+    def reorder(self, rows) -> list[int]:
+        """Rows ``0..n-1`` go on with copy-on-write forks (:meth:`BlockTable.fork`) of the sequences decoding now on
+        ``rows[r]`` (``[n]``; beam search's reorder, or a prompt prefilled once and decoded on several rows); every
+        sequence decoding now finishes, its pages freed once no fork holds them and no queued step reads them. A
+        fork's first write into a shared, partly filled page copies it first. The new sequence ids, by row."""
+        rows = [int(r) for r in rows]
+        old = list(self.row_seq)
+        if not 0 < len(rows) <= self.config.max_batch or \
+                any(not 0 <= r < len(old) or old[r] is None or r in self._prefilling for r in rows):
+            raise KVTierError(f"reorder onto {rows}: each must be a row decoding now ({self.running} run on rows "
+                              f"{[r for r, s in enumerate(old) if s in self.running]}), at most max_batch="
+                              f"{self.config.max_batch} of them")
+        new = []
+        for r in rows:
+            seq, self._next_seq = self._next_seq, self._next_seq + 1
+            self.table.fork(old[r], seq)
+            if old[r] in self.win_start:
+                self.win_start[seq] = self.win_start[old[r]]
+            new.append(seq)
+        tokens = self.tokens[torch.tensor(rows, device=self.device)]  # [n] each row's next input
+        for seq in old:
+            if seq is not None:
+                self.finish(seq)
+        for r, seq in enumerate(new):
+            self.row_seq[r] = seq
+            if self.recall is not None:
+                self.recall.forget_row(r)
+            self.scope.reset_row(r)
+            self._place_row(r, seq)
+        self.tokens[:len(rows)] = tokens
+        return new
 
     def read_sequence(self, seq: int, n: int) -> list[torch.Tensor]:
         """The first ``n`` tokens' K/V of ``seq`` per layer ``[2, n, N_kv, D]`` in host memory, in the model's dtype
