@@ -165,7 +165,8 @@ def test_a_failed_result_write_leaves_no_truncated_file(tmp_path):
 # docstring), and keys in files the engine rewrite (issue 22) replaces: those messages are rewritten there.
 PYTHON_API = {"attention_mask", "attn_implementation", "batch_size", "capacity", "dropout", "dtype",
               "past_key_values", "sliding_windows", "spec.bandwidth_gbps", "spec.latency_s",
-              "transfer.method", "defaults", "layout.head_dim", "prompt", "request", "hbm", "input_ids", "keep_room"}
+              "transfer.method", "defaults", "layout.head_dim", "prompt", "request", "hbm", "input_ids", "keep_room",
+              "expand", "prompt_tokens", "new_tokens"}
 OWN_FILES = ("kvtier/sim/",)  # the simulator's messages name keys of its calibration file and cluster setups
 REWRITTEN = {"kvtier/kernels/base.py": {"model.num_attention_heads"},
              "kvtier/kernels/triton_prefill.py": {"layout.page_size"}}
