@@ -37,6 +37,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvtier.build import RECIPES, SIZING, EngineFactory, build, build_model, label, plan
 from kvtier.errors import ConfigError, Interrupted, KVTierError, MissingDependencyError, TierFailed
+from kvtier.redact import redact_file, redact_logs
 from kvtier.report import collect, write_json
 from kvtier.schema import BUDGET_SIZING, unknown_key
 
@@ -104,6 +105,9 @@ def execute(cfg: DictConfig, run_dir: str | Path) -> dict:
         run_dir.mkdir(parents=True)
         _MADE.add(run_dir.absolute())
     made = run_dir.absolute() in _MADE
+    for saved in [*run_dir.glob(".hydra/*.yaml"), run_dir.parent / "multirun.yaml"]:  # Hydra's copies of the config
+        if saved.is_file():
+            redact_file(saved)
     log.info("run folder: %s", run_dir)
     try:
         if not plan_.needs_model:  # a task that loads no model (kvtier.sim): it writes its result, no logger
@@ -296,6 +300,7 @@ def main() -> None:
     that cannot be written) exits 1 with its line; Ctrl-C exits 130 and SIGTERM 143, each with one line,
     after writing the finished part; any other error keeps its traceback.
     """
+    redact_logs()  # Hydra's and kvtier's log lines (the overrides of each job among them) hold no password
     config_dir = _args(sys.argv[1:]).config_dir
     if config_dir:  # the user's modules beside their recipes import by name (_target_: mine.MyPolicy)
         sys.path.insert(0, str(Path(config_dir).absolute()))

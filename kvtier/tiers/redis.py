@@ -46,6 +46,12 @@ def check_url(url: str, field: str) -> None:
                                  "recipe: a server started on loopback for the run)")
 
 
+def auth_errors(redis) -> tuple:
+    """redis-py's errors for a password the server refuses, wants, or has no use for."""
+    e = redis.exceptions
+    return e.AuthenticationError, e.AuthenticationWrongNumberOfArgsError, e.AuthorizationError
+
+
 def probe_url(url: str, field: str, timeout_s: float) -> None:
     """ConfigError(field) unless ``url`` is a Redis URL whose server answers ``PING`` within ``timeout_s``
     (a closed port, a silent peer or a server speaking another protocol are refused up front)."""
@@ -54,6 +60,10 @@ def probe_url(url: str, field: str, timeout_s: float) -> None:
     client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
     try:
         client.ping()
+    except auth_errors(redis) as e:
+        raise ConfigError(field, f"authentication failed at {url} ({e}); put the server's user and password in "
+                                 "the url (redis://user:password@host:port/db), or none for a server without one") \
+            from None
     except redis.exceptions.ConnectionError as e:  # refused, reset, or no route
         raise ConfigError(field, f"nothing answers at {url} ({e}); start the server, or use url=local "
                                  "(a redis-server on loopback for the run)") from None
@@ -142,6 +152,9 @@ class RedisTier(KeyValueTier):
             self._stale = self._stale or self._client
             raise TierIOError(f"remote tier '{self.name}': no answer from {self.url} within {self.timeout_s} s; "
                               f"raise tiers.stack.{self.name}.timeout_s or check the server") from e
+        except auth_errors(redis) as e:
+            raise TierIOError(f"remote tier '{self.name}': authentication failed at {self.url} ({e}); fix the user "
+                              f"and password in tiers.stack.{self.name}.url") from None
         except redis.exceptions.ConnectionError as e:
             raise TierIOError(f"remote tier '{self.name}': the Redis server at {self.url} is unreachable ({e}); "
                               f"start it or fix tiers.stack.{self.name}.url") from e
