@@ -41,7 +41,8 @@ import torch
 
 from kvtier.budget import TokenBudget
 from kvtier.cache_base import ACTIVE_CACHE, PassCache
-from kvtier.checks import check_decode_kernel, check_device_room, check_salience, check_scheduler
+from kvtier.checks import (check_decode_kernel, check_dense_layers, check_device_room, check_graphs, check_recall_room,
+                           check_salience, check_scheduler)
 from kvtier.compiling import compile_step, make_room
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.feedback import Feedback
@@ -126,10 +127,7 @@ class Engine:
         if isinstance(self.scope, All) and budget is not None and budget.mode == "continuous":
             raise ConfigError("cache.attend_budget", "scope 'all' attends every page; a continuous budget needs "
                                                      "scope resident or topk (or cache.mode once)")
-        if not isinstance(dense_layers, int) or isinstance(dense_layers, bool) or \
-                not 0 <= dense_layers <= layout.num_layers:
-            raise ConfigError("cache.dense_layers", f"must be an integer in [0, {layout.num_layers}], got "
-                                                    f"{dense_layers!r}")
+        check_dense_layers(dense_layers, layout.num_layers)
         self.dense_layers = dense_layers
         self.groups = layer_groups(layout, dense_layers)
         self.scheduler = scheduler or LookaheadScheduler()
@@ -148,15 +146,10 @@ class Engine:
                                                          "address: the host tier must be pinned (pin_memory=True)")
         R = config.max_batch
         scratch = R > 1  # idle rows of a bucket write into one device slot per layer that nothing reads
-        # device slots the recall cache takes: its slots, and each row's landing slots per layer
         n_land = getattr(self.scope, "landing_slots", 0)
-        recall_slots = getattr(self.scope, "recall_slots", 0) + R * n_land
         room = tiers[0].capacity - scratch
         check_device_room(room, policy, layout.page_size, 0, f"tiers.{tiers[0].name}.capacity", R)
-        if recall_slots:  # what the recall cache leaves
-            landing = f" and {R} x {n_land} landing slots" if n_land else ""
-            check_device_room(room, policy, layout.page_size, 0, "scope.recall_slots", R, recall_slots,
-                              f"the recall cache's {self.scope.recall_slots} slots{landing}")
+        recall_slots = check_recall_room(room, policy, layout.page_size, self.scope, R)  # what the recall cache takes
         held = sum(t.capacity for t in tiers) - scratch - recall_slots  # pages a row may hold
         self.max_pages = min(layout.pages_for(config.max_context), held) if config.max_context else held
         L, M = layout.num_layers, self.max_pages
@@ -164,13 +157,8 @@ class Engine:
         self.runner = make_runner(model, config.runner) if model is not None else None
         on_gpu = self.device.type == "cuda"
         self.fidelity = FidelityStats() if fidelity and not isinstance(self.scope, All) else None
-        if config.graphs and self.fidelity is not None:
-            raise ConfigError("engine.graphs", "cache.fidelity times an uncounted exact pass per call, which a "
-                                               "captured step cannot leave out of TPOT: set engine.graphs=false")
         reference = isinstance(self.kernel, TorchBackend)  # the oracle reads lengths on the host: not capturable
-        if config.graphs and reference:
-            raise ConfigError("engine.graphs", "the torch reference kernel reads the lengths on the host, which a "
-                                               "captured step cannot: use kernel=triton, or engine.graphs=false")
+        check_graphs(config.graphs, self.device, reference, self.fidelity is not None)
         self.graphs = (on_gpu and self.fidelity is None and model is not None and not reference) \
             if config.graphs is None else config.graphs
         self.compiled = compiled = on_gpu if config.compile is None else config.compile  # torch.compile'd step parts
@@ -323,8 +311,11 @@ class Engine:
         on; it shares the pages ``prefix_pids`` holding its first ``prefix_len`` tokens (a radix-cache match)."""
         if isinstance(n_tokens, bool) or not isinstance(n_tokens, (int, np.integer)) or n_tokens < 1 or \
                 n_tokens + 1 > self.max_pages * self.layout.page_size:
-            raise ConfigError("prompt", f"{n_tokens!r} tokens do not fit max_context="
-                                        f"{self.max_pages * self.layout.page_size}")
+            capped = self.config.max_context and self.layout.pages_for(self.config.max_context) == self.max_pages
+            limit = f"engine.max_context={self.config.max_context}" if capped else "what the tiers hold"
+            raise ConfigError("engine.max_context" if capped else "prompt",
+                              f"a prompt of {n_tokens!r} tokens (and the token decoded after it) does not fit "
+                              f"{self.max_pages * self.layout.page_size} tokens per sequence ({limit})")
         row = next((r for r, s in enumerate(self.row_seq) if s is None), None)
         if row is None:
             raise KVTierError(f"all {self.config.max_batch} rows are busy; finish a sequence or raise max_batch")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -72,13 +73,28 @@ def landing(layout: KVLayout, n: int, out: torch.Tensor | None) -> tuple[torch.T
     return dst, dst.view(torch.uint8).numpy().reshape(n, -1)
 
 
-def check_folder(path: str | Path, field: str) -> None:
-    """ConfigError(field) unless ``path`` is, or can be made inside, a writable directory (nothing is made)."""
+def check_folder(path: str | Path, field: str, need_bytes: int = 0) -> None:
+    """ConfigError(field) unless ``path`` is, or can be made inside, a writable directory (tried: a folder made in
+    its nearest existing ancestor and removed) with ``need_bytes`` free there."""
     path = Path(path).expanduser().absolute()
     above = next(p for p in (path, *path.parents) if p.exists())
-    if not above.is_dir() or not os.access(above, os.W_OK | os.X_OK):
-        raise ConfigError(field, f"{above} is not a writable directory, so {path} cannot be used; "
-                                 "point it at a writable directory")
+    try:
+        if not above.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory")
+        os.rmdir(tempfile.mkdtemp(prefix=".kvtier-probe-", dir=above))
+    except OSError as e:
+        raise ConfigError(field, f"{above} is not a writable directory ({e.strerror}), so {path} cannot be used; "
+                                 "point it at a writable directory") from None
+    st = os.statvfs(above)
+    if st.f_bavail * st.f_frsize < need_bytes:
+        raise ConfigError(field, f"{above} has {st.f_bavail * st.f_frsize} bytes free; the disk tier reserves "
+                                 f"{need_bytes} bytes there; point it at a larger disk, or lower "
+                                 f"{field.rsplit('.', 1)[0]}.fraction (or .size)")
+
+
+def reserved_bytes(layout: KVLayout, capacity: int) -> int:
+    """Bytes a DiskTier of ``capacity`` pages per layer reserves: its data files and their checksum sidecars."""
+    return layout.num_layers * capacity * (layout.page_bytes + 2 * _META.itemsize)
 
 
 class DiskTier(Tier):
@@ -92,6 +108,10 @@ class DiskTier(Tier):
     """
 
     kind = "disk"
+
+    @classmethod
+    def check_settings(cls, field, layout, capacity, path, **settings) -> None:
+        check_folder(path, f"{field}.path", reserved_bytes(layout, capacity))
 
     def __init__(self, layout: KVLayout, capacity: int, path: str | Path, spec: TierSpec | None = None,
                  name: str | None = None, fsync: bool = False, keep: bool = False):
@@ -168,7 +188,7 @@ class DiskTier(Tier):
         self._fds: list[int] = []
         self._sum_fds: list[int] = []
         if create:
-            need = L * sum(sizes)
+            need = reserved_bytes(self.layout, cap)
             st = os.statvfs(self.path)
             if st.f_bavail * st.f_frsize < need:
                 self._shutdown(delete=True)
@@ -184,7 +204,8 @@ class DiskTier(Tier):
         except OSError as e:
             self._shutdown(delete=create)
             if create and e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-                raise TierIOError(self._too_small(L * sum(sizes), f"refused the reservation ({e.strerror})")) from e
+                raise TierIOError(self._too_small(reserved_bytes(self.layout, cap),
+                                                  f"refused the reservation ({e.strerror})")) from e
             raise TierIOError(f"disk tier '{self.name}': cannot open its files in {self.path}: {e}") from e
 
     def _too_small(self, need: int, why: str) -> str:
