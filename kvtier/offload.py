@@ -28,6 +28,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import math
 import tempfile
 import uuid
 import weakref
@@ -108,7 +109,8 @@ def cache_for(model, prompt_tokens: int, new_tokens: int = 0, *, policy: str | P
                                              layout.num_layers * layout.page_bytes)
                                   if capacities else layout.pages_for(budget))
     device_pages = next(iter(capacities.values()))
-    check_device_room(device_pages, policy, page_size, 0, "hbm", rows)
+    check_device_room(device_pages, policy, page_size, 0, "hbm", rows, give=lambda pages: hbm_for(
+        pages // rows, page_size, prompt_tokens, hbm))
     capacities[next(iter(capacities))] += rows > 1  # the engine's scratch slot, which a batch's idle rows write
     check_stack(capacities, rows * context_pages)
     servers, made = [], []
@@ -136,13 +138,23 @@ def cache_for(model, prompt_tokens: int, new_tokens: int = 0, *, policy: str | P
     return result
 
 
+def hbm_for(pages: int, page_size: int, prompt_tokens: int, hbm: float) -> str:
+    """The ``hbm`` that gives each row ``pages`` device pages of a ``prompt_tokens``-token prompt (or why none can)."""
+    tokens = (pages - 1) * page_size + 1
+    if tokens > prompt_tokens:
+        return f"the {prompt_tokens}-token prompt is shorter than that: pick a policy that pins less, or a longer prompt"
+    return f"raise hbm to at least {math.ceil(tokens / prompt_tokens * 1000) / 1000:g} ({tokens} tokens; {hbm:g} " \
+           f"gives {int(hbm * prompt_tokens)})"
+
+
 def generation_sizes(model, args: tuple, kwargs: dict) -> dict:
     """What :func:`cache_for` needs of a ``generate(*args, **kwargs)`` call: the prompts, the longest one's tokens
     (padding aside), the new tokens and the rows per prompt, as ``generate`` will read them."""
     ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        shape = tuple(getattr(ids, "shape", ()))
         raise ConfigError("input_ids", "kvtier.offload sizes the cache from the prompt: pass input_ids, a tensor "
-                                       f"[prompts, tokens], got {type(ids).__name__} {tuple(getattr(ids, 'shape', ()))}")
+                                       f"[prompts, tokens], got {type(ids).__name__} {shape}")
     mask = kwargs.get("attention_mask")
     prompt = int(mask.sum(-1).max()) if isinstance(mask, torch.Tensor) and mask.numel() else ids.shape[1]
     if prompt < 1:
