@@ -12,6 +12,7 @@ construction, so a disk too small for the capacity fails there, not mid-run.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -152,6 +153,7 @@ class DiskTier(Tier):
         self._field = f"tiers.stack.{self.name}.path"
         self.path, self._made_dir = self._claim_dir(path, create)
         self._meta = np.zeros((self.layout.num_layers, self.capacity, 2), dtype=_META)  # [L, cap, (checksum, valid)]
+        self._cut = np.zeros((self.layout.num_layers, self.capacity), dtype=bool)  # [L, cap] lost to a truncation
         self._open_files(create)
 
     def _claim_dir(self, path: Path, create: bool) -> tuple[Path, bool]:
@@ -227,6 +229,10 @@ class DiskTier(Tier):
         fd, pb = self._fd(layer), self.layout.page_bytes
         s = slot_array(self, slots)
         bad = s[self._meta[layer, s, 1] == 0]
+        if self._cut[layer, bad].any():
+            raise PageCorruptedError(
+                f"disk tier '{self.name}' layer {layer}: slots {bad[self._cut[layer, bad]].tolist()} are cut off by "
+                f"another process that truncated {self._data_path(layer)} (file truncated); rewrite them")
         if bad.size:
             raise PageCorruptedError(
                 f"disk tier '{self.name}' layer {layer}: slots {bad.tolist()} hold no complete page "
@@ -269,6 +275,7 @@ class DiskTier(Tier):
                 os.fdatasync(fd)
             self._meta[layer, s, 0] = sums
             self._meta[layer, s, 1] = 1
+            self._cut[layer, s] = False
             path = self._sum_path(layer)
             self._write_meta(layer, s, runs)
             if self.fsync:
@@ -287,6 +294,7 @@ class DiskTier(Tier):
         for layer in np.unique(layers).tolist():
             s = np.sort(slots[layers == layer])
             self._meta[layer, s, 1] = 0
+            self._cut[layer, s] = False
             try:
                 self._write_meta(layer, s, _runs(s))
             except OSError as e:
@@ -300,9 +308,28 @@ class DiskTier(Tier):
 
     # -- I/O helpers -------------------------------------------------------------------------
     def _fd(self, layer: int) -> int:
+        """The data file of ``layer``, checked to be open, still in its folder (an open file outlives its deletion,
+        but a tier whose files another process deleted has lost its place on the disk) and whole: after a truncation
+        behind the tier, the pages cut off read as such, and the file is reserved again where the disk has room (else
+        the writes that find none say so)."""
         if not self._fds:
             raise TierIOError(f"disk tier '{self.name}' at {self.path} is closed")
-        return self._fds[layer]
+        for fd, path in ((self._fds[layer], self._data_path(layer)), (self._sum_fds[layer], self._sum_path(layer))):
+            if os.fstat(fd).st_nlink == 0:
+                raise TierIOError(f"disk tier '{self.name}' layer {layer}: {path} was deleted under the run (by "
+                                  "another process, a temp-folder cleaner?); its pages are lost with it: give the "
+                                  f"tier a folder nothing else cleans (tiers.stack.{self.name}.path)")
+        fd, pb = self._fds[layer], self.layout.page_bytes
+        if (size := os.fstat(fd).st_size) < self.capacity * pb:
+            cut = np.flatnonzero(self._meta[layer, :, 1])
+            cut = cut[(cut + 1) * pb > size]  # [k] valid pages past the new end
+            self._meta[layer, cut, 1] = 0
+            self._cut[layer, cut] = True
+            with contextlib.suppress(OSError):
+                if cut.size:
+                    self._write_meta(layer, cut, _runs(cut))
+                os.posix_fallocate(fd, 0, self.capacity * pb)
+        return fd
 
     def _write_meta(self, layer: int, s: np.ndarray, runs: list[tuple[int, int]]) -> None:
         """Copy the sidecar entries of ``s[a:b]`` for each run to disk."""
