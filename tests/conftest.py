@@ -1,4 +1,5 @@
 import os
+import subprocess
 
 import pytest
 import torch  # does not import triton
@@ -22,3 +23,15 @@ def smollm2():
     model, tokenizer = load_model(None, dtype="float32", device="cpu", attn_implementation="sdpa")
     model.eval()
     return model, tokenizer
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A real 1 MiB tmpfs mounted under tmp_path (needs root)."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if res.returncode:
+        pytest.skip(f"cannot mount a 1 MiB tmpfs to fill up (needs root): {res.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=True)

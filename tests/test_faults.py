@@ -208,18 +208,6 @@ def test_writer_killed_at_a_random_time_loses_at_most_the_page_in_flight(tmp_pat
 
 
 # -- disk: full disks ----------------------------------------------------------------------------
-@pytest.fixture
-def tiny_fs(tmp_path):
-    """A real 1 MiB tmpfs mounted under tmp_path (needs root)."""
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if res.returncode:
-        pytest.skip(f"cannot mount a 1 MiB tmpfs to fill up (needs root): {res.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=True)
-
-
 def test_disk_too_small_fails_at_construction(tiny_fs):
     layout = layout_of(layers=2)  # 512 B pages
     path = tiny_fs / "kv"

@@ -161,18 +161,6 @@ def test_a_failed_result_write_leaves_no_truncated_file(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.fixture
-def tiny_fs(tmp_path):
-    """A real 1 MiB tmpfs mounted under tmp_path (needs root)."""
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if res.returncode:
-        pytest.skip(f"cannot mount a 1 MiB tmpfs to fill up (needs root): {res.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=True)
-
-
 def _fill(folder: Path) -> None:
     with open(folder / "filler", "wb") as f:  # someone else takes the disk
         with pytest.raises(OSError, match="No space"):
