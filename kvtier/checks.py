@@ -47,13 +47,13 @@ def check_device_room(capacity: int, policy, page_size: int, chunk_tokens: int, 
     if capacity - taken >= need:
         return
 
-    def pages(n: int) -> str:
-        return f"{n} device page{'s' if n != 1 else ''} of {page_size} tokens"
+    def pages(n: int, of: str = "") -> str:
+        return f"{n} device page{'s' if n != 1 else ''}{of} of {page_size} tokens"
 
     if not taken:
         have = f"{pages(capacity)} cannot hold"
     elif taken < capacity:
-        have = f"{pages(capacity - taken)} (of {capacity}, less {by}) cannot hold"
+        have = f"{pages(capacity - taken, f' (of {capacity}, less {by})')} cannot hold"
     else:
         have = f"{by} take {taken} of the {pages(capacity)}, leaving none for"
     fix = give(need + taken) if give is not None else \
