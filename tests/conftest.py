@@ -35,3 +35,14 @@ def tiny_fs(tmp_path):
         pytest.skip(f"cannot mount a 1 MiB tmpfs to fill up (needs root): {res.stderr.strip()}")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+@pytest.fixture(scope="module")
+def login_node(tmp_path_factory):
+    """A folder of stand-ins for a Slurm login node's srun and sbatch (a Slurm sweep is planned, never
+    submitted)."""
+    slurm = tmp_path_factory.mktemp("slurm")
+    for tool in ("srun", "sbatch"):
+        (slurm / tool).write_text("#!/bin/sh\n")
+        (slurm / tool).chmod(0o755)
+    return slurm

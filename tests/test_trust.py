@@ -539,14 +539,16 @@ def placeholders(tmp_path_factory):
                "/models/Llama-3.1-8B": str(llama), "redis://127.0.0.1:6379/0": server.url}
 
 
+
 @pytest.mark.parametrize("args,name", COMMANDS, ids=[f"{i}-{name}" for i, (_, name) in enumerate(COMMANDS)])
-def test_every_documented_command_composes_and_plans(args, name, placeholders, monkeypatch):
+def test_every_documented_command_composes_and_plans(args, name, placeholders, login_node, monkeypatch):
     """Each job of each command is composed and checked (``plan``: everything but the weights); the runs
     themselves are exercised by test_run / test_frontend (default recipe, sweeps, joblib, custom policy)."""
     from kvtier.build import plan
 
     monkeypatch.chdir(ROOT)
     monkeypatch.syspath_prepend(str(ROOT / "examples" / "custom_policy"))
+    monkeypatch.setenv("PATH", f"{login_node}:{os.environ['PATH']}")
     for old, new in placeholders.items():
         args = [a.replace(old, new) for a in args]
     try:
