@@ -61,7 +61,8 @@ def write_json(name: str, payload) -> Path:
 
 
 # kinds of a decode step's kernels, by name (the first that matches; the rest is "other")
-KERNEL_KINDS = {"matmul": r"nvjet|gemm|cutlass|xmma|cublas", "page choice": r"_page_scores|_page_select",
+KERNEL_KINDS = {"matmul": r"nvjet|gemm|cutlass|xmma|cublas",
+                "page choice": r"_page_scores|_page_select|_key_logits|_key_select",
                 "attention": r"_static_split|_merge_splits|_prefill", "copy": r"[Mm]emcpy"}
 
 

@@ -45,6 +45,8 @@ from torch._dynamo.utils import counters as dynamo_counters
 from bench.baselines import free_device_memory, hf_decode_tpot, measure_hbm_read_GBps, physical_limit_ms
 from bench.common import KERNEL_KINDS, MODELS, kernel_ms_by_kind, kernel_times, pinned_bulk_ceiling, print_table, \
     write_json
+from kvtier.budget import TokenBudget
+from kvtier.checks import pay_for_key_stats
 from kvtier.data import token_stream
 from kvtier.engine import Engine, EngineConfig
 from kvtier.models import convert_gguf, kv_layout_for, load_model, random_llama
@@ -54,35 +56,52 @@ from kvtier.scopes import TopK, make_scope
 from kvtier.tiers import DeviceTier, HostTier
 
 WARMUP = 3
-TIERED = "0.5:topk,0.5:resident,0.2:topk,0.2:resident"
+TIERED = "0.5:quest,0.5:resident,0.2:quest,0.2:resident,1:topk,0.2:topk"
+ATTEND = 0.2  # topk rows: the keys a step attends, a share of the context (the policy study's "20%")
+SINKS, WINDOW = 4, 64  # topk rows: the token budget's sinks and window
 
 
 def tiered_engine(model, batch: int, context: int, steps: int, budget: float, scope: str, lookahead: int,
                   prompts: list[torch.Tensor] | None = None, recall: bool = True, predictor: str | None = None,
-                  recall_share: str = "half", engine_settings: dict | None = None) -> Engine:
-    """The engine of a row: ``batch`` sequences of ``context`` tokens each (``prompts`` prefilled, or random K/V
-    written straight into the pages), room for ``steps`` more; ``budget`` of the pages in HBM, the rest in pinned
-    host memory. topk's recall cache fetches ahead with ``predictor`` (:mod:`kvtier.scopes.predict`) and takes half
-    the device budget (``recall_share`` "half") or what the sinks, window and landing slots leave ("rest");
-    ``engine_settings``: more :class:`EngineConfig` fields (graphs, compile)."""
+                  recall_share: str = "half", engine_settings: dict | None = None,
+                  attend: float = ATTEND) -> tuple[Engine, str]:
+    """The engine of a row and its scope's recipe: ``batch`` sequences of ``context`` tokens each (``prompts``
+    prefilled, or random K/V written straight into the pages), room for ``steps`` more; ``budget`` of the pages in
+    HBM (less what the scope's key statistics take there), the rest in pinned host memory. Scopes: ``topk``, the one
+    recall configuration (each kv head's keys by the sketch, a token budget of ``attend`` of the context: the policy
+    study's configuration), ``quest`` (Quest's pages, half the budget's pages a step), ``resident``. A recall cache
+    (``recall``) takes half the device budget (``recall_share`` "half") or what the sinks, window and landing slots
+    leave ("rest") and fetches ahead with ``predictor`` (:mod:`kvtier.scopes.predict`); ``engine_settings``: more
+    :class:`EngineConfig` fields (graphs, compile)."""
     layout = kv_layout_for(model.config, page_size=16, dtype=torch.bfloat16)
     per_seq = layout.pages_for(context + steps + 1)
     total = per_seq * batch
+    tokens = TokenBudget(int(attend * context), SINKS, WINDOW, layout.page_size) if scope == "topk" else None
+    chooser = TopK() if scope == "topk" else None
     dev_pages = total + 1 if budget >= 1 else max(int(total * budget), batch * 24)
+    if budget < 1 and chooser is not None:  # the device budget pays for the sketch
+        dev_pages = pay_for_key_stats(dev_pages, chooser, layout, total * layout.page_size, "budget")
     tiers = [DeviceTier(layout, dev_pages)]
     if budget < 1:
         tiers.append(HostTier(layout, total + 64))
-    topk = max(int(per_seq * budget) // 2, 16) if scope == "topk" else None
-    recall_slots = topk * batch if recall and scope == "topk" and budget < 1 else 0  # within the device budget
-    landing = topk // 4 if recall_slots else 0  # per row and layer, within the device budget too
-    # the placement: sinks + the newest pages (resident; topk beside a recall cache, which holds the picks: a policy
-    # that heard the picks too would move them twice), or LRU over the picks (topk without the recall cache)
+    picks = max(int(per_seq * budget) // 2, 16) if scope == "quest" else None
+    recalls = recall and scope in ("topk", "quest") and budget < 1
+    landing = picks // 4 if recalls and scope == "quest" else 0  # per row and layer, within the device budget too
+    recall_slots = (picks * batch if scope == "quest" else dev_pages // 2) if recalls else 0
+    # the placement: sinks + the newest pages (resident; recall beside a recall cache, which holds the picks: a
+    # policy that heard the picks too would move them twice), or LRU over the picks (recall without the recall cache)
     policy = SinkWindow(sinks=4, window=256) if scope == "resident" or recall_slots else LRU()
     if recall_slots and recall_share == "rest":  # what each row pins, the page being written, its landing; scratch
         recall_slots = dev_pages - batch * (policy.pinned_pages(layout.page_size) + 1 + landing) - 1
-    scope_ = TopK(topk, recall_slots=recall_slots, predictor=predictor, landing_slots=landing) if scope == "topk" \
-        else make_scope(scope)
-    engine = Engine(model, layout, tiers, policy, scope_, prefill=ChunkedPrefill(4096),
+    if scope == "topk":
+        chooser = TopK(recall_slots=recall_slots, predictor=predictor)
+    elif scope == "quest":
+        chooser = TopK(picks, recall_slots=recall_slots, predictor=predictor, landing_slots=landing, unit="page",
+                       rank="quest")
+    else:
+        chooser = make_scope(scope)
+    engine = Engine(model, layout, tiers, policy, chooser, prefill=ChunkedPrefill(4096), budget=tokens,
+                    exact_prefill=tokens is not None,
                     config=EngineConfig(max_batch=batch, max_context=context + steps + 1, lookahead=lookahead,
                                         buckets=[batch], sync_timing=False, **(engine_settings or {})))
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -94,7 +113,18 @@ def tiered_engine(model, batch: int, context: int, steps: int, budget: float, sc
             engine.add_written(context, lambda layer, a, b: torch.randn(2, b - a, *shape, generator=gen,
                                                                          device="cuda", dtype=torch.bfloat16))
     torch.cuda.synchronize()
-    return engine
+    return engine, recipe_of(scope, tokens, chooser, layout.page_size)
+
+
+def recipe_of(scope: str, tokens: TokenBudget | None, chooser, page_size: int) -> str:
+    """A row's scope recipe (``kvtier-run`` overrides), matched against the policy study's ``scope_recipe``."""
+    parts = [f"scope={'topk' if scope == 'quest' else scope}"]
+    if scope == "quest":
+        parts += ["scope.unit=page", "scope.rank=quest", f"scope.pages={chooser.pages}"]
+    if tokens is not None:
+        parts += ["policy=sink_window", "cache.attend_budget=true", "cache.exact_prefill=true",
+                  f"cache.sinks={tokens.sinks}", f"cache.window={tokens.window}", f"budget.tokens={tokens.tokens}"]
+    return " ".join(parts + [f"page_size={page_size}"])
 
 
 def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope: str, lookahead: int,
@@ -105,8 +135,8 @@ def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope
     ``tokens`` are the timed steps' greedy tokens ``[steps][batch]``; ``setup_s`` the seconds to build and fill its
     engine."""
     built = time.perf_counter()
-    engine = tiered_engine(model, batch, context, WARMUP + steps + profile, budget, scope, lookahead, prompts, recall,
-                           predictor, recall_share)
+    engine, recipe = tiered_engine(model, batch, context, WARMUP + steps + profile, budget, scope, lookahead, prompts,
+                                   recall, predictor, recall_share)
     built = time.perf_counter() - built
     layout = engine.layout
     tokens = torch.empty(steps, batch, dtype=torch.int64, device="cuda")
@@ -130,10 +160,14 @@ def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope
     copied, ahead, predicted, landed = [int(c) - c0 for c, c0 in zip(counters, start)] or [0, 0, 0, 0]
     # bytes that crossed the link: migrations, copies into recall slots (after a read, and ahead of one), misses
     # read in place from the host (a page admitted from its landing slot crossed once, when it was read)
-    moved = sum(engine.transfer.bytes_moved.values()) - moved0 + (copied + ahead + attended - on_device) \
-        * layout.page_bytes
+    keys = getattr(engine.scope, "unit", "page") == "token"  # the counts are keys (one kv head's), else pages
+    entry_bytes = 2 * layout.head_dim * layout.kv_dtype.itemsize if keys else layout.page_bytes
+    moved = sum(engine.transfer.bytes_moved.values()) - moved0 + (copied + ahead) * layout.page_bytes \
+        + (attended - on_device) * entry_bytes
     tpot = np.array([events[i - 1].elapsed_time(events[i]) for i in range(WARMUP + 1, len(events))])  # ms
-    row = {"budget": budget, "scope": scope, "lookahead": lookahead, "recall": engine.recall is not None,
+    row = {"budget": budget, "scope": scope, "scope_recipe": recipe, "lookahead": lookahead,
+           "recall": engine.recall is not None, "hit_unit": "key" if keys else "page",
+           "sketch_bytes_per_token": engine.stats_bytes_per_token, "kv_bytes_per_token": engine.kv_bytes_per_token,
            "predictor": predictor or "-", "fetched_ahead_per_step": ahead / steps,
            "predictor_accuracy": predicted / ahead if ahead else None,
            "tpot_p50_ms": float(np.percentile(tpot, 50)),
@@ -197,7 +231,8 @@ def capacity_rows(model, tokenizer, spec: str, steps: int, lookahead: int, recal
     pool_gib = batch * layout.pages_for(context + WARMUP + steps + profile + 1) * layout.page_bytes \
         * layout.num_layers / 2 ** 30  # tiered_engine's dense pool
     rows = []
-    for system, b, budget, scope in (("capacity-dense", batch, 1.0, "all"), ("capacity-recall", 5 * batch, 0.2, "topk")):
+    for system, b, budget, scope in (("capacity-dense", batch, 1.0, "all"), ("capacity-recall", 5 * batch, 0.2,
+                                                                           "quest")):
         t0 = time.time()
         r = kvtier_row(model, b, context, steps, budget, scope, lookahead, prompts and prompts[:b], True,
                        (predictor or [None])[0] if scope == "topk" else None, recall_share, profile)
@@ -282,7 +317,7 @@ def main():
                 grid += [(float(b), s, args.lookahead, not args.no_recall, (p or [None])[0])
                          for b, s, *p in (x.split(":") for x in tiered.split(",") if x)]
                 if batch == 1:  # with the recall cache k only bounds the host's run-ahead: these rows go without it
-                    grid += [(0.2, "topk", int(k), False, None) for k in args.lookaheads.split(",") if k]
+                    grid += [(0.2, "quest", int(k), False, None) for k in args.lookaheads.split(",") if k]
             shape_rows = []
             for budget, scope, k, recall, predictor in grid:
                 t0 = time.time()

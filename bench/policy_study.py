@@ -15,11 +15,12 @@ Protocols (``--protocol``):
 
 Configurations (``--configs``, names below): ``exact`` (scope all); ``<scope>:<policy>`` with
 scope ``resident`` (continuous eviction), ``once`` (compress once after the prefill, resident) or
-``topk`` (recall; the policy only places pages), ``topk_head`` (Quest with per-head
+``topk`` (recall, the policy only places pages: each kv head's single keys by their share under the low-rank key
+sketch, the default ``scope=topk``), ``topk_quest`` (Quest's pages), ``topk_head`` (Quest with per-head
 normalisation), ``topk_perhead`` (each kv head its own Quest pages), ``topk_gauss`` (pages by their estimated
 attention mass, ``rank=gauss``), ``topk_gausshead`` (the same per kv head), ``topk_sketch`` / ``topk_sketchhead``
-(by their mass under rank-16 sketched keys, ``rank=sketch``, ``--sketch-rank``; all heads / per kv head),
-``topk_sketchtoken`` (the middle's keys one by one per kv head from the same sketch, ``unit=token``).
+(pages by their mass under the sketched keys, ``rank=sketch unit=page``, ``--sketch-rank``; all heads / per kv head).
+Each row carries ``scope_recipe``: the ``kvtier-run`` overrides of its configuration.
 Every budgeted run attends ``--sinks`` sink tokens and a recent window of
 ``--window`` tokens (StreamingLLM, ``resident:sink_window``: all of the rest).
 
@@ -55,6 +56,7 @@ from pathlib import Path
 import torch
 
 from kvtier.budget import TokenBudget
+from kvtier.checks import pay_for_key_stats
 from kvtier.engine import Engine, EngineConfig
 from kvtier.errors import ConfigError
 from kvtier.eval import Needle, Passkey, Perplexity
@@ -84,11 +86,49 @@ def make_task(args, protocol: str, offset: int = 0):
     raise SystemExit(f"unknown protocol {protocol!r}")
 
 
+TOPK = {  # study config -> TopK's options (the default, "topk": single keys by the sketch, each kv head its own)
+    "topk": {}, "topk_quest": dict(unit="page", rank="quest"), "topk_head": dict(unit="page", rank="quest_head"),
+    "topk_perhead": dict(unit="page", rank="quest", per_head=True), "topk_gauss": dict(unit="page", rank="gauss"),
+    "topk_gausshead": dict(unit="page", rank="gauss", per_head=True), "topk_sketch": dict(unit="page", rank="sketch"),
+    "topk_sketchhead": dict(unit="page", rank="sketch", per_head=True),
+}
+
+
+def topk_options(scope: str, args) -> dict:
+    """TopK's options of a study scope, with the command line's."""
+    options = dict(TOPK[scope], query_rows=args.query_rows, policy_share=args.policy_share, sinks=args.sinks,
+                   sketch_rank=args.sketch_rank if TOPK[scope].get("rank", "sketch") == "sketch" else None)
+    return {k: v for k, v in options.items() if (k, v) not in (("query_rows", 1), ("policy_share", 0.0),
+                                                               ("sketch_rank", None))}
+
+
+def scope_recipe(config: str, budget: int, args) -> str | None:
+    """The recipe overrides (``kvtier-run ...``) that run ``config`` at ``budget`` tokens as this study does: what a
+    quality row and a speed row share when they are one configuration (None: a kvpress press)."""
+    if config.startswith("kvpress:"):
+        return None
+    common = f"page_size={args.page}" + (f" kv_dtype={args.kv_dtype}" if args.kv_dtype else "")
+    if config == "exact":
+        return f"scope=all policy=lru {common}"
+    scope, name = config.split(":")
+    streaming = name == "sink_window" and scope in ("resident", "once")
+    window = "null" if streaming else args.window
+    parts = [f"scope={'topk' if scope in TOPK else 'resident'}", f"policy={name}", "cache.attend_budget=true",
+             "cache.exact_prefill=true", f"cache.sinks={args.sinks}", f"cache.window={window}",
+             f"budget.tokens={budget}", common]
+    if scope == "once":
+        parts.append("cache.mode=once")
+    if scope in TOPK:
+        parts += [f"scope.{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}"
+                  for k, v in topk_options(scope, args).items() if k != "sinks"]
+    return " ".join(parts)
+
+
 def engine_factory(model, layout, config: str, budget: int, args, context: int):
     """A function building a fresh engine for ``config`` at ``budget`` tokens."""
     total = layout.pages_for(context + 512) + 8
     device, kernel = args.device, make_backend(args.kernel, args.device)
-    settings = EngineConfig(graphs=args.graphs)
+    settings = EngineConfig(graphs=args.graphs, compile=args.compile)
     prefill = ChunkedPrefill(512)
     if config == "exact":
         return lambda: Engine(model, layout, [DeviceTier(layout, total, device=device), HostTier(layout, total)],
@@ -99,22 +139,14 @@ def engine_factory(model, layout, config: str, budget: int, args, context: int):
     mode = "once" if scope == "once" else "continuous"
     tokens = TokenBudget(budget, args.sinks, window, args.page, mode)
     # resident: the device holds what a step attends; topk and once: everything (what recall attends
-    # does not depend on where pages live)
-    dev = total if mode == "once" or scope.startswith("topk") else tokens.step_pages
+    # does not depend on where pages live), less what the scope's key statistics take
+    dev = total if mode == "once" or scope in TOPK else tokens.step_pages
 
     def make():
         policy = POLICIES[name](sinks=args.sinks, window=window)
-        if scope.startswith("topk"):
-            rank = {"topk_head": "quest_head", "topk_gauss": "gauss", "topk_gausshead": "gauss", "topk_sketch": "sketch",
-                    "topk_sketchhead": "sketch", "topk_sketchtoken": "sketch"}.get(scope, "quest")
-            chooser = TopK(rank=rank, per_head=scope in ("topk_perhead", "topk_gausshead", "topk_sketchhead",
-                                                          "topk_sketchtoken"),
-                           query_rows=args.query_rows, policy_share=args.policy_share, sinks=args.sinks,
-                           sketch_rank=args.sketch_rank if rank == "sketch" else None,
-                           unit="token" if scope == "topk_sketchtoken" else "page")
-        else:
-            chooser = Resident()
-        return Engine(model, layout, [DeviceTier(layout, dev, device=device), HostTier(layout, total)], policy,
+        chooser = TopK(**topk_options(scope, args)) if scope in TOPK else Resident()
+        pages = pay_for_key_stats(dev, chooser, layout, total * layout.page_size, "budget")
+        return Engine(model, layout, [DeviceTier(layout, pages, device=device), HostTier(layout, total)], policy,
                       chooser, kernel=kernel, prefill=prefill, budget=tokens, exact_prefill=True, config=settings)
     return make
 
@@ -149,8 +181,9 @@ def run_one(args, protocol, config, fraction, tokens=None) -> dict:
            "kv_dtype": None if kvpress else args.kv_dtype or "float32",
            "window": None if config == "exact" or kvpress else budget - args.sinks if streaming else args.window,
            "fraction": round(budget / context, 4), "wall_s": round(time.time() - t0, 1)}
-    if "sketch" in config:
-        row["sketch_rank"] = args.sketch_rank
+    row["scope_recipe"] = scope_recipe(config, budget, args)
+    if config.split(":")[0] in TOPK and TOPK[config.split(":")[0]].get("rank", "sketch") == "sketch":
+        row["sketch_rank"] = args.sketch_rank or layout.head_dim // 4
     if kvpress:
         row["kept_tokens"] = sum(r["kept_tokens"] for r in results) / len(results)
     if "perplexity" in results[0]:
@@ -259,7 +292,8 @@ def parse_args(argv=None):
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--query-rows", type=int, default=1, help="topk: score pages by the last N decode queries")
     p.add_argument("--policy-share", type=float, default=0.0, help="topk: share of the pages the policy picks")
-    p.add_argument("--sketch-rank", type=int, default=16, help="topk_sketch*: the sketched keys' rank")
+    p.add_argument("--sketch-rank", type=int, default=None, help="topk, topk_sketch*: the sketched keys' rank "
+                                                                  "(default: head_dim / 4)")
     p.add_argument("--slices", type=int, default=3)
     p.add_argument("--offsets", default=None, help="ctx2k: token offsets of the slices (overrides --slices)")
     p.add_argument("--continuation", type=int, default=256, help="ctx2k: tokens scored after the 2,048")
@@ -272,6 +306,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu", help="cpu or cuda (the model, the device tier and the kernel)")
     p.add_argument("--kernel", default="torch", help="torch | triton")
     p.add_argument("--graphs", action="store_true", help="replay each decode step as a CUDA graph")
+    p.add_argument("--compile", action="store_true", help="torch.compile the step (on a GPU; each engine compiles)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not args.plot and not args.protocol:

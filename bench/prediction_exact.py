@@ -24,8 +24,8 @@ MODES = {"eager": dict(graphs=False, compile=False), "graphs": dict(compile=Fals
 
 def compare(model, args, config: dict) -> dict:
     """Per step: the largest logit difference over the largest logit, and the rows whose greedy token differs."""
-    plain, predicted = (tiered_engine(model, args.batch, args.context, args.steps + 8, args.budget, "topk", 2,
-                                      predictor=p, recall_share="rest", engine_settings=config)
+    plain, predicted = (tiered_engine(model, args.batch, args.context, args.steps + 8, args.budget, args.scope, 2,
+                                      predictor=p, recall_share="rest", engine_settings=config)[0]
                         for p in (None, args.predictor))
     forced, rel, differ = None, [], []
     for _ in range(args.steps):
@@ -46,6 +46,7 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--budget", type=float, default=0.2)
+    ap.add_argument("--scope", default="topk", choices=("topk", "quest"), help="the recall configuration, or Quest's pages")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--predictor", default="after_attention")
     args = ap.parse_args()

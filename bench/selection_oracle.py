@@ -131,8 +131,15 @@ def oracle_attention(module, query, key, value, attention_mask, dropout: float =
     k = key.repeat_interleave(H // n_kv, 1)  # [B, H, S, D]
     v = value.repeat_interleave(H // n_kv, 1)
     logits = (query.float() @ k.float().transpose(-1, -2)) * scaling  # [B, H, 1, S]
-    keep = keep_mask(logits, query, key, STATE["mode"], STATE["fraction"])
+    mode, rest = STATE["mode"].split("+")[0], "+mv" in STATE["mode"]
+    keep = keep_mask(logits, query, key, mode, STATE["fraction"])
     out = torch.softmax(logits.masked_fill(~keep, float("-inf")), -1) @ v.float()  # [B, H, 1, D]
+    if rest:  # SparQ's mean-value reallocation: the mass left out goes to the mean value of the keys left out
+        prob = torch.softmax(logits.float(), -1)  # [B, H, 1, S]
+        alpha = (prob * keep).sum(-1, keepdim=True)  # [B, H, 1, 1] true mass of the kept keys
+        n_out = (~keep).sum(-1, keepdim=True).clamp(min=1)
+        v_out = ((~keep).float() @ v.float()) / n_out  # [B, H, 1, D]
+        out = alpha * out + (1 - alpha) * v_out
     return out.to(query.dtype).transpose(1, 2), None
 
 
@@ -165,6 +172,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=None,
                     help="a fixed budget of keys per step (the engine's protocol: fraction x the prefix), not "
                          "--fraction of each step's length")
+    ap.add_argument("--text", default="opticks", help="the text of the slices (opticks, lady_susan)")
+    ap.add_argument("--offsets", default=None, help="token offsets of the slices (default: 0, 30000, ... --slices)")
     ap.add_argument("--json", default="selection_oracle.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -174,7 +183,8 @@ def main() -> None:
     model.set_attn_implementation("oracle")
     STATE["fraction"], STATE["sketch_rank"], STATE["tokens"] = args.fraction, args.sketch_rank, args.tokens
     STATE["page_candidates"] = args.page_candidates
-    texts = [token_stream(tok, "opticks", 30000 * s + PREFIX + args.continuation)[30000 * s:] for s in range(args.slices)]
+    offsets = [int(x) for x in args.offsets.split(",")] if args.offsets else [30000 * s for s in range(args.slices)]
+    texts = [token_stream(tok, args.text, o + PREFIX + args.continuation)[o:] for o in offsets]
     rows = []
     for mode in args.modes.split(","):
         STATE["mode"] = mode

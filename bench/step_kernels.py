@@ -30,7 +30,7 @@ def main():
     ap.add_argument("--top", type=int, default=40)
     args = ap.parse_args()
     model = random_llama(**MODELS[args.shape], device="cuda", dtype="bfloat16")
-    engine = tiered_engine(model, args.batch, args.context, 40 + 2 * args.steps, args.budget, args.scope, 2)
+    engine, _ = tiered_engine(model, args.batch, args.context, 40 + 2 * args.steps, args.budget, args.scope, 2)
     events = []
     for _ in range(40):
         engine.step()

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from kvtier.budget import TokenBudget
 from kvtier.checks import (check_decode_kernel, check_dense_layers, check_device_room, check_graphs, check_max_context,
                            check_memory, check_partial_budget, check_positions, check_recall_room, check_salience,
-                           check_stack, device_pages_needed, tier_pages)
+                           check_stack, device_pages_needed, pay_for_key_stats, tier_pages)
 from kvtier.errors import ConfigError
 from kvtier.hook import use_hook
 from kvtier.kernels.reference import TorchBackend
@@ -143,7 +143,9 @@ def plan(cfg: DictConfig) -> Plan:
             capacities[key] = tier_pages(spec, field, pages, page_bytes)
         else:
             chunk_room = device_pages_needed(policy, layout.page_size, chunk)
-            capacities[key] = _device_pages(scope, layout.pages_for(budget), attended, pages, chunk_room)
+            device = _device_pages(scope, layout.pages_for(budget), attended, pages, chunk_room)
+            capacities[key] = pay_for_key_stats(device, build_scope(cfg, device), layout,
+                                                task.context_tokens + task.new_tokens, recipe.budget.key)
         keys = {k: v for k, v in OmegaConf.to_container(unsized(spec), resolve=True).items() if not k.startswith("_")}
         settings = inspect.signature(tier).bind_partial(layout=layout, capacity=capacities[key], name=key, **keys)
         settings.apply_defaults()  # a relative disk path: checked from here, where the run's folder will be
@@ -154,7 +156,8 @@ def plan(cfg: DictConfig) -> Plan:
             in_memory[sizing] = (capacities[key] * page_bytes, place)
     device = next(iter(capacities.values()))
     check_device_room(device, policy, layout.page_size, chunk, recipe.budget.key,
-                      give=budget_for(recipe.budget, task, layout.page_size, page_bytes) if attended is None else None)
+                      give=budget_for(recipe.budget, task, layout.page_size, page_bytes)
+                      if device == layout.pages_for(budget) else None)  # the device is the budget's (in its unit)
     check_stack(capacities, pages)
     check_memory(in_memory)
     rows = getattr(task, "max_batch", recipe.engine.max_batch)  # the engine's rows (a serving task sets its own)

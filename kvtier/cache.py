@@ -9,6 +9,7 @@ policy's statistics, migrations, fidelity) is the engine's; this class only tran
 
 from __future__ import annotations
 
+
 import numpy as np
 import torch
 
@@ -23,7 +24,8 @@ from kvtier.policies.base import Policy
 from kvtier.scheduler.base import Scheduler
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 from kvtier.scopes import Scope, TopK
-from kvtier.scopes.base import split_choice
+from kvtier.scopes.base import pages_of
+from kvtier.scopes.topk import OPTIONS as TOPK_OPTIONS
 from kvtier.tiers.base import Tier
 
 
@@ -35,8 +37,8 @@ def _of_engine(name: str) -> property:
 class TieredKVCache(PagedCacheBase):
     """Paged, tiered KV cache for a batch of ``batch_size`` rows (``generate``'s rows: prompts x ``expand``).
 
-    ``scope``: ``all`` | ``resident`` | ``topk`` or a :class:`~kvtier.scopes.Scope`; ``topk_pages``, ``rank``,
-    ``per_head``, ``query_rows``, ``policy_share`` are :class:`~kvtier.scopes.TopK`'s; ``budget`` (tokens
+    ``scope``: ``all`` | ``resident`` | ``topk`` or a :class:`~kvtier.scopes.Scope`; ``topk_pages`` and ``topk``
+    (``rank``, ``unit``, ``sketch_rank``, ``per_head``, ...) are :class:`~kvtier.scopes.TopK`'s; ``budget`` (tokens
     attended per decode step), ``sinks``, ``window`` and ``mode`` make a :class:`~kvtier.budget.TokenBudget`.
 
     A left-padded batch (``attention_mask`` of zeros before each row's first token) stores and attends only its
@@ -49,8 +51,8 @@ class TieredKVCache(PagedCacheBase):
     def __init__(self, layout: KVLayout, tiers: list[Tier], policy: Policy, scheduler: Scheduler | None = None,
                  backend=None, scope: str | Scope = "all", topk_pages: int | None = None, sinks: int = 4,
                  batch_size: int = 1, fidelity: bool = False, budget: int | None = None, window: int = 64,
-                 mode: str = "continuous", exact_prefill: bool = False, rank: str = "quest", dense_layers: int = 0,
-                 per_head: bool = False, query_rows: int = 1, policy_share: float = 0.0, expand: int = 1):
+                 mode: str = "continuous", exact_prefill: bool = False, dense_layers: int = 0, expand: int = 1,
+                 **topk):
         for key, value in (("batch_size", batch_size), ("expand", expand)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(key, f"must be an integer >= 1, got {value!r}")
@@ -58,9 +60,12 @@ class TieredKVCache(PagedCacheBase):
             raise ConfigError("expand", f"the batch's {batch_size} rows are not runs of {expand} rows of one prompt")
         tokens = None if budget is None else TokenBudget(budget, sinks, window, layout.page_size, mode)
         if scope == "topk":
-            scope = TopK(topk_pages, rank, per_head, query_rows, policy_share, sinks=sinks)
-        elif per_head:
-            raise ConfigError("scope.per_head", "a per-head page choice needs scope 'topk' and a token budget")
+            if unknown := sorted(set(topk) - TOPK_OPTIONS):
+                raise ConfigError(f"scope.{unknown[0]}", f"is not an option of scope 'topk'; it takes "
+                                                         f"{sorted(TOPK_OPTIONS)}")
+            scope = TopK(topk_pages, sinks=sinks, **topk)
+        elif topk:
+            raise ConfigError(f"scope.{next(iter(topk))}", f"is an option of scope 'topk', not of {scope!r}")
         super().__init__(layout)
         self.layout = layout
         self.engine = Engine(None, layout, tiers, policy, scope, scheduler, backend, budget=tokens,
@@ -82,6 +87,8 @@ class TieredKVCache(PagedCacheBase):
     policy = _of_engine("policy")
     fidelity = _of_engine("fidelity")
     device = _of_engine("device")
+    kv_bytes_per_token = _of_engine("kv_bytes_per_token")
+    stats_bytes_per_token = _of_engine("stats_bytes_per_token")
     hit_rate = _of_engine("hit_rate")  # cache.hit_rate(): attended pages read from the device tier, every step
 
     @property
@@ -216,7 +223,7 @@ class TieredKVCache(PagedCacheBase):
         e = self.engine
         B = len(self.seqs)
         e.scope.start_step()  # chosen from the lengths and table of now
-        picks, _ = split_choice(e.scope.pick(layer, query[:, :, 0].contiguous(), e.view(B)))
+        picks = pages_of(e.scope.pick(layer, query[:, :, 0].contiguous(), e.view(B)), e.max_pages, e.layout.page_size)
         out = []
         for b, seq in enumerate(self.seqs):
             n = self.table.num_pages(seq)

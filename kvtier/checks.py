@@ -25,17 +25,21 @@ def device_pages_needed(policy, page_size: int, chunk_tokens: int, batch_size: i
     return batch_size * (policy.pinned_pages(page_size) + 1 + -(-chunk_tokens // page_size))
 
 
-def check_topk_options(rank: str, query_rows, policy_share) -> None:
-    """The topk scope's ``rank`` (one of :data:`kvtier.scopes.topk.RANKS`), ``query_rows`` and ``policy_share``."""
-    from kvtier.scopes.topk import RANKS
+def pay_for_key_stats(device_pages: int, scope, layout, tokens: int, field: str) -> int:
+    """The device tier's pages once its budget paid for the key statistics ``scope`` keeps on the device to choose
+    (Quest's bounds, the key sketch: :meth:`kvtier.engine.stats.KeyStats.bytes_per_token_for`) for ``tokens`` stored
+    tokens; a policy's own statistics are not counted."""
+    from kvtier.engine.stats import KeyStats
 
-    if rank not in RANKS:
-        raise ConfigError("scope.rank", f"unknown rank {rank!r}; use one of {list(RANKS)}")
-    if not isinstance(query_rows, int) or isinstance(query_rows, bool) or query_rows < 1:
-        raise ConfigError("scope.query_rows", f"must be an integer >= 1, got {query_rows!r}")
-    if isinstance(policy_share, bool) or not isinstance(policy_share, (int, float)) or \
-            not 0.0 <= policy_share <= 1.0:  # nan too
-        raise ConfigError("scope.policy_share", f"must be in [0, 1], got {policy_share!r}")
+    if not scope.needs_keys:
+        return device_pages
+    per_token = KeyStats.bytes_per_token_for(layout, *KeyStats.needed(scope, None, layout))
+    taken = math.ceil(tokens * per_token / (layout.num_layers * layout.page_bytes))
+    if device_pages - taken < 1:
+        raise ConfigError(field, f"gives the device {device_pages} pages; scope '{scope.name}' keeps key statistics "
+                                 f"of {per_token:.0f} B a token there, {taken} pages' worth for {tokens} tokens: "
+                                 "raise it")
+    return device_pages - taken
 
 
 def check_device_room(capacity: int, policy, page_size: int, chunk_tokens: int, field: str,

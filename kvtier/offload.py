@@ -39,12 +39,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvtier.build import LOCAL_STORE, RECIPES, build, unsized
 from kvtier.cache import TieredKVCache
-from kvtier.checks import check_device_room, check_stack, tier_pages
+from kvtier.checks import check_device_room, check_stack, pay_for_key_stats, tier_pages
 from kvtier.errors import ConfigError
 from kvtier.hook import use_hook
 from kvtier.models import kv_layout_for
 from kvtier.policies import Policy
-from kvtier.scopes import make_scope
+from kvtier.scopes import TopK, make_scope
+from kvtier.scopes.topk import OPTIONS as TOPK_OPTIONS
 from kvtier.tiers.redis_server import LocalRedis
 
 
@@ -69,8 +70,9 @@ def check_model(model, where: str) -> None:
 
 def check_options(options: dict, where: str) -> None:
     """ConfigError naming a keyword that neither :func:`cache_for` nor :class:`TieredKVCache` takes."""
-    known = set(inspect.signature(cache_for).parameters) | set(inspect.signature(TieredKVCache).parameters)
-    known -= {"model", "prompt_tokens", "new_tokens", "cache", "layout", "tiers", "scheduler", "backend"}
+    known = set(inspect.signature(cache_for).parameters) | set(inspect.signature(TieredKVCache).parameters) | \
+        TOPK_OPTIONS
+    known -= {"model", "prompt_tokens", "new_tokens", "cache", "topk", "layout", "tiers", "scheduler", "backend"}
     for key in options:
         if key not in known:
             raise ConfigError(key, f"{where} takes no {key!r}; it takes {sorted(known)}")
@@ -108,10 +110,18 @@ def cache_for(model, prompt_tokens: int, new_tokens: int = 0, *, policy: str | P
         capacities[key] = rows * (tier_pages(spec, f"tiers.stack.{key}", context_pages,
                                              layout.num_layers * layout.page_bytes)
                                   if capacities else layout.pages_for(budget))
-    device_pages = next(iter(capacities.values()))
+    topk = {k: cache.pop(k) for k in list(cache) if k in TOPK_OPTIONS}
+    if topk and scope != "topk":
+        raise ConfigError(f"scope.{next(iter(topk))}", f"is an option of scope 'topk', not of {scope!r}")
+    scope_for = (lambda pages: TopK(pages, sinks=cache.get("sinks", 4), **topk)) if scope == "topk" else \
+        (lambda pages: make_scope(scope))
+    first = next(iter(capacities))
+    capacities[first] = pay_for_key_stats(capacities[first], scope_for(capacities[first] // rows), layout,
+                                          rows * (prompt_tokens + new_tokens), "hbm")
+    device_pages = capacities[first]
     check_device_room(device_pages, policy, page_size, 0, "hbm", rows, give=lambda pages: hbm_for(
         pages // rows, page_size, prompt_tokens, hbm))
-    capacities[next(iter(capacities))] += rows > 1  # the engine's scratch slot, which a batch's idle rows write
+    capacities[first] += rows > 1  # the engine's scratch slot, which a batch's idle rows write
     check_stack(capacities, rows * context_pages)
     servers, made = [], []
     try:
@@ -124,9 +134,8 @@ def cache_for(model, prompt_tokens: int, new_tokens: int = 0, *, policy: str | P
                 node.url = servers[-1].url
             made.append(build(node, f"tiers.stack.{key}", layout=layout, capacity=capacities[key], name=key))
         scheduler = build(recipe_node("scheduler", "lookahead", device).placement, "scheduler.placement")
-        options = {"topk_pages": device_pages // rows} if scope == "topk" else {}
         result = TieredKVCache(layout, made, policy, scheduler, build(recipe_node("kernel", kernel, device), "kernel"),
-                               scope=scope, batch_size=rows, expand=expand, **options | cache)
+                               scope=scope_for(device_pages // rows), batch_size=rows, expand=expand, **cache)
     except BaseException:
         for tier in made:
             tier.close()

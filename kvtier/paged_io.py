@@ -61,13 +61,14 @@ def store_rows(layout, pool: torch.Tensor, p: torch.Tensor, i: torch.Tensor, o: 
 
 
 def read_tokens(table: BlockTable, layer: int, seq: int, device=None) -> torch.Tensor:
-    """All tokens of ``seq`` in ``layer``: ``[2, S, N_kv, D]`` in the model's dtype (a swapped-out request, tests)."""
+    """All tokens of ``seq`` in ``layer``: ``[2, S, N_kv, D]`` in the model's dtype (a swapped-out request, tests);
+    the tokens of pages dropped for good (left of a sliding window) read as zeros."""
     pids = table.pages(seq)
     tiers, slots = table.locate(layer, pids)
     L = table.layout
     dev = device or table.tiers[0].device
-    pages = torch.empty((pids.size, *L.page_shape), dtype=L.kv_dtype, device=dev)  # [n, 2, P(+1), N_kv, D]
-    for t in np.unique(tiers):
+    pages = torch.zeros((pids.size, *L.page_shape), dtype=L.kv_dtype, device=dev)  # [n, 2, P(+1), N_kv, D]
+    for t in np.unique(tiers[tiers >= 0]):
         sel = np.flatnonzero(tiers == t)
         pages[torch.from_numpy(sel).to(dev)] = table.tiers[t].read(layer, torch.from_numpy(slots[sel])).to(dev)
     if L.scaled:

@@ -51,6 +51,8 @@ class CacheRecord:
     fetched_ahead: int = 0  # pages it copied in ahead of their layer (a predictor), ...
     predicted: int = 0  # ... of which the layer picked
     recall_landed: int = 0  # pages admitted from the landing slot the decode kernel wrote them to (no copy)
+    kv_bytes_per_token: float = 0.0  # K/V page bytes a token takes (every layer)
+    stats_bytes_per_token: float = 0.0  # device bytes of key statistics (the recall sketch) a stored token takes
 
     @classmethod
     def of(cls, cache) -> "CacheRecord":
@@ -60,13 +62,14 @@ class CacheRecord:
         stats = cache.stats
         attended, resident = cache.page_counts()
         recall = getattr(cache, "recall", None)
-        counts = [int(c) for c in (recall.copied, recall.prefetched, recall.predicted, recall.landed)] if recall is not None else []
+        counts = [int(c) for c in (recall.copied, recall.prefetched, recall.predicted, recall.landed)] \
+            if recall is not None else [0, 0, 0, 0]
         return cls(attended, resident, stats.fetch_s, stats.fidelity_s,
                    dict(stats.fetched_bytes), dict(cache.transfer.bytes_moved),  # apart: fetches, migrations
                    dict(cache.transfer.pages_moved), list(stats.occupancy), off,
                    list(cache.fidelity.calls) if cache.fidelity is not None else [], stats.dropped_pages,
                    stats.dropped_bytes, stats.attended_per_step(), stats.compressed_pages, list(cache.ttft_s),
-                   list(cache.tpot_s), *counts)
+                   list(cache.tpot_s), *counts, cache.kv_bytes_per_token, cache.stats_bytes_per_token)
 
 
 def collect(plan, result: dict, records: list[CacheRecord], wall_s: float, cfg, run_dir) -> dict:
@@ -109,6 +112,8 @@ def collect(plan, result: dict, records: list[CacheRecord], wall_s: float, cfg, 
         "attended_tokens_per_step": _mean([x for r in records for x in r.attended_per_step]),
         "attended_tokens_per_step_max": max([x for r in records for x in r.attended_per_step], default=float("nan")),
         "offloaded_fraction": float(np.mean([r.offloaded_fraction for r in records])) if records else 0.0,
+        "kv_bytes_per_token": records[0].kv_bytes_per_token if records else float("nan"),
+        "stats_bytes_per_token": records[0].stats_bytes_per_token if records else float("nan"),
         "ttft_s": _mean([x for r in records for x in r.ttft_s]),
         "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
         "decode_steps": len(tpot), "stall_s": sum(r.fetch_s for r in records), "wall_s": wall_s,
@@ -171,6 +176,10 @@ def metrics_table(m: dict) -> Table:
             t.add_row("keys attended per decode step mean / max", f"{m['attended_tokens_per_step']:.1f} / "
                                                                    f"{m['attended_tokens_per_step_max']:g}")
         t.add_row("offloaded fraction", f"{m['offloaded_fraction']:.1%}")
+        if m.get("stats_bytes_per_token"):
+            t.add_row("device bytes a token: K/V pages / key statistics",
+                      f"{m['kv_bytes_per_token']:,.0f} / {m['stats_bytes_per_token']:,.0f} "
+                      f"({m['stats_bytes_per_token'] / m['kv_bytes_per_token']:.1%})")
     if m.get("recall_pages_copied") or m.get("recall_pages_landed") or m.get("pages_fetched_ahead"):
         ahead = f"{m['pages_fetched_ahead']} ({m['predictor_accuracy']:.1%})" if m["pages_fetched_ahead"] else "0"
         t.add_row("recall pages copied / landed / ahead (picked)",

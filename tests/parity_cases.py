@@ -39,7 +39,8 @@ def engine_factory(model, layout_of, case, kernel=None, device="cpu", config=Non
                                                          case.get("mode", "continuous"))
         if case["scope"] == "topk":
             scope = TopK(case.get("topk_pages"), case.get("rank", "quest"), case.get("per_head", False),
-                         case.get("query_rows", 1), case.get("policy_share", 0.0), sinks=SINKS)
+                         case.get("query_rows", 1), case.get("policy_share", 0.0), sinks=SINKS,
+                         unit=case.get("unit", "page"))
         else:
             scope = make_scope(case["scope"])
         tiers = [DeviceTier(layout, dev, device=device), HostTier(layout, total)]

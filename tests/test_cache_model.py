@@ -157,12 +157,15 @@ def test_topk_with_every_page_is_exact_and_small_k_picks_the_hot_page():
     assert rel_err(full, exact) < 1e-6
     k_hot = k.clone()
     k_hot[:, :, 17] = 6 * q[0, ::3, 0]  # token 17 (page 4) aligned with the query of each kv group
-    cache = _synthetic_cache("topk", topk_pages=4, sinks=4)
+    cache = _synthetic_cache("topk", topk_pages=4, sinks=4, unit="page", rank="quest")  # Quest's pages
     _decode_after_prefill(cache, k_hot, v, q)
     pages = cache.table.pages(0)
     chosen = cache.choose(0, q)[0]
     assert 4 in chosen.tolist() and 0 in chosen.tolist() and pages.size - 1 in chosen.tolist()
     assert len(chosen) == 4
+    keys = _synthetic_cache("topk", topk_pages=1, sinks=4)  # one page's worth of keys, each kv head its own
+    _decode_after_prefill(keys, k_hot, v, q)
+    assert 4 in keys.choose(0, q)[0].tolist()  # the hot key's page
 
 
 def test_resident_scope_attends_only_device_pages_and_the_tail():

@@ -19,7 +19,7 @@ from kvtier.policies import LRU, SinkWindow
 from kvtier.policies.base import PageInfo
 from kvtier.scheduler.base import MigrationPlan
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
-from kvtier.scopes import DROPPED_LOC, All, Resident, StepView, TopK
+from kvtier.scopes import DROPPED, All, Resident, StepView, TopK
 from kvtier.scopes.base import compact
 from kvtier.scopes.recall import overlay_recall, plan_admission
 from kvtier.tiers import DeviceTier, DiskTier, HostTier
@@ -153,7 +153,8 @@ def test_topk_picks_the_sinks_the_tail_and_the_best_quest_bounds(tiny):
     exact (4 of 12 pages), and a topk covering every page is."""
     model, layout = tiny
     prompt = torch.randint(0, 256, (90,), generator=torch.Generator().manual_seed(3))
-    engine = make(model, layout, [DeviceTier(layout, 65, device="cpu")], LRU(), TopK(4), chunk=90, max_context=128)
+    engine = make(model, layout, [DeviceTier(layout, 65, device="cpu")], LRU(), TopK(4, unit="page", rank="quest"), chunk=90,
+                  max_context=128)
     steps = record_picks(engine)
     got = greedy(engine, prompt, 5)
     exact = hf_greedy(model, prompt, 5)
@@ -174,7 +175,8 @@ def test_topk_picks_the_sinks_the_tail_and_the_best_quest_bounds(tiny):
             bound[0] = float("-inf")  # the sink page is forced in
             want = {0, n_pages - 1} | set(torch.topk(bound, 2).indices.tolist())  # 4 pages in all
             assert set(picks[picks >= 0].tolist()) == want, (t, layer)
-    wide = make(model, layout, [DeviceTier(layout, 65, device="cpu")], LRU(), TopK(12), chunk=90, max_context=128)
+    wide = make(model, layout, [DeviceTier(layout, 65, device="cpu")], LRU(), TopK(12, unit="page", rank="quest"), chunk=90,
+                max_context=128)
     assert rel_err(greedy(wide, prompt, 5), exact) < 1e-4
 
 
@@ -215,7 +217,7 @@ def test_adapter_through_the_models_own_forward_matches_the_engine(tiny):
 
 
 def test_resident_lists_device_pages_and_the_tail():
-    table = torch.tensor([[[3, -1, 5, -2, 7], [-1, DROPPED_LOC, -3, 2, -4]]], dtype=torch.int32)  # [L=1, R=2, M=5]
+    table = torch.tensor([[[3, -1, 5, -2, 7], [-1, DROPPED, -3, 2, -4]]], dtype=torch.int32)  # [L=1, R=2, M=5]
     lens = torch.tensor([33, 25], dtype=torch.int32)  # 5 and 4 pages of 8; the tail: pages 4 and 3
     view = StepView(table, lens, torch.zeros(2, 2, dtype=torch.int32), torch.zeros(2, 5, dtype=torch.int32), None,
                     2, 8, None, False, 0, (0,))
@@ -229,7 +231,8 @@ def test_lookahead_promotes_picks_k_steps_ahead(tiny, lookahead):
     table at step t + k, and not always before."""
     model, layout = tiny
     tiers = [DeviceTier(layout, 14, device="cpu"), HostTier(layout, 64)]
-    engine = make(model, layout, tiers, LRU(), TopK(4), max_context=256, lookahead=lookahead)
+    engine = make(model, layout, tiers, LRU(), TopK(4, unit="page", rank="quest"), max_context=256,
+                  lookahead=lookahead)
     steps = record_picks(engine)
     engine.add(torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(5)))
     for _ in range(24):
@@ -316,7 +319,7 @@ def test_the_overlay_points_cached_pages_at_their_slots_and_empties_the_stale():
     """Five recall slots of one layer over two rows of four pages: pages still on the host are read from their slots;
     a slot whose page went home to the device, was dropped for good or belongs to a row outside the bucket is
     emptied, and the table keeps the host's placement there."""
-    D = DROPPED_LOC
+    D = DROPPED
     home = torch.tensor([[[-2, 5, D, -4], [-1, -3, 6, -5]]], dtype=torch.int32)  # [L=1, B=2, M=4]
     page = torch.tensor([[0, 2, 1, 5, 8]])  # row * M + logical; 8: a third row, idle in this bucket
     table = torch.zeros_like(home)
@@ -453,7 +456,7 @@ def test_recall_cache_changes_where_pages_are_read_not_what_is_attended(tiny, tm
         tiers = [DeviceTier(layout, 12 + slots + land, device="cpu"), HostTier(layout, 8 if disk else 64)]
         tiers += [DiskTier(layout, 64, tmp_path / "disk")] if disk else []  # most pages staged from disk
         engine = make(model, layout, tiers, SinkWindow(sinks=4, window=16),
-                      TopK(4, recall_slots=slots, landing_slots=land), max_context=256)
+                      TopK(4, recall_slots=slots, landing_slots=land, unit="page", rank="quest"), max_context=256)
         runs[slots, land, disk] = (greedy(engine, prompt, 16), engine.hit_rate(), engine)
     assert runs[6, 2, True][2].stats.fetched_bytes["disk->staging"] > 0
     for key in ((6, 0, False), (6, 2, False), (6, 2, True)):
@@ -466,7 +469,7 @@ def test_recall_cache_changes_where_pages_are_read_not_what_is_attended(tiny, tm
     assert int(landed.landed) > 0 and int(landed.copied) < int(plain.copied)
     assert int(landed.landed) + int(landed.copied) == int(plain.copied)  # the same admissions, fewer copies
     with pytest.raises(ConfigError, match="scope.landing_slots.*recall_slots"):
-        TopK(4, landing_slots=2)
+        TopK(4, landing_slots=2, unit="page", rank="quest")
 
 
 @pytest.mark.parametrize("policy,hears", [(SinkWindow(sinks=4, window=16), False), (LRU(), True)])

@@ -121,7 +121,7 @@ def test_topk_chooses_with_the_fused_kernel_as_with_torch(tiny, monkeypatch, sco
 
     monkeypatch.setattr(topk_module, "page_choice_reference", both)
     engine = Engine(model, layout, [DeviceTier(layout, 24, device="cpu"), HostTier(layout, 64)],
-                    H2O(sinks=4, window=8) if budget else LRU(), TopK(**scope), prefill=ChunkedPrefill(32),
+                    H2O(sinks=4, window=8) if budget else LRU(), TopK(**scope, unit="page", rank="quest"), prefill=ChunkedPrefill(32),
                     budget=budget and TokenBudget(*budget, layout.page_size, "continuous"),
                     config=EngineConfig(max_batch=2, max_context=160))
     assert not engine.scope.fused
@@ -138,6 +138,6 @@ def test_topk_on_the_triton_backend_binds_the_fused_choice(tiny):
 
     _, layout = tiny
     model = tiny_llama(seed=1).to(DEV)
-    engine = Engine(model, layout, [DeviceTier(layout, 24, device=DEV)], LRU(), TopK(4),
+    engine = Engine(model, layout, [DeviceTier(layout, 24, device=DEV)], LRU(), TopK(4, unit="page", rank="quest"),
                     kernel=make_backend("triton", DEV), config=EngineConfig(max_batch=2, max_context=160))
     assert engine.scope.fused and engine.scope.work.images.shape[0] == 2

@@ -1,6 +1,8 @@
 """experiment=policy_study: the grid it expands to, device tiers sized for the attended budget, and
 real SmolLM2 runs whose decode steps attend exactly the budget (recall and eviction)."""
 
+import math
+
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -28,7 +30,10 @@ def test_device_tier_holds_what_a_resident_step_attends_and_everything_for_recal
         p = plan(cfg)
         caps[scope] = p.capacities["device"]
     budget = TokenBudget(int(0.2 * 2304), 4, 64, 16)
-    assert caps["resident"] == max(budget.step_pages, 1 + 2 + 128 // 16) and caps["topk"] == 2304 // 16
+    assert caps["resident"] == max(budget.step_pages, 1 + 2 + 128 // 16)
+    per_token = 30 * (3 * 16 * 2 + 4 / 16)  # recall's key sketch (rank 16 of 64 dims, bf16) and counts, every layer
+    sketch = math.ceil(2304 * per_token / (30 * p.layout.page_bytes))  # in pages' worth
+    assert 0 < sketch < 2304 // 16 // 4 and caps["topk"] == 2304 // 16 - sketch  # everything, less the sketch
 
 
 def test_study_runs_attend_exactly_the_budget(tmp_path):

@@ -41,26 +41,28 @@ class RandomQuery:
         return torch.sin(x * 4.1e3 * (layer + 1)).mul(43758.5453).frac().sub(0.5).view(-1, heads, dim)
 
 
-def run(model, layout, predictor, steps=16, kernel=None, landing=0, **config):
-    """Greedy decode after a 150-token prompt, topk 4 pages with 6 recall slots (and ``landing`` landing slots):
-    ``(logits [steps + 1, V], engine)``."""
+def run(model, layout, predictor, steps=16, kernel=None, landing=0, unit="page", **config):
+    """Greedy decode after a 150-token prompt, topk 4 pages (``unit="token"``: 4 pages' worth of keys) with 6 recall
+    slots (and ``landing`` landing slots): ``(logits [steps + 1, V], engine)``."""
     tiers = [DeviceTier(layout, 18 + landing, device=DEV), HostTier(layout, 64)]
-    engine = Engine(model, layout, tiers, SinkWindow(sinks=4, window=16),
-                    TopK(4, recall_slots=6, predictor=predictor, landing_slots=landing),
+    scope = TopK(4, unit="page", rank="quest", recall_slots=6, predictor=predictor, landing_slots=landing) \
+        if unit == "page" else TopK(4, recall_slots=6, predictor=predictor)
+    engine = Engine(model, layout, tiers, SinkWindow(sinks=4, window=16), scope,
                     prefill=ChunkedPrefill(64), kernel=kernel, config=EngineConfig(max_context=256, **config))
     prompt = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(6)).to(DEV)
     logits = torch.stack([engine.add(prompt)[1][-1]] + [engine.step()[0].clone() for _ in range(steps)])
     return logits, engine
 
 
-@pytest.mark.parametrize("predictor", ["next_layer", "after_attention", RandomQuery()])
-def test_a_prediction_changes_no_output(tiny, predictor):
+@pytest.mark.parametrize("predictor,unit", [("next_layer", "page"), ("after_attention", "page"),
+                                            (RandomQuery(), "page"), ("next_layer", "token")])
+def test_a_prediction_changes_no_output(tiny, predictor, unit):
     """InfiniGen's estimate (from the layer input, and after the attention: the decoder layer run in two parts)
-    and a random one: the logits of the run without prediction; pages are fetched ahead, and at most those are
-    counted as picked."""
+    and a random one, for Quest's pages and for the key choice (the pages of its keys fetched ahead): the logits of
+    the run without prediction; pages are fetched ahead, and at most those are counted as picked."""
     model, layout = tiny
-    want, plain = run(model, layout, None)
-    got, engine = run(model, layout, predictor)
+    want, plain = run(model, layout, None, unit=unit)
+    got, engine = run(model, layout, predictor, unit=unit)
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5  # a split layer may fuse otherwise (GPU)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     recall = engine.recall
@@ -105,7 +107,7 @@ def test_the_triton_decode_reads_staged_disk_pages_beside_recall_and_landing(tin
     for name, kernel, config in (("torch", "torch", {}), ("triton eager", "triton", eager),
                                  *([("triton captured", "triton", {})] if DEV == "cuda" else [])):
         tiers = [DeviceTier(layout, 20, device=DEV), HostTier(layout, 4), DiskTier(layout, 64, tmp_path / name)]
-        engine = Engine(model, layout, tiers, SinkWindow(sinks=4, window=16), TopK(4, recall_slots=6, landing_slots=2),
+        engine = Engine(model, layout, tiers, SinkWindow(sinks=4, window=16), TopK(4, unit="page", rank="quest", recall_slots=6, landing_slots=2),
                         prefill=ChunkedPrefill(64), kernel=make_backend(kernel, DEV),
                         config=EngineConfig(max_context=256, **config))
         logits = torch.stack([engine.add(prompt)[1][-1]] + [engine.step()[0].clone() for _ in range(8)])
@@ -167,14 +169,14 @@ def test_prediction_needs_the_recall_cache_and_the_compact_runner(tiny):
                                               rf"{taken}\) of 8 tokens cannot hold what policy 'sink_window' pins"):
             tiers = [DeviceTier(layout, 18, device=DEV), HostTier(layout, 64)]
             Engine(model, layout, tiers, SinkWindow(sinks=4, window=16),
-                   TopK(4, recall_slots=slots, landing_slots=land),
+                   TopK(4, unit="page", rank="quest", recall_slots=slots, landing_slots=land),
                    config=EngineConfig(max_context=256))  # the recall and landing slots leave 2 pages
     with pytest.raises(ConfigError, match="scope.predictor.*recall_slots"):
-        TopK(4, predictor="next_layer")
+        TopK(4, unit="page", rank="quest", predictor="next_layer")
     with pytest.raises(ConfigError, match="scope.predictor.*unknown predictor 'infinigen'"):
-        TopK(4, recall_slots=4, predictor="infinigen")
+        TopK(4, unit="page", rank="quest", recall_slots=4, predictor="infinigen")
     with pytest.raises(ConfigError, match="scope.predictor.*point must be one of"):
-        TopK(4, recall_slots=4, predictor=type("Mid", (RandomQuery,), {"point": "mid_mlp"})())
+        TopK(4, unit="page", rank="quest", recall_slots=4, predictor=type("Mid", (RandomQuery,), {"point": "mid_mlp"})())
     with pytest.raises(ConfigError, match="scope.predictor.*compact runner"):
         run(model, layout, "next_layer", steps=0, runner="hf")
 
@@ -191,7 +193,7 @@ def test_the_recall_cache_survives_sequences_joining_and_leaving(tiny):
     for slots, predictor, land in ((0, None, 0), (8, None, 0), (8, "after_attention", 0), (8, None, 2)):
         tiers = [DeviceTier(layout, 30 + slots + 3 * land, device=DEV), HostTier(layout, 200)]
         engine = Engine(model, layout, tiers, SinkWindow(sinks=4, window=16),
-                        TopK(4, recall_slots=slots, predictor=predictor, landing_slots=land),
+                        TopK(4, unit="page", rank="quest", recall_slots=slots, predictor=predictor, landing_slots=land),
                         prefill=ChunkedPrefill(32),
                         config=EngineConfig(max_batch=3, max_context=160))
         out = [engine.add(p)[1][-1] for p in prompts[:2]]
@@ -220,7 +222,7 @@ def test_a_cache_driven_by_the_models_forward_ages_its_recall_cache(tiny):
     caches = []
     for slots in (0, 4):
         tiers = [DeviceTier(layout, 10 + slots, device=DEV), HostTier(layout, 64)]
-        cache = TieredKVCache(layout, tiers, SinkWindow(sinks=4, window=16), scope=TopK(4, recall_slots=slots))
+        cache = TieredKVCache(layout, tiers, SinkWindow(sinks=4, window=16), scope=TopK(4, unit="page", rank="quest", recall_slots=slots))
         logits = cache.prefill(model, ids, chunk_size=64)
         for _ in range(12):
             logits = cache.forward(model, logits[:, -1:].argmax(-1))

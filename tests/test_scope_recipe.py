@@ -27,16 +27,17 @@ def engine_for(args, tmp_path):
 
 @pytest.mark.parametrize("option,cls", [("all", All), ("resident", Resident), ("topk", TopK)])
 def test_each_scope_option_builds_its_class_and_names_the_run(option, cls, tmp_path):
-    engine, p, cfg = engine_for([f"scope={option}"], tmp_path)
+    engine, p, cfg = engine_for([f"scope={option}", "budget.fraction=0.5"], tmp_path)  # room for topk's key sketch
     assert type(engine.scope) is cls and p.labels["scope"] == option
-    assert run_name(cfg).startswith(f"aspe-{option}-device_host-frac0.25-")
+    assert run_name(cfg).startswith(f"aspe-{option}-device_host-frac0.5-")
 
 
 def test_topk_options_reach_the_scope_and_null_pages_are_the_device_tiers(tmp_path):
-    engine, p, _ = engine_for(["scope=topk", "cache.sinks=8"], tmp_path)
+    engine, p, _ = engine_for(["scope=topk", "cache.sinks=8", "budget.fraction=0.5"], tmp_path)
     assert engine.scope.pages == p.capacities["device"] and engine.scope.sinks == 8  # sinks follow cache.sinks
-    options = ["scope=topk", "scope.pages=3", "scope.sinks=0", "cache.attend_budget=true", "scope.rank=quest_head",
-               "scope.per_head=true", "scope.query_rows=2", "scope.policy_share=0.5"]
+    assert (engine.scope.unit, engine.scope.rank) == ("token", "sketch")  # the default: single keys by the sketch
+    options = ["scope=topk", "scope.pages=3", "scope.sinks=0", "cache.attend_budget=true", "scope.unit=page",
+               "scope.rank=quest_head", "scope.per_head=true", "scope.query_rows=2", "scope.policy_share=0.5"]
     engine, _, _ = engine_for(options, tmp_path)
     s = engine.scope
     assert (s.pages, s.sinks, s.recall_slots, s.rank, s.per_head, s.query_rows, s.policy_share) == \
@@ -46,7 +47,8 @@ def test_topk_options_reach_the_scope_and_null_pages_are_the_device_tiers(tmp_pa
     (cfg,) = job_configs(["scope=topk", "scope.recall_slots=2", "scope.predictor=next_layer"])
     assert type(build_scope(cfg, 8).predictor).__name__ == "NextLayerQuery"
     with pytest.raises(ConfigError, match="compact runner"):  # an engine with no model (a hook's) predicts nothing
-        engine_for(["scope=topk", "scope.recall_slots=2", "scope.predictor=next_layer"], tmp_path)
+        engine_for(["scope=topk", "scope.recall_slots=2", "scope.predictor=next_layer", "budget.fraction=0.5"],
+                   tmp_path)
 
 
 def test_a_user_scope_named_by_target_decodes_through_the_engine(tmp_path):
@@ -64,7 +66,8 @@ def test_a_recall_cache_with_a_predictor_reports_its_copies(landing, tmp_path):
     pages the recall cache copied in after a read and ahead of one, the share of those the layers picked, and
     with a landing slot the misses admitted from where the decode kernel wrote them (no copy)."""
     (cfg,) = job_configs([*TINY, "scope=topk", "scope.pages=4", "scope.recall_slots=2", f"scope.landing_slots={landing}",
-                          "scope.predictor=after_attention", "policy=sink_window"])
+                          "scope.predictor=after_attention", "policy=sink_window", "scope.unit=page", "scope.rank=quest",
+                          "budget.fraction=0.95"])  # Quest's key bounds take their share of the device
     m = execute(cfg, tmp_path / "run")
     assert m["pages_fetched_ahead"] > 0 and 0 <= m["predictor_accuracy"] <= 1
     assert m["recall_pages_copied"] + m["recall_pages_landed"] > 0 and (m["recall_pages_landed"] > 0) == bool(landing)

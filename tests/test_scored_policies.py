@@ -414,6 +414,9 @@ def test_streaming_llm_token_exact_against_a_trimmed_hf_cache(smollm2):
     assert (exact[-1] - ref[-1]).abs().max() > 1e-2
 
 
+QUEST = dict(unit="page", rank="quest")  # the page choice these tests are about
+
+
 def test_topk_per_head_gives_each_kv_head_its_own_pages_within_the_budget():
     """budget 16 = 4 sinks + 8 recent + 1 page: kv head 0 needs page 5, kv head 1 page 8; per head,
     each gets its own (the step attends their union), checked against eager attention per head."""
@@ -422,10 +425,10 @@ def test_topk_per_head_gives_each_kv_head_its_own_pages_within_the_budget():
     k, v, qs = torch.randn(1, N_KV, S, D), torch.randn(1, N_KV, S, D), torch.randn(S, 6, D)
     k[:, 0, 21] = 6 * qs[S - 1, 0]  # page 5, kv head 0 (query heads 0-2)
     k[:, 1, 33] = 6 * qs[S - 1, 3]  # page 8, kv head 1 (query heads 3-5)
-    shared = make_cache(LRU(), scope="topk", budget=16, sinks=4, window=8)
+    shared = make_cache(LRU(), scope="topk", budget=16, sinks=4, window=8, **QUEST)
     run_steps(shared, k, v, qs, prefill=48)
     assert len(set(shared.choose(0, qs[S - 1][None, :, None])[0].tolist()) & {5, 8}) == 1  # one page for both
-    cache = make_cache(LRU(), scope="topk", budget=16, sinks=4, window=8, per_head=True)
+    cache = make_cache(LRU(), scope="topk", budget=16, sinks=4, window=8, per_head=True, **QUEST)
     out = run_steps(cache, k, v, qs, prefill=48)[-1]
     cache.finish_step()
     assert {5, 8} <= set(cache.choose(0, qs[S - 1][None, :, None])[0].tolist())
@@ -449,7 +452,7 @@ def test_topk_query_rows_keep_what_the_previous_queries_needed():
     qs[S - 1] = -qs[S - 2]  # the last query looks away from it
     picks = {}
     for rows in (1, 3):
-        cache = make_cache(LRU(), scope="topk", budget=16, sinks=4, window=8, query_rows=rows)
+        cache = make_cache(LRU(), scope="topk", budget=16, sinks=4, window=8, query_rows=rows, **QUEST)
         run_steps(cache, k, v, qs, prefill=47)  # decode steps 47 and 48
         picks[rows] = cache.choose(0, qs[S - 1][None, :, None])[0].tolist()  # the last query again: 3 rows
     assert 5 not in picks[1] and 5 in picks[3]
@@ -466,7 +469,8 @@ def test_topk_policy_share_spends_pages_on_the_policy_ranking():
     chosen = {}
     for share in (0.0, 1.0):
         pol = H2O(sinks=4, window=8)
-        cache = make_cache(pol, scope="topk", budget=16, sinks=4, window=8, exact_prefill=True, policy_share=share)
+        cache = make_cache(pol, scope="topk", budget=16, sinks=4, window=8, exact_prefill=True, policy_share=share,
+                           **QUEST)
         cache.update(k[:, :, :48], v[:, :, :48], 0)
         cache.attend(0, q_prefill.permute(1, 0, 2)[None])
         cache.end_prefill()
@@ -555,7 +559,7 @@ def test_a_full_rank_sketch_gives_each_pages_true_attention_share():
     logits = torch.einsum("bhd,mphd->bmph", q, keys.repeat_interleave(3, dim=2)) * D ** -0.5  # [B, M, P, H]
     ok = (torch.arange(page)[None, :] < stored[:, None])[None, :, :, None] & live[:, :, None, None]
     mass = torch.softmax(logits.masked_fill(~ok, float("-inf")).flatten(1, 2), 1).view_as(logits).sum(2)  # [B, M, H]
-    assert torch.allclose(got, mass.masked_fill(~cand[..., None], 0), atol=1e-5)
+    assert torch.allclose(got, mass.masked_fill(~cand[..., None], 0), rtol=2e-2, atol=1e-3)  # a bf16 sketch
 
 
 def test_a_low_rank_sketch_is_the_keys_on_their_principal_directions():
@@ -572,9 +576,9 @@ def test_a_low_rank_sketch_is_the_keys_on_their_principal_directions():
     stats.add(0, pids[12:], keys[12:])
     basis = stats.basis[0]  # [N_kv, D, r]
     assert torch.allclose(basis.transpose(1, 2) @ basis, torch.eye(r).expand(N_KV, r, r), atol=1e-5)
-    sketch = stats.sketch[0, :n_pages].reshape(-1, N_KV, r)  # [S, N_kv, r]
-    assert torch.allclose(sketch, torch.einsum("snd,ndr->snr", keys, basis), atol=1e-4)
-    assert torch.allclose(torch.einsum("snr,ndr->snd", sketch, basis), keys, atol=1e-3)  # rank r: kept exactly
+    sketch = stats.sketch[0, :n_pages].reshape(-1, N_KV, r).float()  # [S, N_kv, r] stored in bf16
+    assert torch.allclose(sketch, torch.einsum("snd,ndr->snr", keys, basis), rtol=2 ** -7, atol=1e-3)
+    assert torch.allclose(torch.einsum("snr,ndr->snd", sketch, basis), keys, rtol=2 ** -6, atol=2e-2)  # rank r
 
 
 def test_topk_sketch_in_the_engine_sketches_every_key_it_stores():
@@ -589,7 +593,7 @@ def test_topk_sketch_in_the_engine_sketches_every_key_it_stores():
     model = tiny_llama(seed=1)
     layout = kv_layout_for(model.config, page_size=8, dtype=torch.float32)
     engine = Engine(model, layout, [DeviceTier(layout, 40, device="cpu"), HostTier(layout, 64)],
-                    H2O(sinks=4, window=8), TopK(rank="sketch", per_head=True, sketch_rank=5),
+                    H2O(sinks=4, window=8), TopK(rank="sketch", per_head=True, sketch_rank=5, unit="page"),
                     prefill=ChunkedPrefill(32), budget=TokenBudget(40, 4, 8, 8, "continuous"), exact_prefill=True,
                     config=EngineConfig(max_batch=2, max_context=160))
     for n, seed in ((70, 0), (45, 1)):
@@ -604,7 +608,8 @@ def test_topk_sketch_in_the_engine_sketches_every_key_it_stores():
         for layer, kv in enumerate(engine.read_sequence(seq, n)):
             tok = torch.arange(n)
             want = torch.einsum("snd,ndr->snr", kv[0].float(), stats.basis[layer])  # [S, N_kv, r]
-            assert torch.allclose(stats.sketch[layer, pids[tok // 8], tok % 8], want, atol=1e-4), (seq, layer)
+            assert torch.allclose(stats.sketch[layer, pids[tok // 8], tok % 8].float(), want, rtol=2 ** -7, atol=1e-3), \
+                (seq, layer)  # bf16
 
 
 def test_topk_sketch_refuses_a_rank_past_the_head_dim_and_a_rank_without_the_sketch():

@@ -314,10 +314,9 @@ def test_a_wider_page_list_than_planned_is_refused():
         static_decode(q, pool, None, bt, lens, plan, 1.0)  # all 8 pages, planned for 2
 
 
-def span_oracle(q, keys, values, seq_lens, lists, spans, window_left, page, sm_scale, bits=None):
-    """Float64 token by token, per kv head's own list, with a token budget's spans (and a token mask ``bits``
-    of the lists' shape: entry i shows token t of its page where bit t is set): out, lse, page_max and
-    page_lse ``[B, K, H]``."""
+def span_oracle(q, keys, values, seq_lens, lists, spans, window_left, page, sm_scale, key_list=False):
+    """Float64 token by token, per kv head's own list, with a token budget's spans (or, ``key_list``, lists of key
+    positions: entry i is key ``lists[..., i]``): out, lse, page_max and page_lse ``[B, K, H]``."""
     batch, heads, dim = q.shape
     n_kv = keys.shape[2]
     group = heads // n_kv
@@ -327,16 +326,15 @@ def span_oracle(q, keys, values, seq_lens, lists, spans, window_left, page, sm_s
     pmax = torch.full((batch, K, heads), -math.inf, dtype=torch.float64)
     plse = torch.full((batch, K, heads), -math.inf, dtype=torch.float64)
     for b, n in enumerate(seq_lens):
-        sinks, win = spans[b]
+        sinks, win = spans[b] if spans is not None else (0, 0)
         lo = max(n - 1 - window_left, 0) if window_left >= 0 else 0
         for g in range(n_kv):
             row = lists[b, g if lists.shape[1] > 1 else 0].tolist()
             toks = []
             for i, p in enumerate(row):
-                for t in range(p * page, (p + 1) * page) if p >= 0 else ():
-                    visible = t < sinks or t >= win or -(-sinks // page) <= p < win // page
-                    if bits is not None:
-                        visible = visible and (int(bits[b, g if lists.shape[1] > 1 else 0, i]) >> (t - p * page)) & 1
+                shown = ([p] if p >= 0 else []) if key_list else range(p * page, (p + 1) * page) if p >= 0 else ()
+                for t in shown:
+                    visible = key_list or t < sinks or t >= win or -(-sinks // page) <= p < win // page
                     if lo <= t < n and visible:
                         toks.append((i, t))
             if not toks:
@@ -357,8 +355,8 @@ def span_oracle(q, keys, values, seq_lens, lists, spans, window_left, page, sm_s
                                                     (True, -1, True), (False, 30, True)])
 def test_spans_per_head_lists_page_lse_and_a_staging_pool(per_head, window, tokens):
     """A token budget's spans (sinks cut mid-page, the window's first page cut), per-kv-head page lists,
-    per-page LSE, pages in a third (staging) pool, and a token mask (random int32 bits, sign and bits past the
-    page included): kernel and reference against a float64 oracle."""
+    per-page LSE, pages in a third (staging) pool, and key lists (``tokens``: random keys in random order, -1 and
+    keys past the row included, no spans): kernel and reference against a float64 oracle."""
     gen = torch.Generator().manual_seed(11 + window)
     seq_lens, max_pages, page, n_kv, group, dim = [70, 53, 20], 9, 8, 2, 2, 32
     q, keys, values, dev_pool, host_pool, table = random_case(seq_lens, max_pages, page, n_kv, group, dim,
@@ -367,38 +365,37 @@ def test_spans_per_head_lists_page_lse_and_a_staging_pool(per_head, window, toke
     for b, p, s in ((0, 2, 1), (1, 3, 4), (2, 0, 0)):  # move three pages to the staging pool
         stage_pool[s] = torch.stack([keys[b, p * page:(p + 1) * page], values[b, p * page:(p + 1) * page]])
         table[b, p] = -(1 << 30) - s
-    K = 5
+    K = 37 if tokens else 5
     lists = torch.full((len(seq_lens), n_kv if per_head else 1, K), -1, dtype=torch.int32)
     for b, n in enumerate(seq_lens):
         for h in range(lists.shape[1]):
-            pages = torch.randperm(-(-n // page), generator=gen)[:K]
-            lists[b, h, :pages.numel()] = pages.int()
-    spans = torch.tensor([[4, 61], [3, 5], [0, 0]], dtype=torch.int32)  # row 1: window in the sink page; 2: none
-    heads = n_kv * group
+            picked = torch.randperm(n + 3 if tokens else -(-n // page), generator=gen)[:K]  # keys: some past n
+            lists[b, h, :picked.numel()] = picked.int()
+    spans = None if tokens else torch.tensor([[4, 61], [3, 5], [0, 0]], dtype=torch.int32)  # row 1: window in the
+    heads = n_kv * group  # sink page; 2: none
     plan = plan_static_decode(len(seq_lens), max_pages, heads, n_kv, dim, page, device(), K,
-                              DecodeConfig(block_n=16, pages_per_split=2))
+                              DecodeConfig(block_n=16, pages_per_split=2 * (page if tokens else 1)), keys=tokens)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
-    page_list = lists if per_head else lists[:, 0].contiguous()
-    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, lists.shape, generator=gen, dtype=torch.int64).int() if tokens else None
-    mask = None if bits is None else bits if per_head else bits[:, 0].contiguous()
+    listed = lists if per_head else lists[:, 0].contiguous()
+    page_list, key_list = (None, listed) if tokens else (listed, None)
     to = lambda x: None if x is None else x.to(device())  # noqa: E731
     pm, pl = (torch.empty(len(seq_lens), K, heads, device=device()) for _ in range(2))
     out, lse = static_decode(to(q), to(dev_pool), host(host_pool), to(table), to(lens), plan, dim ** -0.5,
-                             to(page_list), window, pm, pl, to(spans), host(stage_pool), to(mask))
+                             to(page_list), window, pm, pl, to(spans), host(stage_pool), to(key_list))
     pm_r, pl_r = torch.empty(len(seq_lens), K, heads), torch.empty(len(seq_lens), K, heads)
     ref = static_decode_reference(q, dev_pool, host_pool, table, lens, plan, dim ** -0.5, page_list, window,
-                                  pm_r, pl_r, spans, stage_pool, mask)
-    o_out, o_lse, o_pm, o_pl = span_oracle(q, keys, values, seq_lens, lists, spans.tolist(), window, page, dim ** -0.5,
-                                           bits)
+                                  pm_r, pl_r, spans, stage_pool, key_list)
+    o_out, o_lse, o_pm, o_pl = span_oracle(q, keys, values, seq_lens, lists, None if tokens else spans.tolist(),
+                                           window, page, dim ** -0.5, tokens)
     for got in ((out, lse, pm), (*ref, pm_r)):
         assert_close(got, (o_out, o_lse, o_pm), torch.float32, "page_max")
     for got in (pl, pl_r):
         assert_close((out, lse, got), (o_out, o_lse, o_pl), torch.float32, "page_lse")
 
 
-def landing_oracle(lists, table, seq_lens, page, window_left, cap, spans=None, bits=None):
+def landing_oracle(lists, table, seq_lens, page, window_left, cap, spans=None):
     """Entry by entry: the row's r-th listed page at home on the host (live pages only) lands in slot r when every
-    one of its keys is shown (window, spans, token bits) and r < cap: ``land_index [B, K]`` (r or -1)."""
+    one of its keys is shown (window, spans) and r < cap: ``land_index [B, K]`` (r or -1)."""
     out = torch.full(lists.shape, -1, dtype=torch.int32)
     for b, n in enumerate(seq_lens):
         lo = max(n - 1 - window_left, 0) if window_left >= 0 else 0
@@ -412,8 +409,6 @@ def landing_oracle(lists, table, seq_lens, page, window_left, cap, spans=None, b
                 if spans is not None:
                     sinks, win = spans[b].tolist()
                     visible &= t < sinks or t >= win or -(-sinks // page) <= p < win // page
-                if bits is not None:
-                    visible &= bool((int(bits[b, i]) >> (t - p * page)) & 1)
                 shown.append(visible)
             if all(shown) and r < cap:
                 out[b, i] = r
@@ -424,8 +419,7 @@ def landing_oracle(lists, table, seq_lens, page, window_left, cap, spans=None, b
 @pytest.mark.parametrize("dtype,window,budget,config", [
     (torch.float32, -1, "", DecodeConfig(block_n=16, pages_per_split=2)),  # splits of one 2-page block
     (torch.float16, 45, "", DecodeConfig(block_n=32, pages_per_split=4)),  # a window cutting a page; skipped blocks
-    (torch.float32, -1, "spans", DecodeConfig(block_n=16, pages_per_split=4)),  # sinks and window cut pages
-    (torch.float32, -1, "tokens", None),  # random key bits; the default launch shape
+    (torch.float32, -1, "spans", None),  # sinks and window cut pages; the default launch shape
 ])
 def test_pages_read_whole_from_the_host_land_in_their_slots(dtype, window, budget, config):
     """The decode lands each row's r-th listed host page that it read whole in the row's landing slot r (r below
@@ -443,18 +437,16 @@ def test_pages_read_whole_from_the_host_land_in_their_slots(dtype, window, budge
         lists[b, :pages.numel()] = pages.sort().values.int()  # a -1 left in every row
     lists[3, -1] = 15  # past the sequence's pages
     spans = torch.tensor([[5, 60], [0, 0], [3, 50], [9, 100]], dtype=torch.int32) if budget == "spans" else None
-    bits = torch.where(torch.rand(B, K, generator=gen) < 0.5, -1,
-                       torch.randint(0, 2 ** 31 - 1, (B, K), generator=gen)).int() if budget == "tokens" else None
     spare = dev_pool.shape[0]
     dev_pool = torch.cat([dev_pool, torch.randn(B * cap, *dev_pool.shape[1:], generator=gen).to(dtype)])
     land_slots = (spare + torch.randperm(B * cap, generator=gen)).view(B, cap)  # [B, cap] each row's landing slots
     heads = n_kv * group
     plan = plan_static_decode(B, max_pages, heads, n_kv, dim, page, device(), K, config)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
-    want = landing_oracle(lists, table, seq_lens, page, window, cap, spans, bits)
+    want = landing_oracle(lists, table, seq_lens, page, window, cap, spans)
     assert (want >= 0).sum() >= 4 and ((want < 0) & (lists >= 0)).sum() >= 4  # pages that land, pages that do not
     to = lambda x: None if x is None else x.to(device())  # noqa: E731
-    args = (to(table), to(lens), plan, dim ** -0.5, to(lists), window, None, None, to(spans), None, to(bits))
+    args = (to(table), to(lens), plan, dim ** -0.5, to(lists), window, None, None, to(spans))
     plain = static_decode(to(q), to(dev_pool), host(host_pool), *args)
     for decode, pool_of in ((static_decode, to), (static_decode_reference, lambda x: x)):
         pool, index = pool_of(dev_pool.clone()), torch.full((B, K + 2), 7, dtype=torch.int32, device=device())
@@ -474,7 +466,7 @@ def test_pages_read_whole_from_the_host_land_in_their_slots(dtype, window, budge
 def test_the_reference_reads_a_static_width_list_as_its_listed_part(per_head):
     """A list padded to a static width with -1 (as the engine's ``resident`` lists, ``max_pages`` wide): the
     reference, which leaves the padding out, gives the kernel's output, LSE, page statistics and landing slots on
-    the unpadded list, and -inf and -1 on the padding (spans, token bits and landing on)."""
+    the unpadded list, and -inf and -1 on the padding (spans and landing on)."""
     gen = torch.Generator().manual_seed(5)
     seq_lens, max_pages, page, n_kv, group, dim, K, pad, cap = [75, 0, 58, 120], 16, 8, 2, 2, 32, 6, 7, 2
     q, _, _, dev_pool, host_pool, table = random_case(seq_lens, max_pages, page, n_kv, group, dim, torch.float32,
@@ -482,8 +474,6 @@ def test_the_reference_reads_a_static_width_list_as_its_listed_part(per_head):
     B, h = len(seq_lens), n_kv if per_head else 1
     lists = torch.stack([torch.randperm(max_pages, generator=gen)[:K].sort().values for _ in range(B * h)]).int()
     lists[::3, -2:] = -1  # some rows end early
-    bits = torch.where(torch.rand(B * h, K, generator=gen) < 0.5, -1,
-                       torch.randint(0, 2 ** 31 - 1, (B * h, K), generator=gen)).int()  # half the pages whole
     spans = torch.tensor([[5, 60], [0, 0], [3, 50], [9, 100]], dtype=torch.int32)
     dev_pool = torch.cat([dev_pool, torch.zeros(B * cap, *dev_pool.shape[1:])])
     land = (dev_pool.shape[0] - B * cap + torch.arange(B * cap)).view(B, cap)
@@ -496,8 +486,8 @@ def test_the_reference_reads_a_static_width_list_as_its_listed_part(per_head):
         pool = to(dev_pool.clone())
         plan = plan_static_decode(B, max_pages, n_kv * group, n_kv, dim, page, device(), width * h)
         out, lse = decode(to(q), pool, host(host_pool), to(table), to(torch.tensor(seq_lens, dtype=torch.int32)),
-                          plan, dim ** -0.5, to(widen(lists).view(B, -1)), -1, *stats, to(spans), None,
-                          to(widen(bits).view(B, -1)), *((to(land), index) if not per_head else (None, None)))
+                          plan, dim ** -0.5, to(widen(lists).view(B, -1)), -1, *stats, to(spans), None, None,
+                          *((to(land), index) if not per_head else (None, None)))
         runs.append([x.cpu() for x in (out, lse, *(s.view(B, h, width, -1) for s in stats), index, pool)])
     (out, lse, page_max, page_lse, index, pool), (out2, lse2, page_max2, page_lse2, index2, pool2) = runs
     close = lambda a, b: torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # noqa: E731
@@ -521,3 +511,24 @@ def test_landing_needs_a_row_list_a_host_pool_and_both_tensors():
             decode(q, pool, None, bt, lens, plan, 1.0, lists, land_slots=slots, land_index=index)
         with pytest.raises(ValueError, match="int32 land_index"):
             decode(q, pool, pool, bt, lens, plan, 1.0, lists, land_slots=slots, land_index=index.long())
+
+
+def test_a_key_list_needs_its_own_plan_and_no_spans_landing_or_int8():
+    plan = plan_static_decode(1, 4, 2, 1, 32, 16, "cpu", max_listed=2, config=DecodeConfig(block_n=16))
+    keyed = plan_static_decode(1, 4, 2, 1, 32, 16, "cpu", max_listed=2, config=DecodeConfig(block_n=16), keys=True)
+    q, pool = torch.zeros(1, 2, 32), torch.zeros(3, 2, 16, 1, 32)
+    bt, lens, keys = torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32), torch.zeros(1, 2).int()
+    for decode in (static_decode, static_decode_reference):
+        with pytest.raises(ValueError, match="plan made for key lists"):
+            decode(q, pool, None, bt, lens, plan, 1.0, key_list=keys)
+        with pytest.raises(ValueError, match="pass key_list"):
+            decode(q, pool, None, bt, lens, keyed, 1.0, keys)
+        with pytest.raises(ValueError, match="takes the place of page_list"):
+            decode(q, pool, None, bt, lens, keyed, 1.0, keys, key_list=keys)
+        with pytest.raises(ValueError, match="spans"):
+            decode(q, pool, None, bt, lens, keyed, 1.0, key_list=keys, spans=torch.zeros(1, 2, dtype=torch.int32))
+        with pytest.raises(ValueError, match="lands whole pages"):
+            decode(q, pool, pool, bt, lens, keyed, 1.0, key_list=keys, land_slots=torch.zeros(1, 2).long(),
+                   land_index=torch.zeros(1, 2, dtype=torch.int32))
+        with pytest.raises(ValueError, match="int8 pages"):
+            decode(q, torch.zeros(3, 2, 19, 1, 32, dtype=torch.int8), None, bt, lens, keyed, 1.0, key_list=keys)

@@ -19,7 +19,7 @@ def test_the_shipped_rule_replayed_gives_the_engines_hit_rate(slots):
     model = tiny_llama(seed=1)
     layout = kv_layout_for(model.config, page_size=8, dtype=torch.float32)
     tiers = [DeviceTier(layout, 30), HostTier(layout, 128)]
-    engine = Engine(model, layout, tiers, SinkWindow(sinks=4, window=16), TopK(4, recall_slots=slots),
+    engine = Engine(model, layout, tiers, SinkWindow(sinks=4, window=16), TopK(4, recall_slots=slots, unit="page", rank="quest"),
                     prefill=ChunkedPrefill(64), config=EngineConfig(max_batch=2, max_context=256))
     trace = PickTrace(engine)
     gen = torch.Generator().manual_seed(3)

@@ -353,7 +353,7 @@ NAMED = [  # (args, key): each was a traceback or a silent run before; now one l
     (lambda i: ["hydra.run.dir=/proc/kvtier-run"], "hydra.run.dir"),
     (lambda i: ["-m", "hydra.sweep.dir=/proc/kvtier-sweep", "policy=lru,aspe"], "hydra.sweep.dir"),
     (lambda i: ["model=local", f"model.path={i['array']}"], "model"),
-    (lambda i: ["scope=topk", "scope.recall_slots=100"], "scope.recall_slots"),
+    (lambda i: ["scope=topk", "scope.recall_slots=100", "budget.fraction=0.5"], "scope.recall_slots"),
 ]
 NAMED_IDS = ["user yaml", "not a policy", "plugin ValueError", "fifo sinks", "not a tier", "config.json",
              "closed redis port", "not redis", "trace malformed", "trace not utf-8", "trace key-less", "trace empty",
@@ -391,8 +391,8 @@ MESSAGES = [  # (args, key, what the message says): the key and value at fault, 
     (["task.length=128"], "budget.fraction", "set budget.fraction >= 0.383 (49 of the 128 tokens of task.length; "
                                              "0.25 gives 32)"),
     (["task.length=128", "budget.tokens=20"], "budget.tokens", "set budget.tokens >= 49"),
-    (["scope=topk", "scope.recall_slots=100"], "scope.recall_slots", "the recall cache's 100 slots take 100 of the 5 "
-                                                                     "device pages of 16 tokens, leaving none"),
+    (["scope=topk", "scope.recall_slots=100", "budget.fraction=0.5"], "scope.recall_slots",
+     "the recall cache's 100 slots take 100 of the 8 device pages of 16 tokens, leaving none"),
     (["+tiers.stack.host.capacity=3"], "tiers.stack.host.capacity", "size it with tiers.stack.host.fraction"),
     (["engine.graphs=true", "model.device=cpu"], "engine.graphs", "the model runs on cpu"),
     (["engine.max_context=64"], "engine.max_context", "task.length=320 tokens + 0 generated; give it at least 320"),

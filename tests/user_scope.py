@@ -4,7 +4,7 @@ nothing in kvtier names it."""
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.scopes import DROPPED_LOC, Scope
+from kvtier.scopes import DROPPED, Scope
 
 
 class Recent(Scope):
@@ -24,5 +24,5 @@ class Recent(Scope):
         table, _, n_pages = view.rows(layer)
         K = min(self.pages, table.shape[1])
         pages = (n_pages - K).clamp(min=0)[:, None] + torch.arange(K, device=table.device)[None, :]  # [B, K]
-        live = (pages < n_pages[:, None]) & (table.gather(1, pages.clamp(max=table.shape[1] - 1)) != DROPPED_LOC)
+        live = (pages < n_pages[:, None]) & (table.gather(1, pages.clamp(max=table.shape[1] - 1)) != DROPPED)
         return torch.where(live, pages, -1).to(torch.int32)

@@ -63,7 +63,8 @@ from kvtier.scheduler.base import Ranking, Scheduler, pairs
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 from kvtier.scheduler.lookahead import LookaheadScheduler
 from kvtier.scopes import All, Resident, Scope, StepView, make_scope
-from kvtier.scopes.base import DROPPED_LOC, split_choice
+from kvtier.kernels.base import DROPPED
+from kvtier.scopes.base import KeyList, pages_of
 from kvtier.scopes.recall import RecallCache, admission_batches
 from kvtier.table import BlockTable
 from kvtier.tiers.base import Tier, rank_in_layer
@@ -81,17 +82,19 @@ class Iteration:
     chunk_logits: list  # per chunk [q or 1, V]
 
 
-def tally(table: torch.Tensor, lens: torch.Tensor, page_list: torch.Tensor | None, page_size: int) -> torch.Tensor:
-    """``[2]``: pages a group of layers attends for ``table [L', B, M]`` / ``lens [B]`` / ``page_list
-    [L', B, (N_kv,) K]`` (None: all), and how many of them are in the device pool."""
+def tally(table: torch.Tensor, lens: torch.Tensor, page_list: torch.Tensor | None, page_size: int,
+          keys: bool = False) -> torch.Tensor:
+    """``[2]``: pages (``keys``: keys of key lists, one per kv head) a group of layers attends for ``table [L', B,
+    M]`` / ``lens [B]`` / ``page_list [L', B, (N_kv,) K]`` (None: all), and how many of them are in the device pool."""
     n_pages = (lens.long() + page_size - 1) // page_size  # [B]
     if page_list is None:
         listed = torch.arange(table.shape[-1], device=table.device) < n_pages[:, None]  # [B, M]
         on_dev = listed & (table >= 0)  # [L', B, M]
         return torch.stack([listed.sum() * table.shape[0], on_dev.sum()])
-    lists = page_list.reshape(*table.shape[:-1], -1)  # [L', B, (N_kv *) K]
-    listed = (lists >= 0) & (lists < n_pages[:, None])
-    on_dev = listed & (table.gather(-1, lists.clamp(min=0).long()) >= 0)
+    lists = page_list.reshape(*table.shape[:-1], -1).long()  # [L', B, (N_kv *) K]
+    listed = (lists >= 0) & (lists < (lens.long() if keys else n_pages)[:, None])
+    pages = torch.where(listed, lists // page_size if keys else lists, 0)
+    on_dev = listed & (table.gather(-1, pages) >= 0)
     return torch.stack([listed.sum(), on_dev.sum()])
 
 
@@ -173,7 +176,6 @@ class Engine:
         self._write_decode = compile_step(write_decode, dynamic=False) if compiled and not layout.scaled \
             else write_decode
         self._lists: dict | None = None  # layer -> page list of the step being computed (None: not planned)
-        self._shown: dict = {}  # layer -> token bits of its page list, for a scope that chooses single keys
         self._step_keys: dict = {}  # layer -> the decode keys [B, N_kv, D] written this step
         self._step_queries: dict = {}  # layer -> the first row's decode query [H, D]
         self.buckets = config.buckets or tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < R} | {R}))
@@ -204,8 +206,7 @@ class Engine:
         self.win_start: dict[int, int] = {}  # sequence -> the window's start fixed by compress-once
         self._ranking = None  # the policy's Ranking of the step being planned (None: not asked yet)
         needs = policy.needs
-        self.keys = KeyStats(layout, _pid_capacity(held), dev, getattr(self.scope, "sketch_rank", 0)) \
-            if self.scope.needs_keys or "keys" in needs else None
+        self.keys = self._key_stats(_pid_capacity(held)) if self.scope.needs_keys or "keys" in needs else None
         self.queries = None  # QueryStats, made once the heads are known (the first attention call)
         policy.reset(L)
         policy.bind(self.keys, None)
@@ -270,6 +271,21 @@ class Engine:
         self._inputs: dict | None = None  # static inputs and outputs of captured iterations
 
     # -- construction checks -------------------------------------------------------------------
+    def _key_stats(self, pids: int) -> KeyStats:
+        """The key statistics of ``pids`` pids (:meth:`KeyStats.needed`)."""
+        return KeyStats(self.layout, pids, self.device, *KeyStats.needed(self.scope, self.policy, self.layout))
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """Bytes of K/V pages per token (every layer; 8-bit pages with their scale rows)."""
+        return self.layout.num_layers * self.layout.page_bytes / self.layout.page_size
+
+    @property
+    def stats_bytes_per_token(self) -> float:
+        """Device bytes of key statistics (the key sketch among them) per stored token, which the device budget pays
+        for beside the pages it holds."""
+        return self.keys.bytes_per_token() if self.keys is not None else 0.0
+
     def _check_feedback(self) -> None:
         """Every statistic the policy needs must come from the step: named errors here, never zeros later."""
         needs = set(self.policy.needs)
@@ -461,14 +477,15 @@ class Engine:
         self.tokens[:len(rows)] = tokens
         return new
 
-    def read_sequence(self, seq: int, n: int) -> list[torch.Tensor]:
-        """The first ``n`` tokens' K/V of ``seq`` per layer ``[2, n, N_kv, D]`` in host memory, in the model's dtype
-        (FP8 pages dequantized): what a swapped-out request takes with it."""
+    def read_sequence(self, seq: int, n: int, device="cpu") -> list[torch.Tensor]:
+        """The first ``n`` tokens' K/V of ``seq`` per layer ``[2, n, N_kv, D]`` on ``device`` (host memory: what a
+        swapped-out request takes with it), in the model's dtype (FP8 pages dequantized; pages dropped for good
+        read as zeros)."""
         pids = self.table.pages(seq)
         out = []
         for layer in range(self.layout.num_layers):
             self.transfer.wait(layer, pids)
-            out.append(read_tokens(self.table, layer, seq, device="cpu")[:, :n])
+            out.append(read_tokens(self.table, layer, seq, device=device)[:, :n])
         return out
 
     def keep_room(self, pages: int) -> None:
@@ -628,6 +645,8 @@ class Engine:
         if len(set(rows)) < len(rows):
             raise KVTierError(f"two chunks of one sequence in one iteration: {[s for s, _ in prefill]}")
         self._drop_step_state()  # what a step that did not finish (an error mid-forward) left
+        if active:  # before any row grows: every sequence's stored tokens are written
+            self.scope.prepare()
         self._open_step(active + rows, [1] * len(active) + [c.q_len for c in chunks])
         B = 0
         if active:
@@ -743,7 +762,8 @@ class Engine:
     def _prefetch(self, layer: int, query: torch.Tensor) -> None:
         """The scope's choice of ``layer``'s pages for the estimated query ``[B, H, D]``, admitted ahead."""
         B = self._B
-        picks, _ = split_choice(self.scope.pick(layer, query.contiguous(), self.view(B)))
+        picks = pages_of(self.scope.pick(layer, query.contiguous(), self.view(B)), self.max_pages,
+                         self.layout.page_size)
         if picks is not None:
             self.recall.prefetch(layer, picks, self.home[layer, :B], self.block_table[layer, :B])
 
@@ -863,9 +883,8 @@ class Engine:
         if self._lists is None:
             self._lists = self._plan_lists(view) if self.scope.query_free else {}
         choice = self._lists[layer] if self.scope.query_free else self.scope.pick(layer, q, view)
-        picks, shown = split_choice(choice)  # [B, (N_kv,) K] pages; the keys shown of each, or None: every key
-        if shown is not None:
-            self._shown[layer] = shown
+        keys = choice.keys if isinstance(choice, KeyList) else None  # [B, N_kv, W] single keys
+        picks = keys if keys is not None else choice  # [B, (N_kv,) K] the listed entries (None: every page)
         host = self.host.pool(layer) if self.host is not None else None
         stage = self.staging.pool(layer) if self.staging is not None else None
         budgeted = self.budget is not None and layer >= self.dense_layers
@@ -875,14 +894,15 @@ class Engine:
         landing = self.recall.landing(layer, B, picks.shape[-1]) if self.recall is not None and picks is not None \
             else {}
         out, lse = self.kernel.decode(q, self.table.tiers[0].pool(layer), host, table, lens,
-                                      self._plan(B, H, D, None if picks is None else picks.shape[-1]), scale,
-                                      page_list=picks, window_left=self._window_left(layer),
-                                      spans=self.spans[:B] if budgeted and shown is None else None,
-                                      stage_pool=stage, token_mask=shown, **stats, **landing)  # bits replace spans
-        self.feedback.observe(layer, picks, lse)
+                                      self._plan(B, H, D, None if picks is None else picks.shape[-1], keys is not None),
+                                      scale, page_list=None if keys is not None else picks, key_list=keys,
+                                      window_left=self._window_left(layer),
+                                      spans=self.spans[:B] if budgeted and keys is None else None,
+                                      stage_pool=stage, **stats, **landing)  # a key list shows its keys: no spans
+        self.feedback.observe(layer, picks, lse, keys is not None)
         batch = self._admit_after.get(layer) if self.recall is not None else None
         if batch is not None and picks is not None:  # a batch of layers attended: their host reads into recall slots
-            self.recall.admit(batch, self.feedback.group_lists(batch), self.block_table[batch.start:batch.stop, :B])
+            self.recall.admit(batch, self.feedback.group_pages(batch), self.block_table[batch.start:batch.stop, :B])
         if self.fidelity is not None:
             self._measure_fidelity(layer, q, out, lse, scale, view)
         return out[:, None]  # [B, 1, H, D]
@@ -912,23 +932,21 @@ class Engine:
         if self._step_queries:
             self.queries.add_step(torch.stack([self._step_queries[i] for i in sorted(self._step_queries)]))
         for layers in self.groups:
-            picks = self.feedback.group_lists(layers)  # [L', B, (N_kv,) K] or None
+            picks, keys = self.feedback.group_lists(layers)  # [L', B, (N_kv,) K] or None; of keys or pages
             table = self.block_table[layers.start:layers.stop, :B]  # [L', B, M]
-            self.counts += self._tally(table, self.seq_lens[:B], picks, self.layout.page_size)
-            shown = torch.stack([self._shown[layer] for layer in layers]) if layers[0] in self._shown else None
-            self.feedback.finish(layers, B, picks, self.visible_tokens(layers, B, picks, shown))
+            self.counts += self._tally(table, self.seq_lens[:B], picks, self.layout.page_size, keys)
+            self.feedback.finish(layers, B, picks, self.visible_tokens(layers, B, picks, keys))
         if self.recall is not None:  # the recall copies of the step, on their side stream, end with it
             self.recall.join()
         self._drop_step_state()
 
     def _drop_step_state(self) -> None:
-        self._lists, self._shown, self._step_keys, self._step_queries = None, {}, {}, {}
+        self._lists, self._step_keys, self._step_queries = None, {}, {}
         self.feedback.drop_step()
 
-    def visible_tokens(self, layers: range, B: int, picks: torch.Tensor | None,
-                       shown: torch.Tensor | None = None) -> torch.Tensor:
+    def visible_tokens(self, layers: range, B: int, picks: torch.Tensor | None, keys: bool = False) -> torch.Tensor:
         """Keys the step's query of each row sees in each of ``layers`` (a group), mean over rows (and kv-head
-        lists): ``[L']``; ``shown`` the lists' token bits (None: every key of a listed page)."""
+        lists): ``[L']``; ``keys``: the lists are key lists."""
         P = self.layout.page_size
         window = self.layout.window(layers[0])
         lens = self.seq_lens[:B].long()[:, None]  # [B, 1]
@@ -939,10 +957,8 @@ class Engine:
         lo = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)
         start, end = torch.maximum(lists * P, lo), torch.minimum(lists * P + P, lens)
         count = (end - start).clamp(min=0)
-        if shown is not None:  # the keys each entry's bits show
-            key = lists[..., None] * P + torch.arange(P, device=lists.device)  # [L', B, X, P]
-            bit = (shown.reshape(lists.shape)[..., None].long() >> torch.arange(P, device=lists.device)) & 1
-            count = ((bit > 0) & (key >= lo[..., None]) & (key < lens[..., None])).sum(-1)
+        if keys:  # each entry one key
+            count = ((lists >= lo) & (lists < lens)).long()
         elif self.budget is not None and layers[0] >= self.dense_layers:  # the sinks and the window's keys, or whole
             sinks, win = (x[:, None] for x in self.spans[:B].long().unbind(1))
             middle = (lists >= -(-sinks // P)) & (lists < win // P)
@@ -979,14 +995,14 @@ class Engine:
         """FlashInfer's ``window_left`` of ``layer`` (HF's sliding window W is W - 1; -1: global)."""
         return self.layout.window(layer) - 1 if self.layout.window(layer) else -1
 
-    def _plan(self, B: int, H: int, D: int, listed: int | None):
+    def _plan(self, B: int, H: int, D: int, listed: int | None, keys: bool = False):
         from kvtier.kernels.triton_decode import plan_static_decode
 
-        key = (B, H, listed)
+        key = (B, H, listed, keys)
         if key not in self._plans:
             self._plans[key] = plan_static_decode(B, self.max_pages, H, self.layout.num_kv_heads, D,
                                                   self.layout.page_size, self.device, max_listed=listed,
-                                                  kv_bytes=self.layout.kv_dtype.itemsize)
+                                                  kv_bytes=self.layout.kv_dtype.itemsize, keys=keys)
         return self._plans[key]
 
     # -- host bookkeeping ----------------------------------------------------------------------
@@ -1062,11 +1078,11 @@ class Engine:
         far = (tiers > 1) | ((tiers == 1) & (self.host is None))
         if far.any():
             if self.staging is None:
-                loc[far] = DROPPED_LOC
+                loc[far] = DROPPED
             else:
                 layers, pids = np.broadcast_arrays(layer, pids)
                 loc[far] = self.staging.encode(layers[far], pids[far])
-        return np.where(tiers < 0, DROPPED_LOC, loc).astype(np.int32)
+        return np.where(tiers < 0, DROPPED, loc).astype(np.int32)
 
     def _spans(self, seq: int, n: int) -> tuple[int, int]:
         """The budget's ``(sinks, win_start)`` for a sequence of ``n`` tokens (``(0, 0)``: attended whole)."""

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from kvtier.errors import KVTierError
-from kvtier.scopes.base import live_mask, window_pages
+from kvtier.scopes.base import KeyList, live_mask, pages_of, window_pages
 from kvtier.window import first_page
 
 
@@ -50,7 +50,8 @@ class Feedback:
         self._slots = engine.snapshot_slots - 1  # the ring of steps' snapshots; slot _slots: one taken now
         self._buffers: dict = {}  # width -> dict of device buffers [L, R, ...]
         self._layer_width: list = [None] * engine.layout.num_layers
-        self._step: dict = {}  # layer -> page list of the step being computed
+        self._step: dict = {}  # layer -> page list (or key list) of the step being computed
+        self._keys: set = set()  # the layers whose lists this step are key lists
         self.tokens = torch.zeros(engine.layout.num_layers, device=engine.device)  # [L] keys attended per row
         self._produced: list[Produced] = []
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (slot, pids, queries kept) -> the captured snapshot
@@ -94,16 +95,18 @@ class Feedback:
             self._buffers[key] = torch.empty(e.config.max_batch, width, heads, device=e.device)
         return self._buffers[key]
 
-    def observe(self, layer: int, picks: torch.Tensor | None, lse: torch.Tensor) -> None:
-        """After a layer's decode call with page list ``[B, (N_kv,) K]`` and final LSE ``[B, H]``: the per-page
-        salience ``[B, K, N_kv]`` (max probability over the kv group) and attention mass (mean over the group)
-        into the step's buffers; the list is kept for :meth:`finish`."""
+    def observe(self, layer: int, picks: torch.Tensor | None, lse: torch.Tensor, keys: bool = False) -> None:
+        """After a layer's decode call with page list ``[B, (N_kv,) K]`` (``keys``: a key list) and final LSE ``[B,
+        H]``: the per-entry salience ``[B, K, N_kv]`` (max probability over the kv group) and attention mass (mean
+        over the group) into the step's buffers; the list is kept for :meth:`finish`."""
         e = self.engine
         B, H = lse.shape
         width = e.max_pages if picks is None else picks.shape[-1]
         per_head = picks is not None and picks.dim() == 3
         self._layer_width[layer] = (None if picks is None else width, per_head)
         self._step[layer] = picks
+        if keys:
+            self._keys.add(layer)
         if not self.wants:
             return
         bufs, n_kv = self._bufs(width, per_head), e.layout.num_kv_heads
@@ -118,16 +121,25 @@ class Feedback:
 
     def drop_step(self) -> None:
         self._step.clear()
+        self._keys.clear()
 
-    def group_lists(self, layers: range) -> torch.Tensor | None:
-        """The page lists a group of layers attended this step ``[L', B, (N_kv,) K]`` (None: every page)."""
+    def group_lists(self, layers: range) -> tuple[torch.Tensor | None, bool]:
+        """The lists a group of layers attended this step ``[L', B, (N_kv,) K]`` (None: every page), and whether
+        they are key lists."""
         picks = [self._step[layer] for layer in layers]
-        kinds = {None if p is None else tuple(p.shape) for p in picks}
+        kinds = {None if p is None else (tuple(p.shape), layer in self._keys) for p, layer in zip(picks, layers)}
         if len(kinds) > 1:
             raise KVTierError(f"scope '{self.engine.scope.name}' gave layers {layers.start}-{layers.stop - 1} (one "
-                              f"window, all dense or all budgeted) page lists of different shapes {sorted(map(str, kinds))}; "
-                              "a scope's lists must share their shape within such a group")
-        return None if picks[0] is None else torch.stack(picks)
+                              f"window, all dense or all budgeted) lists of different shapes or kinds "
+                              f"{sorted(map(str, kinds))}; a scope's lists must share their shape within such a group")
+        return (None, False) if picks[0] is None else (torch.stack(picks), layers[0] in self._keys)
+
+    def group_pages(self, layers: range) -> torch.Tensor | None:
+        """The pages a group of layers read this step: its page lists, or each row's pages of its key lists once
+        each ``[L', B, K]`` (None: every page)."""
+        picks, keys = self.group_lists(layers)
+        e = self.engine
+        return pages_of(KeyList(picks) if keys else picks, e.max_pages, e.layout.page_size)
 
     def finish(self, layers: range, B: int, picks: torch.Tensor | None, tokens: torch.Tensor) -> None:
         """When the step ends, per layer group: keys seen ``tokens [L']``, the lists into the step's buffers and the
@@ -135,18 +147,21 @@ class Feedback:
         at = slice(layers.start, layers.stop)
         self.tokens[at] = tokens
         width, per_head = self._layer_width[layers[0]]
-        if picks is not None and self.hears_access:
-            self._bufs(width, per_head)["picks"][at, :B] = picks
         e = self.engine
+        keys = picks is not None and layers[0] in self._keys
+        pages = torch.where(picks >= 0, picks // e.layout.page_size, -1) if keys else picks  # each entry's page
+        if picks is not None and self.hears_access:
+            self._bufs(width, per_head)["picks"][at, :B] = pages
         if self.attention or e.salience:
             bufs = self._bufs(e.max_pages if width is None else width, per_head)
             logical = self._listed(layers, B) if picks is None else \
-                picks.reshape(len(layers), B, -1, picks.shape[-1])  # [L', B, G, K]
+                pages.reshape(len(layers), B, -1, picks.shape[-1])  # [L', B, G, K]
             live = e.seq_lens[:B] > 0
-            for stats in self.attention:
-                stats.add_step(layers, logical, e.pid_table[:B], bufs["attention"][at, :B], live)  # mass [L', B, K, N_kv]
-            for stats in e.salience:
-                stats.add_step(layers, logical, e.pid_table[:B], bufs["salience"][at, :B], live)
+            for stats, name, reduce in [*((a, "attention", "sum") for a in self.attention),
+                                        *((s, "salience", "amax") for s in e.salience)]:
+                value = bufs[name][at, :B]  # [L', B, K, N_kv] per entry
+                listed, value = per_page(logical, value, reduce) if keys else (logical, value)
+                stats.add_step(layers, listed, e.pid_table[:B], value, live)
 
     def _listed(self, layers: range, B: int) -> torch.Tensor:
         """Every live page the layers' window shows, as page lists ``[L', B, 1, M]`` (logical, -1 none)."""
@@ -281,6 +296,20 @@ class Feedback:
         seen = np.zeros((R, layers.size, M), dtype=bool)  # a page listed by several heads counts once
         seen[ri, li, lists[li, ri, k]] = True
         return np.nonzero(seen)  # sorted by row, layer, page
+
+
+def per_page(pages: torch.Tensor, value: torch.Tensor, reduce: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A key list's per-key statistics as per-page ones: ``pages [L', B, N_kv, W]`` (each key's page, position order:
+    a page's keys are one run) and ``value [L', B, W, N_kv]`` (entry k of list g: ``value[..., k, g]``) ->
+    ``(pages, value)`` with each run's first entry holding the run's ``reduce`` ("sum", "amax") and the rest -1 and
+    0, so that a page counts once per kv head."""
+    start = torch.ones_like(pages, dtype=torch.bool)
+    start[..., 1:] = pages[..., 1:] != pages[..., :-1]
+    run = start.long().cumsum(-1) - 1  # [L', B, N_kv, W] the run of each entry
+    v = value.transpose(-1, -2)  # [L', B, N_kv, W]
+    total = torch.zeros_like(v).scatter_reduce(-1, run, v, reduce=reduce, include_self=False)
+    head = start & (pages >= 0)
+    return torch.where(head, pages, -1), torch.where(head, total.gather(-1, run), 0.0).transpose(-1, -2)
 
 
 def _to_host(x: torch.Tensor, device) -> torch.Tensor:

@@ -28,32 +28,59 @@ def pid_index(pids, device) -> torch.Tensor:
 
 
 class KeyStats:
-    """Key statistics per (layer, pid, kv head): ``key_min``/``key_max``/``key_sum``/``key_sq`` are
-    ``[L, pids, N_kv, D]``, ``norm_sum`` ``[L, pids, N_kv]``, ``count`` ``[L, pids]`` (float32), allocated
-    once for ``capacity`` pids (the table never names more pages than its tiers hold).
+    """Key statistics per (layer, pid, kv head), allocated once for ``capacity`` pids (the table never names more
+    pages than its tiers hold), only the ``fields`` asked for (of :attr:`FIELDS`; None: all): ``key_min``/
+    ``key_max``/``key_sum``/``key_sq`` ``[L, pids, N_kv, D]``, ``norm_sum`` ``[L, pids, N_kv]`` and ``count`` ``[L,
+    pids]`` (float32, always kept).
 
-    With ``sketch_rank`` r > 0, also a low-rank sketch of every key (ShadowKV's low-rank key cache, Sun et al.,
-    2024, arXiv:2410.21465): ``basis [L, N_kv, D, r]``, each (layer, kv head)'s top r principal directions of the
-    keys stored when :meth:`fit_sketch` runs, and ``sketch [L, pids, P, N_kv, r]``, each token's key in that basis
-    (written for every key from then on)."""
+    With ``sketch_rank`` r > 0, also a low-rank sketch of every key (Loki, Singhania et al., 2024, arXiv:2406.02542;
+    ShadowKV's low-rank key cache, Sun et al., 2024, arXiv:2410.21465): ``basis [L, N_kv, D, r]`` fp32, each (layer,
+    kv head)'s top r principal directions of the keys stored when :meth:`fit_sketch` runs (zeros before), and
+    ``sketch [L, pids, P, N_kv, r]`` bf16, each token's key in that basis, written with every key. It lives on the
+    device whatever tier the pages are in: :meth:`bytes_per_token` is what the device budget pays for it."""
 
     FILL = {"key_min": float("inf"), "key_max": float("-inf"), "key_sum": 0.0, "key_sq": 0.0, "norm_sum": 0.0,
             "count": 0.0}
+    FIELDS = frozenset(FILL)
+    SKETCH_DTYPE = torch.bfloat16
 
-    def __init__(self, layout, capacity: int, device, sketch_rank: int = 0):
+    def __init__(self, layout, capacity: int, device, fields=None, sketch_rank: int = 0):
         self.layout, self.device = layout, device
         L, N, D = layout.num_layers, layout.num_kv_heads, layout.head_dim
+        self.fields = tuple(f for f in self.FILL if f in (self.FIELDS if fields is None else set(fields) | {"count"}))
         shapes = {"key_min": (L, capacity, N, D), "key_max": (L, capacity, N, D), "key_sum": (L, capacity, N, D),
                   "key_sq": (L, capacity, N, D), "norm_sum": (L, capacity, N), "count": (L, capacity)}
-        for name, shape in shapes.items():
-            setattr(self, name, torch.full(shape, self.FILL[name], device=device))
-        self.basis = None  # [L, N_kv, D, r] once fitted
-        self.sketch = torch.zeros(L, capacity, layout.page_size, N, sketch_rank, device=device) if sketch_rank \
-            else None
+        for name in self.FILL:
+            setattr(self, name, torch.full(shapes[name], self.FILL[name], device=device) if name in self.fields
+                    else None)
+        self.fitted = False  # the sketch's basis is fitted (fit_sketch)
+        self.basis = torch.zeros(L, N, D, sketch_rank, device=device) if sketch_rank else None
+        self.sketch = torch.zeros(L, capacity, layout.page_size, N, sketch_rank, dtype=self.SKETCH_DTYPE,
+                                  device=device) if sketch_rank else None
 
     def tensors(self) -> list[torch.Tensor]:
         """Every statistic (what a captured step advances)."""
-        return [getattr(self, name) for name in self.FILL] + ([self.sketch] if self.sketch is not None else [])
+        return [getattr(self, name) for name in self.fields] + ([self.sketch] if self.sketch is not None else [])
+
+    def bytes_per_token(self) -> float:
+        """Device bytes these statistics keep per stored token (every layer): per pid over its page's tokens."""
+        return self.bytes_per_token_for(self.layout, self.fields, 0 if self.sketch is None else self.sketch.shape[-1])
+
+    @classmethod
+    def bytes_per_token_for(cls, layout, fields, sketch_rank: int) -> float:
+        """:meth:`bytes_per_token` of statistics ``fields`` (count always) and a rank-``sketch_rank`` sketch, before
+        any is made (what a device budget pays for them)."""
+        N, D, P = layout.num_kv_heads, layout.head_dim, layout.page_size
+        size = {"key_min": N * D, "key_max": N * D, "key_sum": N * D, "key_sq": N * D, "norm_sum": N, "count": 1}
+        per_pid = 4 * sum(size[f] for f in set(fields) | {"count"}) + P * N * sketch_rank * cls.SKETCH_DTYPE.itemsize
+        return layout.num_layers * per_pid / P
+
+    @classmethod
+    def needed(cls, scope, policy, layout) -> tuple[frozenset, int]:
+        """The statistics an engine keeps for ``scope`` and ``policy`` (None: the scope's alone): those the scope's
+        choice reads and its sketch's rank, every field when the policy needs keys; ``(frozenset(), 0)``: none."""
+        fields, rank = scope.key_stats(layout) if scope.needs_keys else (frozenset(), 0)
+        return (cls.FIELDS if fields is None or "keys" in getattr(policy, "needs", ()) else fields), rank
 
     def norm_mean(self, pids: np.ndarray) -> np.ndarray:
         """Mean key L2 norm of pages ``pids [n]`` ``[L, n, N_kv]`` (NaN for an empty page), read now (a wait for the
@@ -64,8 +91,8 @@ class KeyStats:
     def on_append(self, pids: np.ndarray, step: int = 0) -> None:
         """Fresh pages (a recycled pid forgets its keys)."""
         idx = pid_index(pids, self.device)
-        for name, fill in self.FILL.items():
-            getattr(self, name)[:, idx] = fill
+        for name in self.fields:
+            getattr(self, name)[:, idx] = self.FILL[name]
         if self.sketch is not None:
             self.sketch[:, idx] = 0.0
 
@@ -75,20 +102,26 @@ class KeyStats:
 
     def fit_sketch(self, sequences: list) -> None:
         """Fix the basis from the keys of ``sequences`` ``[(pids [n], per layer keys [S, N_kv, D])]`` (every stored
-        token) and sketch those keys; later writes are sketched as they come."""
+        token, on any device; keys of pages dropped for good read as zeros and weigh nothing) and sketch those keys;
+        later writes are sketched with it. Host work, once: never inside a captured step."""
         L, N, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim
-        P, r = self.layout.page_size, self.sketch.shape[-1]
-        sequences = [(pids, [k.to(self.device, torch.float32) for k in keys]) for pids, keys in sequences]
-        second = torch.zeros(L, N, D, D, device=self.device)  # [L, N_kv, D, D] sum of k k^T
+        P = self.layout.page_size
+        second = torch.zeros(L, N, D, D, dtype=torch.float64, device=self.device)  # [L, N_kv, D, D] sum of k k^T
         for _, keys in sequences:
             for layer, k in enumerate(keys):  # k [S, N_kv, D]
+                k = k.to(self.device, torch.float64)
                 second[layer] += torch.einsum("snd,sne->nde", k, k)
-        self.basis = torch.linalg.eigh(second).eigenvectors[..., -r:]  # [L, N_kv, D, r] largest last
+        # float64 on the host: the same keys give the same basis on every device and run
+        basis = torch.linalg.eigh(second.cpu()).eigenvectors[..., -self.basis.shape[-1]:]  # [L, N_kv, D, r]
+        self.basis.copy_(basis.to(self.basis.dtype))
         for pids, keys in sequences:
             for layer, k in enumerate(keys):
+                k = k.to(self.device, torch.float32)
                 tok = torch.arange(k.shape[0], device=self.device)
-                page = torch.as_tensor(pids, device=self.device)[tok // P]
-                self.sketch[layer, page, tok % P] = torch.einsum("snd,ndr->snr", k, self.basis[layer])
+                page = pid_index(pids, self.device)[tok // P]
+                self.sketch[layer, page, tok % P] = torch.einsum("snd,ndr->snr", k, self.basis[layer]).to(
+                    self.sketch.dtype)
+        self.fitted = True
 
     def add(self, layer: int, pids: torch.Tensor, keys: torch.Tensor) -> None:
         """Keys ``[n, N_kv, D]`` of ``layer`` written into pages ``pids [n]`` (device int64; repeats allowed)."""
@@ -103,15 +136,18 @@ class KeyStats:
         k = keys.float()  # [L', n, N_kv, D]
         on = torch.ones(k.shape[:2], device=k.device) if live is None else live.float().expand(k.shape[:2])  # [L', n]
         mask = on[..., None, None] > 0
-        if self.basis is not None:
+        if self.sketch is not None:
             self._sketch(layers, pids, k, mask[..., 0, 0])
         idx = pids[None, :, None, None].expand_as(k)
-        self.key_min[layers].scatter_reduce_(1, idx, torch.where(mask, k, float("inf")), reduce="amin")
-        self.key_max[layers].scatter_reduce_(1, idx, torch.where(mask, k, float("-inf")), reduce="amax")
+        if self.key_min is not None:
+            self.key_min[layers].scatter_reduce_(1, idx, torch.where(mask, k, float("inf")), reduce="amin")
+            self.key_max[layers].scatter_reduce_(1, idx, torch.where(mask, k, float("-inf")), reduce="amax")
         k = k * on[..., None, None]
-        self.key_sum[layers].index_add_(1, pids, k)
-        self.key_sq[layers].index_add_(1, pids, k * k)
-        self.norm_sum[layers].index_add_(1, pids, k.norm(dim=-1))
+        if self.key_sum is not None:
+            self.key_sum[layers].index_add_(1, pids, k)
+            self.key_sq[layers].index_add_(1, pids, k * k)
+        if self.norm_sum is not None:
+            self.norm_sum[layers].index_add_(1, pids, k.norm(dim=-1))
         self.count[layers].index_add_(1, pids, on)
 
     def _sketch(self, layers: slice, pids: torch.Tensor, k: torch.Tensor, on: torch.Tensor) -> None:
@@ -123,7 +159,7 @@ class KeyStats:
         offset = (self.count[layers][:, pids].long() + (i - run_start)).clamp(max=self.layout.page_size - 1)  # [L', n]
         sketch = self.sketch[layers]  # [L', pids, P, N_kv, r]
         lay = torch.arange(sketch.shape[0], device=pids.device)[:, None].expand_as(offset)
-        new = torch.einsum("lnkd,lkdr->lnkr", k, self.basis[layers])  # [L', n, N_kv, r]
+        new = torch.einsum("lnkd,lkdr->lnkr", k, self.basis[layers]).to(sketch.dtype)  # [L', n, N_kv, r]
         old = sketch[lay, pids.expand_as(offset), offset]
         sketch[lay, pids.expand_as(offset), offset] = torch.where(on[..., None, None], new, old)
 

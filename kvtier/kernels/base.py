@@ -31,6 +31,7 @@ import torch
 
 from kvtier.errors import ConfigError
 
+DROPPED = -(2 ** 31)  # block-table value of a page freed for good (left of a window, compressed away)
 STAGED = 1 << 30  # block-table values <= -STAGED: slot -x - STAGED of the pinned staging pool (disk and remote pages)
 
 
@@ -146,16 +147,25 @@ def page_salience(page_max: torch.Tensor, lse: torch.Tensor, batch: PagedBatch, 
     return prob.view(nnz, num_kv_heads, heads // num_kv_heads).amax(-1)  # [nnz, N_kv]
 
 
-def check_token_mask(token_mask: torch.Tensor | None, page_list: torch.Tensor | None, page_size: int) -> None:
-    """A token mask (int32 bits per listed entry) needs a page list of its shape and pages of at most 32 tokens."""
-    if token_mask is None:
-        return
-    if page_list is None or tuple(token_mask.shape) != tuple(page_list.shape) or token_mask.dtype != torch.int32:
-        raise ValueError(f"token_mask needs int32 of page_list's shape "
-                         f"{None if page_list is None else tuple(page_list.shape)}, got {token_mask.dtype} "
-                         f"{tuple(token_mask.shape)}")
-    if page_size > 32:
-        raise ValueError(f"a token mask holds 32 keys per page, pages have {page_size}")
+def check_key_list(key_list: torch.Tensor | None, page_list: torch.Tensor | None, entry_tokens: int,
+                   page_size: int, int8: bool, spans: torch.Tensor | None) -> bool:
+    """A decode call attends a key list (int32 positions) in place of a page list, with a plan made for key lists
+    (``entry_tokens`` 1), on 16/32-bit or FP8 pages, without spans (the list shows every key it attends); True
+    when it does."""
+    if key_list is None:
+        if entry_tokens not in (0, page_size):
+            raise ValueError("the plan was made for key lists (keys=True): pass key_list")
+        return False
+    if page_list is not None or key_list.dtype != torch.int32 or key_list.dim() not in (2, 3):
+        raise ValueError(f"key_list takes the place of page_list: int32 [B, (N_kv,) K], got {key_list.dtype} "
+                         f"{tuple(key_list.shape)}" + (" beside a page_list" if page_list is not None else ""))
+    if entry_tokens != 1:
+        raise ValueError("a key list needs a plan made for key lists: plan_static_decode(..., keys=True)")
+    if int8:
+        raise ValueError("int8 pages are read back a page at a time: attend them by pages, not a key list")
+    if spans is not None:
+        raise ValueError("a key list shows every key it attends: pass no spans with it")
+    return True
 
 
 def check_landing(land_slots: torch.Tensor | None, land_index: torch.Tensor | None, page_list: torch.Tensor | None,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.kernels.base import (STAGED, AttentionBackend, AttentionOutput, PagedBatch, at_host, check_landing,
-                                 check_token_mask)
+from kvtier.kernels.base import (DROPPED, STAGED, AttentionBackend, AttentionOutput, PagedBatch, at_host,
+                                 check_key_list, check_landing)
 from kvtier.quant import dequantize, is_scaled_pool
 
 
@@ -86,7 +86,7 @@ def static_decode_reference(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: 
                             page_list: torch.Tensor | None = None, window_left: int = -1,
                             page_max: torch.Tensor | None = None, page_lse: torch.Tensor | None = None,
                             spans: torch.Tensor | None = None, stage_pool: torch.Tensor | None = None,
-                            token_mask: torch.Tensor | None = None, land_slots: torch.Tensor | None = None,
+                            key_list: torch.Tensor | None = None, land_slots: torch.Tensor | None = None,
                             land_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The contract of :func:`kvtier.kernels.triton_decode.static_decode` in fp32 torch, vectorised over the
     batch and pages: the engine's decode step on the CPU and the kernel's oracle.
@@ -97,7 +97,11 @@ def static_decode_reference(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: 
     n_q, heads, dim = q.shape
     n_kv = dev_pool.shape[3]
     page = plan.page_size
-    check_token_mask(token_mask, page_list, page)
+    keys = check_key_list(key_list, page_list, plan.entry_tokens, page, dev_pool.dtype == torch.int8,
+                          spans)
+    page_list = key_list if keys else page_list
+    if keys and land_slots is not None:
+        raise ValueError("the decode lands whole pages read from the host: a key list reads single keys")
     scaled = is_scaled_pool(dev_pool, page)  # 8-bit pages hold rows of scales
     check_landing(land_slots, land_index, page_list, host_pool, scaled, n_q,
                   0 if page_list is None else page_list.shape[-1])
@@ -114,16 +118,20 @@ def static_decode_reference(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: 
     n_listed = lists.shape[-1]
     lens = seq_lens.to(dev, torch.long)[:, None, None, None]  # [B, 1, 1, 1]
     lo = (lens - 1 - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(lens)
-    pg = lists[..., None]  # [B, h, K, 1]
-    tok = pg * page + torch.arange(page, device=dev)  # [B, h, K, P] key position
+    entry = 1 if keys else page  # keys per listed entry
+    if keys:  # each entry one key, read from its page
+        tok = lists[..., None]  # [B, h, K, 1] key position
+        pg = torch.where(lists >= 0, lists // page, -1)  # [B, h, K]
+    else:
+        pg = lists
+        tok = pg[..., None] * page + torch.arange(page, device=dev)  # [B, h, K, P] key position
     ok = (tok >= lo) & (tok < lens)  # a -1 entry has negative positions
     if spans is not None:  # a token budget: sinks of the sink pages, the window's tokens of its pages
         sinks, win = (x.to(dev, torch.long)[:, None, None, None] for x in spans.unbind(1))
-        ok &= (tok < sinks) | (tok >= win) | ((pg >= -(-sinks // page)) & (pg < win // page))
-    if token_mask is not None:  # the chosen keys of each listed page
-        bits = token_mask.to(dev, torch.int64).view(n_q, n_lists, width)[..., :n_listed, None]  # [B, h, K', 1]
-        ok &= ((bits >> torch.arange(page, device=dev)) & 1) != 0
-    loc = block_table.to(dev, torch.long).gather(1, lists.clamp(0, max_pages - 1).flatten(1)).view(lists.shape)
+        ok &= (tok < sinks) | (tok >= win) | ((pg[..., None] >= -(-sinks // page)) & (pg[..., None] < win // page))
+    loc = block_table.to(dev, torch.long).gather(1, pg.clamp(0, max_pages - 1).flatten(1)).view(pg.shape)
+    if keys:  # a key of a page dropped for good is never read
+        ok &= (loc != DROPPED)[..., None]
     need = ok.any(-1)  # [B, h, K] entries whose page is read
     pages = torch.zeros(*lists.shape, 2, page, n_kv, dim, dtype=torch.float32, device=dev)  # [B, h, K, 2, P, N_kv, D]
     staged = -STAGED
@@ -140,8 +148,11 @@ def static_decode_reference(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: 
         land_index[:, n_listed:width].fill_(-1)
         to = land_slots.to(dev, torch.long).gather(1, rank[:, 0].clamp(max=land_slots.shape[1] - 1))[lands[:, 0]]
         dev_pool[to.to(dev_pool.device)] = host_pool[(-loc - 1)[lands].to(host_pool.device)].to(dev_pool.device)
-    k = pages[:, :, :, 0].reshape(n_q, n_lists, n_listed * page, n_kv, dim)  # [B, h, S, N_kv, D]
-    v = pages[:, :, :, 1].reshape(n_q, n_lists, n_listed * page, n_kv, dim)
+    if keys:  # each entry's key of its page
+        pages = pages.gather(4, (tok % page).clamp(min=0)[..., None, :, None, None].expand(
+            *lists.shape, 2, 1, n_kv, dim))  # [B, h, K, 2, 1, N_kv, D]
+    k = pages[:, :, :, 0].reshape(n_q, n_lists, n_listed * entry, n_kv, dim)  # [B, h, S, N_kv, D]
+    v = pages[:, :, :, 1].reshape(n_q, n_lists, n_listed * entry, n_kv, dim)
     ok = ok.view(n_q, n_lists, -1)  # [B, h, S]
     group = heads // n_kv
     qg = q.float().view(n_q, n_kv, group, dim)  # [B, N_kv, G, D]; head h = kv h // G
@@ -152,7 +163,7 @@ def static_decode_reference(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: 
     logits = torch.einsum("bngd,bnsd->bngs", qg, k) * sm_scale  # [B, N_kv, G, S]
     logits = logits.masked_fill(~seen[:, :, None], float("-inf"))
     out, lse = _softmax_rows(logits, v.masked_fill(~seen[..., None], 0.0))  # stale rows never count
-    per_page = logits.view(n_q, n_kv, group, n_listed, page)
+    per_page = logits.view(n_q, n_kv, group, n_listed, entry)
     for stat, value in ((page_max, lambda: per_page.amax(-1)), (page_lse, lambda: torch.logsumexp(per_page, -1))):
         if stat is not None:  # [B, K, H]; entries past the longest row's pages see nothing
             stat.fill_(float("-inf"))
@@ -181,3 +192,58 @@ def page_choice_reference(q: torch.Tensor, key_min: torch.Tensor, key_max: torch
     q4 = q if q.dim() == 4 else q[:, None]  # [B, r, H, D]
     score = over_heads(page_bounds(q4, key_min, key_max, pids), key_min.shape[1], kv_head)  # [B, M]
     return best_of(score, cand.bool() & (pids >= 0), k, count)
+
+
+def key_images_reference(q: torch.Tensor, basis: torch.Tensor, sketch: torch.Tensor, pids: torch.Tensor,
+                         table: torch.Tensor, lens: torch.Tensor, spans: torch.Tensor, window: int = 0,
+                         scale: float | None = None) -> torch.Tensor:
+    """Each candidate key's 16-bit score image ``[B, N_kv, M P]`` (-1: not a candidate) as
+    :func:`key_choice_reference` ranks them: the top 16 bits of the order-preserving image of ``max_g (s_g -
+    lse_g)`` over the kv head's query heads. fp32, products summed elementwise (no reduced-precision matmul)."""
+    B, H, D = q.shape
+    n_kv, _, r = basis.shape
+    P, M = sketch.shape[1], pids.shape[1]
+    t = torch.arange(M * P, device=q.device)  # [S] key positions
+    n_keys = lens.long()[:, None]  # [B, 1]
+    lo = (n_keys - window).clamp(min=0) if window else torch.zeros_like(n_keys)
+    pid = pids.long()[:, t // P]  # [B, S]
+    vis = (t >= lo) & (t < n_keys) & (pid >= 0) & (table[:, t // P] != DROPPED)
+    qr = (q.float().view(B, n_kv, H // n_kv, D, 1) * basis.float()[None, :, None]).sum(-2)  # [B, N_kv, G, r]
+    y = sketch[pid.clamp(min=0), t % P].float().permute(0, 2, 1, 3)  # [B, N_kv, S, r]
+    s = (qr[:, :, :, None] * y[:, :, None]).sum(-1) * (D ** -0.5 if scale is None else scale)  # [B, N_kv, G, S]
+    s = s.masked_fill(~vis[:, None, None], float("-inf"))
+    score = (s - torch.logsumexp(s, -1, keepdim=True)).amax(2)  # [B, N_kv, S]
+    sinks, win = (x[:, None] for x in spans.long().unbind(1))  # [B, 1]
+    c_lo = torch.maximum(lo, sinks)
+    c_hi = torch.where(win == 0, c_lo, torch.maximum(win, c_lo))
+    cand = ((t >= c_lo) & (t < c_hi))[:, None] & (score > float("-inf"))  # [B, N_kv, S]
+    bits = torch.where(score == 0, 0.0, score).view(torch.int32)
+    image = (torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) >> 16) + 32768  # in [0, 65535]
+    return torch.where(cand, image, -1)
+
+
+def key_choice_reference(q: torch.Tensor, basis: torch.Tensor, sketch: torch.Tensor, pids: torch.Tensor,
+                         table: torch.Tensor, lens: torch.Tensor, spans: torch.Tensor, n: int, out: torch.Tensor,
+                         window: int = 0, scale: float | None = None) -> torch.Tensor:
+    """The contract of :func:`kvtier.kernels.triton_key_choice.key_choice` in torch (the ``topk`` scope's key choice
+    on the torch backend): each kv head's shown keys and ``n`` best others ``out [B, N_kv, W]`` in position order,
+    then -1; the best by their images (:func:`key_images_reference`), equal images the lower position first
+    (:func:`kvtier.scopes.base.best_of`)."""
+    from kvtier.scopes.base import best_of  # imported here: the scopes import this module
+
+    B, n_kv, dev, W = q.shape[0], basis.shape[0], q.device, out.shape[-1]
+    image = key_images_reference(q, basis, sketch, pids, table, lens, spans, window, scale)  # [B, N_kv, S]
+    chosen = best_of(image.double(), image >= 0, n) if n else torch.zeros(B, n_kv, 0, dtype=torch.int32, device=dev)
+    kk = (chosen >= 0).sum(-1, keepdim=True)  # [B, N_kv, 1]
+    n_keys = lens.long()[:, None]  # [B, 1]
+    lo = (n_keys - window).clamp(min=0) if window else torch.zeros_like(n_keys)
+    sinks, win = (x[:, None] for x in spans.long().unbind(1))  # [B, 1]
+    whole = win == 0
+    n_sink = torch.where(whole, n_keys - lo, (torch.minimum(sinks, n_keys) - lo).clamp(min=0))[:, None]  # [B, 1, 1]
+    w_lo = torch.maximum(win, lo)[:, None]
+    n_win = torch.where(whole, 0, n_keys - torch.maximum(win, lo))[:, None]
+    j = torch.arange(W, device=dev)  # [W]
+    mid = chosen.long().gather(-1, (j - n_sink).clamp(0, max(n - 1, 0)).expand(B, n_kv, W)) if n else \
+        torch.full((B, n_kv, W), -1, device=dev)
+    listed = torch.where(j < n_sink, lo[:, None] + j, torch.where(j < n_sink + kk, mid, w_lo + j - n_sink - kk))
+    return out.copy_(torch.where(j < n_sink + kk + n_win, listed, -1))

@@ -11,8 +11,8 @@ host memory is read in place through its mapped (UVA) address (see :mod:`kvtier.
 a miss costs PCIe bandwidth, not a sync. The sequence attends its listed pages (``page_list[b]``, one
 list per sequence or per (sequence, kv head), or all its logical pages), keys ``j < seq_len``, with a
 window ``j >= seq_len - 1 - window_left`` (FlashInfer semantics), with a token budget's spans
-only the sinks of the sink pages and the window's tokens of the window's pages, and with a token mask only
-the chosen keys of each listed page (a choice finer than the page that moves).
+only the sinks of the sink pages and the window's tokens of the window's pages; or it attends a list of single
+keys (``key_list``: positions, a choice finer than the page that moves, each key read through its page's entry).
 
 The grid is static: ``(B * num_splits, N_kv)``. Split ``c`` of sequence ``b`` covers listed
 indices ``[c * pps, (c + 1) * pps)`` and walks only the blocks that hold a counted key (a 32k
@@ -38,8 +38,8 @@ import triton
 import triton.language as tl
 
 from kvtier.errors import ConfigError
-from kvtier.kernels.base import (STAGED as STAGED_SLOTS, AttentionBackend, AttentionOutput, PagedBatch, check_landing,
-                                 check_token_mask, to_device)
+from kvtier.kernels.base import (DROPPED as DROPPED_SLOT, STAGED as STAGED_SLOTS, AttentionBackend, AttentionOutput,
+                                 PagedBatch, check_key_list, check_landing, to_device)
 from kvtier.kernels.triton_prefill import (LN2, LOG2E, PrefillConfig, check_page_size, dot_operand_dtype, finish_rows,
                                            MIN_DOT, fit_shared_memory, int8_tile, merge_splits,
                                            online_softmax_step, paged_prefill, plan_prefill, query_operand, value_operand)
@@ -47,6 +47,7 @@ from kvtier.quant import INT8, is_scaled_pool
 
 MAX_SPLITS = 128  # most splits per sequence that plan_static_decode chooses
 STAGED = tl.constexpr(STAGED_SLOTS)  # block-table values <= -STAGED are slots of the staging pool
+DROPPED = tl.constexpr(DROPPED_SLOT)  # the block-table value of a page dropped for good
 
 
 @dataclass(frozen=True)
@@ -113,32 +114,35 @@ class StaticDecodePlan:
     head_dim: int
     page_size: int
     num_splits: int  # splits per sequence
-    pages_per_split: int  # a multiple of block_n // page_size
+    pages_per_split: int  # listed entries per split, a multiple of block_n // entry_tokens
     block_n: int
     config: DecodeConfig
     part_out: torch.Tensor | None = field(repr=False)  # [splits, B, H, D] fp32; None: one split
     part_lse: torch.Tensor | None = field(repr=False)  # [splits, B, H] fp32 (log2 units)
+    entry_tokens: int = 0  # keys per listed entry: the page size (page lists), or 1 (key lists)
 
 
 def plan_static_decode(batch_size: int, max_pages: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                        page_size: int, device, max_listed: int | None = None,
-                       config: DecodeConfig | None = None, kv_bytes: int = 2) -> StaticDecodePlan:
+                       config: DecodeConfig | None = None, kv_bytes: int = 2, keys: bool = False) -> StaticDecodePlan:
     """Size the splits so that ``B x splits x N_kv`` programs fill the GPU at the bucket's longest context.
 
     ``max_listed`` is the page_list width (None: every sequence attends all its ``max_pages``
-    pages); ``kv_bytes`` the pools' bytes per value (1 for FP8 pages), which picks the default
-    config. Host work on static numbers only; allocates the partials when there is more than one split.
+    pages), or with ``keys`` the key_list width; ``kv_bytes`` the pools' bytes per value (1 for FP8 pages), which
+    picks the default config. Host work on static numbers only; allocates the partials when there is more than one
+    split.
     """
     check_page_size(page_size)
     config = default_decode_config(head_dim, kv_bytes) if config is None else config
     listed = max_pages if max_listed is None else max_listed
     block_n = max(config.block_n, page_size, MIN_DOT)
-    pages_per_block = block_n // page_size
+    entry = 1 if keys else page_size
+    pages_per_block = block_n // entry
     if config.pages_per_split is not None:
         per_split = config.pages_per_split
     else:
         target = num_multiprocessors(torch.device(device)) * config.ctas_per_sm
-        per_split = max(-(-batch_size * listed * num_kv_heads // target), -(-config.min_split_tokens // page_size), 1)
+        per_split = max(-(-batch_size * listed * num_kv_heads // target), -(-config.min_split_tokens // entry), 1)
         per_split = max(per_split, -(-listed // MAX_SPLITS))  # a merge reads every split of its row
         per_split = -(-listed // max(-(-listed // per_split), 1))  # even splits of the longest list
     per_split = -(-max(per_split, 1) // pages_per_block) * pages_per_block  # whole loop iterations
@@ -148,15 +152,15 @@ def plan_static_decode(batch_size: int, max_pages: int, num_qo_heads: int, num_k
         part_out = torch.empty(splits, batch_size, num_qo_heads, head_dim, dtype=torch.float32, device=device)
         part_lse = torch.empty(splits, batch_size, num_qo_heads, dtype=torch.float32, device=device)
     return StaticDecodePlan(batch_size, max_pages, listed, num_qo_heads, num_kv_heads, head_dim, page_size, splits,
-                            per_split, block_n, config, part_out, part_lse)
+                            per_split, block_n, config, part_out, part_lse, entry)
 
 
 @triton.jit
 def _listed_range(list_row, i0, i1, first_page, n_pages, HAS_LIST: tl.constexpr, SCAN: tl.constexpr):
-    """``[lo, hi)``: the span of listed indices in ``[i0, i1)`` whose page may hold a counted key.
+    """``[lo, hi)``: the span of listed indices in ``[i0, i1)`` whose entry may hold a counted key.
 
-    A page counts when ``first_page <= page < n_pages`` (``first_page``: the window's first page);
-    ``lo >= hi`` when none does. With a page list, one vector scan of the split's entries.
+    An entry (a page, or a key of a key list) counts when ``first_page <= entry < n_pages`` (``first_page``: the
+    window's first); ``lo >= hi`` when none does. With a list, one vector scan of the split's entries.
     """
     if HAS_LIST:
         lo = i1
@@ -200,7 +204,7 @@ def _listed_on_host(list_row, bt_row, idx, listed, n_pages):
 
 @triton.jit
 def _static_split_kernel(
-    q, dev_kv, host_kv, stage_kv, block_table, seq_lens, page_list, token_mask, spans,
+    q, dev_kv, host_kv, stage_kv, block_table, seq_lens, page_list, spans,
     out, lse, page_max, page_lse, land_slots, land_index,
     stride_qn, stride_qh,
     stride_slot, stride_kv, stride_p, stride_kh,
@@ -214,7 +218,7 @@ def _static_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_HOST: tl.constexpr, HAS_STAGE: tl.constexpr, HAS_LIST: tl.constexpr, HAS_SPANS: tl.constexpr,
-    HAS_TOKENS: tl.constexpr, WITH_PAGE_MAX: tl.constexpr, WITH_PAGE_LSE: tl.constexpr,
+    KEYS: tl.constexpr, WITH_PAGE_MAX: tl.constexpr, WITH_PAGE_LSE: tl.constexpr,
     DOT_F32: tl.constexpr, FP8_HALF: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
     INT8: tl.constexpr, LAND: tl.constexpr,
 ):
@@ -225,21 +229,22 @@ def _static_split_kernel(
     whole from their steps and means in rows ``PAGE..PAGE + 2`` (:func:`int8_tile`), the same way. Dot operands:
     fp32 with ``DOT_F32``; with ``FP8_HALF`` (FP8 pages, 16-bit queries) fp16 for Q K^T and bf16 for P V; else
     q's dtype.
-    ``page_list`` rows are per sequence (``stride_plh = 0``) or per (sequence, kv head); ``token_mask``
-    (``HAS_TOKENS``) has its shape and strides. ``spans [B, 2]`` (``HAS_SPANS``): a token budget's ``(sinks,
-    win_start)``, see :func:`static_decode`.
+    ``page_list`` rows are per sequence (``stride_plh = 0``) or per (sequence, kv head); with ``KEYS`` each entry
+    is a key's position (a key list), else a logical page. ``spans [B, 2]`` (``HAS_SPANS``): a token budget's
+    ``(sinks, win_start)``, see :func:`static_decode`.
 
     ``out [splits, B, H, D]`` / ``lse [splits, B, H]`` (log2 units times ``lse_scale``): fp32
     partials, or the final output when there is one split. ``page_max [B, n_listed, H]``: every
     listed entry of the split is written, -inf where no key counts; ``page_lse`` (``WITH_PAGE_LSE``, same
-    shape) the log-sum-exp of each listed page's scaled logits.
+    shape) the log-sum-exp of each listed entry's scaled logits.
 
     ``LAND`` (a per-sequence page list, 16/32-bit pages): the row's ``r``-th listed page at home on the host
     (counted over the whole list) is also written, when every one of its keys was read, to device slot
     ``land_slots[b, r]`` (``r < land_cap``); ``land_index [B, n_listed]`` gets ``r`` there, else -1 (kv head 0
     writes it).
     """
-    PPB: tl.constexpr = BLOCK_N // PAGE  # pages per block
+    ENTRY: tl.constexpr = 1 if KEYS else PAGE  # keys per listed entry
+    PPB: tl.constexpr = BLOCK_N // ENTRY  # entries per block
     PAGE_STATS: tl.constexpr = WITH_PAGE_MAX or WITH_PAGE_LSE
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -251,14 +256,13 @@ def _static_split_kernel(
     i0 = c * PPS  # listed indices of the split: [i0, i1)
     i1 = tl.minimum(i0 + PPS, n_listed)
     list_row = page_list + b * stride_pl + kvh * stride_plh
-    bits_row = token_mask + b * stride_pl + kvh * stride_plh
     if HAS_SPANS:  # a token budget: the sink tokens of the sink pages, the window's tokens of its pages
         sinks = tl.load(spans + b * 2)
         win_start = tl.load(spans + b * 2 + 1)
     else:
         sinks = 0
         win_start = 0
-    lo, hi = _listed_range(list_row, i0, i1, win_lo // PAGE, n_pages, HAS_LIST, SCAN)
+    lo, hi = _listed_range(list_row, i0, i1, win_lo // ENTRY, (seq_len + ENTRY - 1) // ENTRY, HAS_LIST, SCAN)
     blk_lo = (lo // PPB) * PPB  # i0 is a multiple of PPB: blocks stay aligned to the split
     blk_hi = tl.where(lo < hi, blk_lo + tl.cdiv(hi - blk_lo, PPB) * PPB, blk_lo)  # end of the walked blocks
 
@@ -298,23 +302,28 @@ def _static_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     head_off = kvh * stride_kh
     for i in range(blk_lo, blk_hi, PPB):
-        li = i + order // PAGE  # [N] listed index of each token
-        pidx = i + tl.arange(0, PPB)  # [PPB] listed index of each page
+        li = i + order // ENTRY  # [N] listed index of each column
+        pidx = i + tl.arange(0, PPB)  # [PPB] listed index of each entry
         in_split = li < i1
         if HAS_LIST:
-            pg = tl.load(list_row + li, mask=in_split, other=-1)  # [N] logical page
+            listed = tl.load(list_row + li, mask=in_split, other=-1)  # [N] logical page, or key position
         else:
-            pg = li
-        tok = pg * PAGE + order % PAGE  # [N] key position in the sequence
+            listed = li
+        if KEYS:
+            tok = listed
+            pg = tl.where(tok >= 0, tok // PAGE, -1)
+        else:
+            pg = listed
+            tok = pg * PAGE + order % PAGE  # [N] key position in the sequence
         ok = in_split & (tok >= win_lo) & (tok < seq_len)
         if HAS_SPANS:  # the sinks, the window's tokens, and the middle pages whole
             ok = ok & ((tok < sinks) | (tok >= win_start) |
                        ((pg >= (sinks + PAGE - 1) // PAGE) & (pg < win_start // PAGE)))
-        if HAS_TOKENS:  # the chosen keys of each listed page: bit t of its entry, its token t
-            bits = tl.load(bits_row + li, mask=in_split, other=0)  # [N]
-            ok = ok & (((bits >> (order % PAGE)) & 1) != 0)
         loc = tl.load(bt_row + pg, mask=ok, other=0)  # [N]
-        k_row = _page_rows(dev_kv, host_kv, stage_kv, loc, (order % PAGE) * stride_p + head_off, stride_slot,
+        if KEYS:  # a key of a page dropped for good is never read
+            ok = ok & (loc != DROPPED)
+            loc = tl.where(ok, loc, 0)
+        k_row = _page_rows(dev_kv, host_kv, stage_kv, loc, (tok % PAGE) * stride_p + head_off, stride_slot,
                            HAS_HOST, HAS_STAGE)  # [N]
         k_ptrs = k_row[:, None] + offs_d[None, :]  # [N, D]
         kv_mask = ok[:, None] & d_ok[None, :]
@@ -342,7 +351,7 @@ def _static_split_kernel(
                                    HAS_HOST, HAS_STAGE)  # [PPB] each page's scale row, this head
             k = int8_tile(k_ptrs, kv_mask, scale_row, page_ok, offs_d, stride_p, PAGE, HEAD_DIM).to(qt.dtype)
         else:
-            scale_row = k_row + (PAGE - order % PAGE) * stride_p  # [N] the page's scale row, this head (FP8 pages)
+            scale_row = k_row + (PAGE - tok % PAGE) * stride_p  # [N] the page's scale row, this head (FP8 pages)
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [N, D]
             if LAND:
                 tl.store(land_ptrs, k, mask=land_mask)
@@ -352,7 +361,7 @@ def _static_split_kernel(
             s = s * tl.load(scale_row.to(tl.pointer_type(tl.float32)), mask=ok, other=1.0)[None, :]
         s = tl.where(ok[None, :], s, float("-inf"))
         if PAGE_STATS:
-            pm, pl = page_maxima(s, BLOCK_G, BLOCK_N, PAGE, WITH_PAGE_LSE)  # [G, PPB]
+            pm, pl = page_maxima(s, BLOCK_G, BLOCK_N, ENTRY, WITH_PAGE_LSE)  # [G, PPB]
             where = pidx[None, :] * stride_pk + heads[:, None] * stride_ph
             if WITH_PAGE_MAX:
                 tl.store(pm_row + where, pm * 0.6931471805599453, mask=g_ok[:, None] & (pidx < i1)[None, :])
@@ -383,7 +392,7 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
                   page_list: torch.Tensor | None = None, window_left: int = -1,
                   page_max: torch.Tensor | None = None, page_lse: torch.Tensor | None = None,
                   spans: torch.Tensor | None = None, stage_pool: torch.Tensor | None = None,
-                  token_mask: torch.Tensor | None = None, land_slots: torch.Tensor | None = None,
+                  key_list: torch.Tensor | None = None, land_slots: torch.Tensor | None = None,
                   land_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of ``q [B, H, D]`` over one layer's pools; no host sync, static shapes.
 
@@ -395,9 +404,10 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
     ``[B, N_kv, K]`` int32 logical pages to attend (-1 and pages past the sequence attend nothing), None
     for all pages; ``window_left`` (-1: none); ``spans [B, 2]`` int32 ``(sinks, win_start)`` of a token
     budget: a listed page shows the keys ``< sinks`` and ``>= win_start``, and all its keys when it lies
-    between the sinks' pages and the window's first page (``(0, 0)``: no budget); ``token_mask`` int32 of
-    ``page_list``'s shape (page size <= 32): entry ``k`` shows only the keys ``t`` of its page whose bit ``t`` is
-    set (None: every key); ``page_max`` / ``page_lse`` optional fp32 ``[B, K or max_pages, H]``
+    between the sinks' pages and the window's first page (``(0, 0)``: no budget); ``key_list`` (in place of
+    ``page_list``, with a plan made with ``keys=True``) ``[B, (N_kv,) K]`` int32 key positions to attend (-1, keys
+    past the sequence and keys of dropped pages attend nothing; 16/32-bit and FP8 pages); ``page_max`` /
+    ``page_lse`` optional fp32 ``[B, K or max_pages, H]``
     filled with the max / log-sum-exp of each listed entry's scaled logits (natural log), -inf where no key
     counts (per-head lists: entry k of head h's kv group). ``land_slots [B, cap]`` (with ``land_index [B, >= K]``
     int32, a per-sequence ``page_list`` and a host pool of 16/32-bit pages): each row's ``r``-th listed page at
@@ -410,6 +420,10 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
     page, n_kv = plan.page_size, dev_pool.shape[3]
     scaled = is_scaled_pool(dev_pool, page)  # 8-bit pages: [slots, 2, P + R, N_kv, D]
     int8 = dev_pool.dtype == INT8
+    keys = check_key_list(key_list, page_list, plan.entry_tokens, page, int8, spans)
+    if keys and land_slots is not None:
+        raise ValueError("the decode lands whole pages read from the host: a key list reads single keys")
+    page_list = key_list if keys else page_list
     if not scaled and dev_pool.shape[2] != page:
         raise ValueError(f"pool pages {tuple(dev_pool.shape[1:])} do not match the plan's page size {page}")
     n_listed = plan.max_pages if page_list is None else page_list.shape[-1]
@@ -422,9 +436,6 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
         raise ValueError(f"page_list has {page_list.shape[0]} rows for {n_q} queries")
     if page_list is not None and page_list.dim() == 3 and page_list.shape[1] != n_kv:
         raise ValueError(f"a per-head page list needs [B, {n_kv}, K], got {tuple(page_list.shape)}")
-    check_token_mask(token_mask, page_list, page)
-    if token_mask is not None and token_mask.stride() != page_list.stride():
-        raise ValueError("token_mask needs page_list's strides")
     for stat in (page_max, page_lse):
         if stat is not None and (tuple(stat.shape) != (n_q, n_listed, heads) or stat.dtype != torch.float32):
             raise ValueError(f"page statistics need fp32 [{n_q}, {n_listed}, {heads}], got {tuple(stat.shape)}")
@@ -456,7 +467,7 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
         _static_split_kernel[(n_q * plan.num_splits, n_kv)](
             q, dev_pool, host_pool if host_pool is not None else dev_pool,
             stage_pool if stage_pool is not None else dev_pool, block_table, seq_lens, pl,
-            token_mask if token_mask is not None else pl, spans if spans is not None else seq_lens,
+            spans if spans is not None else seq_lens,
             part_out, part_lse, pm, plse, land_slots if land else seq_lens, land_index if land else seq_lens,
             q.stride(0), q.stride(1),
             dev_pool.stride(0), dev_pool.stride(1), dev_pool.stride(2), dev_pool.stride(3),
@@ -470,7 +481,7 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
             GROUP=heads // n_kv, BLOCK_G=block_g, PAGE=page,
             BLOCK_N=plan.block_n, HEAD_DIM=dim, BLOCK_D=block_d,
             HAS_HOST=host_pool is not None, HAS_STAGE=stage_pool is not None, HAS_LIST=page_list is not None,
-            HAS_SPANS=spans is not None, HAS_TOKENS=token_mask is not None, WITH_PAGE_MAX=page_max is not None,
+            HAS_SPANS=spans is not None, KEYS=keys, WITH_PAGE_MAX=page_max is not None,
             WITH_PAGE_LSE=page_lse is not None,
             DOT_F32=dot_f32, FP8_HALF=scaled and not int8 and q.dtype != torch.float32, PRECISION=precision,
             SCALED=scaled and not int8, INT8=int8, LAND=land,

@@ -6,7 +6,7 @@ policy's best of them) and ``topk`` (:class:`TopK`, Quest's bound). A user's own
 """
 
 from kvtier.errors import ConfigError
-from kvtier.scopes.base import DROPPED_LOC, Scope, StepView
+from kvtier.scopes.base import DROPPED, Scope, StepView
 from kvtier.scopes.simple import All, Resident
 from kvtier.scopes.topk import TopK
 
@@ -22,4 +22,4 @@ def make_scope(scope) -> Scope:
     return SCOPES[scope]()
 
 
-__all__ = ["All", "DROPPED_LOC", "Resident", "SCOPES", "Scope", "StepView", "TopK", "make_scope"]
+__all__ = ["All", "DROPPED", "Resident", "SCOPES", "Scope", "StepView", "TopK", "make_scope"]

@@ -2,7 +2,7 @@
 
 A scope picks, on the device and with static shapes, the logical pages each row attends in a layer:
 ``pick(layer, q, view) -> page list`` (``[B, K]``, ``[B, N_kv, K]`` for a per-kv-head choice, -1 = none;
-or None: every page; with each listed page's chosen keys as token bits when the choice is finer than a page).
+or None: every page; or a :class:`KeyList` of single keys when the choice is finer than a page).
 A scope whose choice does not read the query (``query_free``) instead plans the lists of a whole group of
 layers at once, when the step starts: ``plan(layers, view) -> [L', B, K]``
 (one batch of device ops per step, not one per layer). The step's :class:`StepView` is built once per
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.budget import TokenBudget
+from kvtier.kernels.base import DROPPED
 
-DROPPED_LOC = -(2 ** 31)  # block-table value of a page freed for good (left of a window, compressed away)
 STATS = frozenset({"attention", "salience", "keys", "queries"})
 
 
@@ -26,7 +26,7 @@ STATS = frozenset({"attention", "salience", "keys", "queries"})
 class StepView:
     """One decode step as the scopes read it (device tensors are the engine's static buffers)."""
 
-    table: torch.Tensor  # [L, R, M] int32 locations (device slot, host/staged slot, DROPPED_LOC)
+    table: torch.Tensor  # [L, R, M] int32 locations (device slot, host/staged slot, DROPPED)
     lens: torch.Tensor  # [R] int32 tokens, the one being written included
     spans: torch.Tensor  # [R, 2] int32 (sinks, win_start) of a token budget; (0, 0) where none applies
     pids: torch.Tensor  # [R, M] int32 pid of each logical page (-1 none)
@@ -55,10 +55,25 @@ class StepView:
         return self.windows[layers[0] if isinstance(layers, range) else layers] if self.windows else 0
 
 
-def split_choice(choice) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """A scope's pick as ``(page list, token bits)``: a choice of single keys gives both (:func:`budget_pick`), a
-    choice of pages its list and None (every key of a listed page)."""
-    return choice if isinstance(choice, tuple) else (choice, None)
+@dataclass(frozen=True)
+class KeyList:
+    """A choice of single keys: each row's key positions ``[B, (N_kv,) W]`` int32 (each kv head its own with N_kv),
+    in position order, -1 none; what the decode kernel attends in place of a page list (its ``key_list``)."""
+
+    keys: torch.Tensor
+
+
+def pages_of(choice, max_pages: int, page_size: int) -> torch.Tensor | None:
+    """The logical pages a choice reads: a page list as it is, a :class:`KeyList`'s (``[..., B, N_kv, W]``) pages
+    once each per row ``[..., B, max_pages]`` (page order, -1 none); None: every page."""
+    if choice is None:
+        return None
+    if not isinstance(choice, KeyList):
+        return choice
+    keys = choice.keys.flatten(-2)  # [..., B, N_kv * W]
+    read = torch.zeros(*keys.shape[:-1], max_pages + 1, dtype=torch.bool, device=keys.device)  # last: the -1s
+    read.scatter_(-1, torch.where(keys >= 0, keys // page_size, max_pages).long(), True)
+    return compact(read[..., :max_pages])
 
 
 def compact(keep: torch.Tensor) -> torch.Tensor:
@@ -74,7 +89,7 @@ def compact(keep: torch.Tensor) -> torch.Tensor:
 def live_mask(table: torch.Tensor, lens: torch.Tensor, page_size: int) -> torch.Tensor:
     """The pages each row holds and has not dropped: ``[..., B, M]`` for ``table [..., B, M]``, ``lens [B]``."""
     logical = torch.arange(table.shape[-1], device=table.device)
-    return (table != DROPPED_LOC) & (logical < ((lens.long() + page_size - 1) // page_size)[:, None])
+    return (table != DROPPED) & (logical < ((lens.long() + page_size - 1) // page_size)[:, None])
 
 
 def window_pages(lens: torch.Tensor, window: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,6 +121,11 @@ class Scope:
     def needs_rank(self, budget: TokenBudget | None) -> bool:
         return False
 
+    def key_stats(self, layout) -> tuple[frozenset | None, int]:
+        """A scope that ``needs_keys``: the key statistics it reads (None: every one,
+        :class:`~kvtier.engine.stats.KeyStats`) and the rank of the key sketch it keeps (0: none)."""
+        return None, 0
+
     def bind(self, engine) -> None:
         """Allocate state once the engine exists (its layout, rows, key statistics)."""
         self.engine = engine
@@ -120,7 +140,7 @@ class Scope:
 
     def pick(self, layer: int, q: torch.Tensor, view: StepView):
         """Page list of ``layer`` for the queries ``q [B, H, D]``: ``[B, (N_kv,) K]`` or None (every page); a scope
-        that chooses single keys returns ``(page list, token bits)`` of one shape (:func:`split_choice`)."""
+        that chooses single keys returns a :class:`KeyList`."""
         if not self.query_free:
             raise NotImplementedError
         lists = self.plan(range(layer, layer + 1), view)
@@ -137,6 +157,9 @@ class Scope:
     def start_step(self) -> None:
         """A decode step starts (per-step state of the scope goes)."""
 
+    def prepare(self) -> None:
+        """Host work before a decode step is planned (eager, never captured): state the captured steps read."""
+
 
 def view_budget_width(budget: TokenBudget) -> int:
     """List width of a continuous budget: sink pages, middle pages, the window's pages (one more where it
@@ -145,18 +168,10 @@ def view_budget_width(budget: TokenBudget) -> int:
     return -(-budget.sinks // P) + budget.middle_pages + -(-budget.window_tokens // P) + 1
 
 
-def budget_pick(layers: int | range, view: StepView, candidate_score, device_only: bool, per_key: bool = False):
+def budget_pick(layers: int | range, view: StepView, candidate_score, device_only: bool):
     """A token budget's page lists ``[(L',) B, K]`` of a layer (or a range of layers sharing a window): the sink
     pages, the middle pages with the best ``candidate_score(cand [(L',) B, M] bool, k) -> picks [(L',) B, k]``
     (logical, -1 none), and the window's pages.
-
-    ``per_key``: the score chooses keys, ``candidate_score(cand [(L',) B, M, P] bool, n) -> chosen [(L',) B, M, P]
-    bool`` with ``n`` the middle's ``k`` pages' worth of keys. Its candidates are every key the spans do not show:
-    the middle pages' keys, the sink pages' keys after the sinks and the window pages' keys before the window. This
-    returns ``(lists, bits)``: the lists hold the middle pages of chosen keys (at most ``min(n, M)``) and each
-    entry's bits say which of its keys are shown (bit t: its token t; the sinks and the window's tokens, and the
-    chosen keys), so the kernel reads the bits in place of the spans
-    (:func:`kvtier.kernels.triton_decode.static_decode`).
 
     Rows the budget holds whole (continuous budgets) list every live page. The layer's sliding window
     restricts the candidates to the pages every query sees whole, as :mod:`kvtier.window` does.
@@ -186,37 +201,13 @@ def budget_pick(layers: int | range, view: StepView, candidate_score, device_onl
     sink_part = torch.where(sink[:, :cand_lo], logical[:cand_lo], -1)  # [B, sink pages]
     win_part = cand_hi[:, None] + torch.arange(n_win, device=table.device)  # [B, n_win]
     win_part = torch.where(win_part < n_pages[:, None], win_part, -1)
-    if per_key:
-        middle, bits = _key_choice(view, candidate_score, k * P, live, sink, window, cand, lens, layers)
-    else:
-        middle = candidate_score(cand, k) if k else torch.zeros(*lead, B, 0, dtype=torch.int32, device=table.device)
+    middle = candidate_score(cand, k) if k else torch.zeros(*lead, B, 0, dtype=torch.int32, device=table.device)
     listed = torch.cat([sink_part.to(torch.int32).expand(*lead, B, cand_lo), middle.to(torch.int32),
                         win_part.to(torch.int32).expand(*lead, B, n_win)], -1)  # [(L',) B, K]
     every = torch.where(live, logical, -1).to(torch.int32)  # a row the budget holds whole fits the list
     width = listed.shape[-1]
     every = every[..., :width] if M >= width else torch.cat([every, every.new_full((*lead, B, width - M), -1)], -1)
-    lists = torch.where(whole, every, listed)
-    if not per_key:
-        return lists
-    shown = torch.where(listed >= 0, bits.gather(-1, listed.clamp(min=0).long()), 0).to(torch.int32)
-    return lists, torch.where(whole, -1, shown)  # every bit: every key of the page
-
-
-def _key_choice(view: StepView, candidate_score, n: int, live, sink, window, cand, lens, layers):
-    """:func:`budget_pick`'s choice of ``n`` single keys: ``(middle [(L',) B, min(n, M)], bits [(L',) B, M] int64)``,
-    the middle pages holding chosen keys in page order (-1 none) and every page's shown keys (spans and chosen)."""
-    P = view.page_size
-    M = live.shape[-1]
-    sinks, win_start = (x[:, None, None] for x in view.spans[:view.batch].long().unbind(1))  # [B, 1, 1]
-    tok = torch.arange(M, device=live.device)[:, None] * P + torch.arange(P, device=live.device)  # [M, P]
-    window_len = view.window(layers)
-    lo = (lens - window_len).clamp(min=0)[:, None, None] if window_len else 0  # a sliding window's first key
-    spans = (sink | window)[..., None] & ((tok < sinks) | (tok >= win_start))  # [(L',) B, M, P] as the kernel's
-    spare = ((sink | window)[..., None] & ~spans & (tok >= lo)) | cand[..., None]  # keys the spans leave out
-    chosen = candidate_score(spare & (tok < lens[:, None, None]), n) if n else torch.zeros_like(spans)
-    bits = ((spans | chosen).long() << torch.arange(P, device=live.device)).sum(-1)  # [(L',) B, M] P <= 32
-    middle = compact(chosen.any(-1) & cand)[..., :min(n, M)]
-    return middle, bits
+    return torch.where(whole, every, listed)
 
 
 def best_of(score: torch.Tensor, cand: torch.Tensor, k: int, count: torch.Tensor | None = None) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 
 from kvtier.compiling import compile_step
 from kvtier.kernels.base import at_host
-from kvtier.scopes.base import DROPPED_LOC
+from kvtier.scopes.base import DROPPED
 from kvtier.tiers.copy_kernel import copy_pool_pages
 
 ADMIT_LAYERS = 8  # layers admitted together, once the last of them has attended
@@ -181,7 +181,7 @@ def overlay_recall(home: torch.Tensor, table: torch.Tensor, page: torch.Tensor, 
     L, B, M = home.shape
     valid = (page >= 0) & (page < B * M)
     at_home = home.reshape(L, -1).gather(1, torch.where(valid, page, 0))  # [L, C]
-    keep = valid & (at_home < 0) & (at_home != DROPPED_LOC)  # still on the host (a page dropped for good goes)
+    keep = valid & (at_home < 0) & (at_home != DROPPED)  # still on the host (a page dropped for good goes)
     page.copy_(torch.where(keep, page, -1))
     flat = torch.cat([home.reshape(L, -1), home.new_zeros(L, 1)], 1)  # [L, B*M + 1]: the last column takes the dropped
     flat.scatter_(1, torch.where(keep, page, B * M), slots.to(home.dtype))

@@ -1,75 +1,100 @@
-"""``topk``: Quest (Tang et al., 2024, arXiv:2406.10774): the pages with the largest upper bound of q·k,
-from each page's elementwise key min/max (the engine's :class:`~kvtier.engine.stats.KeyStats`, by pid).
+"""``topk``: recall, each decode step attends the keys that matter wherever they live.
 
-Without a token budget, the ``pages`` best per step with the sink pages and the tail forced in; under a
-budget, the budget's middle pages. Options (token budgets; off by default): ``rank="quest_head"``
-(each query head's bounds as a softmax over the candidates, max over heads), ``rank="gauss"`` (each page's
-attention mass estimated from its keys' channel means and variances: :func:`gauss_mass`), ``rank="sketch"`` (each
-page's attention mass under approximate logits from rank-``sketch_rank`` keys, 16 unless set: :func:`sketch_mass`),
-``unit="token"`` (with ``rank="sketch"``: the middle's keys one by one, by their share of the approximate
-attention, :func:`sketch_tokens`, from the middle pages and the sink and window pages' keys outside the sinks and
-the window; the pages that hold them are listed and moved whole, the kernel attends only the shown keys of each:
-:func:`~kvtier.scopes.base.budget_pick`), ``per_head`` (each kv head its own pages, as Quest chooses per head), ``query_rows``
-(the bound is the max over the layer's last decode queries of the row), ``policy_share`` (that share of the pages by the policy's rank, the
-rest by the bound). With ``recall_slots`` each layer also keeps that many device slots that the
-captured step fills with its own picks read from the host (:class:`~kvtier.scopes.recall.RecallCache`); with
-``landing_slots`` each row also keeps that many device slots per layer where the decode kernel writes the pages it
-reads whole from the host, so that their admission crosses the host link once, not twice; and with
-``predictor`` (``"next_layer"``, ``"after_attention"``: :mod:`kvtier.scopes.predict`) with its predicted picks
+By default (``unit="token"``, ``rank="sketch"``) each kv head of each row chooses single keys by their estimated
+share of its query group's attention, from a low-rank sketch of every key kept on the device (the keys on their
+rank-``sketch_rank`` principal directions, fitted once from the stored keys before the first step that chooses:
+Loki, Singhania et al., 2024, arXiv:2406.02542; ShadowKV, Sun et al., 2024, arXiv:2410.21465): two Triton launches a
+layer inside the captured step (:mod:`kvtier.kernels.triton_key_choice`; on the torch backend its oracle
+:func:`~kvtier.kernels.reference.key_choice_reference`), no host work. Under a token budget a step attends the
+sinks, the window and the budget's middle in keys; without one, ``scope.sinks``, the page being written and
+``pages`` pages' worth of chosen keys. The decode kernel reads the chosen keys wherever their pages live
+(:class:`~kvtier.scopes.base.KeyList`).
+
+``unit="page"`` keeps the page choices (under a token budget's middle, or ``pages`` without one): ``rank="quest"``
+is Quest (Tang et al., 2024, arXiv:2406.10774): the pages with the largest upper bound of q·k from each page's
+elementwise key min/max (the engine's :class:`~kvtier.engine.stats.KeyStats`, by pid), two Triton launches a layer
+(:mod:`kvtier.kernels.triton_page_choice`, oracle :func:`~kvtier.kernels.reference.page_choice_reference`);
+``rank="quest_head"`` (each query head's bounds as a softmax over the candidates, max over heads), ``rank="gauss"``
+(each page's attention mass estimated from its keys' channel means and variances: :func:`gauss_mass`),
+``rank="sketch"`` (each page's attention mass under the sketched logits: :func:`sketch_mass`) run as torch ops;
+options under a budget: ``per_head`` (each kv head its own pages, as Quest chooses per head), ``query_rows`` (the
+bound is the max over the layer's last decode queries of the row), ``policy_share`` (that share of the pages by the
+policy's rank, the rest by the bound). Equal scores: the lower page (key) first; picks are listed in page (position)
+order.
+
+With ``recall_slots`` each layer also keeps that many device slots that the captured step fills with the pages its
+choice read from the host (:class:`~kvtier.scopes.recall.RecallCache`; a key choice: the pages of its keys); with
+``landing_slots`` (page choices) each row also keeps that many device slots per layer where the decode kernel writes
+the pages it reads whole from the host, so that their admission crosses the host link once, not twice; and with
+``predictor`` (``"next_layer"``, ``"after_attention"``: :mod:`kvtier.scopes.predict`) with its predicted choice
 before the layer runs.
-
-On the Triton backend (a GPU, or the CPU under TRITON_INTERPRET=1) the bound and the choice of a layer are two
-launches (:mod:`kvtier.kernels.triton_page_choice`); on the torch backend its oracle
-(:func:`~kvtier.kernels.reference.page_choice_reference`) chooses the same pages. ``rank="quest_head"`` (a
-softmax over the candidates per head), ``rank="gauss"`` and ``rank="sketch"`` always run in torch. Equal scores: the lower page first; picks are
-listed in page order.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from kvtier.budget import TokenBudget
-from kvtier.checks import check_topk_options
 from kvtier.compiling import compile_step
 from kvtier.engine.stats import over_heads, page_bounds
 from kvtier.errors import ConfigError
-from kvtier.kernels.reference import page_choice_reference
+from kvtier.kernels.reference import key_choice_reference, page_choice_reference
 from kvtier.scopes.predict import make_predictor
-from kvtier.scopes.base import Scope, StepView, best_of, budget_pick, compact, live_mask, window_pages
+from kvtier.scopes.base import KeyList, Scope, StepView, best_of, budget_pick, compact, live_mask, window_pages
 from kvtier.scopes.simple import live_pages
 
 RANKS = ("quest", "quest_head", "gauss", "sketch")
-UNITS = ("page", "token")  # what the middle's choice picks: whole pages, or single keys of the pages listed
+UNITS = ("page", "token")  # what the choice picks: whole pages, or single keys
+QUEST_FIELDS = frozenset({"key_min", "key_max", "count"})  # the key statistics each rank reads
+FIELDS = {"quest": QUEST_FIELDS, "quest_head": QUEST_FIELDS, "gauss": frozenset({"key_sum", "key_sq", "count"}),
+          "sketch": frozenset({"count"})}
+
+
+def check_topk_options(rank: str, unit: str, query_rows, policy_share) -> None:
+    """The topk scope's ``rank`` (one of :data:`RANKS`), ``unit``, ``query_rows`` and ``policy_share``."""
+    if rank not in RANKS:
+        raise ConfigError("scope.rank", f"unknown rank {rank!r}; use one of {list(RANKS)}")
+    if unit not in UNITS:
+        raise ConfigError("scope.unit", f"unknown unit {unit!r}; use one of {list(UNITS)}")
+    if not isinstance(query_rows, int) or isinstance(query_rows, bool) or query_rows < 1:
+        raise ConfigError("scope.query_rows", f"must be an integer >= 1, got {query_rows!r}")
+    if isinstance(policy_share, bool) or not isinstance(policy_share, (int, float)) or \
+            not 0.0 <= policy_share <= 1.0:  # nan too
+        raise ConfigError("scope.policy_share", f"must be in [0, 1], got {policy_share!r}")
 
 
 class TopK(Scope):
     name = "topk"
     needs_keys = True
 
-    def __init__(self, pages: int | None = None, rank: str = "quest", per_head: bool = False, query_rows: int = 1,
-                 policy_share: float = 0.0, recall_slots: int = 0, sinks: int = 4, sketch_rank: int | None = None,
-                 unit: str = "page", predictor=None, landing_slots: int = 0):
+    def __init__(self, pages: int | None = None, rank: str = "sketch", per_head: bool | None = None,
+                 query_rows: int = 1, policy_share: float = 0.0, recall_slots: int = 0, sinks: int = 4,
+                 sketch_rank: int | None = None, unit: str = "token", predictor=None, landing_slots: int = 0):
         for key, v, low in (("scope.pages", pages, 1), ("scope.recall_slots", recall_slots, 0),
                             ("scope.landing_slots", landing_slots, 0),
                             ("scope.sinks", sinks, 0), ("scope.sketch_rank", sketch_rank, 1)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
                 raise ConfigError(key, f"must be an integer >= {low}, got {v!r}")
-        check_topk_options(rank, query_rows, policy_share)
-        self.pages, self.rank, self.per_head, self.query_rows = pages, rank, per_head, query_rows
-        self.policy_share, self.recall_slots, self.sinks = float(policy_share), recall_slots, sinks
+        check_topk_options(rank, unit, query_rows, policy_share)
         if sketch_rank is not None and rank != "sketch":
             raise ConfigError("scope.sketch_rank", f"only rank 'sketch' keeps a key sketch (rank is {rank!r}): set "
                                                    "scope.rank=sketch or leave sketch_rank null")
-        self.sketch_rank = (sketch_rank or 16) if rank == "sketch" else 0  # KeyStats keeps the sketch when > 0
-        if unit not in UNITS:
-            raise ConfigError("scope.unit", f"unknown unit {unit!r}; use one of {list(UNITS)}")
-        if unit == "token" and (rank != "sketch" or policy_share):
-            raise ConfigError("scope.unit", "a choice of single keys scores each key: it needs rank 'sketch' (a "
-                                            f"score per key) and no policy_share, got rank {rank!r}, policy_share "
-                                            f"{policy_share}")
-        self.unit = unit
-        if per_head and recall_slots:
+        if unit == "token":
+            chosen = {"rank": rank != "sketch", "per_head": per_head is False, "query_rows": query_rows > 1,
+                      "policy_share": bool(policy_share), "landing_slots": bool(landing_slots)}
+            if any(chosen.values()):
+                key = next(k for k, v in chosen.items() if v)
+                raise ConfigError(f"scope.{key}", "a choice of single keys scores each key from its sketch (rank "
+                                                  "'sketch'), for each kv head its own keys, by the newest query, and "
+                                                  "reads them in place (no landing slots): leave it unset, or set "
+                                                  "scope.unit=page")
+        self.pages, self.rank, self.unit, self.query_rows = pages, rank, unit, query_rows
+        self.per_head = unit == "token" or bool(per_head)
+        self.policy_share, self.recall_slots, self.sinks = float(policy_share), recall_slots, sinks
+        self.sketch_rank = sketch_rank  # rank 'sketch': None is head_dim / 4 (a quarter of the 16-bit keys' bytes)
+        if self.per_head and recall_slots and unit == "page":
             raise ConfigError("scope.recall_slots", "the recall cache admits one page list per row; per_head gives "
                                                     "each kv head its own: set scope.per_head=false or recall_slots=0")
         if landing_slots and not recall_slots:
@@ -84,75 +109,131 @@ class TopK(Scope):
             raise ConfigError("scope.predictor", "a choice over the last query_rows queries would remember the "
                                                  "estimates: set scope.query_rows=1 with a predictor")
 
+    def key_stats(self, layout) -> tuple[frozenset, int]:
+        """The key statistics the choice reads and the rank of the key sketch it keeps (0: none)."""
+        if self.rank != "sketch":
+            return FIELDS[self.rank], 0
+        rank = self.sketch_rank or max(layout.head_dim // 4, 1)
+        if rank > layout.head_dim:
+            raise ConfigError("scope.sketch_rank", f"must be at most the head dim {layout.head_dim}, got {rank}")
+        return FIELDS[self.rank], rank
+
     def needs_rank(self, budget: TokenBudget | None) -> bool:
         return budget is not None and budget.mode == "continuous" and self.policy_share > 0
 
     def bind(self, engine) -> None:
         super().bind(engine)
-        budget_only = [n for n, v in (("per_head", self.per_head), ("query_rows", self.query_rows > 1),
-                                      ("policy_share", self.policy_share > 0), ("rank", self.rank != "quest"),
-                                      ("unit", self.unit != "page")) if v]
+        budget_only = [n for n, v in (("per_head", self.per_head and self.unit == "page"),
+                                      ("query_rows", self.query_rows > 1), ("policy_share", self.policy_share > 0),
+                                      ("rank", self.rank not in ("quest", "sketch") or
+                                       (self.rank == "sketch" and self.unit == "page"))) if v]
         if engine.budget is None and budget_only:
             raise ConfigError(f"scope.{budget_only[0]}", "this option chooses a token budget's middle pages: set "
                                                          "cache.attend_budget=true (Python: budget=)")
         if engine.budget is None and self.pages is None:
-            raise ConfigError("scope.pages", "scope 'topk' needs pages >= 1 (or a token budget)")
-        if self.sketch_rank and engine.graphs:
-            raise ConfigError("scope.rank", "rank 'sketch' fits its key basis on the host at the first choice: run "
-                                            "the engine without CUDA graphs (engine.graphs=false)")
-        if self.unit == "token" and engine.layout.page_size > 32:
-            raise ConfigError("scope.unit", f"a token mask holds 32 keys per page; pages have "
-                                            f"{engine.layout.page_size} (set cache.page_size <= 32)")
-        if self.sketch_rank > engine.layout.head_dim:
-            raise ConfigError("scope.sketch_rank", f"must be at most the head dim {engine.layout.head_dim}, got "
-                                                   f"{self.sketch_rank}")
+            raise ConfigError("scope.pages", "scope 'topk' without a token budget needs pages >= 1 (the keys it "
+                                             "chooses are that many pages' worth); or set cache.attend_budget=true")
+        if engine.budget is None and self.unit == "page" and self.rank != "quest":
+            raise ConfigError("scope.rank", "without a token budget the page choice is Quest's: set scope.rank=quest")
         self.recent = None  # [L, R, query_rows, H, D] the last decode queries of each (layer, row), made at the first
-        L, R = engine.layout.num_layers, engine.config.max_batch
+        layout = engine.layout
+        L, R, M = layout.num_layers, engine.config.max_batch, engine.max_pages
         self.seen = torch.zeros(L, R, dtype=torch.int64, device=engine.device)
         self._forced = compile_step(forced_pages, dynamic=False) if engine.compiled else forced_pages
         self.start_step()
-        self.fused = engine.kernel.name == "triton"  # the page choice as Triton launches (scores, selection)
+        self.fused = engine.kernel.name == "triton"  # the choice as Triton launches (scores, selection)
+        self.key_lists = None
+        if self.unit == "token":  # each layer's lists, static: the captured step writes them in place
+            width = self.width(engine.budget, False, M)
+            self.key_lists = torch.full((L, R, layout.num_kv_heads, width), -1, dtype=torch.int32,
+                                        device=engine.device)
         if self.fused:  # imported here: triton.jit picks compiled or interpreted kernels (TRITON_INTERPRET) at import
+            from kvtier.kernels.triton_key_choice import KeyChoiceWork, key_choice
             from kvtier.kernels.triton_page_choice import ChoiceWork, page_choice
 
-            self._fused_choice = page_choice
-            self.work = ChoiceWork.make(R, engine.max_pages, engine.device)
+            self._fused_choice, self._fused_keys = page_choice, key_choice
+            self.work = ChoiceWork.make(R, M, engine.device)
+            if self.unit == "token":
+                group = engine.model.config.num_attention_heads // layout.num_kv_heads if engine.model is not None \
+                    else None
+                self.key_work = KeyChoiceWork.make(R, layout.num_kv_heads, group, M * layout.page_size,
+                                                   engine.device) if group else None
 
     def reset_row(self, row: int) -> None:
         self.seen[:, row] = 0
 
     def start_step(self) -> None:
-        self._lists = {}  # a layer group's first index -> its lists, candidates and room this step
+        self._lists = {}  # a layer group's first index -> its lists, candidates and room (or spans) this step
+
+    def prepare(self) -> None:
+        """Before a step that chooses keys from the sketch: its basis, fitted once from every stored key."""
+        e = self.engine
+        if self.rank != "sketch" or e.keys.fitted or not any(
+                s is not None and e.table.seq_len(s) + 1 > self._choosing_from(e.budget) for s in e.row_seq):
+            return
+        seqs = list(e.table.seqs)
+        e.keys.fit_sketch([(e.table.pages(s), [kv[0] for kv in e.read_sequence(s, e.table.seq_len(s), e.device)])
+                           for s in seqs])
+
+    def _choosing_from(self, budget: TokenBudget | None) -> int:
+        """The keys past which a row has a choice to make."""
+        return budget.tokens if budget is not None else self.width(None, False, self.engine.max_pages) * \
+            (1 if self.unit == "token" else self.engine.layout.page_size)
 
     def width(self, budget, once, max_pages):
+        P = self.engine.layout.page_size
+        if self.unit == "token" and not once:  # keys: the budget's, or the sinks, the chosen and the page written
+            return budget.tokens if budget is not None else self.sinks + self.pages * P + P
         if budget is None:
-            P = self.engine.layout.page_size
             tail = max([-(-w // P) + 1 for w in self.engine.layout.sliding_windows if w] + [1])
             return min(-(-self.sinks // P) + tail + self.pages, max_pages)  # max_pages: every page, exact
         return super().width(budget, once, max_pages)
 
-    def pick(self, layer: int, q: torch.Tensor, view: StepView) -> torch.Tensor | None:
+    def pick(self, layer: int, q: torch.Tensor, view: StepView):
         if layer < view.dense_layers:
             return live_pages(layer, view)
+        if self.unit == "token" and not view.once:
+            return self._pick_keys(layer, q, view)
         q = self._remember(layer, q, view.batch) if view.budget is not None else q[:, None]  # [B, r, H, D]
         if view.budget is None:
             return self._pick_pages(layer, q[:, 0], view)
-        if self.unit == "token":
-            heads = range(self.engine.layout.num_kv_heads) if self.per_head else [None]
-            share = self._shares(layer, q, view, per_key=True)  # [B, M, P, H] once for every kv head's choice
-            picked = [budget_pick(layer, view, lambda c, n, h=h: self._choose_keys(layer, share, view, c, n, h),
-                                  device_only=False, per_key=True) for h in heads]
-            if not isinstance(picked[0], tuple):  # a budget compressed once: every kept page whole
-                return torch.stack(picked, 1) if self.per_head else picked[0]
-            pages, bits = (torch.stack(x, 1) if self.per_head else x[0] for x in zip(*picked))
-            return pages, bits  # [B, (N_kv,) K] each
         if self.per_head:  # an estimated mass is computed once for every kv head's choice
-            mass = self._shares(layer, q, view) if self.rank in ("gauss", "sketch") else None
+            mass = self._mass(layer, q, view) if self.rank in ("gauss", "sketch") else None
             per_head = [budget_pick(layer, view, lambda c, k, h=h: self._choose(layer, q, view, c, k, kv_head=h,
                                                                                  mass=mass),
                                     device_only=False) for h in range(self.engine.layout.num_kv_heads)]
             return torch.stack(per_head, 1)  # [B, N_kv, K]
         return budget_pick(layer, view, lambda c, k: self._middle(layer, q, view, c, k), device_only=False)
+
+    def _pick_keys(self, layer: int, q: torch.Tensor, view: StepView) -> KeyList:
+        """Each kv head's keys of ``layer`` for the queries ``q [B, H, D]``: the spans' keys and the middle's best
+        by their sketched share (:mod:`kvtier.kernels.triton_key_choice`)."""
+        B, keys = view.batch, self.engine.keys
+        spans, n = self._key_spans(layer, view)
+        out = self.key_lists[layer, :B]  # [B, N_kv, W]
+        args = (q, keys.basis[layer], keys.sketch[layer], view.pids[:B], view.table[layer, :B], view.lens[:B], spans,
+                n, out, view.window(layer))
+        if self.fused:
+            self._fused_keys(*args, work=self.key_work)
+        else:
+            key_choice_reference(*args)
+        return KeyList(out)
+
+    def _key_spans(self, layer: int, view: StepView) -> tuple[torch.Tensor, int]:
+        """``(spans [B, 2], n)``: the keys each row shows (``(sinks, win_start)``, win_start 0: every key) and how
+        many it chooses: the budget's, or without one ``scope.sinks``, the page being written and ``pages`` pages'
+        worth of chosen keys (once a step for a layer group)."""
+        P = view.page_size
+        if view.budget is not None:
+            return view.spans[:view.batch], view.budget.middle_pages * P
+        group = next(g for g in self.engine.groups if layer in g)
+        if group.start not in self._lists:
+            lens = view.lens[:view.batch].long()
+            tail = (lens - 1).clamp(min=0) // P * P  # the page being written
+            whole = lens <= self.width(None, False, self.engine.max_pages)
+            self._lists[group.start] = torch.stack([torch.full_like(lens, self.sinks),
+                                                    torch.where(whole, 0, tail)], 1).to(torch.int32)
+        return self._lists[group.start], self.pages * P
 
     def _middle(self, layer, q, view, cand, k):
         k_policy = int(round(self.policy_share * k))
@@ -173,7 +254,7 @@ class TopK(Scope):
         keys, pids = self.engine.keys, view.pids[:view.batch]  # [B, M]
         n_kv = self.engine.layout.num_kv_heads
         if self.rank in ("gauss", "sketch"):  # estimated attention mass per head: summed over the heads sharing
-            ub = self._shares(layer, q, view) if mass is None else mass  # [B, M, H]
+            ub = self._mass(layer, q, view) if mass is None else mass  # [B, M, H]
             return best_of(over_heads(ub, n_kv, kv_head, torch.sum), cand & (pids >= 0), k, count)
         if self.rank == "quest_head":  # each head's bounds as a softmax over the candidates
             ub = page_bounds(q, keys.key_min[layer], keys.key_max[layer], pids)  # [B, M, H]
@@ -185,38 +266,13 @@ class TopK(Scope):
         picked = page_choice_reference(q, keys.key_min[layer], keys.key_max[layer], pids, cand, k, count, kv_head)
         return picked if out is None else out.copy_(picked)
 
-    def _shares(self, layer: int, q: torch.Tensor, view: StepView, per_key: bool = False) -> torch.Tensor:
-        """Each live page's (``per_key``: each key's) estimated share of each head's attention for the row queries
-        ``q [B, r, H, D]``, max over the rows: ``[B, M, H]`` (:func:`gauss_mass`, :func:`sketch_mass`) or ``[B, M, P,
-        H]`` (:func:`sketch_tokens`)."""
+    def _mass(self, layer: int, q: torch.Tensor, view: StepView) -> torch.Tensor:
+        """Each live page's estimated share of each head's attention for the row queries ``q [B, r, H, D]``, max
+        over the rows: ``[B, M, H]`` (:func:`gauss_mass`, :func:`sketch_mass`)."""
         keys, pids = self.engine.keys, view.pids[:view.batch]  # [B, M]
-        if self.rank == "sketch" and keys.basis is None:
-            self._fit_sketch()
         ids, live = pids.long().clamp(min=0), pids >= 0
         mass = gauss_mass if self.rank == "gauss" else sketch_mass
-        share = (lambda qi: sketch_tokens(qi, keys, layer, ids, live)) if per_key else \
-            (lambda qi: mass(qi, keys, layer, ids, live, live))
-        return torch.stack([share(q[:, i]) for i in range(q.shape[1])]).amax(0)
-
-    def _choose_keys(self, layer: int, share: torch.Tensor, view: StepView, cand: torch.Tensor, n: int,
-                     kv_head: int | None) -> torch.Tensor:
-        """The ``n`` keys of the candidates ``cand [B, M, P]`` (stored keys only) with the largest share ``share [B,
-        M, P, H]`` (:meth:`_shares`; summed over the query heads, of ``kv_head``'s group): ``[B, M, P]`` bool."""
-        keys, pids = self.engine.keys, view.pids[:view.batch]  # [B, M]
-        B, M, P, H = share.shape
-        score = over_heads(share.view(B, M * P, H), self.engine.layout.num_kv_heads, kv_head, torch.sum)  # [B, M*P]
-        stored = torch.arange(P, device=pids.device) < keys.count[layer][pids.long().clamp(min=0)][..., None]
-        ok = cand & (pids >= 0)[..., None] & stored  # [B, M, P]
-        chosen = best_of(score, ok.view(B, M * P), n).long()  # [B, n] flat key indices, -1 none
-        keep = torch.zeros(B, M * P + 1, dtype=torch.bool, device=pids.device)  # the last column takes the -1s
-        keep.scatter_(1, torch.where(chosen >= 0, chosen, M * P), True)
-        return keep[:, :-1].view(B, M, P)
-
-    def _fit_sketch(self) -> None:
-        """The sketch's basis from every key stored now (read from wherever its page lives)."""
-        e = self.engine
-        e.keys.fit_sketch([(e.table.pages(seq), [kv[0] for kv in e.read_sequence(seq, e.table.seq_len(seq))])
-                           for seq in e.table.seqs])
+        return torch.stack([mass(q[:, i], keys, layer, ids, live, live) for i in range(q.shape[1])]).amax(0)
 
     def _remember(self, layer: int, q: torch.Tensor, B: int) -> torch.Tensor:
         """Add the decode query ``q [B, H, D]``; the last ``query_rows`` queries of each row ``[B, r, H, D]``."""
@@ -249,6 +305,9 @@ class TopK(Scope):
         lists, free, room = (x[layer - group.start] for x in self._lists[group.start])
         self._choose(layer, q[:, None], view, free, self.pages, count=room, out=lists[:, width - self.pages:])
         return lists  # [B, width] int32
+
+
+OPTIONS = frozenset(inspect.signature(TopK).parameters) - {"pages", "sinks"}  # what a caller may set beside those
 
 
 def forced_pages(table: torch.Tensor, lens: torch.Tensor, window: int, page_size: int, sink_pages: int, pages: int,
@@ -298,7 +357,7 @@ def sketch_logits(q: torch.Tensor, keys, layer: int, pids: torch.Tensor) -> torc
     keys on their top principal directions, ShadowKV's low-rank key cache, Sun et al., 2024, arXiv:2410.21465).
     Reads r/D of the keys' bytes."""
     B, H, D = q.shape
-    y = keys.sketch[layer][pids]  # [B, M, P, N_kv, r]
+    y = keys.sketch[layer][pids].float()  # [B, M, P, N_kv, r]
     n_kv, P = y.shape[3], y.shape[2]
     qr = torch.einsum("bkgd,kdr->bkgr", q.float().view(B, n_kv, H // n_kv, D), keys.basis[layer])  # [B, N_kv, G, r]
     logits = torch.einsum("bmpkr,bkgr->bmpkg", y, qr).flatten(3) * D ** -0.5  # [B, M, P, H]
@@ -313,14 +372,6 @@ def sketch_mass(q: torch.Tensor, keys, layer: int, pids: torch.Tensor, live: tor
     page as :func:`gauss_mass`."""
     n = keys.count[layer][pids]  # [B, M]
     return shares(sketch_logits(q, keys, layer, pids).logsumexp(2), live & (n > 0), cand)
-
-
-def sketch_tokens(q: torch.Tensor, keys, layer: int, pids: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-    """Each key's share of a head's attention ``[B, M, P, H]`` for the query ``q [B, H, D]`` under the approximate
-    logits of :func:`sketch_logits`: each head's softmax over every stored key of the ``live [B, M]`` pages."""
-    logits = sketch_logits(q, keys, layer, pids).masked_fill(~live[..., None, None], float("-inf"))  # [B, M, P, H]
-    B, M, P, H = logits.shape
-    return torch.softmax(logits.view(B, M * P, H), dim=1).nan_to_num(0.0).view(B, M, P, H)
 
 
 def shares(log_z: torch.Tensor, live: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:

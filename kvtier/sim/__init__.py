@@ -1,7 +1,10 @@
-"""kvtier.sim: a discrete-event simulator of a serving cluster with tiered KV, calibrated by kvtier's benches.
+"""kvtier.sim: a discrete-event simulator of a serving cluster with tiered KV, its step costs an operator roofline
+at measured rates plus kvtier's engine overheads fitted on its benches (validated on held-out rows and across
+GPU kinds: ``python -m kvtier.sim.validate``).
 
 ``Cluster(ClusterSpec([...]), requests).run()`` -> a :class:`Ledger`; step costs from :class:`StepCosts` over a
-:class:`Calibration` (:func:`load_calibration`); seeds 000-002 as ``kvtier-run experiment=sim_seed000|001|002``.
+:class:`Calibration` (:func:`load_calibration`); the seeds' claims as ``kvtier-run experiment=sim_seed000|001|002``;
+a cluster with a shared KV pool as ``python -m kvtier.sim.kv_pool_cluster``.
 """
 
 from kvtier.sim.calibration import Calibration, load_calibration

@@ -1,8 +1,12 @@
-"""Regenerate a calibration from bench JSONs: ``python -m kvtier.sim.calibrate --bench bench --out FILE``.
+"""Regenerate a calibration from bench JSONs: ``python -m kvtier.sim.calibrate --bench bench --gpu H100 --out FILE``.
 
-Measured rates are read as they are; each parameter group of :data:`~kvtier.sim.calibration.PARAMS` is fitted
-(least squares on relative error) on its anchor rows, with :func:`kvtier.sim.validate.predict`, the function
-validation uses, so the fit and the prediction cannot disagree about the formulas.
+Hardware rates are read as measured (:func:`kvtier.sim.measured.hardware_rates`, and the H200 host's link
+benches). kvtier's engine parameters (:data:`~kvtier.sim.calibration.PARAMS`) are fitted on the kind's anchor
+rows, the rows :mod:`kvtier.sim.split` does not hold out, in three stages: the decode group, then recall, then
+prefill and serving together (a serve TTFT pays the scheduler's step, an ITL beside a chunk pays the chunk).
+Each stage is least squares on relative error with :func:`kvtier.sim.validate.predict`, the function validation
+uses, so the fit and the prediction cannot disagree about the formulas; a parameter the fit drives below zero is
+held at zero and the rest refitted.
 """
 
 from __future__ import annotations
@@ -12,88 +16,101 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.sim.calibration import DEFAULT, PARAMS, Calibration
-from kvtier.sim.measured import Measured, measured_rows, read_bench
+from kvtier.sim.calibration import NOISE_Z99, PARAMS, SHIPPED, Calibration
+from kvtier.sim.measured import Measured, hardware_rates, measured_rows, read_json
 from kvtier.sim.validate import predict
 
-GPU_NAMES = {"NVIDIA H200": "H200", "NVIDIA H100 80GB HBM3": "H100"}
+STAGES = (("decode",), ("recall",), ("prefill", "serving"))
 
 
-def anchors_of(rows: list[Measured]) -> dict:
-    """The rows each group is fitted on: all-HBM decode rows; the Llama-shape resident rows (the real SmolLM2 ones
-    are held out); every topk row (its cost does not follow k, nor a model's shape: both models are needed to fit
-    it, so none is held out); the serve decode-only row; the serve cold, radix-hit and one-session TTFTs."""
-    def ids(pred):
-        return [r.id for r in rows if pred(r)]
-    return {
-        "decode": ids(lambda r: r.kind == "decode" and r.case["scope"] == "all"),
-        "tiered": ids(lambda r: r.kind == "decode" and r.case["scope"] == "resident" and r.case["model"] != "smollm2"),
-        "recall": ids(lambda r: r.kind == "decode" and r.case["scope"] == "topk"),
-        "serve": ids(lambda r: r.kind == "mixed" and not r.case["chunk"]),
-        "prefill": ids(lambda r: r.id.startswith("serve") and r.kind == "prefill"),
-    }
-
-
-def fit_group(cal: Calibration, group: str, rows: list[Measured]) -> None:
-    """Set ``cal.params[group]`` to the least-squares fit (relative error) of ``rows``' times; the prediction is
-    linear in the group's parameters, so each column is the prediction with one parameter at 1, the rest at 0."""
-    keys = PARAMS[group]
+def fit(cal: Calibration, groups: tuple[str, ...], rows: list[Measured]) -> None:
+    """Set the parameters of ``groups`` to the least-squares fit (relative error) of ``rows``' times; the
+    prediction is affine in them, so each column is the prediction with one parameter at 1, the rest at 0."""
+    keys = [(g, k) for g in groups for k in PARAMS[g]]
     y = np.array([r.ms for r in rows])
 
-    def at(values):
-        cal.params[group] = dict(zip(keys, values))
+    def at(values) -> np.ndarray:
+        for (g, k), v in zip(keys, values):
+            cal.params[g][k] = float(v)
         return np.array([predict(r, cal) for r in rows])
 
-    base = at([0.0] * len(keys))
-    X = np.stack([at([float(i == j) for j in range(len(keys))]) - base for i in range(len(keys))], 1)  # [rows, p]
-    theta = np.linalg.lstsq(X / y[:, None], (y - base) / y, rcond=None)[0]
-    at(theta.tolist())
+    base = at(np.zeros(len(keys)))
+    X = np.stack([at(np.eye(len(keys))[i]) - base for i in range(len(keys))], 1)  # [rows, params]
+    free = np.ones(len(keys), bool)
+    while True:
+        theta = np.zeros(len(keys))
+        theta[free] = np.linalg.lstsq(X[:, free] / y[:, None], (y - base) / y, rcond=None)[0]
+        if (theta >= 0).all():
+            break
+        free &= theta > 0  # a cost below zero is no cost: hold it at 0, refit the rest
+    at(theta)
 
 
-def attention_line(kernels: dict, kv: str) -> dict:
-    """The decode kernel's ms = a + bytes / rate over every cell of ``kv`` (graph replay where measured)."""
-    cells = [r for r in kernels["decode_grid"] if r["kv"] == kv]
-    y = np.array([r["graph_ms"].get("triton", r["triton_ms"]) for r in cells])
-    X = np.array([[1.0, r["kv_bytes"] / 1e6] for r in cells])
-    a, per_MB = np.linalg.lstsq(X / y[:, None], np.ones_like(y), rcond=None)[0]
-    return {"ms": float(a), "GBps": float(1 / per_MB)}  # 1 MB/ms = 1 GB/s
+def attention_lines(kernels: dict) -> dict:
+    """Per KV dtype, the decode kernel's ms = a + bytes / rate over the kernel grid's cells (graph replay)."""
+    out = {}
+    for kv in ("bf16", "fp8"):
+        cells = [r for r in kernels["decode_grid"] if r["kv"] == kv]
+        y = np.array([r["graph_ms"].get("triton", r["triton_ms"]) for r in cells])
+        X = np.array([[1.0, r["kv_bytes"] / 1e6] for r in cells])
+        a, per_MB = np.linalg.lstsq(X / y[:, None], np.ones_like(y), rcond=None)[0]
+        out[kv] = {"ms": float(a), "GBps": float(1 / per_MB)}  # 1 MB/ms = 1 GB/s
+    return out
 
 
-def pick_churn(e2e: dict) -> float:
-    """1 - hit rate of the real SmolLM2's topk rows (its recall cache holds as many pages as the step picks), mean
-    over them: the share of each step's picks that the previous steps' picks did not cover."""
-    rows = [r for r in e2e["rows"] if r["model"] == "smollm2" and r.get("scope") == "topk"
-            and r.get("recall_slots") and r["budget"] < 0.5]
-    return float(np.mean([1 - r["hit_rate"] for r in rows]))
+def pick_statistics(topk_hits: dict) -> dict:
+    """Of the recall cache's picks on the real SmolLM2 (its run with a cache as big as the picks): ``churn``, the
+    share of a step's picks the last step did not pick (1 - the LRU hit rate at that size), and ``reuse``, the
+    share of those picked before in the run (1 - first picks / churn)."""
+    r = next(r for r in topk_hits["rows"] if r["recall_slots"] == r["topk_pages"])
+    churn = 1 - r["lru_hit_rate"]
+    return {"churn": churn, "reuse": 1 - (1 - r["unbounded_hit_rate"]) / churn, "memory": topk_hits["args"]["steps"],
+            "pages": r["topk_pages"], "context": topk_hits["args"]["context"]}
 
 
-def calibrate(folder: str | Path) -> Calibration:
-    """A calibration from the bench JSONs in ``folder`` (:data:`kvtier.sim.measured.BENCH_FILES`)."""
-    b = read_bench(folder)
+def calibrate(folder: str | Path, kind: str) -> Calibration:
+    """A calibration of ``kind`` from the bench JSONs in ``folder``."""
+    folder = Path(folder)
+
+    def read(name: str) -> dict:
+        return read_json(folder / name)
+    transfers, disagg, redis, pool = (read(n) for n in ("transfers.json", "disagg.json", "redis_tier.json",
+                                                        "mooncake_tier.json"))
     copies: dict = {}
-    for r in b["transfers"]["rows"]:
+    for r in transfers["rows"]:
         copies.setdefault(r["method"], []).append([r["page_KiB"], r["pages"], r["h2d_GBps"]])
-    redis = next(r for r in b["redis"]["rows"] if r["path"] == "RedisTier batched" and r["op"] == "read")
-    cal = Calibration(
-        gpu=GPU_NAMES.get(b["e2e"]["gpu"], b["e2e"]["gpu"]), hbm_GBps=b["e2e"]["hbm_read_GBps"],
-        bf16_tflops=b["serve"]["tflops"], host_GBps=min(b["transfers"]["ceiling"].values()), page_copy_GBps=copies,
-        nccl_GBps=b["disagg"]["prefill"]["link_GBps"], redis_read_GBps=redis["GB/s"],
-        attention={kv: attention_line(b["kernels"], kv) for kv in ("bf16", "fp8")},
-        pick_churn=pick_churn(b["e2e"]), source=str(folder))
-    rows = measured_rows(b)
-    cal.anchors = anchors_of(rows)
-    for group in PARAMS:
-        fit_group(cal, group, [r for r in rows if r.id in cal.anchors[group]])
+    lines = attention_lines(read("kernels-s5.json"))
+
+    def batched_read(tier: dict, path: str) -> float:
+        return next(r["GB/s"] for r in tier["rows"] if r["path"] == path and r["op"] == "read")
+    cal = Calibration(gpu=kind, **hardware_rates(folder, kind), nvlink_GBps=disagg["prefill"]["link_GBps"],
+                      page_copy_GBps=copies, redis_read_GBps=batched_read(redis, "RedisTier batched"),
+                      pool_read_GBps=batched_read(pool, "MooncakeTier batched"),
+                      fp8_kv_x=lines["bf16"]["GBps"] / (2 * lines["fp8"]["GBps"]),
+                      picks=pick_statistics(read("topk_hits-8k-s27.json")), source=str(folder))
+    fit_engine(cal, measured_rows(folder, kind))
     return cal
+
+
+def fit_engine(cal: Calibration, rows: list[Measured]) -> None:
+    """Fit ``cal``'s engine parameters on the anchors of ``rows``; their step-time spread is its noise."""
+    for groups in STAGES:
+        fit(cal, groups, [r for r in rows if r.group in groups and not r.held_out])
+    cal.anchors = {g: [r.id for r in rows if r.group == g and not r.held_out] for g in PARAMS}
+    for g in PARAMS:
+        spreads = [r.spread for r in rows if r.group == g and not r.held_out and r.spread > 1]
+        cal.noise[g] = float(np.median(np.log(spreads)) / NOISE_Z99) if spreads else 0.0
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m kvtier.sim.calibrate", description=__doc__.splitlines()[0])
     p.add_argument("--bench", default="bench", help="folder of the bench JSONs")
-    p.add_argument("--out", default=str(DEFAULT), help="calibration file to write")
+    p.add_argument("--gpu", default="H100", choices=sorted(SHIPPED), help="the GPU kind whose rows are fitted")
+    p.add_argument("--out", default=None, help="calibration file to write (default: the shipped one of --gpu)")
     a = p.parse_args(argv)
-    calibrate(a.bench).save(a.out)
-    print(f"wrote {a.out}")
+    out = a.out or SHIPPED[a.gpu]
+    calibrate(a.bench, a.gpu).save(out)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

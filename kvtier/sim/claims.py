@@ -1,4 +1,5 @@
-"""A seed scenario's report: its claims beside the simulated figures (a markdown table), and sweep plots."""
+"""A seed scenario's report: each claim beside its simulated figure twice, on kvtier's measured engine and on
+the hardware roofline, a verdict for each, and the assumption that decides it (a markdown table); sweep plots."""
 
 from __future__ import annotations
 
@@ -10,14 +11,18 @@ from pathlib import Path
 class Claim:
     what: str
     seed: str  # the seed's own figure, as the seed states it
-    simulated: str
-    verdict: str  # supported | not supported | not simulated
-    why: str = ""  # what the figure needs (a link rate, a hit rate), or why it cannot be read
+    engine: str  # simulated on kvtier's engine (its measured overheads)
+    engine_verdict: str  # supported | not supported | not simulated
+    roofline: str  # simulated on the hardware roofline (the measured rates alone)
+    roofline_verdict: str
+    decided_by: str  # the assumption or measurement the verdict turns on, and where it would flip when known
 
 
 def claims_table(claims: list[Claim]) -> str:
-    lines = ["| claim | seed | simulated | verdict | what it needs / why |", "| --- | ---: | ---: | --- | --- |"]
-    lines += [f"| {c.what} | {c.seed} | {c.simulated} | {c.verdict} | {c.why} |" for c in claims]
+    lines = ["| claim | seed | kvtier engine | verdict | hardware roofline | verdict | deciding assumption |",
+             "| --- | ---: | ---: | --- | ---: | --- | --- |"]
+    lines += [f"| {c.what} | {c.seed} | {c.engine} | {c.engine_verdict} | {c.roofline} | {c.roofline_verdict} | "
+              f"{c.decided_by} |" for c in claims]
     return "\n".join(lines)
 
 
@@ -25,6 +30,16 @@ def supported(simulated: float, claimed: float, higher_is_better: bool = True, t
     """``supported`` when the simulation reaches the claim within ``tolerance`` (relative), else ``not supported``."""
     ok = simulated >= claimed * (1 - tolerance) if higher_is_better else simulated <= claimed * (1 + tolerance)
     return "supported" if ok else "not supported"
+
+
+def solve(f, target: float, lo: float, hi: float, iters: int = 40) -> float:
+    """The smallest x in [lo, hi] with f(x) >= target (f increasing), or NaN when f(hi) < target."""
+    if f(hi) < target:
+        return float("nan")
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if f(mid) >= target else (mid, hi)
+    return hi
 
 
 @dataclass

@@ -1,36 +1,50 @@
-"""The discrete-event simulator of a serving cluster: instances (prefill, decode, or both), the router, the
-P -> D KV links, each instance's KV memory (paged or contiguous), its radix prefix cache, and tiered decode.
+"""The discrete-event simulator of a serving cluster: instances (prefill, decode, or both), the router, the KV
+links, each instance's KV memory (paged or contiguous), its prefix tiers, a KV pool shared by all, tiered decode.
 
-One event per engine iteration of an instance, one per arrival and one per KV transfer landing. An iteration
-of a ``both`` instance is one decode step of its running requests plus prefill chunks of the oldest prompts
-(Sarathi-style: the token budget less one token per decoding row); a ``prefill`` instance runs chunks of the
-oldest prompts within its token budget per iteration and streams each chunk's KV to the request's decode
-instance as the chunk ends (FIFO on that instance's ingress link); a
-``decode`` instance admits landed requests while its memory and ``max_batch`` allow. Step times come from
-:class:`~kvtier.sim.costs.StepCosts`; a decode step over tiered KV from :class:`Offload`.
+One event per engine iteration of an instance, per arrival, per prefix load landing and per KV transfer landing.
+An iteration of a ``both`` instance is one decode step of its running requests plus prefill chunks of the oldest
+prompts (Sarathi-style: the token budget less one token per decoding row); a ``prefill`` instance runs chunks
+within its token budget and streams each chunk's KV to the request's decode instance as the chunk ends (FIFO on
+that instance's ingress link); a ``decode`` instance admits landed requests while its memory and ``max_batch``
+allow. Iteration times come from :class:`~kvtier.sim.costs.StepCosts` (tiered decode: :class:`Offload`), times
+``exp(sigma z)``: the step-time noise measured on the calibration's rows (decode steps: the decode group's,
+iterations with prompt chunks: the serving group's).
 
-TTFT is the first token's time at the instance that decodes: the end of the last prefill chunk (``both``), or
-the landing of the request's last KV bytes (P/D). When a paged instance cannot grow its running requests'
-pages, the newest is swapped out (its KV kept off the device, bytes counted) and resumes first.
+Prefixes: the router (:mod:`kvtier.sim.routing`) picks the instance; the prompt's leading blocks found in that
+instance's tiers or the shared pool (:mod:`kvtier.sim.pool`) are read into HBM over their link (queued FIFO on
+it) when that is faster than recomputing them; a finished prompt's blocks enter its instance's first tier and
+the pool. TTFT is the first token's time at the instance that decodes: the end of the last prefill chunk
+(``both``), or the landing of the request's last KV bytes (P/D). When a paged instance cannot grow its running
+requests' pages, the newest is preempted: ``swap`` moves its KV to host memory and back over the host link (the
+iteration that does it waits for the copy), ``recompute`` drops it and prefills its tokens again first.
+
+Each running request's context is kept as (context, iteration) at its admission, so an iteration costs O(1)
+whatever the batch: the keys attended and the pages held are running sums, a page boundary crossed is counted
+per phase of the page, and finishes come off a heap.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvtier.errors import ConfigError
-from kvtier.serve.radix import RadixCache
 from kvtier.serve.trace import BLOCK
 from kvtier.sim.costs import StepCosts
 from kvtier.sim.events import EventQueue
 from kvtier.sim.hardware import Link
 from kvtier.sim.ledger import Flight, Ledger
+from kvtier.sim.pool import Holders, Tier, Tiers
+from kvtier.sim.routing import Router
 from kvtier.sim.workload import SimRequest
 
 ROLES = ("both", "prefill", "decode")
+RUN_AHEAD = 4096  # most decode steps one event stands for
+PREEMPT = ("swap", "recompute")
 
 
 @dataclass(frozen=True)
@@ -68,9 +82,10 @@ class Offload:
 
 @dataclass(frozen=True)
 class InstanceSpec:
-    """One engine (a GPU or a TP group): ``role``, costs, KV room ``kv_tokens`` (all its tiers), ``max_batch``
-    rows, ``token_budget`` tokens per iteration, pages of ``page_size`` tokens (0: contiguous, each request
-    reserving ``max_context``), a radix prefix cache of ``prefix_tokens``, tiered decode ``offload``."""
+    """One engine (a GPU or a TP group): ``role``, costs, KV room ``kv_tokens``, ``max_batch`` rows,
+    ``token_budget`` tokens per iteration, pages of ``page_size`` tokens (0: contiguous, each request reserving
+    ``max_context``), its prefix tiers ``prefix`` (first: HBM), tiered decode ``offload``, how a request is
+    ``preempt`` ed, its ``host_link`` (swaps; None: the calibration's pinned host rate on each of its GPUs)."""
 
     role: str
     costs: StepCosts
@@ -79,16 +94,23 @@ class InstanceSpec:
     token_budget: int = 2048
     page_size: int = 16
     max_context: int = 0
-    prefix_tokens: int = 0
+    prefix: tuple = ()
     offload: Offload | None = None
+    preempt: str = "swap"
+    host_link: Link | None = None
 
     def __post_init__(self):
         if self.role not in ROLES:
             raise ConfigError("instance.role", f"use one of {ROLES}, got {self.role!r}")
+        if self.preempt not in PREEMPT or (self.preempt == "recompute" and self.role == "decode"):
+            raise ConfigError("instance.preempt", f"use one of {PREEMPT} (a decode instance cannot recompute: it "
+                                                  f"runs no prefill), got {self.preempt!r}")
         if self.page_size == 0 and self.max_context < 1:
             raise ConfigError("instance.max_context", "a contiguous instance (page_size 0) needs max_context >= 1")
         if self.kv_tokens < 1 or self.max_batch < 1 or self.token_budget < 2:
             raise ConfigError("instance", "kv_tokens and max_batch must be >= 1, token_budget >= 2")
+        if self.prefix and self.prefix[0].link is not None:
+            raise ConfigError("instance.prefix", "the first prefix tier is the instance's HBM (link None)")
 
     def reserved(self, tokens: int) -> int:
         """KV tokens a request holding ``tokens`` tokens reserves."""
@@ -97,39 +119,81 @@ class InstanceSpec:
         return -(-tokens // self.page_size) * self.page_size
 
 
-class Instance:
-    """One instance's state while the simulation runs: its queues, running rows, iteration times and tallies."""
+def prefix_blocks(req: SimRequest) -> tuple:
+    """The blocks of ``req``'s prompt a cache can serve (its last token is always computed)."""
+    return req.blocks[:(req.prompt - 1) // BLOCK]
 
-    def __init__(self, spec: InstanceSpec, index: int):
-        self.spec, self.index = spec, index
+
+def hbm_prefix(tokens: int) -> tuple:
+    """A prefix cache of ``tokens`` tokens in HBM, nothing below it."""
+    return (Tier("HBM", max(1, tokens // BLOCK)),) if tokens >= BLOCK else ()
+
+
+@dataclass(slots=True)
+class RunAhead:
+    """Decode steps of the same rows as one event: their ends (s) and times (ms), how many (fewer once cut
+    short), the rows, those that joined at the first, pages opened by each step (paged), the event's version."""
+
+    ends: np.ndarray
+    ms: np.ndarray
+    steps: int
+    rows: int
+    joined: int
+    grown: np.ndarray | None
+    version: int
+
+
+class Instance:
+    """One instance's state while the simulation runs: queues, running rows, iteration times and tallies."""
+
+    def __init__(self, spec: InstanceSpec, index: int, holders: Holders | None = None, bit: int = 0):
+        self.spec, self.index, self.costs = spec, index, spec.costs
+        self.page = spec.page_size
         self.waiting: deque[Flight] = deque()  # prompts to prefill (prefill, both) or landed requests (decode)
         self.swapped: deque[Flight] = deque()  # preempted, resumed first
         self.prefilling: list[Flight] = []  # prompts started, oldest first
-        self.running: list[Flight] = []
-        self.busy = False
+        self.running: dict[Flight, None] = {}  # admission order
+        self.finishing: list = []  # heap of (iteration it ends after, seq, version, flight)
+        self.iters = 0
         self.iter_end_s: list[float] = []
-        self.busy_s = self.flops = self.stored = self.held = 0.0
+        self.iter_cont: list[int] = []  # rows of each iteration that ran the iteration before it too
+        self.joined = 0  # rows admitted to the iteration being planned
+        self.ctx_sum = 0  # keys the running rows attend
+        self.pages = 0  # pages they hold (paged)
+        self.phase = [0] * self.page  # rows by the iteration (mod page) at whose end they open a page
+        self.prefill_res = 0  # KV tokens reserved by prompts being prefilled (both)
+        self.queued = 0  # prompt tokens waiting or being prefilled, not yet computed
+        self.extra_ms = 0.0  # swap copies the next iteration waits for
+        self.run_ahead: RunAhead | None = None  # quiet decode steps as one event
+        self.run_version = 0
+        self.busy = False
+        self.busy_s = self.flops = self.stored = self.held = self.row_s = 0.0
         self.peak_running = 0
-        self.link_free_s = 0.0  # this instance's ingress link (P -> D)
+        self.ingress_free_s = 0.0  # its NIC / P -> D link: when the last queued transfer lands
+        self.host_free_s = 0.0  # its host link (local prefix tiers)
         self.assigned = 0  # tokens (prompt + output) of the unfinished requests routed here to decode
-        self.radix = RadixCache(None, page_size=1) if spec.prefix_tokens >= BLOCK else None
-        self.next_pid = 0
+        self.tiers = Tiers(list(spec.prefix), holders, bit) if spec.prefix else None
+        self.host_link = spec.host_link or Link("host", spec.costs.cal.host_GBps * spec.costs.tp)
+        c = spec.costs
+        self.token_ms = c.iteration_ms(0, 0.0, [(spec.token_budget, 0)], serve=False) / spec.token_budget
+        self.block_bytes = BLOCK * c.token_bytes() * c.tp
+        noise = c.cal.noise if c.engine else {}  # kvtier's measured spread; the roofline is the ideal
+        self.sigma_decode, self.sigma_mixed = noise.get("decode", 0.0), noise.get("serving", 0.0)
 
-    def reservation(self, grow: int = 0) -> int:
-        """KV tokens reserved now, or once each running request holds ``grow`` more tokens."""
-        r = sum(self.spec.reserved(f.ctx + grow) for f in self.running)
-        if self.spec.role == "both":
-            r += sum(self.spec.reserved(f.req.prompt + 1) for f in self.prefilling)
-        return r
-
-    def queued_tokens(self) -> int:
-        return sum(f.req.prompt - f.done for f in self.waiting)
+    def reservation(self, grow: bool = False) -> int:
+        """KV tokens reserved now, or once each running row holds one more token."""
+        if self.page:
+            return (self.pages + (self.phase[self.iters % self.page] if grow else 0)) * self.page + self.prefill_res
+        return len(self.running) * self.spec.max_context + self.prefill_res
 
 
 @dataclass
 class ClusterSpec:
     instances: list[InstanceSpec]
     kv_link: Link | None = None  # each decode instance's ingress from the prefill instances (P/D)
+    pool: tuple = ()  # the KV pool shared by every instance: its tiers, fastest first, each read over the NIC
+    nic: Link | None = None  # each instance's NIC, which pool reads and writes cross (needed with a pool)
+    router: str = "least_loaded"  # kvtier.sim.routing.ROUTES
 
     def __post_init__(self):
         roles = {s.role for s in self.instances}
@@ -137,65 +201,259 @@ class ClusterSpec:
             raise ConfigError("cluster", f"give 'both' instances, or 'prefill' and 'decode' ones; got {sorted(roles)}")
         if "prefill" in roles and self.kv_link is None:
             raise ConfigError("cluster.kv_link", "a P/D cluster needs the link that carries KV to the decode side")
+        if self.pool and self.nic is None:
+            raise ConfigError("cluster.nic", "a shared KV pool is read over each instance's NIC: give the nic link")
+        Router(self.router)
 
 
 class Cluster:
     """Run ``requests`` through ``spec``: :meth:`run` returns the :class:`~kvtier.sim.ledger.Ledger` (what
     happened to every request, token and byte) and each instance's record. ``closed_loop``: keep that many
-    requests in the system, each finish admitting the next (arrival times ignored)."""
+    requests in the system, each finish admitting the next (arrival times ignored). ``seed``: the step-time
+    noise's random stream."""
 
-    def __init__(self, spec: ClusterSpec, requests: list[SimRequest], closed_loop: int = 0):
+    def __init__(self, spec: ClusterSpec, requests: list[SimRequest], closed_loop: int = 0, seed: int = 0):
         self.spec, self.requests, self.closed_loop = spec, list(requests), closed_loop
-        self.instances = [Instance(s, i) for i, s in enumerate(spec.instances)]
+        bit = {i: b for b, i in enumerate(i for i, s in enumerate(spec.instances) if s.role != "decode")}
+        self.holders = Holders(len(bit))  # the front instances' HBM prefixes, a bit each
+        self.instances = [Instance(s, i, self.holders if i in bit else None, bit.get(i, 0))
+                          for i, s in enumerate(spec.instances)]
+        self.front = [self.instances[i] for i in bit]
+        self.decoders = [i for i in self.instances if i.spec.role in ("both", "decode")]
+        self.pool = Tiers(list(spec.pool)) if spec.pool else None
+        self.router = Router(spec.router)
         self.q, self.ledger = EventQueue(), Ledger()
-        self._next = 0
+        self._next, self._seq = 0, 0
+        self._rng = np.random.default_rng(seed)
+        self._z, self._zi = self._rng.standard_normal(1 << 16), 0
 
-    # -- routing ---------------------------------------------------------------------------------
-    def _front(self) -> list[Instance]:
-        return [i for i in self.instances if i.spec.role in ("both", "prefill")]
+    def _noise(self, sigma: float) -> float:
+        if not sigma:
+            return 1.0
+        if self._zi == len(self._z):
+            self._z, self._zi = self._rng.standard_normal(1 << 16), 0
+        self._zi += 1
+        return math.exp(sigma * self._z[self._zi - 1])
 
-    def _decoders(self) -> list[Instance]:
-        return [i for i in self.instances if i.spec.role in ("both", "decode")]
-
+    # -- arrivals, routing and prefix loads ------------------------------------------------------
     def _arrive(self, req: SimRequest) -> None:
         f = Flight(req, arrival_s=self.q.now)
         self.ledger.flights.append(f)
         self.ledger.arrived += 1
         self.ledger.prompt_tokens += req.prompt
-        inst = min(self._front(), key=lambda i: (i.queued_tokens(), i.index))
-        inst.waiting.append(f)
-        self._start(inst)
+        _, inst, reach, loads = self.router.route(self, self.front, req, self.q.now)
+        inst.queued += req.prompt
+        ready = self.q.now
+        for name, blocks, link, own in loads:  # read the prefix into the instance's HBM, FIFO on each link
+            attr = "host_free_s" if own else "ingress_free_s"
+            begin = max(self.q.now, getattr(inst, attr))
+            end = begin + link.seconds(blocks * inst.block_bytes)
+            setattr(inst, attr, end)
+            ready = max(ready, end)
+            read = self.ledger.prefix_read_bytes
+            read[name] = read.get(name, 0.0) + blocks * inst.block_bytes
+        f.loaded, f.reach = sum(k for _, k, _, _ in loads), reach if loads else 0
+        if loads and inst.tiers is not None:
+            inst.tiers.touch(req.blocks[:reach])
+        if ready > self.q.now:
+            self.q.push(ready, "ready", (inst, f))
+        else:
+            self._enqueue(inst, f)
+
+    def hbm_runs(self, req: SimRequest) -> list[int]:
+        """Per front instance, the leading run of ``req``'s blocks in its HBM prefix cache."""
+        return self.holders.runs(prefix_blocks(req))
+
+    def pool_match(self, req: SimRequest) -> list[int]:
+        """Per level of the shared pool, the blocks of ``req``'s leading run there (none without a pool)."""
+        return self.pool.match(prefix_blocks(req)) if self.pool is not None else []
+
+    def plan_prefix(self, inst: Instance, req: SimRequest, now: float, pooled: list[int], hbm: int | None = None) \
+            -> tuple:
+        """Where ``req``'s leading blocks are seen from ``inst``: its HBM, its lower tiers (read over their link),
+        then ``pooled`` (:meth:`pool_match`: what the shared pool holds, read over the NIC); whether reading the
+        ones not in its HBM beats recomputing them. ``(estimated TTFT s, inst, prefix blocks, loads)``, loads
+        ``[(source, blocks, link, over its own host link)]``; ``hbm``: the prompt's leading run in its HBM, when the
+        caller has it (:meth:`hbm_runs`)."""
+        tiers, loads = inst.tiers, []
+        if hbm is None:
+            hbm = tiers.caches[0].match(prefix_blocks(req)) if tiers is not None else 0
+        reach = hbm
+        if len(inst.spec.prefix) > 1:
+            local = tiers.match(prefix_blocks(req), hbm)
+            for tier, k in zip(inst.spec.prefix[1:], local[1:]):
+                if k:
+                    loads.append((tier.name, k, tier.link, True))
+            reach = sum(local)
+        pool = sum(pooled)
+        if pool > reach:  # the pool's run goes further: its blocks past ours, from its levels in proportion
+            for tier, k in zip(self.spec.pool, pooled):
+                take = round((pool - reach) * k / pool)
+                if take:
+                    loads.append((f"pool {tier.name}", take, tier.link or self.spec.nic, False))
+            reach = pool
+        load_s = 0.0
+        for _, k, link, own in loads:
+            free = inst.host_free_s if own else inst.ingress_free_s
+            load_s = max(load_s, max(free - now, 0.0) + link.seconds(k * inst.block_bytes))
+        if loads and load_s * 1e3 < (reach - hbm) * BLOCK * inst.token_ms:
+            return (inst.queued + req.prompt - reach * BLOCK) * inst.token_ms / 1e3 + load_s, inst, reach, loads
+        return (inst.queued + req.prompt - hbm * BLOCK) * inst.token_ms / 1e3, inst, hbm, ()
 
     def _release_next(self, now: float) -> None:
         if self._next < len(self.requests):
             self.q.push(now, "arrival", self.requests[self._next])
             self._next += 1
 
+    # -- rows joining and leaving ----------------------------------------------------------------
+    def _join(self, inst: Instance, f: Flight) -> None:
+        a, c = inst.iters, f.ctx
+        f.seg_a, f.seg_c0, f.seg_g0 = a, c, f.generated
+        f.segments.append([inst.index, a, None])
+        inst.running[f] = None
+        inst.ctx_sum += c
+        if inst.page:
+            inst.pages += -(-c // inst.page)
+            inst.phase[(a - c) % inst.page] += 1
+        f.version += 1
+        self._seq += 1
+        heapq.heappush(inst.finishing, (a + f.req.output - f.generated, self._seq, f.version, f))
+        inst.joined += 1
+
+    def _leave(self, inst: Instance, f: Flight) -> None:
+        k = inst.iters
+        f.ctx = f.seg_c0 + k - f.seg_a
+        f.generated = f.seg_g0 + k - f.seg_a
+        del inst.running[f]
+        inst.ctx_sum -= f.ctx
+        if inst.page:
+            inst.pages -= -(-f.ctx // inst.page)
+            inst.phase[(f.seg_a - f.seg_c0) % inst.page] -= 1
+        f.segments[-1][2] = k
+        f.version += 1
+
+    def _swap_ms(self, inst: Instance, f: Flight) -> float:
+        nbytes = f.ctx * inst.costs.token_bytes() * inst.costs.tp
+        self.ledger.swap_bytes += nbytes
+        return inst.host_link.seconds(nbytes) * 1e3
+
     # -- iterations ------------------------------------------------------------------------------
     def _start(self, inst: Instance) -> None:
         if inst.busy:
             return
         s = inst.spec
-        if s.role in ("both", "decode"):
-            self._admit(inst)
-        rows = list(inst.running)
-        parts = self._chunks(inst, s.token_budget - len(rows)) if s.role != "decode" else []
+        preempted = self._admit(inst) if s.role != "prefill" else False
+        rows = len(inst.running)
+        parts = self._chunks(inst, s.token_budget - rows) if s.role != "decode" else []
         if not rows and not parts:
             return
-        inst.stored += sum(f.ctx for f in rows)
+        if not parts and not preempted and s.offload is None:  # (a preemption frees room the next step may fill)
+            steps, grown = self._quiet_steps(inst)
+            if steps > 1:
+                return self._start_run_ahead(inst, rows, steps, grown)
+        keys = inst.ctx_sum
+        inst.stored += keys
         inst.held += inst.reservation()
-        ms, keys = 0.0, float(sum(f.ctx for f in rows))
-        c: StepCosts = s.costs
-        if rows:
-            ms += s.offload.step_ms(c, len(rows), keys) if s.offload else c.decode_ms(len(rows), keys)
-            inst.flops += c.model.linear_flops(len(rows)) + c.model.attention_flops(1, keys / len(rows)) * len(rows)
-        if parts:
-            compute = c.batch_chunk_ms([(n, f.done) for f, n in parts])
-            tokens = sum(n for _, n in parts)
-            ms += s.offload.chunk_ms(c, tokens, compute) if s.offload else compute
-            inst.flops += sum(c.model.linear_flops(n) + c.model.attention_flops(n, f.done) for f, n in parts)
-        inst.busy, inst.busy_s = True, inst.busy_s + ms / 1e3
-        self.q.push(self.q.now + ms / 1e3, "iteration", (inst, rows, parts))
+        c: StepCosts = inst.costs
+        chunks = [(n, f.done) for f, n in parts]
+        if s.offload:  # the decode step over tiered KV, the chunks demoting their offloaded share as they go
+            ms = s.offload.step_ms(c, rows, keys) if rows else 0.0
+            if chunks:
+                ms += s.offload.chunk_ms(c, sum(n for n, _ in chunks), c.iteration_ms(0, 0.0, chunks))
+        else:
+            ms = c.iteration_ms(rows, keys, chunks)
+        m = c.model
+        inst.flops += 2 * m.decode_params * rows + 4 * m.layers * m.q_heads * m.head_dim * keys + \
+            sum(2 * m.matmul_params * n + m.attention_flops(n, start) for n, start in chunks)
+        ms = ms * self._noise(inst.sigma_mixed if parts else inst.sigma_decode) + inst.extra_ms
+        inst.extra_ms = 0.0
+        inst.busy, inst.busy_s, inst.row_s = True, inst.busy_s + ms / 1e3, inst.row_s + rows * ms / 1e3
+        inst.peak_running = max(inst.peak_running, rows)
+        joined, inst.joined = inst.joined, 0
+        self.q.push(self.q.now + ms / 1e3, "iteration", (inst, rows, joined, parts))
+
+    def _quiet_steps(self, inst: Instance) -> tuple[int, np.ndarray | None]:
+        """Decode steps the instance can run before anything of its own changes: its next finish, or the step
+        whose page growth its memory would refuse (work routed to it meanwhile cuts them short: :meth:`_wake`);
+        and the pages its rows will have opened by each of them (paged)."""
+        h = inst.finishing
+        while h and h[0][2] != h[0][3].version:
+            heapq.heappop(h)
+        steps = min(h[0][0] - inst.iters if h else RUN_AHEAD, RUN_AHEAD)
+        if not inst.page or steps < 2:
+            return steps, None
+        grown = np.cumsum(np.asarray(inst.phase)[(inst.iters + np.arange(steps)) % inst.page])
+        over = np.flatnonzero(grown > (inst.spec.kv_tokens - inst.prefill_res) // inst.page - inst.pages)
+        return (int(over[0]) if over.size else steps), grown
+
+    def _start_run_ahead(self, inst: Instance, rows: int, steps: int, grown: np.ndarray | None) -> None:
+        """``steps`` decode steps of the same rows as one event; each step's time is the one :meth:`_start` would
+        give it (the step is affine in the keys it attends), its own noise drawn."""
+        c = inst.costs
+        base = c.decode_ms(rows, 0.0)
+        ms = base + (c.decode_ms(rows, 1.0) - base) * (inst.ctx_sum + rows * np.arange(steps, dtype=np.float64))
+        if inst.sigma_decode:
+            ms *= np.exp(inst.sigma_decode * self._rng.standard_normal(steps))
+        ms[0] += inst.extra_ms
+        inst.extra_ms = 0.0
+        inst.run_version += 1
+        run = inst.run_ahead = RunAhead(self.q.now + np.cumsum(ms) / 1e3, ms, steps, rows, inst.joined, grown,
+                                        inst.run_version)
+        inst.busy, inst.joined = True, 0
+        inst.peak_running = max(inst.peak_running, rows)
+        self.q.push(float(run.ends[-1]), "run_ahead", (inst, run.version))
+
+    def _wake(self, inst: Instance) -> None:
+        """Work arrived at ``inst``: if it is running decode steps ahead, stop them at the first step ending now
+        or later (the step in progress), where a single step would have let it in."""
+        run = inst.run_ahead
+        if run is not None:
+            cut = int(np.searchsorted(run.ends, self.q.now, side="left"))
+            if cut < run.steps - 1:
+                run.steps = cut + 1
+                inst.run_version += 1
+                run.version = inst.run_version
+                self.q.push(float(run.ends[cut]), "run_ahead", (inst, run.version))
+
+    def _end_run_ahead(self, inst: Instance, version: int) -> None:
+        run = inst.run_ahead
+        if run is None or version != run.version:
+            return  # cut short since: a later event stands for it
+        k, rows, P = run.steps, run.rows, inst.page
+        inst.iter_end_s.extend(run.ends[:k].tolist())
+        inst.iter_cont.extend([rows - run.joined] + [rows] * (k - 1))
+        keys = k * inst.ctx_sum + rows * k * (k - 1) / 2  # attended over the k steps
+        inst.stored += keys
+        if P:
+            inst.held += k * (inst.pages * P + inst.prefill_res) + P * float(run.grown[:k - 1].sum())
+            inst.pages += int(run.grown[k - 1])
+        else:
+            inst.held += k * inst.reservation()
+        m = inst.costs.model
+        inst.flops += k * 2 * m.decode_params * rows + 4 * m.layers * m.q_heads * m.head_dim * keys
+        busy = float(run.ms[:k].sum()) / 1e3
+        inst.busy_s += busy
+        inst.row_s += rows * busy
+        inst.iters += k
+        inst.ctx_sum += rows * k
+        self.ledger.output_tokens += rows * k
+        inst.run_ahead, inst.busy = None, False
+        self._finish_rows(inst)
+        self._start(inst)
+
+    def _enqueue(self, inst: Instance, f: Flight) -> None:
+        inst.waiting.append(f)
+        self._wake(inst)
+        self._start(inst)
+
+    def _finish_rows(self, inst: Instance) -> None:
+        """The rows whose last token the instance's last iteration produced leave it."""
+        h = inst.finishing
+        while h and h[0][0] <= inst.iters:
+            _, _, version, f = heapq.heappop(h)
+            if version == f.version:
+                self._leave(inst, f)
+                self._finish(f)
 
     def _chunks(self, inst: Instance, budget: int) -> list:
         """``[(flight, tokens)]``: this iteration's prefill chunks, the started prompts first, then new ones
@@ -204,57 +462,79 @@ class Cluster:
         for f in inst.prefilling:
             if budget <= 0:
                 return parts
-            n = min(budget, f.req.prompt - f.done)
+            n = min(budget, f.target - f.done)
             parts.append((f, n))
             budget -= n
         while budget > 0 and inst.waiting and (s.role == "prefill" or inst.reservation()
-                                               + s.reserved(inst.waiting[0].req.prompt + 1) <= s.kv_tokens):
+                                               + s.reserved(inst.waiting[0].target + 1) <= s.kv_tokens):
             f = inst.waiting.popleft()
-            inst.prefilling.append(f)
             self._begin_prefill(inst, f)
-            n = min(budget, f.req.prompt - f.done)
+            n = min(budget, f.target - f.done)
             parts.append((f, n))
             budget -= n
         return parts
 
-    def _admit(self, inst: Instance) -> None:
+    def _admit(self, inst: Instance) -> bool:
         """Swapped requests first, then landed ones, while rows and memory allow; then make room for the step's
-        growth by swapping out the newest."""
-        s = inst.spec
-        for queue in (inst.swapped, inst.waiting if s.role == "decode" else deque()):
+        growth by preempting the newest. Whether it preempted."""
+        s, preempted = inst.spec, False
+        for queue in (inst.swapped, inst.waiting if s.role == "decode" else ()):
             while queue and len(inst.running) < s.max_batch and \
                     inst.reservation() + s.reserved(queue[0].ctx + 1) <= s.kv_tokens:
                 f = queue.popleft()
-                f.segments.append([inst.index, len(inst.iter_end_s), None])
-                inst.running.append(f)
-        while inst.running and inst.reservation(grow=1) > s.kv_tokens:
-            f = inst.running.pop()
-            f.segments[-1][2] = len(inst.iter_end_s)
+                if queue is inst.swapped:
+                    inst.extra_ms += self._swap_ms(inst, f)
+                self._join(inst, f)
+        while inst.running and inst.reservation(grow=True) > s.kv_tokens:
+            f = next(reversed(inst.running))
+            self._leave(inst, f)
             self.ledger.preemptions += 1
-            self.ledger.swap_bytes += f.ctx * s.costs.token_bytes() * s.costs.tp
-            inst.swapped.appendleft(f)
-        inst.peak_running = max(inst.peak_running, len(inst.running))
+            preempted = True
+            if s.preempt == "swap":
+                inst.extra_ms += self._swap_ms(inst, f)
+                inst.swapped.appendleft(f)
+            else:  # recompute: its tokens are prefilled again before any new prompt
+                f.target, f.done = f.ctx, 0
+                inst.queued += f.ctx
+                self.ledger.recomputed_tokens += f.ctx
+                inst.waiting.appendleft(f)
+        return preempted
 
     def _begin_prefill(self, inst: Instance, f: Flight) -> None:
+        inst.prefilling.append(f)
+        if inst.spec.role == "both":
+            inst.prefill_res += inst.spec.reserved(f.target + 1)
+        if f.generated:  # a recompute: whatever of its prompt the instance's HBM still holds
+            f.done = self._hbm_hit(inst, f.req) if inst.tiers is not None else 0
+            inst.queued -= f.done
+            return
         f.prefill_start_s = self.q.now
-        if inst.radix is not None and f.req.blocks:
-            m = inst.radix.match(np.asarray(f.req.blocks, dtype=np.int64))
-            f.cached = min(m.n_tokens * BLOCK, f.req.prompt - 1)
+        hit = max(self._hbm_hit(inst, f.req) if inst.tiers is not None else 0, f.reach)
+        f.cached = min(hit * BLOCK, f.req.prompt - 1)
         f.done = f.cached
+        inst.queued -= f.cached
         self.ledger.cached_tokens += f.cached
-        f.decoder = inst if inst.spec.role == "both" else min(self._decoders(), key=lambda i: (i.assigned, i.index))
+        self.ledger.read_tokens += min(f.loaded * BLOCK, f.cached)
+        f.decoder = inst if inst.spec.role == "both" else min(self.decoders, key=lambda i: (i.assigned, i.index))
         f.decoder.assigned += f.req.prompt + f.req.output
 
+    def _hbm_hit(self, inst: Instance, req: SimRequest) -> int:
+        return inst.tiers.caches[0].match(prefix_blocks(req))
+
     def _end_prefill(self, inst: Instance, f: Flight) -> None:
-        f.prefill_end_s = self.q.now
         inst.prefilling.remove(f)
-        if inst.radix is not None:
-            full = f.req.blocks[:f.req.prompt // BLOCK]
-            inst.radix.insert(np.asarray(full, dtype=np.int64), np.arange(inst.next_pid, inst.next_pid + len(full)))
-            inst.next_pid += len(full)
-            cap = inst.spec.prefix_tokens // BLOCK
-            if inst.radix.num_pages > cap:
-                inst.radix.evict(inst.radix.num_pages - cap)
+        if inst.spec.role == "both":
+            inst.prefill_res -= inst.spec.reserved(f.target + 1)
+        if f.generated:
+            return
+        f.prefill_end_s = self.q.now
+        full = f.req.blocks[:f.req.prompt // BLOCK]
+        if inst.tiers is not None:
+            inst.tiers.touch(full)
+        if self.pool is not None:
+            new = len(full) - self.pool.caches[0].match(full)
+            self.pool.touch(full)
+            self.ledger.pool_write_bytes += max(new, 0) * inst.block_bytes
 
     def _first_token(self, f: Flight, inst: Instance) -> None:
         f.first_token_s, f.ctx, f.generated = self.q.now, f.req.prompt + 1, 1
@@ -262,11 +542,9 @@ class Cluster:
         if f.generated >= f.req.output:
             self._finish(f)
         elif inst.spec.role == "both":
-            f.segments.append([inst.index, len(inst.iter_end_s), None])
-            inst.running.append(f)
+            self._join(inst, f)
         else:
-            inst.waiting.append(f)
-            self._start(inst)
+            self._enqueue(inst, f)
 
     def _finish(self, f: Flight) -> None:
         f.finish_s = self.q.now
@@ -275,38 +553,43 @@ class Cluster:
         if self.closed_loop:
             self._release_next(self.q.now)
 
-    def _iteration(self, inst: Instance, rows: list[Flight], parts: list) -> None:
+    def _iteration(self, inst: Instance, rows: int, joined: int, parts: list) -> None:
         inst.busy = False
+        k = inst.iters
         inst.iter_end_s.append(self.q.now)
-        for f in rows:
-            f.ctx += 1
-            f.generated += 1
-            self.ledger.output_tokens += 1
-            if f.generated >= f.req.output:
-                f.segments[-1][2] = len(inst.iter_end_s)
-                inst.running.remove(f)
-                self._finish(f)
+        inst.iter_cont.append(rows - joined)
+        inst.iters = k + 1
+        if rows:
+            inst.ctx_sum += rows
+            if inst.page:
+                inst.pages += inst.phase[k % inst.page]
+            self.ledger.output_tokens += rows
+            self._finish_rows(inst)
         for f, chunk in parts:
             start, f.done = f.done, f.done + chunk
+            inst.queued -= chunk
             self.ledger.prefilled_tokens += chunk
             if inst.spec.role == "prefill":
                 self._send(f, start, chunk)
-            if f.done >= f.req.prompt:
+            if f.done >= f.target:
+                resumed = f.generated > 0
                 self._end_prefill(inst, f)
-                if inst.spec.role == "both":
+                if resumed:
+                    self._join(inst, f)
+                elif inst.spec.role == "both":
                     self._first_token(f, inst)
         self._start(inst)
 
     def _send(self, f: Flight, start: int, chunk: int) -> None:
         """The chunk's KV (and, with the first chunk, the cached prefix's) to the decode instance's ingress."""
         tokens = chunk + (start if start == f.cached else 0)
-        nbytes = tokens * f.decoder.spec.costs.token_bytes() * f.decoder.spec.costs.tp
+        nbytes = tokens * f.decoder.costs.token_bytes() * f.decoder.costs.tp
         dst = f.decoder
-        begin = max(self.q.now, dst.link_free_s)
-        dst.link_free_s = begin + self.spec.kv_link.seconds(nbytes)
-        f.transfer_s += dst.link_free_s - begin
+        begin = max(self.q.now, dst.ingress_free_s)
+        dst.ingress_free_s = begin + self.spec.kv_link.seconds(nbytes)
+        f.transfer_s += dst.ingress_free_s - begin
         self.ledger.kv_sent_bytes += nbytes
-        self.q.push(dst.link_free_s, "landed", (f, nbytes, start + chunk >= f.req.prompt))
+        self.q.push(dst.ingress_free_s, "landed", (f, nbytes, start + chunk >= f.req.prompt))
 
     def run(self) -> Ledger:
         if self.closed_loop:
@@ -315,18 +598,23 @@ class Cluster:
         else:
             for r in self.requests:
                 self.q.push(r.arrival_s, "arrival", r)
-        while len(self.q):
-            e = self.q.pop()
-            if e.kind == "arrival":
-                self._arrive(e.payload)
-            elif e.kind == "iteration":
-                self._iteration(*e.payload)
+        q = self.q
+        while len(q):
+            kind, payload = q.pop()
+            if kind == "iteration":
+                self._iteration(*payload)
+            elif kind == "arrival":
+                self._arrive(payload)
+            elif kind == "run_ahead":
+                self._end_run_ahead(*payload)
+            elif kind == "ready":
+                self._enqueue(*payload)
             else:  # landed
-                f, nbytes, last = e.payload
+                f, nbytes, last = payload
                 self.ledger.kv_landed_bytes += nbytes
                 if last:
-                    f.landed_s = self.q.now
+                    f.landed_s = q.now
                     self._first_token(f, f.decoder)
-        self.ledger.elapsed_s = self.q.now
+        self.ledger.elapsed_s = q.now
         self.ledger.instances = self.instances
         return self.ledger

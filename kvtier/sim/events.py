@@ -1,21 +1,12 @@
-"""EventQueue: the simulator's clock. Events pop in time order, simultaneous ones in the order they were pushed."""
+"""EventQueue: the simulator's clock. Events pop in time order, simultaneous ones in the order they were pushed.
+An event is a plain ``(time, seq, kind, payload)`` tuple on a heap (a million of them a run)."""
 
 from __future__ import annotations
 
 import heapq
-import itertools
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.errors import KVTierError
-
-
-@dataclass(order=True)
-class Event:
-    time: float  # seconds
-    seq: int  # push order: breaks ties, so equal times pop first-in first-out
-    kind: str = field(compare=False)
-    payload: Any = field(compare=False, default=None)
 
 
 class CausalityError(KVTierError):
@@ -24,23 +15,22 @@ class CausalityError(KVTierError):
 
 class EventQueue:
     def __init__(self):
-        self._heap: list[Event] = []
-        self._seq = itertools.count()
+        self._heap: list[tuple] = []
+        self._seq = 0
         self.now = 0.0
         self.popped = 0
 
-    def push(self, time: float, kind: str, payload: Any = None) -> Event:
+    def push(self, time: float, kind: str, payload: Any = None) -> None:
         if time < self.now:
             raise CausalityError(f"event {kind!r} at {time:.9f}s is before now ({self.now:.9f}s)")
-        event = Event(time, next(self._seq), kind, payload)
-        heapq.heappush(self._heap, event)
-        return event
+        self._seq += 1
+        heapq.heappush(self._heap, (time, self._seq, kind, payload))
 
-    def pop(self) -> Event:
-        event = heapq.heappop(self._heap)
-        self.now = event.time
+    def pop(self) -> tuple[str, Any]:
+        """The next event's ``(kind, payload)``; the clock moves to its time."""
+        self.now, _, kind, payload = heapq.heappop(self._heap)
         self.popped += 1
-        return event
+        return kind, payload
 
     def __len__(self) -> int:
         return len(self._heap)

@@ -1,91 +1,154 @@
-"""kvtier's bench JSONs as cases the simulator can predict: one :class:`Measured` per timed row.
+"""kvtier's bench JSONs as rows the simulator predicts, one :class:`Measured` per configuration and GPU kind.
 
-Each case names its configuration (``kind`` and ``case``) and the time measured for it (``ms``). The cases
-replay what the run itself recorded where the time depends on it (a ``topk`` row's hit rate and bytes moved
-per step): the simulator predicts the time of a configuration given those statistics.
+Which runs count, per kind (the device name each JSON records):
+
+- ``bench.e2e`` (decode steps): every ``e2e*-sNN.json`` of session 20 on (the one engine's current decode
+  path: the H200's last run of the Llama-shape grid is session 20, the H100's runs are sessions 30 to 34). A
+  configuration (model, batch x context, scope, budget, recall-cache pages) is measured by its latest session;
+  several runs of it there give their median. Rows with a page predictor are left out: the simulator does not
+  model prediction ahead.
+- ``bench.serve`` (TTFT, ITL, one session alone): the latest run of each part on each kind (:data:`SERVE_FILES`).
+
+A row's ``case`` holds what the run itself recorded where the time depends on it (a ``topk`` row's bytes moved
+per step): the simulator predicts the time of a configuration given those statistics. ``spread`` is the run's
+p99 / p50, the step-time noise the simulator draws from (:attr:`kvtier.sim.calibration.Calibration.noise`).
+The hardware each kind's runs measured beside them (HBM read rate, bf16 matmul rate, pinned host link) is read
+by :func:`hardware_rates`.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.errors import ConfigError
+import numpy as np
 
-BENCH_FILES = {"e2e": "e2e-s5.json", "kernels": "kernels-s5.json", "transfers": "transfers.json",
-               "serve": "serve-s5.json", "goodput": "serve-goodput-s5.json", "disagg": "disagg.json",
-               "redis": "redis_tier.json"}
+from kvtier.errors import ConfigError
+from kvtier.sim.split import HELD_OUT
+
+GPU_KINDS = {"NVIDIA H200": "H200", "NVIDIA H100 80GB HBM3": "H100"}
+FIRST_SESSION = 20
+SERVE_FILES = {"H200": ("serve-s21-ttft.json", "serve-s24-itl.json", "serve-s22-goodput.json"),
+               "H100": ("serve-s33-ttft-itl-final.json", "serve-s33-goodput.json")}
+GROUPS = ("decode", "recall", "prefill", "serving")
 
 
 @dataclass(frozen=True)
 class Measured:
-    """One timed bench row: ``kind`` (decode | prefill | mixed | disagg), its configuration, ``ms`` measured."""
+    """One measured configuration: ``group`` (decode | recall | prefill | serving), ``case``, ``ms`` (p50)."""
 
     id: str
-    kind: str
+    group: str
     ms: float
     case: dict = field(default_factory=dict, hash=False)
+    spread: float = 1.0  # p99 / p50 of the run (1: not recorded)
+    source: str = ""  # the JSON file(s)
+
+    @property
+    def held_out(self) -> bool:
+        return self.id in HELD_OUT[self.group]
 
 
-def read_bench(folder: str | Path) -> dict:
-    """The bench JSONs of :data:`BENCH_FILES` in ``folder``, by key; a missing or unreadable file is a ConfigError."""
-    folder, out = Path(folder), {}
-    for key, name in BENCH_FILES.items():
-        path = folder / name
-        try:
-            out[key] = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"bench.{key}", f"{path} not found; run the bench that writes it (bench/RESULTS.md) "
-                                              "or point --bench at the folder holding it") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"bench.{key}", f"{path} is not JSON ({e})") from None
-    return out
+def read_json(path: Path) -> dict:
+    """A bench JSON; a missing or unreadable one is a ConfigError naming it."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError("bench", f"{path} not found; point --bench at kvtier's bench folder") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError("bench", f"{path} is not JSON ({e})") from None
 
 
-def decode_rows(e2e: dict) -> list[Measured]:
-    """The kvtier rows of ``bench/e2e.py`` (fast path; TPOT p50 per step)."""
-    out = []
-    for r in e2e["rows"]:
-        if r["system"] != "kvtier":
+def kind_of(device: str) -> str | None:
+    return GPU_KINDS.get(device)
+
+
+def _session(path: Path) -> int:
+    m = re.search(r"-s(\d+)", path.stem)
+    return int(m.group(1)) if m else 0
+
+
+def e2e_files(folder: Path) -> list[Path]:
+    return sorted(p for p in Path(folder).glob("e2e*.json") if _session(p) >= FIRST_SESSION)
+
+
+def decode_rows(folder: str | Path, kind: str) -> list[Measured]:
+    """The kvtier decode rows of ``bench.e2e`` on ``kind`` (TPOT p50 per step), latest session per configuration."""
+    runs: dict[str, list] = {}
+    for path in e2e_files(Path(folder)):
+        d = read_json(path)
+        if kind_of(d["gpu"]) != kind:
             continue
-        rid = f"e2e {r['model']} {r['B']}x{r['S']} {r['scope']} {r['budget']:g} k{r['lookahead']}"
-        out.append(Measured(rid, "decode", r["tpot_p50_ms"], {
-            "model": r["model"], "batch": r["B"], "context": r["S"], "scope": r["scope"], "budget": r["budget"],
-            "hit_rate": r["hit_rate"], "moved_MB": r["MB_moved_per_step"]}))
+        for r in d["rows"]:
+            if r.get("system") not in ("kvtier", "capacity-dense", "capacity-recall") or \
+                    r.get("predictor") not in (None, "-"):
+                continue
+            topk = r["scope"] == "topk"
+            rid = f"e2e {r['model']} {r['B']}x{r['S']} {r['scope']} {r['budget']:g}" + \
+                (f" r{r['recall_slots']}" if topk else "")
+            case = {"model": r["model"], "batch": r["B"], "context": r["S"], "scope": r["scope"],
+                    "budget": r["budget"], "moved_MB": r["MB_moved_per_step"], "hit_rate": r["hit_rate"]}
+            spread = r["tpot_p99_ms"] / r["tpot_p50_ms"] if r.get("tpot_p99_ms") else 1.0
+            runs.setdefault(rid, []).append((_session(path), r["tpot_p50_ms"], spread, case, path.name))
+    out = []
+    for rid, rs in runs.items():
+        last = max(s for s, *_ in rs)
+        rs = [r for r in rs if r[0] == last]
+        ms, spread = float(np.median([r[1] for r in rs])), float(np.median([r[2] for r in rs]))
+        case = {k: (float(np.median([r[3][k] for r in rs])) if k in ("moved_MB", "hit_rate") else v)
+                for k, v in rs[0][3].items()}
+        group = "recall" if case["scope"] == "topk" else "decode"
+        out.append(Measured(rid, group, ms, case, spread, ", ".join(sorted({r[4] for r in rs}))))
+    return sorted(out, key=lambda m: (GROUPS.index(m.group), m.id))
+
+
+def serve_rows(folder: str | Path, kind: str) -> list[Measured]:
+    """``bench.serve`` on ``kind``: TTFT of a cold 8k prompt (one chunk, chunks of 512) and of its radix hit; ITL
+    p50 of 16 decoders alone and beside prefill chunks; one session alone (TTFT, ITL p50)."""
+    out = []
+    for name in SERVE_FILES[kind]:
+        d = read_json(Path(folder) / name)
+        if kind_of(d["device"]) != kind:
+            raise ConfigError("bench", f"{name} ran on {d['device']!r}, not an {kind}")
+        sz, model = d["sizes"], {"model": "llama8b-shape"}
+        for r in d["rows"]:
+            part, system = r["part"], r["system"]
+            if part.startswith("ttft") and not system.startswith("floor"):
+                runs = r.get("runs_ms") or [r["ttft_ms"]]
+                chunk = 512 if "512" in system else sz["long"] + 1
+                out.append(Measured(f"serve {part} {system}", "prefill", r["ttft_ms"], {
+                    **model, "prompt": sz["long"] + 1, "cached": r["cached_tokens"], "chunk": chunk},
+                    max(runs) / min(runs), name))
+            elif part.startswith("itl") and system.startswith("decode"):
+                chunk = 0 if system == "decode only" else int(system.split("+ ")[1].split("-")[0])
+                out.append(Measured(f"serve {part} {system}", "serving", r["itl_p50_ms"], {
+                    **model, "batch": sz["batch"], "context": sz["ctx"], "chunk": chunk, "prompt": sz["long"]},
+                    r["itl_p99_ms"] / r["itl_p50_ms"], name))
+            elif system.startswith("1 session alone"):
+                case = {**model, "prompt": sz["session"], "chunk": sz["budget"], "new": sz["new"]}
+                out.append(Measured("serve goodput 1 session alone TTFT", "prefill", r["ttft_ms"],
+                                    {**case, "cached": 0}, 1.0, name))
+                out.append(Measured("serve goodput 1 session alone ITL", "serving", r["itl_p50_ms"],
+                                    {**case, "chunk": 0, "batch": 1, "context": sz["session"] + sz["new"] // 2},
+                                    1.0, name))
     return out
 
 
-def serve_rows(serve: dict, goodput: dict) -> list[Measured]:
-    """``bench/serve.py``: cold and radix-hit TTFT, decode ITL p50 alone and beside prefill chunks, and one
-    session alone (its prompt in chunks of the goodput part's token budget)."""
-    sz, out = serve["sizes"], []
-    for r in serve["rows"]:
-        part, system = r["part"], r["system"]
-        if system in ("cold", "radix hit"):
-            out.append(Measured(f"serve {part} {system}", "prefill", r["ttft_ms"], {
-                "model": "llama8b-shape", "prompt": sz["long"], "cached": r["cached_tokens"], "chunk": sz["long"]}))
-        elif system == "decode only" or system.startswith("decode +"):
-            chunk = 0 if system == "decode only" else int(system.split("+ ")[1].split("-")[0])
-            out.append(Measured(f"serve {part} {system} (p50)", "mixed", r["itl_p50_ms"], {
-                "model": "llama8b-shape", "batch": sz["batch"], "context": sz["ctx"], "chunk": chunk,
-                "prompt": sz["long"]}))
-    alone = next(r for r in goodput["rows"] if r["system"].startswith("1 session alone"))
-    gz = goodput["sizes"]
-    out.append(Measured("serve goodput: 1 session alone, TTFT", "prefill", alone["ttft_ms"], {
-        "model": "llama8b-shape", "prompt": gz["long"], "cached": 0, "chunk": gz["budget"]}))
-    return out
+def measured_rows(folder: str | Path, kind: str) -> list[Measured]:
+    """Every row of ``kind`` the simulator is validated on, by group."""
+    rows = decode_rows(folder, kind) + serve_rows(folder, kind)
+    return sorted(rows, key=lambda m: GROUPS.index(m.group))
 
 
-def disagg_rows(disagg: dict) -> list[Measured]:
-    """``bench/disagg.py`` on 2 GPUs: the prefill alone and the TTFT at the decode rank."""
-    a, p = disagg["args"], disagg["prefill"]
-    case = {"model": "llama8b-shape", "prompt": a["tokens"], "cached": 0, "chunk": a["chunk"]}
-    return [Measured("disagg prefill alone", "prefill", p["prefill_alone_ms"], case),
-            Measured("disagg TTFT (decode rank)", "disagg", disagg["decode"]["ttft_ms"],
-                     {**case, "layer_bytes": p["layer_bytes"]})]
-
-
-def measured_rows(bench: dict) -> list[Measured]:
-    """Every timed row the simulator is validated on."""
-    return decode_rows(bench["e2e"]) + serve_rows(bench["serve"], bench["goodput"]) + disagg_rows(bench["disagg"])
+def hardware_rates(folder: str | Path, kind: str) -> dict:
+    """What ``kind``'s own runs measured of its hardware (medians over the runs :func:`measured_rows` reads):
+    HBM read (``x.sum()`` over 4 GiB), bf16 matmul, pinned host link (one bulk copy, the slower way)."""
+    e2e = [d for d in (read_json(p) for p in e2e_files(Path(folder))) if kind_of(d["gpu"]) == kind]
+    serve = [read_json(Path(folder) / n) for n in SERVE_FILES[kind]]
+    if not e2e:
+        raise ConfigError("bench", f"no bench.e2e run of session {FIRST_SESSION} or later on an {kind}")
+    return {"hbm_GBps": float(np.median([d["hbm_read_GBps"] for d in e2e])),
+            "bf16_tflops": float(np.median([d["tflops"] for d in serve])),
+            "host_GBps": float(np.median([min(d["link"].values()) for d in e2e]))}

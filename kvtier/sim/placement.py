@@ -4,8 +4,9 @@ the statistics of a synthetic attention pattern.
 :class:`AttentionPattern`: each step attends the sink pages, the recent window and ``k`` middle pages; a share
 ``churn`` of the middle picks is replaced every step, each replacement drawn from the pages picked in the last
 ``memory`` steps with probability ``reuse`` (attention returning to what it read before), else from any middle
-page. kvtier measured the churn of Quest's picks on the real SmolLM2 (bench/e2e-s5.json: with a recall cache
-as big as the picks, 1 - hit rate is the share of each step's picks it did not hold), which is the default.
+page. kvtier measured both on its recall cache's own picks on the real SmolLM2 at 8k (bench.topk_hits:
+churn = 1 - the hit rate of a cache as big as the picks, reuse = the share of the new picks an unbounded cache
+held; :func:`kvtier.sim.calibrate.pick_statistics`); the scenarios read them from the calibration.
 
 :func:`place` runs the policy as the cache does: ``on_step``, ``on_append`` for each new page, ``on_access`` and
 ``on_salience`` for the attended pages, then the scheduler keeps the ``hbm_pages`` best by ``priority`` (pages

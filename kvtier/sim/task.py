@@ -1,5 +1,5 @@
 """SimSeed: the ``sim_seed000|001|002`` experiments' task. It loads no model (``needs_model``: the run path skips
-the model, engine and cache) and simulates one seed's scenario with a calibration file."""
+the model, engine and cache) and simulates the scenario a seed's claims describe, with a calibration."""
 
 from __future__ import annotations
 
@@ -10,17 +10,18 @@ from typing import ClassVar
 
 from kvtier.errors import ConfigError
 from kvtier.sim.calibration import load_calibration
-from kvtier.sim.seed000 import Seed000
-from kvtier.sim.seed001 import Seed001
-from kvtier.sim.seed002 import Seed002
+from kvtier.sim.long_context_offload import LongContextOffload
+from kvtier.sim.memory_managers import MemoryManagers
+from kvtier.sim.pd_disaggregation import PDDisaggregation
 
-SCENARIOS = {"000": Seed000, "001": Seed001, "002": Seed002}
+SCENARIOS = {"000": LongContextOffload, "001": PDDisaggregation, "002": MemoryManagers}
 
 
 @dataclass
 class SimSeed:
-    """Seed ``seed``'s scenario (:mod:`kvtier.sim.seed000` ...), its fields overridden by ``options``, with the
-    calibration in ``calibration`` (null: the shipped H200 one); ``plots``: write its sweep PNG in the run folder."""
+    """The scenario of seed ``seed``'s claims (:data:`SCENARIOS`), its fields overridden by ``options``, with the
+    calibration ``calibration`` (null: the shipped H100 one, the seeds' GPU; H200; or a JSON path); ``plots``:
+    write its sweep PNG in the run folder."""
 
     seed: str = "000"
     calibration: str | None = None

@@ -1,9 +1,11 @@
-"""Requests for the simulator: a slice of a Mooncake trace (:mod:`kvtier.serve.trace`), or a synthetic
-long-context mix. A request's ``blocks`` are its prefix's 512-token hash blocks (equal ids: reusable KV)."""
+"""Requests for the simulator: a Mooncake trace's (:mod:`kvtier.serve.trace`), open loop at the trace's own
+arrival times (scaled), or a synthetic long-context mix. A request's ``blocks`` are its prefix's 512-token hash
+blocks (equal ids: reusable KV)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -11,7 +13,7 @@ from kvtier.errors import ConfigError
 from kvtier.serve.trace import BLOCK, load_trace
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SimRequest:
     rid: int
     arrival_s: float
@@ -23,13 +25,46 @@ class SimRequest:
 def trace_workload(name: str, requests: int, time_scale: float = 1.0, start: int = 0,
                    max_prompt: int | None = None) -> list[SimRequest]:
     """Requests ``start .. start + requests`` of Mooncake trace ``name`` (conversation | synthetic | a path),
-    arrivals divided by ``time_scale``; prompts longer than ``max_prompt`` are cut (their blocks with them)."""
+    arrivals divided by ``time_scale``; prompts longer than ``max_prompt`` are cut (their blocks with them).
+
+    More requests than the trace holds tile it: copy ``j`` arrives ``j`` trace spans (plus one mean gap) later,
+    its block ids moved past every id of the copies before it, so copies share no prefix (another tenant's
+    prompts with the same statistics; the within-copy reuse is the trace's own)."""
+    if requests < 1:
+        raise ConfigError("workload.requests", f"must be >= 1, got {requests}")
+    trace = [(r.arrival_s / time_scale, r) for r in _trace(name, start)]
+    last = trace[-1][0]
+    span = last + last / max(1, len(trace) - 1)
+    stride = 1 + max((max(r.hash_ids, default=0) for _, r in trace), default=0)
     out = []
-    for i, r in enumerate(load_trace(name, time_scale, start, requests)):
+    for i in range(requests):
+        copy, j = divmod(i, len(trace))
+        t, r = trace[j]
         prompt = r.input_length if max_prompt is None else min(r.input_length, max_prompt)
-        out.append(SimRequest(i, r.arrival_s, max(1, prompt), max(1, r.output_length),
-                              tuple(r.hash_ids[:-(-prompt // BLOCK)])))
+        blocks = r.hash_ids[:-(-prompt // BLOCK)]
+        out.append(SimRequest(i, t + copy * span, max(1, prompt), max(1, r.output_length),
+                              tuple(b + copy * stride for b in blocks) if copy else blocks))
     return out
+
+
+@lru_cache(maxsize=4)
+def _trace(name: str, start: int) -> tuple:
+    return tuple(load_trace(name, 1.0, start))
+
+
+def prefix_hit_ideal(requests: list[SimRequest]) -> float:
+    """The prompt tokens an unbounded cache shared by every instance would serve, in arrival order: each
+    request's leading blocks seen before (the last token always computed), over all prompt tokens."""
+    seen, hit = set(), 0
+    for r in sorted(requests, key=lambda r: r.arrival_s):
+        n = 0
+        for b in r.blocks[:(r.prompt - 1) // BLOCK]:
+            if b not in seen:
+                break
+            n += 1
+        hit += n * BLOCK
+        seen.update(r.blocks[:r.prompt // BLOCK])
+    return hit / max(1, sum(r.prompt for r in requests))
 
 
 def long_context_mix(requests: int, prompt: int, output: int, rate: float = 0.0, spread: float = 0.0,
