@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 from pathlib import Path
 from typing import NamedTuple
 
@@ -15,24 +16,24 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from kvtier.budget import TokenBudget
-from kvtier.checks import (check_decode_kernel, check_device_room, check_memory, check_partial_budget, check_positions,
-                           check_salience, check_stack, device_pages_needed, pay_for_key_stats, tier_pages)
+from kvtier.checks import (check_decode_kernel, check_dense_layers, check_device_room, check_graphs, check_max_context,
+                           check_memory, check_partial_budget, check_positions, check_recall_room, check_salience,
+                           check_stack, device_pages_needed, pay_for_key_stats, tier_pages)
 from kvtier.errors import ConfigError
 from kvtier.hook import use_hook
+from kvtier.kernels.reference import TorchBackend
 from kvtier.layout import KVLayout
 from kvtier.models import check_load_args, kv_layout_for, load_config
 from kvtier.policies.base import Policy
 from kvtier.report import CacheRecord
 from kvtier.schema import check_schema
-from kvtier.scopes import Resident, Scope
+from kvtier.scopes import All, Resident, Scope
 from kvtier.tiers.base import Tier
-from kvtier.tiers.disk import check_folder
 from kvtier.tiers.memory import HostTier, MemoryTier, default_device
-from kvtier.tiers.redis import probe_url
+from kvtier.tiers.redis import LOCAL_STORE
 from kvtier.tiers.redis_server import LocalRedis
 
 RECIPES = Path(__file__).resolve().parent / "recipes"  # the recipes kvtier ships (Hydra's config folder)
-LOCAL_STORE = "local"  # tiers.stack.<remote>.url that starts a redis-server on loopback for the run
 SIZING = ("size", "fraction")  # a lower tier's size keys, in the order kvtier.checks.tier_pages reads them
 
 
@@ -76,6 +77,10 @@ def build(node, field: str, call: bool = True, kind: type | None = None, **given
         raise ConfigError(f"{field}._target_", f"{node._target_} is not a {kind.__name__}: {field.split('.')[0]} "
                                                f"takes a subclass of {public}")
     signature = inspect.signature(target)
+    for key in (k for k in node if k in given):  # what kvtier gives the constructor itself
+        sizing = f": size it with {field}.fraction or {field}.size (the device tier: with budget.*)" \
+            if key == "capacity" else ""
+        raise ConfigError(f"{field}.{key}", f"is not a recipe key: kvtier sets it{sizing}")
     try:
         signature.bind_partial(**given, **{k: None for k in node if not k.startswith("_")})
     except TypeError as e:
@@ -118,7 +123,12 @@ def plan(cfg: DictConfig) -> Plan:
     _, config = load_config(cfg.model.get("path"), cfg.model.get("id"), cfg.model.get("revision", "main"))
     layout = kv_layout_for(config, page_size=recipe.page_size, dtype=cfg.model.dtype, kv_dtype=recipe.kv_dtype)
     check_positions(task, config)
+    check_max_context(recipe.engine.max_context, task, layout.page_size)
+    check_dense_layers(cfg.cache.dense_layers, layout.num_layers)
+    check_graphs(recipe.engine.graphs, cfg.model.get("device", "cpu"), isinstance(kernel, TorchBackend),
+                 cfg.cache.fidelity and not issubclass(scope, All))
     context, pages = task.context_tokens, layout.pages_for(task.context_tokens + task.new_tokens)
+    chunk = min(prefill.chunk_size, getattr(task, "prompt_tokens", context))  # the longest prefill step
     page_bytes = layout.num_layers * layout.page_bytes  # one page of every layer
     budget = recipe.budget.tokens_for(context, -(-page_bytes // layout.page_size))
     check_partial_budget(budget, context, label(cfg.scope), recipe.budget.key)
@@ -132,26 +142,48 @@ def plan(cfg: DictConfig) -> Plan:
         if capacities:
             capacities[key] = tier_pages(spec, field, pages, page_bytes)
         else:
-            chunk_room = device_pages_needed(policy, layout.page_size, min(prefill.chunk_size, context))
+            chunk_room = device_pages_needed(policy, layout.page_size, chunk)
             device = _device_pages(scope, layout.pages_for(budget), attended, pages, chunk_room)
             capacities[key] = pay_for_key_stats(device, build_scope(cfg, device), layout,
                                                 task.context_tokens + task.new_tokens, recipe.budget.key)
-        if "path" in spec:  # a disk tier: relative paths live in the run folder
-            check_folder(spec.path if Path(spec.path).is_absolute() else ".", f"{field}.path")
-        if spec.get("url", LOCAL_STORE) != LOCAL_STORE:
-            probe_url(spec.url, f"{field}.url", spec.get("timeout_s") or 5.0)
+        keys = {k: v for k, v in OmegaConf.to_container(unsized(spec), resolve=True).items() if not k.startswith("_")}
+        settings = inspect.signature(tier).bind_partial(layout=layout, capacity=capacities[key], name=key, **keys)
+        settings.apply_defaults()  # a relative disk path: checked from here, where the run's folder will be
+        tier.check_settings(field, **settings.arguments)
         if issubclass(tier, MemoryTier):
             sizing = recipe.budget.key if len(capacities) == 1 else f"{field}.{SIZING[spec.get('size') is None]}"
             place = "cpu" if issubclass(tier, HostTier) else spec.get("device") or default_device()
             in_memory[sizing] = (capacities[key] * page_bytes, place)
-    check_device_room(next(iter(capacities.values())), policy, layout.page_size, min(prefill.chunk_size, context),
-                      recipe.budget.key)
+    device = next(iter(capacities.values()))
+    check_device_room(device, policy, layout.page_size, chunk, recipe.budget.key,
+                      give=budget_for(recipe.budget, task, layout.page_size, page_bytes)
+                      if device == layout.pages_for(budget) else None)  # the device is the budget's (in its unit)
     check_stack(capacities, pages)
     check_memory(in_memory)
-    build_scope(cfg, next(iter(capacities.values())))
+    rows = getattr(task, "max_batch", recipe.engine.max_batch)  # the engine's rows (a serving task sets its own)
+    check_recall_room(device - (rows > 1), policy, layout.page_size, build_scope(cfg, device), rows)
     labels = {"policy": label(cfg.policy), "scope": label(cfg.scope), "tiers": "_".join(capacities),
               "kernel": kernel.name, "task": task.name, "model": label(cfg.model)}
     return Plan(labels, context, budget, capacities, layout)
+
+
+def budget_for(budget, task, page_size: int, page_bytes: int):
+    """``give(pages)`` for :func:`~kvtier.checks.check_device_room`: the setting of the budget's key in force that
+    gives the device ``pages`` pages of the task's context (or why none can)."""
+    def give(pages: int) -> str:
+        tokens, context = (pages - 1) * page_size + 1, task.context_tokens
+        if tokens > context:
+            return f"that is more than the task's whole context (task.{task.context_key}={context} tokens): give it " \
+                   "a longer one"
+        if budget.key == "budget.fraction":
+            least = math.ceil(tokens / context * 1000) / 1000
+            return f"set budget.fraction >= {least:g} ({tokens} of the {context} tokens of task.{task.context_key}; " \
+                   f"{budget.fraction:g} gives {int(budget.fraction * context)})"
+        if budget.key == "budget.size":
+            nbytes = tokens * -(-page_bytes // page_size)
+            return f"set budget.size >= {math.ceil(nbytes / 2**20 * 100) / 100:g}MiB ({nbytes} bytes, {tokens} tokens)"
+        return f"set budget.tokens >= {tokens}"
+    return give
 
 
 def unsized(spec: DictConfig) -> DictConfig:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from kvtier.budget import TokenBudget
-from kvtier.cache_base import ACTIVE_CACHE
+from kvtier.cache_base import ACTIVE_CACHE, STEP_MASK
 from kvtier.compat import PagedCacheBase
 from kvtier.engine import Engine, EngineConfig
 from kvtier.errors import ConfigError, KVTierError
@@ -35,17 +35,29 @@ def _of_engine(name: str) -> property:
 
 
 class TieredKVCache(PagedCacheBase):
-    """Paged, tiered KV cache for ``batch_size`` sequences of equal length (no padding).
+    """Paged, tiered KV cache for a batch of ``batch_size`` rows (``generate``'s rows: prompts x ``expand``).
 
     ``scope``: ``all`` | ``resident`` | ``topk`` or a :class:`~kvtier.scopes.Scope`; ``topk_pages`` and ``topk``
     (``rank``, ``unit``, ``sketch_rank``, ``per_head``, ...) are :class:`~kvtier.scopes.TopK`'s; ``budget`` (tokens
     attended per decode step), ``sinks``, ``window`` and ``mode`` make a :class:`~kvtier.budget.TokenBudget`.
+
+    A left-padded batch (``attention_mask`` of zeros before each row's first token) stores and attends only its
+    rows' tokens: padding is never in a page, so never attended nor counted in a budget. ``expand``: the rows come
+    in runs of ``expand`` identical prompts (``generate``'s ``max(num_beams, num_return_sequences)``): each run's
+    prompt is prefilled once and its rows decode copy-on-write forks of it; beam search's ``reorder_cache`` forks
+    the chosen beams the same way (:meth:`~kvtier.engine.Engine.reorder`).
     """
 
     def __init__(self, layout: KVLayout, tiers: list[Tier], policy: Policy, scheduler: Scheduler | None = None,
                  backend=None, scope: str | Scope = "all", topk_pages: int | None = None, sinks: int = 4,
                  batch_size: int = 1, fidelity: bool = False, budget: int | None = None, window: int = 64,
-                 mode: str = "continuous", exact_prefill: bool = False, dense_layers: int = 0, **topk):
+                 mode: str = "continuous", exact_prefill: bool = False, dense_layers: int = 0, expand: int = 1,
+                 **topk):
+        for key, value in (("batch_size", batch_size), ("expand", expand)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(key, f"must be an integer >= 1, got {value!r}")
+        if batch_size % expand:
+            raise ConfigError("expand", f"the batch's {batch_size} rows are not runs of {expand} rows of one prompt")
         tokens = None if budget is None else TokenBudget(budget, sinks, window, layout.page_size, mode)
         if scope == "topk":
             if unknown := sorted(set(topk) - TOPK_OPTIONS):
@@ -59,10 +71,14 @@ class TieredKVCache(PagedCacheBase):
         self.engine = Engine(None, layout, tiers, policy, scope, scheduler, backend, budget=tokens,
                              exact_prefill=exact_prefill, dense_layers=dense_layers, fidelity=fidelity,
                              config=EngineConfig(max_batch=batch_size, graphs=False, compile=False))
-        self.sequences = batch_size  # sequences of equal length, one engine row each
-        self.seqs: list[int] = []
+        self.sequences, self.expand = batch_size, expand  # rows of the batch; rows per prompt
+        self.seqs: list[int] = []  # the engine sequence of each row (while prefilling: of each run's first row)
         self.prefilled = False
+        self.seen = 0  # tokens each row has fed, padding included (HF's positions in the batch)
         self._attended = -1
+        self._gather = None  # the prefill step's rows and tokens that are stored: ([T], [T]), None: all of them
+        self._scatter = None  # and where each row's kept tokens take their output from: ([n], [n], [n])
+        self._empty = False  # a prefill step that brings no stored token (padding only)
 
     # -- what the engine keeps --------------------------------------------------------------------
     stats = _of_engine("stats")
@@ -81,30 +97,111 @@ class TieredKVCache(PagedCacheBase):
 
     # -- transformers Cache interface ---------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.table.seq_len(self.seqs[0]) if self.seqs else 0
+        return self.seen
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write K/V ``[B, N_kv, q, D]`` of ``layer_idx``; returns them unchanged (attention reads pages)."""
         B, _, q_len, _ = key_states.shape
         if B != self.sequences:
-            raise ConfigError("batch_size", f"cache built for {self.sequences} sequences, got a batch of {B}")
+            raise ConfigError("batch_size", f"the cache was built for {self.sequences} rows, the model runs {B}: "
+                                            "generate runs prompts x max(num_beams, num_return_sequences) rows; build "
+                                            "it with that batch_size (kvtier.cache_for(..., batch_size=prompts, "
+                                            "expand=rows per prompt); kvtier.offload sizes it itself)")
         if layer_idx == 0:
-            self._begin(q_len)
+            self._begin(q_len, key_states)
         elif self._attended != layer_idx - 1:  # the layer before wrote its K/V, then attended without kvtier
             raise ConfigError("attn_implementation", "the model's attention does not go through kvtier, so it "
                                                      "would read only the new tokens' K/V: call "
                                                      "kvtier.hook.use_hook(model) (kvtier.Engine does)")
-        self.engine.store(layer_idx, key_states, value_states)
+        if not self._empty:
+            self.engine.store(layer_idx, self._gathered(key_states), self._gathered(value_states))
         ACTIVE_CACHE.set(self)
         return key_states, value_states
 
     def attend(self, layer: int, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
-        """Paged attention of ``query [B, H, q, D]`` for ``layer`` under the scope: ``[B, q, H, D]``. The hook's
-        link is taken: each layer's ``update`` sets it again, and a forward with another cache (or none) finds no
-        kvtier cache instead of this one."""
+        """Paged attention of ``query [B, H, q, D]`` for ``layer`` under the scope: ``[B, q, H, D]`` (zeros at
+        padding). The hook's link is taken: each layer's ``update`` sets it again, and a forward with another cache
+        (or none) finds no kvtier cache instead of this one."""
         self._attended = layer
         ACTIVE_CACHE.set(None)
-        return self.engine.attend(layer, query, scaling)
+        if self._empty:
+            return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+        out = self.engine.attend(layer, self._gathered(query), scaling)  # [B or 1, q or T, H, D]
+        if self._scatter is None:
+            return out
+        rows, tokens, source = self._scatter
+        full = out.new_zeros(query.shape[0], query.shape[2], *out.shape[2:])  # [B, q, H, D]
+        full[rows, tokens] = out[0, source]
+        return full
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Beam search: row ``r`` goes on with a copy-on-write fork of the sequence of row ``beam_idx[r]``."""
+        order = [int(r) for r in beam_idx.reshape(-1).tolist()]
+        if not self.prefilled:  # the prompt's forward came last: each row's sequence first
+            self.end_prefill()
+        if order != list(range(len(self.seqs))):
+            self.finish_step()
+            self.seqs = self.engine.reorder(order)
+
+    # -- padding and prompts prefilled once ---------------------------------------------------------------
+    def _kept(self, q_len: int, B: int) -> np.ndarray | None:
+        """The tokens of the step's ``q_len`` per row that are stored ``[B, q]`` (bool), from the forward's padding
+        mask (:data:`~kvtier.cache_base.STEP_MASK`); None: every one. Only left padding is kept out."""
+        mask = STEP_MASK.get()
+        STEP_MASK.set(None)
+        if mask is None:
+            return None
+        if tuple(mask.shape) != (B, self.seen + q_len):
+            raise ConfigError("attention_mask", f"has shape {tuple(mask.shape)}; this step's is [{B}, "
+                                                f"{self.seen + q_len}] (the tokens seen and the new ones)")
+        mask = mask.bool().cpu().numpy()
+        if mask.all():
+            return None
+        new = mask[:, -q_len:]
+        count = new.sum(1)  # [B]
+        started = mask[:, :self.seen].any(1)  # rows with a token before this step
+        left = new == (np.arange(q_len) >= q_len - count[:, None])  # zeros only before the row's first token
+        if not left.all() or (started & (count < q_len)).any():
+            row = int(np.flatnonzero(~left.all(1) | (started & (count < q_len)))[0])
+            raise ConfigError("attention_mask", f"row {row} masks a token after its first one; kvtier keeps out left "
+                                                "padding only (tokenizer padding_side='left'), never a token between "
+                                                "two it stores")
+        return new
+
+    def _plan_prefill(self, kept: np.ndarray | None, q_len: int, B: int) -> list[int]:
+        """Each run's tokens stored this step (its first row's), and the gather/scatter of the step's rows."""
+        first = np.arange(0, B, self.expand)  # [G] the first row of each run of one prompt
+        counts = np.full(B, q_len) if kept is None else kept.sum(1)  # [B]
+        if kept is not None and self.expand > 1 and \
+                (kept.reshape(-1, self.expand, q_len) != kept[first][:, None]).any():
+            raise ConfigError("expand", f"the rows of a run of {self.expand} (one prompt's) differ in their padding")
+        self._gather = self._scatter = None
+        if kept is not None or self.expand > 1:
+            kept = np.ones((B, q_len), dtype=bool) if kept is None else kept
+            grows = first[counts[first] > 0]  # [G'] runs with tokens this step, in sequence order
+            rows, tokens = np.nonzero(kept[grows])
+            start = np.zeros(B, dtype=np.int64)
+            start[grows] = np.cumsum(counts[grows]) - counts[grows]  # where each run's tokens begin in the gather
+            to_rows, to_tokens = np.nonzero(kept)  # [n] every row's stored tokens
+            source = start[to_rows - to_rows % self.expand] + np.cumsum(kept, 1)[to_rows, to_tokens] - 1
+            dev = self.device
+            self._gather = tuple(torch.from_numpy(x).to(dev) for x in (grows[rows], tokens))
+            self._scatter = tuple(torch.from_numpy(x).to(dev) for x in (to_rows, to_tokens, source))
+        return counts[first].tolist()
+
+    def _gathered(self, x: torch.Tensor) -> torch.Tensor:
+        """The stored tokens of a step's attention input ``x [B, N, q, D]``: ``[1, N, T, D]`` (all: ``x``)."""
+        if self._gather is None:
+            return x
+        rows, tokens = self._gather
+        return x[rows, :, tokens].transpose(0, 1)[None]  # [T, N, D] -> [1, N, T, D]
+
+    def _check_runs(self, key: torch.Tensor) -> None:
+        """The rows of each run of ``expand`` hold one prompt: layer 0's keys ``[B, N_kv, q, D]`` agree."""
+        first = key[::self.expand].repeat_interleave(self.expand, 0)
+        if not torch.equal(key, first):
+            raise ConfigError("expand", f"rows in runs of {self.expand} must repeat one prompt each (as generate "
+                                        "expands them), but a run's rows differ; pass expand=1 for distinct rows")
 
     # -- running the model over it ------------------------------------------------------------------
     @torch.no_grad()
@@ -135,19 +232,33 @@ class TieredKVCache(PagedCacheBase):
         return out
 
     # -- steps -------------------------------------------------------------------------------------
-    def _begin(self, q_len: int) -> None:
+    def _begin(self, q_len: int, key: torch.Tensor | None = None) -> None:
+        """Open the step of a forward of ``q_len`` tokens per row (``key``: layer 0's keys ``[B, N_kv, q, D]``)."""
         self.finish_step()
         self._attended = -1
-        if not self.seqs:
-            self.seqs = [self.engine.open(q_len) for _ in range(self.sequences)]
+        B = self.sequences
+        kept = self._kept(q_len, B)
         if q_len == 1 and not self.prefilled and self.engine.step_idx >= 0:
             self.end_prefill()
         if self.prefilled:
             if q_len != 1:
                 raise KVTierError(f"after the prompt every step feeds one token per sequence, got {q_len}")
+            if kept is not None and not kept.all():
+                raise ConfigError("attention_mask", "masks a decode step's token; kvtier keeps out left padding only")
+            self._gather = self._scatter = None
+            self._empty = False
             self.engine.begin_decode()
         else:
-            self.engine.begin_prefill(self.seqs, q_len)
+            if self.expand > 1 and key is not None:
+                self._check_runs(key)
+            counts = self._plan_prefill(kept, q_len, B)
+            if not self.seqs:
+                self.seqs = [self.engine.open(max(q_len, 1)) for _ in counts]
+            grows = [(seq, n) for seq, n in zip(self.seqs, counts) if n]
+            self._empty = not grows
+            if grows:
+                self.engine.begin_prefill([s for s, _ in grows], [n for _, n in grows])
+        self.seen += q_len
 
     def receive_step(self, q_len: int) -> None:
         """Open a prefill step whose K/V another process computed (:mod:`kvtier.disagg`): every sequence grows
@@ -156,13 +267,21 @@ class TieredKVCache(PagedCacheBase):
         self.engine._mode = "idle"
 
     def end_prefill(self) -> None:
-        """The prompt is in: the sequences start decoding (with ``mode="once"``, compressed to the budget)."""
+        """The prompt is in: the sequences start decoding (with ``mode="once"``, compressed to the budget); each run
+        of ``expand`` rows decodes copy-on-write forks of its prompt's sequence."""
         self.finish_step()
         if self.prefilled or not self.seqs:
             return
+        empty = [i * self.expand for i, seq in enumerate(self.seqs) if self.table.seq_len(seq) == 0]
+        if empty:
+            raise ConfigError("attention_mask", f"rows {empty} are padding only; give each row a token")
         self.prefilled = True
+        self._gather = self._scatter = None
         for seq in self.seqs:
             self.engine.start_decode(seq, 0)
+        if len(self.seqs) < self.sequences:
+            self.seqs = self.engine.reorder([self.engine.row_seq.index(self.seqs[r // self.expand])
+                                             for r in range(self.sequences)])
 
     def finish_step(self) -> None:
         """Close the open step; the policy hears its statistics (idempotent)."""

@@ -1,5 +1,5 @@
-"""The attention hook's link to the engine: the active ``past_key_values`` and the one the engine's own
-forward passes to the model's attention modules."""
+"""The attention hook's link to the engine: the active ``past_key_values``, the forward's padding mask, and the
+cache the engine's own forward passes to the model's attention modules."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ import torch
 from kvtier.compat import PagedCacheBase
 
 ACTIVE_CACHE: contextvars.ContextVar = contextvars.ContextVar("kvtier_cache", default=None)
+# the forward's 2-D attention mask [B, seen + new tokens] (bool), handed from the hook's mask function to the
+# TieredKVCache that opens the forward's step (which takes it: None until the next forward's mask function)
+STEP_MASK: contextvars.ContextVar = contextvars.ContextVar("kvtier_step_mask", default=None)
 
 
 class PassCache(PagedCacheBase):

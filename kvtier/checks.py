@@ -43,17 +43,42 @@ def pay_for_key_stats(device_pages: int, scope, layout, tokens: int, field: str)
 
 
 def check_device_room(capacity: int, policy, page_size: int, chunk_tokens: int, field: str,
-                      batch_size: int = 1, taken: int = 0, by: str = "") -> None:
+                      batch_size: int = 1, taken: int = 0, by: str = "", give=None) -> None:
     """What the ``capacity`` device pages leave once ``taken`` of them went elsewhere (``by``: to what, said) holds
-    :func:`device_pages_needed`."""
+    :func:`device_pages_needed`. ``give(pages)``: the setting of ``field`` that gives the device that many pages (for
+    the message; default: the pages and tokens)."""
     need = device_pages_needed(policy, page_size, chunk_tokens, batch_size)
-    if capacity - taken < need:
-        left = f"{capacity - taken} device pages (of {capacity}, less {by})" if taken else f"{capacity} device pages"
-        raise ConfigError(field, f"{left} of {page_size} tokens cannot hold what policy "
-                                 f"'{policy.name}' pins, the page being written and {chunk_tokens} more tokens; "
-                                 f"give the device at least {need + taken} pages ({(need + taken) * page_size} "
-                                 "tokens), or pin less, or prefill in smaller steps (scheduler.prefill.chunk_size)"
-                                 + (f", or give less to {by}" if taken else ""))
+    if capacity - taken >= need:
+        return
+
+    def pages(n: int, of: str = "") -> str:
+        return f"{n} device page{'s' if n != 1 else ''}{of} of {page_size} tokens"
+
+    if not taken:
+        have = f"{pages(capacity)} cannot hold"
+    elif taken < capacity:
+        have = f"{pages(capacity - taken, f' (of {capacity}, less {by})')} cannot hold"
+    else:
+        have = f"{by} take {taken} of the {pages(capacity)}, leaving none for"
+    fix = give(need + taken) if give is not None else \
+        f"give the device at least {need + taken} pages ({(need + taken) * page_size} tokens)"
+    rows = f" for each of {batch_size} rows" if batch_size > 1 else ""
+    less = f", or give less to {by}" if taken else ""
+    raise ConfigError(field, f"{have} what policy '{policy.name}' pins ({policy.pinned_pages(page_size)} pages), the "
+                             f"page being written and {chunk_tokens} more tokens{rows}; {fix}, or pin less, or prefill "
+                             f"in smaller steps (scheduler.prefill.chunk_size){less}")
+
+
+def check_recall_room(capacity: int, policy, page_size: int, scope, rows: int) -> int:
+    """The device slots a scope's recall cache takes (its slots, and each row's landing slots per layer) leave the
+    device room for what the policy pins and the pages being written (:func:`check_device_room`); those slots."""
+    n_land = getattr(scope, "landing_slots", 0)
+    taken = getattr(scope, "recall_slots", 0) + rows * n_land
+    if taken:
+        landing = f" and {rows} x {n_land} landing slots" if n_land else ""
+        check_device_room(capacity, policy, page_size, 0, "scope.recall_slots", rows, taken,
+                          f"the recall cache's {scope.recall_slots} slots{landing}")
+    return taken
 
 
 def check_partial_budget(budget: int, context: int, scope: str, key: str) -> None:
@@ -93,6 +118,42 @@ def check_scheduler(scheduler) -> None:
         raise ConfigError("scheduler.placement", f"must be a kvtier.scheduler.Scheduler whose plan(table, policy, "
                                                  f"step, reserve=0, ranking=None) takes the step's Ranking, got "
                                                  f"{type(scheduler).__name__}")
+
+
+def check_graphs(graphs, device, reference_kernel: bool, fidelity: bool) -> None:
+    """``engine.graphs=true`` needs what a captured step is: GPU work (a model on a GPU), a kernel that reads the
+    lengths on the device (not the torch reference), and no uncounted fidelity pass timed per call."""
+    import torch
+
+    if not graphs:
+        return
+    if torch.device(device).type != "cuda":
+        raise ConfigError("engine.graphs", f"CUDA graphs replay GPU work, and the model runs on {device}: set "
+                                           "engine.graphs=false (or null: on a GPU only)")
+    if reference_kernel:
+        raise ConfigError("engine.graphs", "the torch reference kernel reads the lengths on the host, which a "
+                                           "captured step cannot: use kernel=triton, or engine.graphs=false")
+    if fidelity:
+        raise ConfigError("engine.graphs", "cache.fidelity times an uncounted exact pass per call, which a captured "
+                                           "step cannot leave out of TPOT: set engine.graphs=false")
+
+
+def check_dense_layers(dense_layers, num_layers: int) -> None:
+    """``cache.dense_layers``: how many first layers attend every page, an integer in ``[0, num_layers]``."""
+    if not isinstance(dense_layers, int) or isinstance(dense_layers, bool) or not 0 <= dense_layers <= num_layers:
+        raise ConfigError("cache.dense_layers", f"must be an integer in [0, {num_layers}] (the model's layers), got "
+                                                f"{dense_layers!r}")
+
+
+def check_max_context(max_context, task, page_size: int) -> None:
+    """``engine.max_context`` (None: what the tiers hold; whole pages of ``page_size``) holds the task's context and
+    the tokens it generates."""
+    need = task.context_tokens + task.new_tokens
+    if max_context is not None and -(-max_context // page_size) * page_size < need:
+        raise ConfigError("engine.max_context", f"{max_context} tokens per sequence cannot hold the task's "
+                                                f"task.{task.context_key}={task.context_tokens} tokens + "
+                                                f"{task.new_tokens} generated; give it at least {need}, or null "
+                                                "(what the tiers hold)")
 
 
 def check_positions(task, config) -> None:

@@ -6,6 +6,9 @@
   ``query_length`` (an int).
 - Attention and mask functions are registered by name; a mask function must be registered
   for a custom attention name or masks silently become None.
+- ``generate`` expands each prompt into ``max(num_beams, num_return_sequences)`` rows
+  (``repeat_interleave``) before the first forward, and beam search calls ``Cache.reorder_cache(beam_idx)``
+  after every step (a model's own ``_reorder_cache`` first, where it has one).
 """
 
 from __future__ import annotations

@@ -4,7 +4,13 @@ import contextlib
 
 
 class KVTierError(Exception):
-    """Base class of every error kvtier raises on purpose."""
+    """Base class of every error kvtier raises on purpose; its message never holds a secret (a URL's password, a
+    token: :func:`kvtier.redact.redact`)."""
+
+    def __init__(self, *args):
+        from kvtier.redact import redact
+
+        super().__init__(*(redact(a) if isinstance(a, str) else a for a in args))
 
 
 class ConfigError(KVTierError, ValueError):

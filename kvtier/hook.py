@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.cache_base import ACTIVE_CACHE
+from kvtier.cache_base import ACTIVE_CACHE, STEP_MASK
 from kvtier.compat import ATTN_NAME, register_attention
 from kvtier.errors import ConfigError
 from kvtier.support import check_attention_call
@@ -32,11 +32,10 @@ def kvtier_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
 
 
 def kvtier_mask(*args, attention_mask=None, **kwargs):
-    """Masks are implied by page positions (causal, sliding windows per layer, no padding); reject
-    padding rather than ignore it."""
-    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-        raise ConfigError("attention_mask", "padded batches are not supported by kvtier; "
-                                            "batch sequences of equal length")
+    """Masks are implied by page positions (causal, sliding windows per layer). A 2-D padding mask ``[B, seen +
+    new]`` goes to the TieredKVCache of the forward (``STEP_MASK``), which stores and attends only the tokens it
+    keeps (left padding; anything else is refused there by name); HF's attention gets no mask."""
+    STEP_MASK.set(attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None)
     return None
 
 

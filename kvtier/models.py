@@ -8,8 +8,10 @@ Nothing here touches the network: weights come from pip packages, local folders 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -68,30 +70,53 @@ def cache_dir() -> Path:
 
 
 def ensure_model(name: str) -> Path:
-    """Folder of packaged model ``name`` as fp32 safetensors plus tokenizer, converted on first use.
-
-    The GGUF is dequantized to fp32 and saved to ``<cache>/models/<folder>``. The folder appears only
-    complete (written to a temp dir, then renamed) and a file lock makes concurrent callers (pytest
-    workers) wait for one conversion instead of repeating it.
-    """
+    """Folder of packaged model ``name`` as fp32 safetensors plus tokenizer, converted on first use into
+    ``<cache>/models/<folder>`` (:func:`_converted`)."""
     spec = PACKAGED_MODELS[name]
-    target = cache_dir() / "models" / spec.folder
+
+    def source(joined: Path) -> Path:
+        parts = gguf_parts(name)
+        return parts[0] if len(parts) == 1 else join_parts(parts, joined / "model.gguf", spec.sha256)
+    return _converted(source, spec.folder, spec.spm_bpe)
+
+
+def ensure_gguf(gguf: Path) -> Path:
+    """Folder of the GGUF causal LM ``gguf`` as a Hugging Face folder, converted once: a packaged model's own file is
+    that model's folder; any other goes to ``<cache>/models/<file name>-<digest of its path, size and time>``."""
+    gguf = gguf.expanduser().absolute()
+    for name, spec in PACKAGED_MODELS.items():
+        with contextlib.suppress(ConfigError):
+            if len(spec.parts) == 1 and gguf.samefile(gguf_parts(name)[0]):
+                return ensure_model(name)
+    stat = gguf.stat()
+    digest = hashlib.sha1(f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:10]
+    return _converted(lambda joined: gguf, f"{gguf.stem}-{digest}")
+
+
+def _converted(source, folder: str, spm_bpe: bool = False) -> Path:
+    """``<cache>/models/<folder>``: the GGUF ``source(scratch folder)`` gives, dequantized to fp32 and saved with its
+    tokenizer on first use. The folder appears only complete (written to a temp dir, then renamed) and a file lock
+    makes concurrent callers (pytest workers) wait for one conversion instead of repeating it."""
+    target = cache_dir() / "models" / folder
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{spec.folder}.lock", "w") as lock:
+    with open(target.parent / f".{folder}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (target / "config.json").is_file():
             return target
-        for stale in target.parent.glob(f".{spec.folder}.tmp-*"):  # left by a killed conversion
+        for stale in target.parent.glob(f".{folder}.tmp-*"):  # left by a killed conversion
             shutil.rmtree(stale, ignore_errors=True)
-        parts = gguf_parts(name)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{spec.folder}.tmp-", dir=target.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder}.tmp-", dir=target.parent))
         tmp.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache from other users
         try:
-            with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{spec.folder}.tmp-gguf-") as joined:
-                gguf = parts[0] if len(parts) == 1 else join_parts(parts, Path(joined) / "model.gguf", spec.sha256)
-                convert_gguf(gguf, tmp, spm_bpe=spec.spm_bpe)
+            with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{folder}.tmp-gguf-") as joined:
+                gguf = source(Path(joined))
+                try:
+                    convert_gguf(gguf, tmp, spm_bpe=spm_bpe)
+                except (ValueError, OSError, KeyError, TypeError, RuntimeError) as err:  # HF cannot read it
+                    raise ConfigError("model.path", f"{gguf} does not convert to a Hugging Face model ({err}); "
+                                                    "pass a Hugging Face model folder instead") from None
             shutil.rmtree(target, ignore_errors=True)  # a folder without config.json is not a model
             os.replace(tmp, target)
         finally:
@@ -215,15 +240,24 @@ def load_config(path: str | None = None, id: str | None = None, revision: str = 
         folder = hub_folder(id, revision)
     else:
         folder = ensure_model(path or "smollm2") if path in (None, *PACKAGED_MODELS) else Path(path).expanduser()
-    hint = f"pass a local Hugging Face model folder (one holding config.json) or one of {sorted(PACKAGED_MODELS)}"
+    hint = (f"pass a local Hugging Face model folder (one holding config.json), a .gguf file, or one of "
+            f"{sorted(PACKAGED_MODELS)}")
+    if folder.is_file() and folder.suffix.lower() == ".gguf":
+        folder = ensure_gguf(folder)
+    if not folder.exists():
+        raise ConfigError("model.path", f"{str(folder)!r} does not exist; {hint}")
     if not folder.is_dir():
-        raise ConfigError("model.path", f"{str(folder)!r} does not exist or is not a folder; {hint}")
+        raise ConfigError("model.path", f"{str(folder)!r} is a file, not a model folder; {hint}")
     if not (folder / "config.json").is_file():
         raise ConfigError("model.path", f"{str(folder)!r} has no config.json, so it is not a HF model; {hint}")
     try:
+        kind = type(json.loads((folder / "config.json").read_text())).__name__
+        if kind != "dict":
+            raise ValueError(f"it holds a JSON {kind}, not an object of the model's settings")
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (ValueError, OSError, StrictDataclassError) as err:  # unknown model_type, bad JSON, refused by the class
-        raise ConfigError("model", f"{folder / 'config.json'} is not a usable model config: {err}") from err
+    # not JSON, not an object, an unknown model_type, values the config class refuses or cannot read
+    except (ValueError, OSError, StrictDataclassError, TypeError, KeyError) as err:
+        raise ConfigError("model", f"{folder / 'config.json'} is not a usable model config: {err}") from None
     check_attention_shape(config)
     return folder, config
 

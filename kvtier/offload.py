@@ -11,8 +11,11 @@ name files of the ``policy/``, ``tiers/`` and ``kernel/`` groups, built with the
 :class:`~kvtier.policies.Policy` object works too); ``scope`` names a scope as the ``scope/`` group does
 (``all``, ``resident``, ``topk``) and ``page_size`` is the recipe key.
 ``hbm`` is the recipe's ``budget.fraction``: the device tier (HBM) holds ``int(hbm * prompt tokens)``
-tokens per sequence, rounded up to whole pages, sized from the prompt each ``generate`` call gets;
-the tiers below take their ``fraction`` (or ``size``) of the prompt plus the new tokens. A disk tier
+tokens per sequence, rounded up to whole pages, sized from the prompt each ``generate`` call gets (its longest
+prompt, padding aside); the tiers below take their ``fraction`` (or ``size``) of the prompt plus the new tokens.
+Every mode of ``generate`` runs through it: greedy, sampling, beam search and ``num_return_sequences`` (a
+prompt prefilled once, its rows decoding copy-on-write forks), left-padded batches with ``attention_mask``
+(padding never stored nor attended), stopping criteria. A disk tier
 writes to a fresh folder under the system's temp folder, removed when the cache closes; a ``local``
 remote tier starts a loopback redis-server that stops with the cache. Other ``TieredKVCache``
 arguments (``sinks``, ``budget``, ...) pass through; ``fidelity`` is off unless given (recipes turn it on
@@ -22,12 +25,16 @@ to report attention recall, at the cost of a second attention pass per decode st
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
+import inspect
+import math
 import tempfile
 import uuid
 import weakref
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from kvtier.build import LOCAL_STORE, RECIPES, build, unsized
@@ -52,16 +59,44 @@ def recipe_node(group: str, name: str, device) -> DictConfig:
     return OmegaConf.create(OmegaConf.to_container(root[group], resolve=True))
 
 
+def check_model(model, where: str) -> None:
+    """ConfigError("model") unless ``model`` is a Hugging Face causal LM kvtier can route (a PreTrainedModel)."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel) or not hasattr(model, "generate"):
+        raise ConfigError("model", f"{where} takes a Hugging Face causal LM (a transformers PreTrainedModel with "
+                                   f"generate, e.g. from kvtier.load_model()), got {type(model).__name__}")
+
+
+def check_options(options: dict, where: str) -> None:
+    """ConfigError naming a keyword that neither :func:`cache_for` nor :class:`TieredKVCache` takes."""
+    known = set(inspect.signature(cache_for).parameters) | set(inspect.signature(TieredKVCache).parameters) | \
+        TOPK_OPTIONS
+    known -= {"model", "prompt_tokens", "new_tokens", "cache", "topk", "layout", "tiers", "scheduler", "backend"}
+    for key in options:
+        if key not in known:
+            raise ConfigError(key, f"{where} takes no {key!r}; it takes {sorted(known)}")
+
+
 def cache_for(model, prompt_tokens: int, new_tokens: int = 0, *, policy: str | Policy = "aspe", hbm: float = 0.25,
               tiers: str = "device_host", scope: str = "resident", page_size: int = 16, kernel: str = "torch",
-              batch_size: int = 1, **cache) -> TieredKVCache:
-    """A TieredKVCache for ``batch_size`` prompts of ``prompt_tokens`` tokens that ``generate`` continues by
-    ``new_tokens``; routes ``model``'s attention through the kvtier hook. See the module docstring."""
-    use_hook(model)
+              batch_size: int = 1, expand: int = 1, **cache) -> TieredKVCache:
+    """A TieredKVCache for ``batch_size`` prompts of up to ``prompt_tokens`` tokens (padding aside) that
+    ``generate`` continues by ``new_tokens`` on ``expand`` rows each (``max(num_beams, num_return_sequences)``);
+    routes ``model``'s attention through the kvtier hook. See the module docstring."""
+    check_model(model, "kvtier.cache_for")
+    check_options(cache, "kvtier.cache_for")
+    for key, value, least in (("prompt_tokens", prompt_tokens, 1), ("new_tokens", new_tokens, 0),
+                              ("batch_size", batch_size, 1), ("expand", expand, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            empty = "; the prompt is empty: give it at least one token" if key == "prompt_tokens" else ""
+            raise ConfigError(key, f"must be an integer >= {least}, got {value!r}{empty}")
     if isinstance(hbm, bool) or not isinstance(hbm, (int, float)) or not 0 < hbm <= 1:
         raise ConfigError("hbm", f"the device tier's share of the prompt must be in (0, 1], got {hbm!r}")
     if (budget := int(hbm * prompt_tokens)) < 1:
-        raise ConfigError("hbm", f"{hbm} of a {prompt_tokens}-token prompt is no token; raise hbm")
+        raise ConfigError("hbm", f"hbm={hbm} of a {prompt_tokens}-token prompt is no token; raise hbm to at least "
+                                 f"{1 / prompt_tokens:.3g}")
+    use_hook(model)
     make_scope(scope)  # a name it does not know is said before any size is
     device = next(model.parameters()).device
     layout = kv_layout_for(model.config, page_size=page_size, dtype=model.dtype)
@@ -69,22 +104,25 @@ def cache_for(model, prompt_tokens: int, new_tokens: int = 0, *, policy: str | P
         policy = build(recipe_node("policy", policy, device), "policy")
     stack = recipe_node("tiers", tiers, device).stack
     context_pages = layout.pages_for(prompt_tokens + new_tokens)
+    rows = batch_size * expand
     capacities = {}
     for key, spec in stack.items():
-        capacities[key] = batch_size * (tier_pages(spec, f"tiers.stack.{key}", context_pages,
-                                                   layout.num_layers * layout.page_bytes)
-                                        if capacities else layout.pages_for(budget))
+        capacities[key] = rows * (tier_pages(spec, f"tiers.stack.{key}", context_pages,
+                                             layout.num_layers * layout.page_bytes)
+                                  if capacities else layout.pages_for(budget))
     topk = {k: cache.pop(k) for k in list(cache) if k in TOPK_OPTIONS}
     if topk and scope != "topk":
         raise ConfigError(f"scope.{next(iter(topk))}", f"is an option of scope 'topk', not of {scope!r}")
     scope_for = (lambda pages: TopK(pages, sinks=cache.get("sinks", 4), **topk)) if scope == "topk" else \
         (lambda pages: make_scope(scope))
     first = next(iter(capacities))
-    capacities[first] = pay_for_key_stats(capacities[first], scope_for(capacities[first] // batch_size), layout,
-                                          batch_size * (prompt_tokens + new_tokens), "hbm")
+    capacities[first] = pay_for_key_stats(capacities[first], scope_for(capacities[first] // rows), layout,
+                                          rows * (prompt_tokens + new_tokens), "hbm")
     device_pages = capacities[first]
-    check_device_room(device_pages, policy, page_size, 0, "hbm", batch_size)
-    check_stack(capacities, batch_size * context_pages)
+    check_device_room(device_pages, policy, page_size, 0, "hbm", rows, give=lambda pages: hbm_for(
+        pages // rows, page_size, prompt_tokens, hbm))
+    capacities[first] += rows > 1  # the engine's scratch slot, which a batch's idle rows write
+    check_stack(capacities, rows * context_pages)
     servers, made = [], []
     try:
         for key, spec in stack.items():
@@ -97,7 +135,7 @@ def cache_for(model, prompt_tokens: int, new_tokens: int = 0, *, policy: str | P
             made.append(build(node, f"tiers.stack.{key}", layout=layout, capacity=capacities[key], name=key))
         scheduler = build(recipe_node("scheduler", "lookahead", device).placement, "scheduler.placement")
         result = TieredKVCache(layout, made, policy, scheduler, build(recipe_node("kernel", kernel, device), "kernel"),
-                               scope=scope_for(device_pages // batch_size), batch_size=batch_size, **cache)
+                               scope=scope_for(device_pages // rows), batch_size=rows, expand=expand, **cache)
     except BaseException:
         for tier in made:
             tier.close()
@@ -109,12 +147,43 @@ def cache_for(model, prompt_tokens: int, new_tokens: int = 0, *, policy: str | P
     return result
 
 
+def hbm_for(pages: int, page_size: int, prompt_tokens: int, hbm: float) -> str:
+    """The ``hbm`` that gives each row ``pages`` device pages of a ``prompt_tokens``-token prompt (or why none can)."""
+    tokens = (pages - 1) * page_size + 1
+    if tokens > prompt_tokens:
+        return f"the {prompt_tokens}-token prompt is shorter than that: pick a policy that pins less, or a longer prompt"
+    return f"raise hbm to at least {math.ceil(tokens / prompt_tokens * 1000) / 1000:g} ({tokens} tokens; {hbm:g} " \
+           f"gives {int(hbm * prompt_tokens)})"
+
+
+def generation_sizes(model, args: tuple, kwargs: dict) -> dict:
+    """What :func:`cache_for` needs of a ``generate(*args, **kwargs)`` call: the prompts, the longest one's tokens
+    (padding aside), the new tokens and the rows per prompt, as ``generate`` will read them."""
+    ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        shape = tuple(getattr(ids, "shape", ()))
+        raise ConfigError("input_ids", "kvtier.offload sizes the cache from the prompt: pass input_ids, a tensor "
+                                       f"[prompts, tokens], got {type(ids).__name__} {shape}")
+    mask = kwargs.get("attention_mask")
+    prompt = int(mask.sum(-1).max()) if isinstance(mask, torch.Tensor) and mask.numel() else ids.shape[1]
+    if prompt < 1:
+        raise ConfigError("input_ids", f"the prompt is empty (input_ids of shape {tuple(ids.shape)}"
+                                       f"{', every token masked' if ids.shape[1] else ''}); give it at least one token")
+    config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
+    config.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})  # generate's own checks
+    new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - ids.shape[1]
+    return {"prompt_tokens": prompt, "new_tokens": max(int(new), 0), "batch_size": ids.shape[0],
+            "expand": max(config.num_beams or 1, config.num_return_sequences or 1)}
+
+
 @contextlib.contextmanager
 def offload(model, policy: str | Policy = "aspe", hbm: float = 0.25, tiers: str = "device_host", **options):
     """Inside the block, ``model.generate(...)`` runs over a fresh :func:`cache_for` cache per call, sized
     from that call's prompt and ``max_new_tokens``, closed when it returns. Yields the list of caches
     made (their ``stats`` stay readable); on exit ``generate`` and the attention implementation are
     the model's own again."""
+    check_model(model, "kvtier.offload")
+    check_options(options, "kvtier.offload")
     if "generate" in vars(model):
         raise ConfigError("model", "model.generate is already wrapped (a kvtier.offload block inside another?)")
     attention, generate, caches = model.config._attn_implementation, model.generate, []
@@ -124,12 +193,7 @@ def offload(model, policy: str | Policy = "aspe", hbm: float = 0.25, tiers: str 
         if kwargs.get("past_key_values") is not None:
             raise ConfigError("past_key_values", "kvtier.offload gives each generate call its own cache; pass "
                                                  "none, or use kvtier.cache_for outside an offload block")
-        ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
-        if ids is None:
-            raise ConfigError("input_ids", "kvtier.offload sizes the cache from the prompt: pass input_ids")
-        config = kwargs.get("generation_config") or model.generation_config
-        new = kwargs.get("max_new_tokens") or config.max_new_tokens or max(0, config.max_length - ids.shape[1])
-        cache = cache_for(model, ids.shape[1], new, policy=policy, hbm=hbm, tiers=tiers, batch_size=ids.shape[0],
+        cache = cache_for(model, **generation_sizes(model, args, kwargs), policy=policy, hbm=hbm, tiers=tiers,
                           **options)
         caches.append(cache)
         try:

@@ -21,6 +21,7 @@ from rich.table import Table
 from kvtier.errors import ConfigError, KVTierError, MissingDependencyError
 from kvtier.eval.fidelity import FidelityStats
 from kvtier.metrics import percentile
+from kvtier.redact import redacted
 
 WANDB_MODES = ("offline", "disabled")
 SCORES = ("perplexity", "accuracy", "score", "goodput_rps")  # score: a benchmark's own 0-100 (RULER, LongBench)
@@ -121,7 +122,7 @@ def collect(plan, result: dict, records: list[CacheRecord], wall_s: float, cfg, 
         **FidelityStats([c for r in records for c in r.fidelity_calls]).summary(),
         "occupancy": {"step": steps, "pages": series},
         "task_result": result,
-        "config": OmegaConf.to_container(cfg, resolve=True),
+        "config": redacted(OmegaConf.to_container(cfg, resolve=True)),  # no password of a store URL
     }
 
 

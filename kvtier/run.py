@@ -17,9 +17,11 @@ import hashlib
 import itertools
 import json
 import logging
+import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,8 +39,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvtier.build import RECIPES, SIZING, EngineFactory, build, build_model, label, plan
 from kvtier.errors import ConfigError, Interrupted, KVTierError, MissingDependencyError, TierFailed
+from kvtier.redact import redact_file, redact_logs, redacted
 from kvtier.report import collect, write_json
 from kvtier.schema import BUDGET_SIZING, unknown_key
+from kvtier.tiers.disk import check_folder
 
 LAUNCHERS = {  # hydra/launcher option -> (the package that ships it, kvtier's extra)
     "joblib": ("hydra-joblib-launcher", "sweep"), "ray": ("hydra-ray-launcher", "ray"),
@@ -103,37 +107,71 @@ def execute(cfg: DictConfig, run_dir: str | Path) -> dict:
     with contextlib.suppress(FileExistsError):
         run_dir.mkdir(parents=True)
         _MADE.add(run_dir.absolute())
-    made = run_dir.absolute() in _MADE
+    for saved in [*run_dir.glob(".hydra/*.yaml"), run_dir.parent / "multirun.yaml"]:  # Hydra's copies of the config
+        if saved.is_file():
+            redact_file(saved)
     log.info("run folder: %s", run_dir)
     try:
         if not plan_.needs_model:  # a task that loads no model (kvtier.sim): it writes its result, no logger
             result = build(cfg.task, "task").run(run_dir)
             metrics = {**plan_.labels, "run_name": run_dir.name, "wall_s": time.perf_counter() - t0,
-                       "task_result": result, "config": OmegaConf.to_container(cfg, resolve=True)}
-            write_json(metrics, run_dir / "metrics.json")
-            return metrics
-        model, tokenizer = build_model(cfg)
-        make_engine = EngineFactory(cfg, plan_, run_dir, model)
-        try:
-            with _progress(cfg.progress) as bar, _cpu_threads(cfg.cpu_threads):
-                result = build(cfg.task, "task").run(make_engine, tokenizer, progress=bar)
-        finally:
-            make_engine.close()
+                       "task_result": result, "config": redacted(OmegaConf.to_container(cfg, resolve=True))}
+        else:
+            model, tokenizer = build_model(cfg)
+            make_engine = EngineFactory(cfg, plan_, run_dir, model)
+            try:
+                with _progress(cfg.progress) as bar, _cpu_threads(cfg.cpu_threads):
+                    result = build(cfg.task, "task").run(make_engine, tokenizer, progress=bar)
+            finally:
+                make_engine.close()
+            metrics = collect(plan_, result, make_engine.records, time.perf_counter() - t0, cfg, run_dir)
     except (Interrupted, TierFailed) as stop:
-        path = write_json(collect(plan_, stop.result, make_engine.records, time.perf_counter() - t0, cfg, run_dir),
-                          run_dir / "metrics.json")
+        metrics = collect(plan_, stop.result, make_engine.records, time.perf_counter() - t0, cfg, run_dir)
+        path, failed = save_metrics(metrics, run_dir)
+        where = f"partial results in {path or 'stdout'}" + (f" ({failed})" if failed else "")
         if isinstance(stop, TierFailed):
-            raise TierFailed(stop.result, stop.fault, f"partial results in {path}") from None
-        raise KeyboardInterrupt(f"partial results in {path}") from None
+            raise TierFailed(stop.result, stop.fault, where) from None
+        raise KeyboardInterrupt(where) from None
     except BaseException:
-        if made:
-            shutil.rmtree(run_dir, ignore_errors=True)
-            _MADE.discard(run_dir.absolute())
+        remove_made(run_dir)
         raise
-    metrics = collect(plan_, result, make_engine.records, time.perf_counter() - t0, cfg, run_dir)
-    write_json(metrics, run_dir / "metrics.json")
-    build(cfg.logger, "logger").log(metrics, run_dir)
+    path, failed = save_metrics(metrics, run_dir)
+    if failed:
+        raise KVTierError(f"{failed}; the run's metrics are kept in {path or 'stdout (printed above)'}")
+    if plan_.needs_model:
+        build(cfg.logger, "logger").log(metrics, run_dir)
     return metrics
+
+
+def remove_made(run_dir: Path) -> None:
+    """Remove ``run_dir`` if this process made it (never a folder another process made)."""
+    if run_dir.absolute() in _MADE:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        _MADE.discard(run_dir.absolute())
+
+
+def save_metrics(metrics: dict, run_dir: Path) -> tuple[Path | None, str]:
+    """``run_dir/metrics.json``: ``(its path, "")``. When that write fails (a full disk, the folder gone), the run's
+    metrics are not lost: they go to a file of their own in the system's temp folder (else the working folder,
+    else the home folder, else to stdout: path None), the folder this run made is removed (no half folder), and
+    the second element says what failed."""
+    try:
+        return write_json(metrics, run_dir / "metrics.json"), ""
+    except KVTierError as e:
+        failed = str(e)
+    remove_made(run_dir)
+    for place in (tempfile.gettempdir(), Path.cwd(), Path.home()):
+        try:
+            fd, name = tempfile.mkstemp(prefix=f"kvtier-{run_dir.name}-", suffix="-metrics.json", dir=place)
+        except OSError:
+            continue
+        os.close(fd)
+        try:
+            return write_json(metrics, Path(name)), failed
+        except KVTierError:
+            Path(name).unlink(missing_ok=True)
+    print(json.dumps(metrics, default=str))
+    return None, failed
 
 
 @contextlib.contextmanager
@@ -189,7 +227,26 @@ def job_configs(argv: list[str]):
                 else [o.input_line] for o in parser.parse_overrides((params if multirun else []) + overrides)]
         jobs = [(compose(opts.config_name, overrides=list(job)), job) for job in itertools.product(*axes)]
         check_read(jobs)
+        check_launch(head, multirun)
         yield from (cfg for cfg, _ in jobs)
+
+
+def check_launch(head: DictConfig, multirun: bool) -> None:
+    """What Hydra needs before any job starts: the run's (or sweep's) folder can be made, and a Slurm launcher has
+    Slurm to submit to."""
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    raw = str(OmegaConf.to_container(head.hydra.sweep if multirun else head.hydra.run, resolve=False)["dir"])
+    try:  # kvtier's own folder (claimed when resolved) is made under the working folder
+        folder = "outputs" if "kvtier.run_dir" in raw else OmegaConf.select(head, key, throw_on_resolution_failure=True)
+    except OmegaConfBaseException:  # resolved by Hydra at launch only (${hydra:...})
+        folder = None
+    if folder is not None:
+        check_folder(folder, key)
+    launcher = str(head.hydra.launcher.get("_target_", "")) if multirun else ""
+    if launcher.endswith("SlurmLauncher") and not (shutil.which("srun") and shutil.which("sbatch")):
+        raise ConfigError("hydra/launcher", "submitit_slurm submits the sweep's jobs with Slurm's sbatch and srun, "
+                                            "which are not on PATH here; run it on a Slurm login node, or use "
+                                            "hydra/launcher=submitit_local or joblib on this machine")
 
 
 NOT_READ_WITHOUT_MODEL = ("model", "tiers", "policy", "scope", "scheduler", "kernel", "logger", "page_size", "kv_dtype",
@@ -296,6 +353,7 @@ def main() -> None:
     that cannot be written) exits 1 with its line; Ctrl-C exits 130 and SIGTERM 143, each with one line,
     after writing the finished part; any other error keeps its traceback.
     """
+    redact_logs()  # Hydra's and kvtier's log lines (the overrides of each job among them) hold no password
     config_dir = _args(sys.argv[1:]).config_dir
     if config_dir:  # the user's modules beside their recipes import by name (_target_: mine.MyPolicy)
         sys.path.insert(0, str(Path(config_dir).absolute()))

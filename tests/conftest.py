@@ -1,4 +1,5 @@
 import os
+import subprocess
 
 import pytest
 import torch  # does not import triton
@@ -44,3 +45,26 @@ def smollm2_engines():
         return Engine(model, layout, [DeviceTier(layout, 8, device="cpu"), HostTier(layout, 64)], LRU(), "all",
                       prefill=ChunkedPrefill(128))
     return make, tok
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A real 1 MiB tmpfs mounted under tmp_path (needs root)."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if res.returncode:
+        pytest.skip(f"cannot mount a 1 MiB tmpfs to fill up (needs root): {res.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+@pytest.fixture(scope="module")
+def login_node(tmp_path_factory):
+    """A folder of stand-ins for a Slurm login node's srun and sbatch (a Slurm sweep is planned, never
+    submitted)."""
+    slurm = tmp_path_factory.mktemp("slurm")
+    for tool in ("srun", "sbatch"):
+        (slurm / tool).write_text("#!/bin/sh\n")
+        (slurm / tool).chmod(0o755)
+    return slurm

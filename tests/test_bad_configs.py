@@ -80,7 +80,27 @@ CASES = {
     "unknown task": (lambda p: __import__("kvtier.eval", fromlist=["build_task"]).build_task("summarize"), "task"),
     "unknown text": (lambda p: __import__("kvtier.eval.perplexity", fromlist=["Perplexity"]).Perplexity(
         text="hamlet"), "task.text"),
+    # issue 60
+    "disk path under /proc": (lambda p: __import__("kvtier.tiers", fromlist=["DiskTier"]).DiskTier(
+        layout(), 4, "/proc/kvtier"), "tiers.stack.disk.path"),
+    "redis timeout zero": (lambda p: __import__("kvtier.tiers", fromlist=["RedisTier"]).RedisTier(
+        layout(), 4, "redis://127.0.0.1:1/0", timeout_s=0, name="remote"), "tiers.stack.remote.timeout_s"),
+    "prompt over max_context": (lambda p: engine(max_context=32).open(100), "engine.max_context"),
+    "graphs on a CPU": (lambda p: engine(graphs=True), "engine.graphs"),
+    "dense layers past the model's": (lambda p: cache(dense_layers=5), "cache.dense_layers"),
+    "rows not runs of a prompt": (lambda p: cache(batch_size=3, expand=2), "expand"),
+    "perplexity shorter than its prefix": (lambda p: __import__("kvtier.eval.perplexity", fromlist=["Perplexity"])
+                                           .Perplexity(length=2), "task.length"),
+    "model path a file": (lambda p: (p / "f").write_text("x") and __import__("kvtier.models", fromlist=["load_model"])
+                          .load_model(str(p / "f")), "model.path"),
 }
+
+
+def engine(**config):
+    from kvtier.engine import Engine, EngineConfig
+    from kvtier.policies import LRU
+
+    return Engine(None, layout(), [device(16)], LRU(), config=EngineConfig(**config))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

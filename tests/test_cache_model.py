@@ -74,15 +74,16 @@ def test_generate_matches_hf_greedy(smollm2):
     assert cache.transfer.pages_moved["device->host"] > 0  # pages did move while generating
 
 
-def test_padding_is_refused(smollm2):
+def test_padding_other_than_left_is_refused(smollm2):
+    """Left padding is kept out of the pages (tests/test_generate.py); a masked token after a row's first one is not."""
     model, tok = smollm2
     model.set_attn_implementation(install())
     layout = kv_layout_for(model.config, page_size=16, dtype=torch.float32)
     cache = TieredKVCache(layout, [DeviceTier(layout, 8, device="cpu")], LRU(), batch_size=2)
     ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
     with pytest.raises(ConfigError) as e:
-        model(ids, attention_mask=torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]), past_key_values=cache)
-    assert e.value.field == "attention_mask"
+        model(ids, attention_mask=torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]]), past_key_values=cache)
+    assert e.value.field == "attention_mask" and "row 0" in str(e.value)
     model.set_attn_implementation("sdpa")
 
 

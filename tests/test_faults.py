@@ -1,11 +1,15 @@
 """Real faults under the disk and remote tiers: bit flips, truncation, interrupted and killed
 writers, full disks; a real Redis killed, restarted empty, frozen, evicting, or rewritten behind
-our back. Corrupted bytes must never come back as data."""
+our back. Corrupted bytes must never come back as data. Under a running decode (a streaming perplexity
+task on a real model), each fault stops the run at the first call it breaks, named by tier and kind, with
+every token scored before it kept."""
 
 import errno
 import os
+import re
 import resource
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,7 +23,7 @@ import pytest
 import redis
 import torch
 
-from kvtier.errors import PageCorruptedError, PageEvictedError, TierIOError
+from kvtier.errors import ConfigError, PageCorruptedError, PageEvictedError, TierFailed, TierIOError
 from kvtier.layout import KVLayout
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.redis import RedisTier
@@ -204,18 +208,6 @@ def test_writer_killed_at_a_random_time_loses_at_most_the_page_in_flight(tmp_pat
 
 
 # -- disk: full disks ----------------------------------------------------------------------------
-@pytest.fixture
-def tiny_fs(tmp_path):
-    """A real 1 MiB tmpfs mounted under tmp_path (needs root)."""
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if res.returncode:
-        pytest.skip(f"cannot mount a 1 MiB tmpfs to fill up (needs root): {res.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=True)
-
-
 def test_disk_too_small_fails_at_construction(tiny_fs):
     layout = layout_of(layers=2)  # 512 B pages
     path = tiny_fs / "kv"
@@ -380,3 +372,188 @@ def test_pages_evicted_under_maxmemory_or_expired_are_named_errors():
         with pytest.raises(PageEvictedError, match=r"slots \[0, 1\] are gone .*expired"):
             tier.read(0, torch.arange(2))
         tier.close()
+
+
+# -- under a running decode: each fault named by tier and kind, the finished tokens kept ----------------------------
+STREAM = dict(text="opticks", length=128, prefix=16, block_tokens=1)  # 111 decode steps
+FIRST = 40  # a fault strikes before the first decode step from this one on that makes a call it breaks
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    """A 2-layer Llama (random weights, fp32, CPU) with SmolLM2's vocabulary, and SmolLM2's tokenizer: a real HF
+    model whose decode step takes milliseconds, so each faulty run is a few seconds."""
+    from transformers import AutoTokenizer
+
+    from kvtier.models import ensure_smollm2, random_llama
+
+    tok = AutoTokenizer.from_pretrained(ensure_smollm2())
+    model = random_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                         vocab_size=len(tok), max_position_embeddings=2048, dtype="float32", device="cpu")
+    return model, tok
+
+
+def decode_run(small_model, far, fault=None, at: int = 0):
+    """Streaming perplexity over device (5 pages) / host (1) / ``far(layout)``, Quest placing the pages (they go
+    down to the far tier and come back): ``(result, calls)``, ``calls[k]`` the far tier's calls ``(kind, layer,
+    slots)`` during decode step ``k + 1`` (kind: read, write or free); ``fault(tier)`` runs before step ``at``."""
+    from kvtier import DeviceTier, Engine, HostTier, LookaheadScheduler, kv_layout_for
+    from kvtier.eval import Perplexity
+    from kvtier.kernels.reference import TorchBackend
+    from kvtier.policies import Quest
+    from kvtier.scheduler.chunked_prefill import ChunkedPrefill
+
+    model, tok = small_model
+    layout = kv_layout_for(model.config, page_size=16, dtype=torch.float32)
+    calls = [[]]  # the calls of the prefill, then of each decode step
+
+    class Run(Engine):
+        def step(self, tokens=None):
+            calls.append([])
+            if fault is not None and len(calls) - 1 == at:
+                fault(self.table.tiers[2])
+            return super().step(tokens)
+
+    def make_engine():
+        tier = far(layout)
+        for kind in ("read", "write", "free"):
+            def logged(layer, slots, *args, _real=getattr(tier, kind), _kind=kind, **kwargs):
+                calls[-1].append((_kind, layer, torch.as_tensor(slots).reshape(-1).tolist()))
+                return _real(layer, slots, *args, **kwargs)
+            setattr(tier, kind, logged)
+        return Run(model, layout, [DeviceTier(layout, 5), HostTier(layout, 1), tier], Quest(sinks=4, window=16),
+                   "resident", LookaheadScheduler(), TorchBackend(), ChunkedPrefill(32))
+
+    return Perplexity(**STREAM).run(make_engine, tok), calls[1:]
+
+
+def first_step(calls, breaks: str) -> int:
+    """The first decode step from :data:`FIRST` on that makes a call a fault breaks: ``stored``, a read of a page
+    stored in an earlier step (and neither freed nor written since); ``io``, a read or a write; ``any``, any call."""
+    stored = {}  # (layer, slot) -> the step that wrote it
+    for k, step in enumerate(calls):
+        for kind, layer, slots in step:
+            pairs = list(zip(np.broadcast_to(layer, len(slots)).tolist(), slots))
+            hit = kind == "read" and any(stored.get(x, k) < k for x in pairs) if breaks == "stored" else \
+                kind != "free" if breaks == "io" else True
+            if hit and k + 1 >= FIRST:
+                return k + 1
+            for x in pairs:
+                if kind == "write":
+                    stored[x] = k
+                elif kind == "free":
+                    stored.pop(x, None)
+    raise AssertionError(f"no decode step from {FIRST} on makes a call that {breaks!r} breaks")
+
+
+def assert_named_and_kept(err, clean, stop, fault_type, says):
+    """The run stopped at step ``stop``, the first call the fault breaks, named the tier and the fault, and kept
+    every token scored before it, exactly as the clean run scored them."""
+    result = err.value.result
+    assert type(err.value.fault) is fault_type and re.search(says, str(err.value.fault)), str(err.value.fault)
+    assert result["partial"] and result["fault"].startswith(f"{fault_type.__name__}: ")
+    assert result["scored_tokens"] == stop and result["nll_blocks"] == clean["nll_blocks"][:stop]
+
+
+@pytest.fixture(scope="module")
+def disk_clean(small_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("clean")
+    result, calls = decode_run(small_model, lambda layout: DiskTier(layout, 16, root / "kv"))
+    assert result["scored_tokens"] == 112 and FIRST < first_step(calls, "stored") < 100
+    return result, calls
+
+
+def _flip_every_page(tier):
+    for layer in range(tier.layout.num_layers):
+        with open(tier._data_path(layer), "r+b") as f:  # another writer, behind the tier's back
+            for slot in tier.valid_slots(layer).tolist():
+                f.seek(slot * tier.layout.page_bytes + 5)
+                byte = f.read(1)[0]
+                f.seek(slot * tier.layout.page_bytes + 5)
+                f.write(bytes([byte ^ 0x10]))
+
+
+DISK_FAULTS = {  # fault -> (inject, the calls it breaks, the error, what it says)
+    "corrupted": (_flip_every_page, "stored", PageCorruptedError, r"disk tier 'disk' layer \d: slots \[\d+.*failed "
+                                                                  "their checksum"),
+    "truncated": (lambda t: [os.truncate(t._data_path(l), 0) for l in range(t.layout.num_layers)], "stored",
+                  PageCorruptedError, r"disk tier 'disk' layer \d: slots .* cut off .*file truncated"),
+    "deleted": (lambda t: shutil.rmtree(t.path), "io", TierIOError,
+                r"disk tier 'disk' layer \d: .*layer_00\d\.(kv|sum) was deleted under the run"),
+}
+
+
+@pytest.mark.parametrize("fault", DISK_FAULTS)
+def test_a_page_file_broken_under_a_running_decode_is_named_and_the_finished_part_kept(fault, small_model,
+                                                                                      disk_clean, tmp_path):
+    inject, breaks, fault_type, says = DISK_FAULTS[fault]
+    clean, calls = disk_clean
+    at = first_step(calls, breaks)
+    with pytest.raises(TierFailed) as err:
+        decode_run(small_model, lambda layout: DiskTier(layout, 16, tmp_path / "kv"), inject, at)
+    assert_named_and_kept(err, clean, at, fault_type, says)
+
+
+def test_a_disk_filling_up_under_a_running_decode_takes_none_of_its_room(small_model, disk_clean, tiny_fs):
+    """The tier reserved its files when it was made: another process filling the disk mid-run changes nothing
+    (the same tokens, the same scores, pages still written there); the next tier that wants room there is
+    refused, by name."""
+    from kvtier.tiers.disk import check_folder
+
+    def fill(tier):
+        with open(tiny_fs / "filler", "wb") as f:
+            with pytest.raises(OSError, match="No space"):
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+
+    result, calls = decode_run(small_model, lambda layout: DiskTier(layout, 16, tiny_fs / "kv"), fill, FIRST)
+    assert result == {**disk_clean[0], "tpot_p50_s": result["tpot_p50_s"]}
+    assert any(kind == "write" for step in calls[FIRST:] for kind, _, _ in step)
+    layout = layout_of(layers=2)  # 4096 pages of 512 B per layer: 4 MiB, where the filler left less than 1
+    with pytest.raises(TierIOError, match=rf"disk tier 'disk': {tiny_fs / 'next'} has \d+ bytes free; it needs"):
+        DiskTier(layout, 4096, tiny_fs / "next")
+    with pytest.raises(ConfigError, match=r"has \d+ bytes free; the disk tier reserves") as err:
+        check_folder(tiny_fs / "next", "tiers.stack.disk.path", 4096 * 2 * (layout.page_bytes + 8))
+    assert err.value.field == "tiers.stack.disk.path"
+
+
+@pytest.fixture(scope="module")
+def redis_clean(small_model):
+    with LocalRedis() as server:
+        result, calls = decode_run(small_model, lambda layout: RedisTier(layout, 16, server.url, name="remote"))
+    assert FIRST < first_step(calls, "stored") < 100
+    return result, calls
+
+
+def _overwrite_every_page(tier):
+    other = redis.Redis.from_url(tier.url)
+    for key in other.scan_iter(f"kvtier:{{{tier.namespace}:*"):  # another client rewrites our keys
+        value = other.get(key)
+        other.set(key, bytes([value[0] ^ 1]) + value[1:])
+    other.close()
+
+
+REDIS_FAULTS = {  # fault -> (inject(tier, server), the calls it breaks, the error, what it says)
+    "flushed": (lambda t, s: redis.Redis.from_url(s.url).flushall(), "stored", PageEvictedError,
+                r"remote tier 'remote' layer \d: slots .* are gone from the Redis server"),
+    "overwritten": (lambda t, s: _overwrite_every_page(t), "stored", PageCorruptedError,
+                    r"remote tier 'remote' layer \d: slots .* failed their checksum \(overwritten behind kvtier"),
+    "killed": (lambda t, s: s.kill(), "any", TierIOError,
+               r"remote tier 'remote': the Redis server at redis://127\.0\.0\.1:\d+/0 is unreachable"),
+    "killed and restarted": (lambda t, s: s.restart(), "stored", PageEvictedError,
+                             r"remote tier 'remote' layer \d: slots .* are gone .*restarted empty"),
+}
+
+
+@pytest.mark.parametrize("fault", REDIS_FAULTS)
+def test_a_redis_tier_broken_under_a_running_decode_is_named_and_the_finished_part_kept(fault, small_model,
+                                                                                       redis_clean):
+    inject, breaks, fault_type, says = REDIS_FAULTS[fault]
+    clean, calls = redis_clean
+    at = first_step(calls, breaks)
+    with LocalRedis() as server:
+        with pytest.raises(TierFailed) as err:
+            decode_run(small_model, lambda layout: RedisTier(layout, 16, server.url, name="remote"),
+                       lambda tier: inject(tier, server), at)
+    assert_named_and_kept(err, clean, at, fault_type, says)

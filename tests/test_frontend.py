@@ -72,7 +72,7 @@ def test_a_one_page_device_tier_is_refused_in_python():
     from kvtier.layout import KVLayout
 
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch.float32)
-    with pytest.raises(ConfigError, match="device pages"):
+    with pytest.raises(ConfigError, match="1 device page of 4 tokens cannot hold"):
         TieredKVCache(layout, [DeviceTier(layout, 1, device="cpu"), HostTier(layout, 64)], SinkWindow(4, 8))
 
 

@@ -43,7 +43,10 @@ def test_ray_runs_a_two_job_sweep_on_a_local_cluster(tmp_path):
 
 
 @pytest.mark.skipif(not installed("hydra_plugins.hydra_submitit_launcher"), reason="the [submitit] extra is not installed")
-def test_submitit_slurm_sweep_passes_the_pre_check():
+def test_submitit_slurm_sweep_passes_the_pre_check(login_node, monkeypatch):
+    """On a Slurm login node (srun and sbatch on PATH; here two stand-ins, since nothing is submitted) every job is
+    checked; without Slurm the sweep is one named line (tests/test_trust.py)."""
+    monkeypatch.setenv("PATH", f"{login_node}:{os.environ['PATH']}")
     jobs = list(job_configs(["-m", "hydra/launcher=submitit_slurm", "hydra.launcher.partition=gpu",
                              "policy=lru,aspe", *TINY]))
     assert [str(cfg.policy._target_).rsplit(".", 1)[-1] for cfg in jobs] == ["LRU", "ASPE"]

@@ -209,3 +209,34 @@ def test_concurrent_callers_convert_once(monkeypatch, tmp_path):
     assert len(calls) == 1 and len(results) == 6 and len(set(results)) == 1
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [".SmolLM2-135M-Instruct.lock",
                                                                        "SmolLM2-135M-Instruct"]
+
+
+def test_a_gguf_file_is_converted_once_into_its_own_folder(monkeypatch, tmp_path):
+    """A .gguf path: its own cache folder (named after the file and its path, size and time), converted once; the
+    file kvtier ships is SmolLM2's folder; an existing file that is not a folder is named as such."""
+    monkeypatch.setenv("KVTIER_CACHE", str(tmp_path / "cache"))
+    calls = []
+    monkeypatch.setattr(models, "convert_gguf", _fake_convert(calls))
+    gguf = tmp_path / "Mine-7B.Q4_K.gguf"
+    gguf.write_bytes(b"GGUF")
+    folder = models.ensure_gguf(gguf)
+    assert folder.parent == tmp_path / "cache" / "models" and folder.name.startswith("Mine-7B.Q4_K-")
+    assert models.ensure_gguf(gguf) == folder and calls == [calls[0]] and calls[0].name.startswith(".Mine-7B")
+    assert models.ensure_gguf(models.gguf_parts("smollm2")[0]) == tmp_path / "cache" / "models" / "SmolLM2-135M-Instruct"
+    with pytest.raises(ConfigError, match="is a file, not a model folder") as err:
+        models.load_config(str(tmp_path / "cache" / "models" / "SmolLM2-135M-Instruct" / "model.safetensors"))
+    assert err.value.field == "model.path"
+
+
+@pytest.mark.nightly
+def test_a_gguf_file_loads_as_the_model_it_holds(smollm2, tmp_path, monkeypatch):
+    """A copy of SmolLM2's GGUF elsewhere (a real conversion, ~30 s): the same model, the same logits."""
+    import shutil
+
+    monkeypatch.setenv("KVTIER_CACHE", str(tmp_path / "cache"))
+    copy = tmp_path / "copy.gguf"
+    shutil.copy(models.gguf_parts("smollm2")[0], copy)
+    model, tok = models.load_model(str(copy), dtype="float32")
+    ids = tok("The light of the sun", return_tensors="pt").input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, smollm2[0](ids).logits)

@@ -157,7 +157,7 @@ BAD = [
     (["budget.fraction=nan"], "budget.fraction", "(0, 1]"),
     (["budget.size=lots"], "budget.size", "GiB"),
     (["+tiers.stack.host.bogus=3"], "tiers.stack.host", "bogus"),
-    (["+tiers.stack.host.capacity=3"], "tiers.stack.host", "capacity"),
+    (["+tiers.stack.host.capacity=3"], "tiers.stack.host.capacity", "tiers.stack.host.fraction"),
     (["+model.foo=2"], "model", "foo"),
     (["cpu_threads=0"], "cpu_threads", ">= 1"),
     # a setting that a key read before it shadows (an experiment's budget.tokens): a sweep of identical runs

@@ -11,6 +11,7 @@ import json
 import multiprocessing
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,7 +25,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import kvtier.run
-from kvtier.errors import ConfigError, MissingDependencyError
+from kvtier.errors import ConfigError, KVTierError, MissingDependencyError
 from kvtier.run import RECIPES, execute, job_configs, main, run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,12 +161,47 @@ def test_a_failed_result_write_leaves_no_truncated_file(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def _fill(folder: Path) -> None:
+    with open(folder / "filler", "wb") as f:  # someone else takes the disk
+        with pytest.raises(OSError, match="No space"):
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+
+
+@pytest.mark.parametrize("fault", ["disk full", "folder removed"])
+def test_a_failed_metrics_write_keeps_the_runs_data_and_leaves_no_half_folder(fault, tiny_fs, tmp_path, monkeypatch):
+    """The run's disk fills up (a real 1 MiB tmpfs), or its folder is removed, while the task runs: metrics.json
+    cannot be written, so the metrics go to a file of their own that the error names, and no run folder is left."""
+    import kvtier.build
+
+    run_dir = (tiny_fs if fault == "disk full" else tmp_path) / "run"
+    real_close = kvtier.build.EngineFactory.close
+
+    def close(self):  # the task is done; its result not written yet
+        real_close(self)
+        _fill(tiny_fs) if fault == "disk full" else shutil.rmtree(run_dir)
+
+    monkeypatch.setattr(kvtier.build.EngineFactory, "close", close)
+    with pytest.raises(KVTierError) as err:
+        execute(composed(), run_dir)
+    message = str(err.value)
+    assert f"cannot write {run_dir / 'metrics.json'}" in message and "the run's metrics are kept in" in message
+    kept = Path(message.rsplit(" kept in ", 1)[1])
+    metrics = json.loads(kept.read_text())
+    assert metrics["partial"] is False and metrics["task_result"]["scored_tokens"] == 128 - 96
+    assert not run_dir.exists()
+    kept.unlink()
+
+
 # -- every key a message names exists -------------------------------------------------------------
 # Keys that are Python-API argument names, not recipe keys (the object's own argument, documented in its
 # docstring), and keys in files the engine rewrite (issue 22) replaces: those messages are rewritten there.
 PYTHON_API = {"attention_mask", "attn_implementation", "batch_size", "capacity", "dropout", "dtype",
               "past_key_values", "sliding_windows", "spec.bandwidth_gbps", "spec.latency_s",
-              "transfer.method", "defaults", "layout.head_dim", "prompt", "request", "hbm", "input_ids", "keep_room"}
+              "transfer.method", "defaults", "layout.head_dim", "prompt", "request", "hbm", "input_ids", "keep_room",
+              "expand", "prompt_tokens", "new_tokens"}
+HYDRA = {"hydra/launcher"}  # Hydra's own group, named on the command line
 OWN_FILES = ("kvtier/sim/",)  # the simulator's messages name keys of its calibration file and cluster setups
 REWRITTEN = {"kvtier/kernels/base.py": {"model.num_attention_heads"},
              "kvtier/kernels/triton_prefill.py": {"layout.page_size"}}
@@ -222,7 +258,7 @@ def test_every_key_an_error_names_exists():
     keys = recipe_keys()
     raised = sorted(set(raised_keys()))
     assert len(raised) > 60  # the walk found the messages
-    unknown = [(f, k) for f, k in raised if k not in PYTHON_API and k not in REWRITTEN.get(f, ())
+    unknown = [(f, k) for f, k in raised if k not in PYTHON_API | HYDRA and k not in REWRITTEN.get(f, ())
                and not f.startswith(OWN_FILES) and not any(fnmatch.fnmatchcase(known, k) for known in keys)]
     assert unknown == [], unknown
     assert {k for ks in REWRITTEN.values() for k in ks} <= {k for _, k in raised}  # no stale exception
@@ -253,11 +289,14 @@ def inputs(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
+    array = tmp_path / "array"
+    array.mkdir()
+    (array / "config.json").write_text('[{"model_type": "llama"}]')
     traces = {"malformed": b'{"timestamp": 0, "input_length": 4\n', "binary": b"\xff\xfe\x00 trace\n",
               "keyless": b'{"timestamp": 0}\n', "empty": b""}
     for name, data in traces.items():
         (tmp_path / f"{name}.jsonl").write_bytes(data)
-    return {"mine": mine, "model": model, **{k: tmp_path / f"{k}.jsonl" for k in traces}}
+    return {"mine": mine, "model": model, "array": array, **{k: tmp_path / f"{k}.jsonl" for k in traces}}
 
 
 def _closed_port() -> int:
@@ -304,11 +343,24 @@ NAMED = [  # (args, key): each was a traceback or a silent run before; now one l
     (lambda i: ["scope=topk", "scope.rank=best"], "scope.rank"),
     (lambda i: ["cache.topk_pages=4"], "cache.topk_pages"),
     (lambda i: ["scope._target_=kvtier.policies.LRU"], "scope._target_"),
+    # issue 60: checks that ran after the model loaded, and tracebacks
+    (lambda i: ["tiers=device_host_remote", "tiers.stack.remote.timeout_s=0"], "tiers.stack.remote.timeout_s"),
+    (lambda i: ["tiers=device_host_disk", "tiers.stack.disk.path=/proc/kvtier"], "tiers.stack.disk.path"),
+    (lambda i: ["tiers=device_host_disk", "tiers.stack.disk.size=100TB"], "tiers.stack.disk.path"),
+    (lambda i: ["engine.max_context=64"], "engine.max_context"),
+    (lambda i: ["engine.graphs=true", "model.device=cpu"], "engine.graphs"),
+    (lambda i: ["cache.dense_layers=99"], "cache.dense_layers"),
+    (lambda i: ["hydra.run.dir=/proc/kvtier-run"], "hydra.run.dir"),
+    (lambda i: ["-m", "hydra.sweep.dir=/proc/kvtier-sweep", "policy=lru,aspe"], "hydra.sweep.dir"),
+    (lambda i: ["model=local", f"model.path={i['array']}"], "model"),
+    (lambda i: ["scope=topk", "scope.recall_slots=100", "budget.fraction=0.5"], "scope.recall_slots"),
 ]
 NAMED_IDS = ["user yaml", "not a policy", "plugin ValueError", "fifo sinks", "not a tier", "config.json",
              "closed redis port", "not redis", "trace malformed", "trace not utf-8", "trace key-less", "trace empty",
              "trace start past end", "host 1000TB", "fraction 1.0", "whole budget topk", "cache.mode",
-             "scope.policy_share", "scope.query_rows", "scope.rank", "old topk key", "not a scope"]
+             "scope.policy_share", "scope.query_rows", "scope.rank", "old topk key", "not a scope", "redis timeout 0",
+             "disk under /proc", "disk reservation", "max_context", "graphs on a CPU", "dense_layers", "run dir",
+             "sweep dir", "config.json array", "recall slots"]
 
 
 @pytest.mark.parametrize("case", range(len(NAMED)), ids=NAMED_IDS)
@@ -332,6 +384,66 @@ def test_a_bad_input_is_one_named_line_before_the_model_loads(case, inputs, http
     with pytest.raises(ConfigError) as raised:
         list(map(kvtier.build.plan, job_configs(args)))
     assert raised.value.field == key
+
+
+MESSAGES = [  # (args, key, what the message says): the key and value at fault, and how to fix it
+    (["task.length=2"], "task.length", "task.length=2 leaves no token to score after the task.prefix=16"),
+    (["task.length=128"], "budget.fraction", "set budget.fraction >= 0.383 (49 of the 128 tokens of task.length; "
+                                             "0.25 gives 32)"),
+    (["task.length=128", "budget.tokens=20"], "budget.tokens", "set budget.tokens >= 49"),
+    (["scope=topk", "scope.recall_slots=100", "budget.fraction=0.5"], "scope.recall_slots",
+     "the recall cache's 100 slots take 100 of the 8 device pages of 16 tokens, leaving none"),
+    (["+tiers.stack.host.capacity=3"], "tiers.stack.host.capacity", "size it with tiers.stack.host.fraction"),
+    (["engine.graphs=true", "model.device=cpu"], "engine.graphs", "the model runs on cpu"),
+    (["engine.max_context=64"], "engine.max_context", "task.length=320 tokens + 0 generated; give it at least 320"),
+]
+
+
+@pytest.mark.parametrize("args,key,says", MESSAGES, ids=[" ".join(a) for a, _, _ in MESSAGES])
+def test_a_message_names_the_key_and_value_at_fault(args, key, says):
+    from kvtier.build import plan
+
+    with pytest.raises(ConfigError) as err:
+        list(map(plan, job_configs(args)))
+    assert err.value.field == key and says in str(err.value), str(err.value)
+    assert not re.search(r"-\d+ device page", str(err.value))
+
+
+def test_what_a_message_suggests_plans():
+    """The budget a refusal names is accepted; a lower tier's fraction is a key; a .gguf file is a model path."""
+    from kvtier.build import plan
+    from kvtier.models import gguf_parts
+
+    (cfg,) = job_configs(["task.length=128", "budget.fraction=0.383"])
+    assert plan(cfg).budget_tokens == 49
+    (cfg,) = job_configs(["tiers=device_host_disk", "tiers.stack.disk.fraction=0.5"])
+    assert plan(cfg).capacities["disk"] == 10  # half of the 20 pages of 320 tokens
+    (cfg,) = job_configs(["model=local", f"model.path={gguf_parts("smollm2")[0]}"])  # the GGUF kvtier ships
+    assert plan(cfg).labels["model"] == gguf_parts("smollm2")[0].name
+
+
+def test_a_slurm_launcher_without_slurm_is_one_named_line(tmp_path, monkeypatch, capsys):
+    import shutil as sh
+
+    if sh.which("srun") and sh.which("sbatch"):
+        pytest.skip("Slurm is installed here")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["kvtier-run", "-m", "hydra/launcher=submitit_slurm", "policy=lru,aspe"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and err.count("\n") == 0 and "error: hydra/launcher: " in err and "srun" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_python_api_example_names_a_stream_too_short_for_its_budget(tmp_path):
+    """``examples/python_api.py --tokens 128``: one line naming --tokens and the least that works, before the
+    model loads (exit 2)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "python_api.py"), "--tokens", "128"], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("python_api.py: error: --tokens: ") and "use --tokens >= 196" in line
 
 
 def test_the_exact_baseline_is_scope_all_at_the_whole_budget():
@@ -428,14 +540,16 @@ def placeholders(tmp_path_factory):
                "/models/Llama-3.1-8B": str(llama), "redis://127.0.0.1:6379/0": server.url}
 
 
+
 @pytest.mark.parametrize("args,name", COMMANDS, ids=[f"{i}-{name}" for i, (_, name) in enumerate(COMMANDS)])
-def test_every_documented_command_composes_and_plans(args, name, placeholders, monkeypatch):
+def test_every_documented_command_composes_and_plans(args, name, placeholders, login_node, monkeypatch):
     """Each job of each command is composed and checked (``plan``: everything but the weights); the runs
     themselves are exercised by test_run / test_frontend (default recipe, sweeps, joblib, custom policy)."""
     from kvtier.build import plan
 
     monkeypatch.chdir(ROOT)
     monkeypatch.syspath_prepend(str(ROOT / "examples" / "custom_policy"))
+    monkeypatch.setenv("PATH", f"{login_node}:{os.environ['PATH']}")
     for old, new in placeholders.items():
         args = [a.replace(old, new) for a in args]
     try:

@@ -41,7 +41,8 @@ import torch
 
 from kvtier.budget import TokenBudget
 from kvtier.cache_base import ACTIVE_CACHE, PassCache
-from kvtier.checks import check_decode_kernel, check_device_room, check_salience, check_scheduler
+from kvtier.checks import (check_decode_kernel, check_dense_layers, check_device_room, check_graphs, check_recall_room,
+                           check_salience, check_scheduler)
 from kvtier.compiling import compile_step, make_room
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.feedback import Feedback
@@ -129,10 +130,7 @@ class Engine:
         if isinstance(self.scope, All) and budget is not None and budget.mode == "continuous":
             raise ConfigError("cache.attend_budget", "scope 'all' attends every page; a continuous budget needs "
                                                      "scope resident or topk (or cache.mode once)")
-        if not isinstance(dense_layers, int) or isinstance(dense_layers, bool) or \
-                not 0 <= dense_layers <= layout.num_layers:
-            raise ConfigError("cache.dense_layers", f"must be an integer in [0, {layout.num_layers}], got "
-                                                    f"{dense_layers!r}")
+        check_dense_layers(dense_layers, layout.num_layers)
         self.dense_layers = dense_layers
         self.groups = layer_groups(layout, dense_layers)
         self.scheduler = scheduler or LookaheadScheduler()
@@ -151,15 +149,10 @@ class Engine:
                                                          "address: the host tier must be pinned (pin_memory=True)")
         R = config.max_batch
         scratch = R > 1  # idle rows of a bucket write into one device slot per layer that nothing reads
-        # device slots the recall cache takes: its slots, and each row's landing slots per layer
         n_land = getattr(self.scope, "landing_slots", 0)
-        recall_slots = getattr(self.scope, "recall_slots", 0) + R * n_land
         room = tiers[0].capacity - scratch
         check_device_room(room, policy, layout.page_size, 0, f"tiers.{tiers[0].name}.capacity", R)
-        if recall_slots:  # what the recall cache leaves
-            landing = f" and {R} x {n_land} landing slots" if n_land else ""
-            check_device_room(room, policy, layout.page_size, 0, "scope.recall_slots", R, recall_slots,
-                              f"the recall cache's {self.scope.recall_slots} slots{landing}")
+        recall_slots = check_recall_room(room, policy, layout.page_size, self.scope, R)  # what the recall cache takes
         held = sum(t.capacity for t in tiers) - scratch - recall_slots  # pages a row may hold
         self.max_pages = min(layout.pages_for(config.max_context), held) if config.max_context else held
         L, M = layout.num_layers, self.max_pages
@@ -167,13 +160,8 @@ class Engine:
         self.runner = make_runner(model, config.runner) if model is not None else None
         on_gpu = self.device.type == "cuda"
         self.fidelity = FidelityStats() if fidelity and not isinstance(self.scope, All) else None
-        if config.graphs and self.fidelity is not None:
-            raise ConfigError("engine.graphs", "cache.fidelity times an uncounted exact pass per call, which a "
-                                               "captured step cannot leave out of TPOT: set engine.graphs=false")
         reference = isinstance(self.kernel, TorchBackend)  # the oracle reads lengths on the host: not capturable
-        if config.graphs and reference:
-            raise ConfigError("engine.graphs", "the torch reference kernel reads the lengths on the host, which a "
-                                               "captured step cannot: use kernel=triton, or engine.graphs=false")
+        check_graphs(config.graphs, self.device, reference, self.fidelity is not None)
         self.graphs = (on_gpu and self.fidelity is None and model is not None and not reference) \
             if config.graphs is None else config.graphs
         self.compiled = compiled = on_gpu if config.compile is None else config.compile  # torch.compile'd step parts
@@ -339,8 +327,11 @@ class Engine:
         on; it shares the pages ``prefix_pids`` holding its first ``prefix_len`` tokens (a radix-cache match)."""
         if isinstance(n_tokens, bool) or not isinstance(n_tokens, (int, np.integer)) or n_tokens < 1 or \
                 n_tokens + 1 > self.max_pages * self.layout.page_size:
-            raise ConfigError("prompt", f"{n_tokens!r} tokens do not fit max_context="
-                                        f"{self.max_pages * self.layout.page_size}")
+            capped = self.config.max_context and self.layout.pages_for(self.config.max_context) == self.max_pages
+            limit = f"engine.max_context={self.config.max_context}" if capped else "what the tiers hold"
+            raise ConfigError("engine.max_context" if capped else "prompt",
+                              f"a prompt of {n_tokens!r} tokens (and the token decoded after it) does not fit "
+                              f"{self.max_pages * self.layout.page_size} tokens per sequence ({limit})")
         row = next((r for r, s in enumerate(self.row_seq) if s is None), None)
         if row is None:
             raise KVTierError(f"all {self.config.max_batch} rows are busy; finish a sequence or raise max_batch")
@@ -361,11 +352,13 @@ class Engine:
         logits ``[q or 1, V]``."""
         return self.iterate([(seq, ids)], decode=False, all_logits=all_logits).chunk_logits[0]
 
-    def begin_prefill(self, seqs: list[int], q_len: int) -> None:
-        """Open a step in which each of ``seqs`` (opened, not decoding) grows by ``q_len`` prompt tokens;
-        its layers are then written and attended by :meth:`store` / :meth:`attend` (any driver) as ``[len(seqs),
-        heads, q_len, D]``."""
-        self._begin([(s, q_len) for s in seqs], decode=False)
+    def begin_prefill(self, seqs: list[int], q_len) -> None:
+        """Open a step in which each of ``seqs`` (opened, not decoding) grows by ``q_len`` prompt tokens (an int, or
+        one count per sequence); its layers are then written and attended by :meth:`store` / :meth:`attend` (any
+        driver) as ``[len(seqs), heads, q_len, D]``, or with counts per sequence as ``[1, heads, their sum, D]``
+        (one sequence's tokens after another)."""
+        q_lens = [q_len] * len(seqs) if isinstance(q_len, (int, np.integer)) else list(q_len)
+        self._begin(list(zip(seqs, q_lens)), decode=False)
 
     def start_decode(self, seq: int, next_token) -> None:
         """``seq``'s prompt is in its pages: (compress it once, under such a budget) and decode it from the next
@@ -451,6 +444,38 @@ class Engine:
         self.win_start.pop(seq, None)
         self._dirty.add(row)
         self._to_free.append((seq, self._queued_fence()))
+
+    def reorder(self, rows) -> list[int]:
+        """Rows ``0..n-1`` go on with copy-on-write forks (:meth:`BlockTable.fork`) of the sequences decoding now on
+        ``rows[r]`` (``[n]``; beam search's reorder, or a prompt prefilled once and decoded on several rows); every
+        sequence decoding now finishes, its pages freed once no fork holds them and no queued step reads them. A
+        fork's first write into a shared, partly filled page copies it first. The new sequence ids, by row."""
+        rows = [int(r) for r in rows]
+        old = list(self.row_seq)
+        if not 0 < len(rows) <= self.config.max_batch or \
+                any(not 0 <= r < len(old) or old[r] is None or r in self._prefilling for r in rows):
+            raise KVTierError(f"reorder onto {rows}: each must be a row decoding now ({self.running} run on rows "
+                              f"{[r for r, s in enumerate(old) if s in self.running]}), at most max_batch="
+                              f"{self.config.max_batch} of them")
+        new = []
+        for r in rows:
+            seq, self._next_seq = self._next_seq, self._next_seq + 1
+            self.table.fork(old[r], seq)
+            if old[r] in self.win_start:
+                self.win_start[seq] = self.win_start[old[r]]
+            new.append(seq)
+        tokens = self.tokens[torch.tensor(rows, device=self.device)]  # [n] each row's next input
+        for seq in old:
+            if seq is not None:
+                self.finish(seq)
+        for r, seq in enumerate(new):
+            self.row_seq[r] = seq
+            if self.recall is not None:
+                self.recall.forget_row(r)
+            self.scope.reset_row(r)
+            self._place_row(r, seq)
+        self.tokens[:len(rows)] = tokens
+        return new
 
     def read_sequence(self, seq: int, n: int, device="cpu") -> list[torch.Tensor]:
         """The first ``n`` tokens' K/V of ``seq`` per layer ``[2, n, N_kv, D]`` on ``device`` (host memory: what a

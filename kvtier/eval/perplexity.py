@@ -57,10 +57,19 @@ class Perplexity:
     def context_tokens(self) -> int:
         return self.length
 
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens prefilled (the rest come one per decode step)."""
+        return self.prefix
+
     def __post_init__(self):
         text(self.text)  # known, installed, UTF-8: checked before the model loads
+        check_int("prefix", self.prefix, 1)
+        if isinstance(self.length, int) and not isinstance(self.length, bool) and 2 <= self.length <= self.prefix:
+            raise ConfigError("task.length", f"task.length={self.length} leaves no token to score after the "
+                                             f"task.prefix={self.prefix} tokens prefilled: give task.length > "
+                                             f"{self.prefix}, or a smaller task.prefix")
         check_int("length", self.length, 2)
-        check_int("prefix", self.prefix, 1, self.length - 1)
         check_int("block_tokens", self.block_tokens, 1)
         check_int("offset", self.offset, 0)
 

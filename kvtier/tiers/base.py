@@ -49,6 +49,12 @@ class Tier(ABC):
         self._used = np.zeros((L, capacity), dtype=bool)  # [L, cap]
         self._marks = np.zeros((L, capacity), dtype=np.int32)  # [L, cap] scratch of free's double-free check
 
+    @classmethod
+    def check_settings(cls, field: str, layout: KVLayout, capacity: int, **settings) -> None:
+        """ConfigError for a setting of this tier that cannot work, before anything is built or any model loads
+        (:func:`kvtier.build.plan`): ``settings`` are the constructor's arguments (the recipe node's keys, defaults
+        filled in), ``field`` the node's key (``tiers.stack.<name>``), ``capacity`` its pages per layer."""
+
     # -- bookkeeping -------------------------------------------------------------------------
     def alloc(self, layer, n: int = 1) -> torch.Tensor:
         """Reserve ``n`` slots in each of ``layer`` (an int, or ``[k]`` layers, repeats allowed): int64 ``[k * n]``,

@@ -12,9 +12,11 @@ construction, so a disk too small for the capacity fails there, not mid-run.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -72,13 +74,28 @@ def landing(layout: KVLayout, n: int, out: torch.Tensor | None) -> tuple[torch.T
     return dst, dst.view(torch.uint8).numpy().reshape(n, -1)
 
 
-def check_folder(path: str | Path, field: str) -> None:
-    """ConfigError(field) unless ``path`` is, or can be made inside, a writable directory (nothing is made)."""
+def check_folder(path: str | Path, field: str, need_bytes: int = 0) -> None:
+    """ConfigError(field) unless ``path`` is, or can be made inside, a writable directory (tried: a folder made in
+    its nearest existing ancestor and removed) with ``need_bytes`` free there."""
     path = Path(path).expanduser().absolute()
     above = next(p for p in (path, *path.parents) if p.exists())
-    if not above.is_dir() or not os.access(above, os.W_OK | os.X_OK):
-        raise ConfigError(field, f"{above} is not a writable directory, so {path} cannot be used; "
-                                 "point it at a writable directory")
+    try:
+        if not above.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory")
+        os.rmdir(tempfile.mkdtemp(prefix=".kvtier-probe-", dir=above))
+    except OSError as e:
+        raise ConfigError(field, f"{above} is not a writable directory ({e.strerror}), so {path} cannot be used; "
+                                 "point it at a writable directory") from None
+    st = os.statvfs(above)
+    if st.f_bavail * st.f_frsize < need_bytes:
+        raise ConfigError(field, f"{above} has {st.f_bavail * st.f_frsize} bytes free; the disk tier reserves "
+                                 f"{need_bytes} bytes there; point it at a larger disk, or lower "
+                                 f"{field.rsplit('.', 1)[0]}.fraction (or .size)")
+
+
+def reserved_bytes(layout: KVLayout, capacity: int) -> int:
+    """Bytes a DiskTier of ``capacity`` pages per layer reserves: its data files and their checksum sidecars."""
+    return layout.num_layers * capacity * (layout.page_bytes + 2 * _META.itemsize)
 
 
 class DiskTier(Tier):
@@ -92,6 +109,10 @@ class DiskTier(Tier):
     """
 
     kind = "disk"
+
+    @classmethod
+    def check_settings(cls, field, layout, capacity, path, **settings) -> None:
+        check_folder(path, f"{field}.path", reserved_bytes(layout, capacity))
 
     def __init__(self, layout: KVLayout, capacity: int, path: str | Path, spec: TierSpec | None = None,
                  name: str | None = None, fsync: bool = False, keep: bool = False):
@@ -132,6 +153,7 @@ class DiskTier(Tier):
         self._field = f"tiers.stack.{self.name}.path"
         self.path, self._made_dir = self._claim_dir(path, create)
         self._meta = np.zeros((self.layout.num_layers, self.capacity, 2), dtype=_META)  # [L, cap, (checksum, valid)]
+        self._cut = np.zeros((self.layout.num_layers, self.capacity), dtype=bool)  # [L, cap] lost to a truncation
         self._open_files(create)
 
     def _claim_dir(self, path: Path, create: bool) -> tuple[Path, bool]:
@@ -168,7 +190,7 @@ class DiskTier(Tier):
         self._fds: list[int] = []
         self._sum_fds: list[int] = []
         if create:
-            need = L * sum(sizes)
+            need = reserved_bytes(self.layout, cap)
             st = os.statvfs(self.path)
             if st.f_bavail * st.f_frsize < need:
                 self._shutdown(delete=True)
@@ -184,7 +206,8 @@ class DiskTier(Tier):
         except OSError as e:
             self._shutdown(delete=create)
             if create and e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-                raise TierIOError(self._too_small(L * sum(sizes), f"refused the reservation ({e.strerror})")) from e
+                raise TierIOError(self._too_small(reserved_bytes(self.layout, cap),
+                                                  f"refused the reservation ({e.strerror})")) from e
             raise TierIOError(f"disk tier '{self.name}': cannot open its files in {self.path}: {e}") from e
 
     def _too_small(self, need: int, why: str) -> str:
@@ -206,6 +229,10 @@ class DiskTier(Tier):
         fd, pb = self._fd(layer), self.layout.page_bytes
         s = slot_array(self, slots)
         bad = s[self._meta[layer, s, 1] == 0]
+        if self._cut[layer, bad].any():
+            raise PageCorruptedError(
+                f"disk tier '{self.name}' layer {layer}: slots {bad[self._cut[layer, bad]].tolist()} are cut off by "
+                f"another process that truncated {self._data_path(layer)} (file truncated); rewrite them")
         if bad.size:
             raise PageCorruptedError(
                 f"disk tier '{self.name}' layer {layer}: slots {bad.tolist()} hold no complete page "
@@ -248,6 +275,7 @@ class DiskTier(Tier):
                 os.fdatasync(fd)
             self._meta[layer, s, 0] = sums
             self._meta[layer, s, 1] = 1
+            self._cut[layer, s] = False
             path = self._sum_path(layer)
             self._write_meta(layer, s, runs)
             if self.fsync:
@@ -266,6 +294,7 @@ class DiskTier(Tier):
         for layer in np.unique(layers).tolist():
             s = np.sort(slots[layers == layer])
             self._meta[layer, s, 1] = 0
+            self._cut[layer, s] = False
             try:
                 self._write_meta(layer, s, _runs(s))
             except OSError as e:
@@ -279,9 +308,28 @@ class DiskTier(Tier):
 
     # -- I/O helpers -------------------------------------------------------------------------
     def _fd(self, layer: int) -> int:
+        """The data file of ``layer``, checked to be open, still in its folder (an open file outlives its deletion,
+        but a tier whose files another process deleted has lost its place on the disk) and whole: after a truncation
+        behind the tier, the pages cut off read as such, and the file is reserved again where the disk has room (else
+        the writes that find none say so)."""
         if not self._fds:
             raise TierIOError(f"disk tier '{self.name}' at {self.path} is closed")
-        return self._fds[layer]
+        for fd, path in ((self._fds[layer], self._data_path(layer)), (self._sum_fds[layer], self._sum_path(layer))):
+            if os.fstat(fd).st_nlink == 0:
+                raise TierIOError(f"disk tier '{self.name}' layer {layer}: {path} was deleted under the run (by "
+                                  "another process, a temp-folder cleaner?); its pages are lost with it: give the "
+                                  f"tier a folder nothing else cleans (tiers.stack.{self.name}.path)")
+        fd, pb = self._fds[layer], self.layout.page_bytes
+        if (size := os.fstat(fd).st_size) < self.capacity * pb:
+            cut = np.flatnonzero(self._meta[layer, :, 1])
+            cut = cut[(cut + 1) * pb > size]  # [k] valid pages past the new end
+            self._meta[layer, cut, 1] = 0
+            self._cut[layer, cut] = True
+            with contextlib.suppress(OSError):
+                if cut.size:
+                    self._write_meta(layer, cut, _runs(cut))
+                os.posix_fallocate(fd, 0, self.capacity * pb)
+        return fd
 
     def _write_meta(self, layer: int, s: np.ndarray, runs: list[tuple[int, int]]) -> None:
         """Copy the sidecar entries of ``s[a:b]`` for each run to disk."""

@@ -18,6 +18,7 @@ from kvtier.tiers.base import TierSpec
 from kvtier.tiers.keyvalue import KeyValueTier
 
 _DEFAULT_SPEC = TierSpec(bandwidth_gbps=1.0, latency_s=50e-6)  # loopback Redis, pipelined (bench/redis_tier.py)
+LOCAL_STORE = "local"  # a recipe's url that starts a redis-server on loopback for the run (kvtier.build)
 
 
 def _redis():
@@ -46,6 +47,22 @@ def check_url(url: str, field: str) -> None:
                                  "recipe: a server started on loopback for the run)")
 
 
+def check_times(field: str, timeout_s, ttl_s) -> None:
+    """ConfigError unless ``timeout_s`` is a time > 0 and ``ttl_s`` one, or None."""
+    for key, value, none in (("timeout_s", timeout_s, False), ("ttl_s", ttl_s, True)):
+        if value is None and none:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:  # nan too
+            null = " or null (never expire)" if none else ""
+            raise ConfigError(f"{field}.{key}", f"must be a number of seconds > 0{null}, got {value!r}")
+
+
+def auth_errors(redis) -> tuple:
+    """redis-py's errors for a password the server refuses, wants, or has no use for."""
+    e = redis.exceptions
+    return e.AuthenticationError, e.AuthenticationWrongNumberOfArgsError, e.AuthorizationError
+
+
 def probe_url(url: str, field: str, timeout_s: float) -> None:
     """ConfigError(field) unless ``url`` is a Redis URL whose server answers ``PING`` within ``timeout_s``
     (a closed port, a silent peer or a server speaking another protocol are refused up front)."""
@@ -54,6 +71,10 @@ def probe_url(url: str, field: str, timeout_s: float) -> None:
     client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
     try:
         client.ping()
+    except auth_errors(redis) as e:
+        raise ConfigError(field, f"authentication failed at {url} ({e}); put the server's user and password in "
+                                 "the url (redis://user:password@host:port/db), or none for a server without one") \
+            from None
     except redis.exceptions.ConnectionError as e:  # refused, reset, or no route
         raise ConfigError(field, f"nothing answers at {url} ({e}); start the server, or use url=local "
                                  "(a redis-server on loopback for the run)") from None
@@ -74,17 +95,21 @@ class RedisTier(KeyValueTier):
     lost = "evicted under maxmemory, expired, or the server restarted empty"
     refused_fix = "raise its maxmemory (or give pages a longer ttl)"
 
+    @classmethod
+    def check_settings(cls, field, layout, capacity, url, timeout_s, ttl_s, **settings) -> None:
+        """The timeouts, and a server of the user's (not ``local``: one started for the run) answers."""
+        check_times(field, timeout_s, ttl_s)
+        if url != LOCAL_STORE:
+            probe_url(url, f"{field}.url", timeout_s)
+
     def __init__(self, layout: KVLayout, capacity: int, url: str = "redis://127.0.0.1:6379/0",
                  spec: TierSpec | None = None, name: str | None = None, timeout_s: float = 5.0,
                  ttl_s: float | None = None):
         super().__init__(layout, capacity, spec or _DEFAULT_SPEC, name)
         field = f"tiers.stack.{self.name}"
         check_url(url, f"{field}.url")
+        check_times(field, timeout_s, ttl_s)
         redis = _redis()
-        if not timeout_s > 0:
-            raise ConfigError(f"{field}.timeout_s", f"must be > 0, got {timeout_s}")
-        if ttl_s is not None and not ttl_s > 0:
-            raise ConfigError(f"{field}.ttl_s", f"must be > 0 seconds or null (never expire), got {ttl_s}")
         self.url, self.timeout_s, self.ttl_s = url, timeout_s, ttl_s
         self._client = self._stale = None  # this connection's server-side id; a timed-out one's, until killed
         from redis.backoff import NoBackoff
@@ -142,6 +167,9 @@ class RedisTier(KeyValueTier):
             self._stale = self._stale or self._client
             raise TierIOError(f"remote tier '{self.name}': no answer from {self.url} within {self.timeout_s} s; "
                               f"raise tiers.stack.{self.name}.timeout_s or check the server") from e
+        except auth_errors(redis) as e:
+            raise TierIOError(f"remote tier '{self.name}': authentication failed at {self.url} ({e}); fix the user "
+                              f"and password in tiers.stack.{self.name}.url") from None
         except redis.exceptions.ConnectionError as e:
             raise TierIOError(f"remote tier '{self.name}': the Redis server at {self.url} is unreachable ({e}); "
                               f"start it or fix tiers.stack.{self.name}.url") from e

@@ -33,21 +33,24 @@ def redis_server_binary() -> str:
 
 
 def _answers_ping(sock: socket.socket) -> bool:
+    """The server answers (a server with a password answers that it wants one)."""
     sock.sendall(b"PING\r\n")
-    return sock.recv(16).startswith(b"+PONG")
+    return sock.recv(16).startswith((b"+PONG", b"-NOAUTH"))
 
 
 class LocalRedis:
     """A ``redis-server`` process on ``127.0.0.1:<free port>``; ``url`` is ``redis://127.0.0.1:PORT/0``.
 
     ``maxmemory`` (bytes, 0: unlimited) and ``policy`` (Redis' ``maxmemory-policy``) let a test make
-    the server evict pages. ``restart()`` starts a fresh, empty server on the same port.
+    the server evict pages; ``password`` makes it refuse clients without it (``url`` then carries it; it is
+    given to the server in a config file, never on its command line). ``restart()`` starts a fresh, empty
+    server on the same port.
     """
 
     def __init__(self, maxmemory: int = 0, policy: str = "noeviction", binary: str | None = None,
-                 timeout_s: float = 20.0):
+                 timeout_s: float = 20.0, password: str | None = None):
         self.binary = binary or redis_server_binary()
-        self.maxmemory, self.policy, self.timeout_s = maxmemory, policy, timeout_s
+        self.maxmemory, self.policy, self.timeout_s, self.password = maxmemory, policy, timeout_s, password
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="kvtier-redis-")
@@ -55,11 +58,14 @@ class LocalRedis:
 
     @property
     def url(self) -> str:
-        return f"redis://{HOST}:{self.port}/0"
+        return f"redis://{f':{self.password}@' if self.password else ''}{HOST}:{self.port}/0"
 
     def start(self) -> None:
         """Start the server (again, empty) and wait until it answers PING."""
-        cmd = [self.binary, "--bind", HOST, "--port", str(self.port), "--protected-mode", "yes",
+        config = Path(self._dir.name) / "redis.conf"  # the password, off the command line
+        config.touch(0o600)
+        config.write_text(f"requirepass {self.password}\n" if self.password else "")
+        cmd = [self.binary, str(config), "--bind", HOST, "--port", str(self.port), "--protected-mode", "yes",
                "--save", "", "--appendonly", "no", "--dir", self._dir.name, "--daemonize", "no",
                "--maxmemory", str(self.maxmemory), "--maxmemory-policy", self.policy, "--loglevel", "warning"]
         try:

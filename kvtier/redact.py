@@ -1,0 +1,65 @@
+"""Secrets out of every message, log line and result file: the password of a URL (``redis://user:pw@host``),
+secret query parameters (``?password=``, ``token=``, ``api_key=`` ...), Hugging Face tokens and bearer tokens become
+``***``. kvtier's errors redact their own message (:class:`~kvtier.errors.KVTierError`); ``kvtier-run`` redacts its
+log records and the config it writes (``metrics.json``, ``.hydra/``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+
+HIDDEN = "***"
+_RULES = [
+    # a URL's password: up to the authority's last "@" (a password may hold an unescaped one)
+    (re.compile(r"(?P<keep>\b[a-z][a-z0-9+.-]*://[^/\s:@'\"]*:)[^/\s'\"]*(?=@[^/\s@'\"]*(?:[/\s'\"?#]|$))", re.I),
+     rf"\g<keep>{HIDDEN}"),
+    (re.compile(r"(?P<keep>[?&;](?:password|passwd|pwd|pass|secret|token|access_token|auth|api_?key|access_key|"
+                r"secret_key|key)=)[^&;\s'\"]+", re.I), rf"\g<keep>{HIDDEN}"),
+    (re.compile(r"\bhf_[A-Za-z0-9]{20,}\b"), f"hf_{HIDDEN}"),
+    (re.compile(r"(?P<keep>\bBearer\s+)[A-Za-z0-9._~+/=-]{8,}", re.I), rf"\g<keep>{HIDDEN}"),
+]
+
+
+def redact(text: str) -> str:
+    """``text`` with every secret it holds replaced by ``***``."""
+    for pattern, replacement in _RULES:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def redacted(value):
+    """A config value (dicts, lists, strings) with the secrets of its strings replaced."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {k: redacted(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redacted(v) for v in value)
+    return value
+
+
+def redact_file(path: Path) -> None:
+    """Rewrite a text file (a config Hydra saved) without its secrets, atomically (a sweep's jobs may rewrite one
+    file together); nothing happens to a file that holds none."""
+    text = path.read_text()
+    if (clean := redact(text)) != text:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(clean)
+        os.replace(tmp, path)
+
+
+def redact_logs() -> None:
+    """Every log record made from now on, by any logger, carries its message with the secrets replaced."""
+    make = logging.getLogRecordFactory()
+    if getattr(make, "redacts", False):
+        return
+
+    def record(*args, **kwargs):
+        rec = make(*args, **kwargs)
+        rec.msg, rec.args = redact(rec.getMessage()), ()
+        return rec
+
+    record.redacts = True
+    logging.setLogRecordFactory(record)
