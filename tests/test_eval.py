@@ -119,7 +119,7 @@ def test_prompts_fit_and_hold_the_needle(smol):
 @pytest.mark.parametrize("cls, kwargs, field", [
     (Perplexity, {"length": 1}, "task.length"),
     (Perplexity, {"prefix": 0}, "task.prefix"),
-    (Perplexity, {"length": 64, "prefix": 64}, "task.prefix"),
+    (Perplexity, {"length": 64, "prefix": 64}, "task.length"),  # no token left to score: the length is short
     (Perplexity, {"text": "hamlet"}, "task.text"),
     (Passkey, {"depths": [0.5, 1.5]}, "task.depths"),
     (Passkey, {"depths": []}, "task.depths"),

@@ -418,7 +418,7 @@ def test_what_a_message_suggests_plans():
     assert plan(cfg).budget_tokens == 49
     (cfg,) = job_configs(["tiers=device_host_disk", "tiers.stack.disk.fraction=0.5"])
     assert plan(cfg).capacities["disk"] == 10  # half of the 20 pages of 320 tokens
-    (cfg,) = job_configs(["model=local", f"model.path={gguf_parts("smollm2")[0]}"])  # the GGUF kvtier ships
+    (cfg,) = job_configs(["model=local", f"model.path={gguf_parts('smollm2')[0]}"])  # the GGUF kvtier ships
     assert plan(cfg).labels["model"] == gguf_parts("smollm2")[0].name
 
 
