@@ -11,19 +11,20 @@ from kvtier.policies import LRU
 from kvtier.tiers import DeviceTier
 
 
-def test_a_compiled_engine_compiles_the_attention_of_every_layer_at_every_bucket(monkeypatch):
+def test_a_compiled_engine_compiles_the_attention_of_every_layer_at_every_bucket():
     """dynamo's limits set to 1 (a user's, or used up by earlier engines): two layers x (the prompt forward, decode
     buckets 1 and 2) are six compiled entries of the attention forward; without the engine's room, one."""
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)  # restored after the test
-    monkeypatch.setattr(torch._dynamo.config, "accumulated_recompile_limit", 1)
-    model = tiny_llama()
-    layout = kv_layout_for(model.config, page_size=16, dtype=model.dtype)
-    engine = Engine(model, layout, [DeviceTier(layout, 40)], LRU(), "all",
-                    config=EngineConfig(max_batch=2, max_context=128, compile=True, graphs=False))
-    generator = torch.Generator().manual_seed(0)
-    for tokens in (20, 33):  # a prompt, a step at bucket 1; another prompt, a step at bucket 2
-        engine.add(torch.randint(0, 256, (tokens,), generator=generator))
-        engine.step()
-    assert len(_debug_get_cache_entry_list(LlamaAttention.forward.__code__)) == 2 * 3
+    # dynamo's own patch restores them after the test (pytest's monkeypatch would delete them: dynamo's config keeps its
+    # values outside the module's __dict__, and a deleted one reads as missing to every later engine)
+    with torch._dynamo.config.patch(recompile_limit=1, accumulated_recompile_limit=1):
+        model = tiny_llama()
+        layout = kv_layout_for(model.config, page_size=16, dtype=model.dtype)
+        engine = Engine(model, layout, [DeviceTier(layout, 40)], LRU(), "all",
+                        config=EngineConfig(max_batch=2, max_context=128, compile=True, graphs=False))
+        generator = torch.Generator().manual_seed(0)
+        for tokens in (20, 33):  # a prompt, a step at bucket 1; another prompt, a step at bucket 2
+            engine.add(torch.randint(0, 256, (tokens,), generator=generator))
+            engine.step()
+        assert len(_debug_get_cache_entry_list(LlamaAttention.forward.__code__)) == 2 * 3
     torch._dynamo.reset()
