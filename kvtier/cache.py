@@ -9,7 +9,6 @@ policy's statistics, migrations, fidelity) is the engine's; this class only tran
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 

@@ -151,13 +151,9 @@ class TopK(Scope):
             from kvtier.kernels.triton_key_choice import KeyChoiceWork, key_choice
             from kvtier.kernels.triton_page_choice import ChoiceWork, page_choice
 
-            self._fused_choice, self._fused_keys = page_choice, key_choice
+            self._fused_choice, self._fused_keys, self._key_work = page_choice, key_choice, KeyChoiceWork.make
             self.work = ChoiceWork.make(R, M, engine.device)
-            if self.unit == "token":
-                group = engine.model.config.num_attention_heads // layout.num_kv_heads if engine.model is not None \
-                    else None
-                self.key_work = KeyChoiceWork.make(R, layout.num_kv_heads, group, M * layout.page_size,
-                                                   engine.device) if group else None
+            self.key_work = None  # the key choice's scratch, made at its first call (it needs the query heads)
 
     def reset_row(self, row: int) -> None:
         self.seen[:, row] = 0
@@ -214,6 +210,11 @@ class TopK(Scope):
         args = (q, keys.basis[layer], keys.sketch[layer], view.pids[:B], view.table[layer, :B], view.lens[:B], spans,
                 n, out, view.window(layer))
         if self.fused:
+            if self.key_work is None:  # once, before any capture: every later call writes the same scratch
+                e = self.engine
+                self.key_work = self._key_work(e.config.max_batch, e.layout.num_kv_heads,
+                                               q.shape[1] // e.layout.num_kv_heads, e.max_pages * view.page_size,
+                                               q.device)
             self._fused_keys(*args, work=self.key_work)
         else:
             key_choice_reference(*args)
