@@ -148,10 +148,10 @@ def page_salience(page_max: torch.Tensor, lse: torch.Tensor, batch: PagedBatch, 
 
 
 def check_key_list(key_list: torch.Tensor | None, page_list: torch.Tensor | None, entry_tokens: int,
-                   page_size: int, int8: bool, spans: torch.Tensor | None) -> bool:
+                   page_size: int, int8: bool, spans: torch.Tensor | None, landing: bool) -> bool:
     """A decode call attends a key list (int32 positions) in place of a page list, with a plan made for key lists
-    (``entry_tokens`` 1), on 16/32-bit or FP8 pages, without spans (the list shows every key it attends); True
-    when it does."""
+    (``entry_tokens`` 1), on 16/32-bit or FP8 pages, without spans (the list shows every key it attends) and without
+    landing slots (it reads single keys, never a whole page); True when it does."""
     if key_list is None:
         if entry_tokens not in (0, page_size):
             raise ValueError("the plan was made for key lists (keys=True): pass key_list")
@@ -165,6 +165,8 @@ def check_key_list(key_list: torch.Tensor | None, page_list: torch.Tensor | None
         raise ValueError("int8 pages are read back a page at a time: attend them by pages, not a key list")
     if spans is not None:
         raise ValueError("a key list shows every key it attends: pass no spans with it")
+    if landing:
+        raise ValueError("the decode lands whole pages read from the host: a key list reads single keys")
     return True
 
 

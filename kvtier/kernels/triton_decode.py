@@ -420,9 +420,7 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
     page, n_kv = plan.page_size, dev_pool.shape[3]
     scaled = is_scaled_pool(dev_pool, page)  # 8-bit pages: [slots, 2, P + R, N_kv, D]
     int8 = dev_pool.dtype == INT8
-    keys = check_key_list(key_list, page_list, plan.entry_tokens, page, int8, spans)
-    if keys and land_slots is not None:
-        raise ValueError("the decode lands whole pages read from the host: a key list reads single keys")
+    keys = check_key_list(key_list, page_list, plan.entry_tokens, page, int8, spans, land_slots is not None)
     page_list = key_list if keys else page_list
     if not scaled and dev_pool.shape[2] != page:
         raise ValueError(f"pool pages {tuple(dev_pool.shape[1:])} do not match the plan's page size {page}")
