@@ -10,6 +10,12 @@ folder, e.g. a multirun.
   fidelity (``cache.fidelity``, scopes ``resident`` and ``topk``).
 - ``occupancy-<run>.png``: pages in use per tier (mean over layers) at every engine step of a run,
   with each tier's capacity dashed.
+- ``depth_heatmap-<task>-<policy>-<scope>-<budget>.png``: for the depth tasks (needle, passkey), the
+  needle-in-a-haystack heatmap (Kamradt's NIAH plot): accuracy per needle depth (y, 0% at the top) and
+  context length (x, ``task.context_tokens`` of each run), pooled over the runs of each cell; one figure
+  per policy, scope and budget setting (``budget.fraction`` is a fraction of each length). The grid is
+  also ``depth_grid.csv`` (a row per figure, length and depth, with n and accuracy).
+  ``kvtier-run experiment=needle_sweep`` runs such a sweep.
 - ``summary.md`` and ``summary.csv``: per task, metric, policy, scope and budget, the mean and the
   sample standard deviation over the runs of that point (seeds, text slices: the ``over`` column
   names the task keys that differ among them), with n, min and max. The curves show that mean, with
@@ -188,6 +194,68 @@ def occupancy(runs: list[dict], out: Path) -> list[Path]:
     return written
 
 
+def budget_setting(run: dict) -> str:
+    """The budget setting in force as the recipe gave it (``fraction=0.2``, ``tokens=256``, ``size=4MiB``): the same
+    for every length of a sweep, where ``budget_tokens`` and ``budget_fraction`` follow each length."""
+    budget = run["config"]["budget"]
+    key = next(k for k in ("tokens", "size", "fraction") if budget.get(k) is not None)
+    return f"{key}={budget[key]}"
+
+
+DEPTH_GRID_COLUMNS = ["task", "policy", "scope", "budget", "length", "depth", "n", "accuracy"]
+
+
+def depth_cells(runs: list[dict]) -> dict[tuple, dict[tuple[int, float], list[bool]]]:
+    """``(task, policy, scope, budget) -> {(length, depth): [correct, ...]}`` over the samples of the runs whose
+    task reports a depth per sample (needle, passkey); the length is each run's ``task.context_tokens``."""
+    grids = defaultdict(lambda: defaultdict(list))
+    for r in runs:
+        records = r.get("task_result", {}).get("records", [])
+        if not records or "depth" not in records[0]:
+            continue
+        length, cells = r["config"]["task"]["context_tokens"], grids[task_label(r), r["policy"], r["scope"],
+                                                                     budget_setting(r)]
+        for rec in records:
+            cells[length, float(rec["depth"])].append(bool(rec["correct"]))
+    return grids
+
+
+def depth_heatmaps(runs: list[dict], out: Path) -> list[Path]:
+    """Per task, policy, scope and budget setting: accuracy over needle depth (rows, 0 at the top) x context length
+    (columns) as a heatmap, each cell's value written in it (``depth_heatmap-*.png``), and every cell in
+    ``depth_grid.csv``."""
+    grids = depth_cells(runs)
+    if not grids:
+        return []
+    rows, written = [], []
+    for (task, policy, scope, budget), cells in sorted(grids.items()):
+        lengths = sorted({length for length, _ in cells})
+        depths = sorted({depth for _, depth in cells})
+        acc = [[statistics.fmean(cells[l, d]) if (l, d) in cells else float("nan") for l in lengths]
+               for d in depths]  # [depth, length]
+        rows += [{"task": task, "policy": policy, "scope": scope, "budget": budget, "length": l, "depth": d,
+                  "n": len(cells[l, d]), "accuracy": statistics.fmean(cells[l, d])}
+                 for l in lengths for d in depths if (l, d) in cells]
+        fig, ax = plt.subplots(figsize=(max(4.8, 2.0 + 0.8 * len(lengths)), max(3.2, 1.4 + 0.35 * len(depths))))
+        image = ax.imshow(acc, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+        for i, line in enumerate(acc):
+            for j, value in enumerate(line):
+                if value == value:  # not nan: a cell that ran
+                    ax.text(j, i, f"{value:.0%}", ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(lengths)), [str(l) for l in lengths], rotation=45 if len(lengths) > 6 else 0)
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+        ax.set(xlabel="context length (tokens)", ylabel="needle depth (% of the context)",
+               title=f"{task}: {policy} ({scope})\nbudget.{budget}")
+        fig.colorbar(image, ax=ax, label="accuracy")
+        written.append(_save(fig, out / f"depth_heatmap-{task}-{policy}-{scope}-{budget.replace('=', '')}.png"))
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "depth_grid.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, DEPTH_GRID_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    return [out / "depth_grid.csv", *written]
+
+
 def _save(fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -208,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no metrics.json with a task score under {args.dir}; point it at a kvtier-run output or "
                      "multirun folder")
     out = args.out or args.dir / "plots"
-    for path in summary(runs, out, args.x) + quality_vs_budget(runs, out, args.x) + occupancy(runs, out):
+    for path in summary(runs, out, args.x) + quality_vs_budget(runs, out, args.x) + depth_heatmaps(runs, out) + \
+            occupancy(runs, out):
         print(path)
     return 0
 

@@ -169,3 +169,59 @@ def test_the_study_plot_bars_are_the_slices_spread_of_the_ratio_to_exact(tmp_pat
     assert slice_error({**uneven, "per_slice": [11]}, {**exact, "per_slice": [10]}) == (0.0, 0.0)
     assert slice_error(uneven, None) == (0.0, 0.0)
     assert [p.name for p in plot([exact, even, uneven], tmp_path)] == ["quality_vs_budget-ctx2k.png"]
+
+
+def depth_run(root, name, policy, length, correct, fraction=0.2, task="needle"):
+    """A needle (or passkey) run at ``length`` tokens whose samples are ``correct``: ``{depth: [bool, ...]}``."""
+    records = [{"depth": d, "correct": c} for d, cs in correct.items() for c in cs]
+    score = sum(r["correct"] for r in records) / len(records)
+    m = {"task": task, "policy": policy, "scope": "topk", "score_name": "accuracy", "accuracy": score,
+         "budget_fraction": int(fraction * length) / length, "budget_tokens": int(fraction * length),
+         "capacity_pages": {"device": 16}, "occupancy": {"step": [0], "pages": {"device": [1]}},
+         "task_result": {"task": task, "records": records},
+         "config": {"budget": {"tokens": None, "size": None, "fraction": fraction},
+                    "task": {"context_tokens": length, **({"text": "lady_susan"} if task == "needle" else {})}}}
+    (root / name).mkdir(parents=True)
+    (root / name / "metrics.json").write_text(json.dumps(m))
+
+
+def test_depth_heatmap_is_depth_by_length_per_policy_and_budget(tmp_path, monkeypatch):
+    """``depth_heatmap-*.png``: a figure per policy and budget setting (the fraction of every length alike), rows
+    the depths (0 at the top), columns the lengths, each cell the accuracy pooled over its runs (two seeds at
+    1024 here); ``depth_grid.csv`` the same cells; a perplexity run beside them draws none."""
+    depth_run(tmp_path, "0", "snapkv", 1024, {0.0: [True], 0.5: [False], 1.0: [True]})
+    depth_run(tmp_path, "1", "snapkv", 1024, {0.0: [True], 0.5: [True], 1.0: [True]})  # another seed
+    depth_run(tmp_path, "2", "snapkv", 2048, {0.0: [False, False], 0.5: [True, False], 1.0: [True, True]})
+    depth_run(tmp_path, "3", "snapkv", 512, {0.0: [True], 1.0: [False]})  # no sample at depth 0.5
+    depth_run(tmp_path, "4", "tova", 1024, {0.0: [True], 0.5: [True], 1.0: [True]}, fraction=0.5)
+    fake_run(tmp_path, "5", "aspe", 0.25, 12.0)
+    figures = []
+    monkeypatch.setattr(plot, "_save", lambda fig, path: figures.append((path.name, fig)) or path)
+    written = plot.depth_heatmaps(load_runs(tmp_path), tmp_path / "plots")
+    assert [p.name for p in written] == ["depth_grid.csv", "depth_heatmap-needle-lady_susan-snapkv-topk-fraction0.2.png",
+                                         "depth_heatmap-needle-lady_susan-tova-topk-fraction0.5.png"]
+    (_, snapkv), (_, tova) = figures
+    ax = snapkv.axes[0]
+    grid = ax.images[0].get_array()  # [depth, length]
+    assert grid.shape == (3, 3)
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["512", "1024", "2048"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["0%", "50%", "100%"]
+    assert grid.mask.tolist() == [[False] * 3, [True, False, False], [False] * 3]  # 512 x 50%: never run
+    assert grid.filled(-1).tolist() == [[1.0, 1.0, 0.0], [-1, 0.5, 0.5], [0.0, 1.0, 1.0]]
+    assert tova.axes[0].images[0].get_array().tolist() == [[1.0], [1.0], [1.0]]
+    assert sorted(t.get_text() for t in ax.texts) == sorted(["100%"] * 4 + ["0%"] * 2 + ["50%"] * 2)
+    with open(tmp_path / "plots" / "depth_grid.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 8 + 3
+    assert rows[3] == {"task": "needle-lady_susan", "policy": "snapkv", "scope": "topk", "budget": "fraction=0.2",
+                       "length": "1024", "depth": "0.5", "n": "2", "accuracy": "0.5"}
+    for _, fig in figures:
+        plt.close(fig)
+
+
+def test_kvtier_plot_writes_the_heatmap_png(tmp_path, capsys):
+    for i, length in enumerate((256, 512)):
+        depth_run(tmp_path, str(i), "lru", length, {0.0: [True], 1.0: [i == 0]}, task="passkey")
+    assert main([str(tmp_path)]) == 0
+    heatmap = tmp_path / "plots" / "depth_heatmap-passkey-lru-topk-fraction0.2.png"
+    assert heatmap.read_bytes().startswith(PNG) and str(heatmap) in capsys.readouterr().out.split()

@@ -96,6 +96,31 @@ def test_multirun_three_policies_two_budgets_then_plot(tmp_path):
     assert all(p.read_bytes().startswith(PNG) and str(p) in proc.stdout for p in pngs)
 
 
+def test_needle_sweep_runs_a_job_per_length_and_plots_depth_by_length(tmp_path):
+    """experiment=needle_sweep at two tiny lengths and two depths on SmolLM2: a job per length, each budget half of
+    its own length, each metrics.json scoring every depth; kvtier-plot's heatmap grid is those scores. StreamingLLM
+    (sinks + a 32-token window) with the question fed after the context loses the needle at depth 0 and keeps it at
+    the end, at both lengths (measured)."""
+    from kvtier.plot import main as plot
+
+    kvtier("kvtier-run", ["experiment=needle_sweep", "task.context_tokens=160,224", "task.depths=[0,1]",
+                          "task.max_new_tokens=4", "scope=resident", "policy=sink_window", "cache.attend_budget=true",
+                          "budget.fraction=0.5", "cache.window=32", "logger=none"], tmp_path)
+    (sweep,) = (tmp_path / "multirun").iterdir()
+    metrics = sorted((json.loads(p.read_text()) for p in sweep.glob("*/metrics.json")),
+                     key=lambda m: m["context_tokens"])
+    assert [(m["config"]["task"]["context_tokens"], m["budget_tokens"]) for m in metrics] == [(160, 80), (224, 112)]
+    for m in metrics:
+        assert m["task_result"]["per_depth"] == {"0": 0.0, "1": 1.0}, m["task_result"]["records"]
+        assert m["config"]["task"]["question_at"] == "after" and m["samples"] == 2
+    assert plot([str(sweep)]) == 0
+    heatmap = sweep / "plots" / "depth_heatmap-needle-lady_susan-question_after-sink_window-resident-fraction0.5.png"
+    assert heatmap.read_bytes().startswith(PNG)
+    grid = (sweep / "plots" / "depth_grid.csv").read_text().splitlines()
+    assert [line.split(",")[4:] for line in grid[1:]] == [["160", "0.0", "1", "0.0"], ["160", "1.0", "1", "1.0"],
+                                                          ["224", "0.0", "1", "0.0"], ["224", "1.0", "1", "1.0"]]
+
+
 def test_python_api_run_with_a_local_remote_store(tmp_path):
     with initialize_config_dir(str(RECIPES), version_base="1.3"):
         cfg = compose("config", overrides=[*TINY, "tiers=device_host_remote", "policy=sink_window",
