@@ -59,6 +59,21 @@ def lady_susan_text() -> str:
     return text("lady_susan")
 
 
+def bos_ids(tokenizer) -> list[int]:
+    """``[BOS]`` when the tokenizer starts every text with it by itself (Gemma, Llama), else ``[]`` (SmolLM2, GPT-2): a
+    sequence the model reads from position 0 starts as the model was trained to see one (Gemma-3 without its BOS
+    loses its attention sink)."""
+    ids = tokenizer("", verbose=False)["input_ids"]
+    return ids[:1] if ids and ids[0] == tokenizer.bos_token_id else []
+
+
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """The ids of ``prompt`` read from position 0: :func:`bos_ids` first, once (a chat template's text may hold
+    it already), and no other special token added (no EOS after a prompt)."""
+    ids, bos = tokenizer(prompt, add_special_tokens=False, verbose=False)["input_ids"], bos_ids(tokenizer)
+    return ids if ids[:len(bos)] == bos else bos + ids
+
+
 def token_stream(tokenizer, name: str, length: int | None = None) -> torch.LongTensor:
     """The first ``length`` tokens of text ``name`` ("opticks" or "lady_susan"), every token for None:
     LongTensor ``[length]``.

@@ -1,4 +1,5 @@
-"""The second real model: Gemma-3-270m, from its GGUF chunk packages (joined, checked, converted once).
+"""The second real model: Gemma-3-270m, from its GGUF chunk packages (joined, checked, converted once), and the BOS
+every task puts before its prompts.
 
 Sliding (window 512) and global layers, MQA, head_dim 256. Its tokenizer is rebuilt from the GGUF's pieces
 (``kvtier.gguf_spm``: transformers' GGUF import tokenizes Gemma wrongly), and kvtier's hook under scope ``all``
@@ -7,16 +8,25 @@ must give HF's own attention's logits over a prompt longer than the window, page
 
 import importlib.metadata
 
+import numpy as np
 import pytest
 import torch
 from test_sliding_window import hf_logits, kvtier_logits  # the helpers of the random-weight window tests
-from transformers import Gemma3ForCausalLM
+from transformers import AutoTokenizer, Gemma3ForCausalLM
 
 from kvtier import models
-from kvtier.data import token_stream
+from kvtier.data import bos_ids, prompt_ids, token_stream
+from kvtier.engine import Engine
 from kvtier.errors import ConfigError
+from kvtier.eval import Needle, Passkey, Perplexity, Ruler
+from kvtier.eval.generation import engine_generate
+from kvtier.eval.longbench import fit_prompt
 from kvtier.gguf_spm import bpe_merges, piece
+from kvtier.hook import install
 from kvtier.models import kv_layout_for, load_model
+from kvtier.policies import LRU
+from kvtier.scheduler.chunked_prefill import ChunkedPrefill
+from kvtier.tiers import DeviceTier, HostTier
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +109,58 @@ def test_joined_chunks_are_checked(tmp_path):
     parts[1].write_bytes(b"rest")
     with pytest.raises(ConfigError, match="sha256"):
         models.join_parts(parts, tmp_path / "joined.gguf", "0" * 64)
+
+
+# -- Gemma's BOS in every task's prompt ------------------------------------------------------------
+def task_prompts(tok):
+    """``{task: ids}`` of a prompt of each task at a short length, through the tasks' own prompt builders."""
+    rng = np.random.default_rng(0)
+    prompts = {type(t).__name__ + ("_after" if t.question_at == "after" else ""): next(t.cases(tok, rng))[1]
+               for t in (Passkey(context_tokens=256, depths=[0.5]), Needle(context_tokens=256, depths=[0.5]),
+                         Needle(context_tokens=256, depths=[0.5], question_at="after"))}
+    prompts["Perplexity"] = Perplexity(length=128).tokens(tok)
+    prompts["Ruler"] = next(Ruler(length=512, subtasks=["niah_single_1"]).samples(tok)).ids
+    prompts["LongBench"] = fit_prompt(tok, "Cut me in the middle. " * 200, 64)
+    return prompts
+
+
+def test_every_task_starts_gemmas_prompts_with_its_bos_once(gemma3):
+    """Gemma's tokenizer puts BOS before a text (``bos_ids``), so every task's prompt starts with it, once, within
+    the task's length (the perplexity stream: BOS + the text's first 127 tokens)."""
+    _, tok = gemma3
+    assert bos_ids(tok) == [2] and prompt_ids(tok, "<bos>Hi") == prompt_ids(tok, "Hi") == [2, 10979]  # a template's
+    for name, ids in task_prompts(tok).items():
+        assert ids[0] == 2 and (ids == 2).sum() == 1, name
+    prompts = task_prompts(tok)
+    assert torch.equal(prompts["Perplexity"], torch.cat([torch.tensor([2]), token_stream(tok, "opticks", 127)]))
+    assert prompts["Passkey"].numel() <= 256 and prompts["LongBench"].numel() == 64
+
+
+def test_smollm2s_prompts_get_no_bos_its_tokenizer_does_not_add():
+    tok = AutoTokenizer.from_pretrained(models.ensure_model("smollm2"), local_files_only=True)
+    assert bos_ids(tok) == [] and tok.bos_token_id == 1  # <|im_start|>: a chat marker, not put before a text
+    for name, ids in task_prompts(tok).items():
+        assert 1 not in ids.tolist(), name
+    assert torch.equal(task_prompts(tok)["Perplexity"], token_stream(tok, "opticks", 128))
+
+
+def test_gemma3_finds_the_needle_with_the_bos_the_task_gives_and_loses_it_without(gemma3):
+    """The needle at depth 0 of 256 tokens of Lady Susan through kvtier's engine (scope all, pages on the host too):
+    found from the task's prompt; with its BOS cut off the model answers "a very very very" (measured)."""
+    model, tok = gemma3
+    layout = kv_layout_for(model.config, page_size=16, dtype=torch.float32)
+    task = Needle(context_tokens=256, depths=[0.0], max_new_tokens=4)
+
+    def make():
+        return Engine(model, layout, [DeviceTier(layout, 8, device="cpu"), HostTier(layout, 64)], LRU(), "all",
+                      prefill=ChunkedPrefill(128))
+
+    model.set_attn_implementation(install())
+    try:
+        generate = engine_generate(make, task)
+        found = task.run_with(generate, tok)
+        lost = task.run_with(lambda ids, n, new, stop=frozenset(): generate(ids[1:], n - 1, new, stop), tok)
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert found["accuracy"] == 1.0 and found["records"][0]["prompt_tokens"] <= 256, found["records"]
+    assert lost["accuracy"] == 0.0, lost["records"]

@@ -198,7 +198,8 @@ def test_depth_heatmap_is_depth_by_length_per_policy_and_budget(tmp_path, monkey
     figures = []
     monkeypatch.setattr(plot, "_save", lambda fig, path: figures.append((path.name, fig)) or path)
     written = plot.depth_heatmaps(load_runs(tmp_path), tmp_path / "plots")
-    assert [p.name for p in written] == ["depth_grid.csv", "depth_heatmap-needle-lady_susan-snapkv-topk-fraction0.2.png",
+    assert [p.name for p in written] == ["depth_grid.csv",
+                                         "depth_heatmap-needle-lady_susan-snapkv-topk-fraction0.2.png",
                                          "depth_heatmap-needle-lady_susan-tova-topk-fraction0.5.png"]
     (_, snapkv), (_, tova) = figures
     ax = snapkv.axes[0]

@@ -26,6 +26,7 @@ from typing import ClassVar
 
 import torch
 
+from kvtier.data import prompt_ids
 from kvtier.errors import ConfigError, MissingDependencyError
 from kvtier.eval.generation import AnswerTask, Sample, stop_ids
 from kvtier.eval.hf_data import dataset_file, read_rows
@@ -167,15 +168,14 @@ def truncate_middle(ids: list[int], length: int) -> list[int]:
 
 
 def fit_prompt(tokenizer, prompt: str, length: int) -> torch.Tensor:
-    """``prompt`` tokenized (BOS as the tokenizer adds it), cut in the middle to ``length`` tokens as LongBench does:
-    its two halves decoded and tokenized again."""
+    """``prompt`` tokenized (BOS first where the tokenizer adds one: :func:`~kvtier.data.prompt_ids`), cut in the
+    middle to ``length`` tokens as LongBench does: its two halves decoded and tokenized again."""
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     if len(ids) > length:
         half = truncate_middle(ids, length)
         prompt = tokenizer.decode(half[:length // 2], skip_special_tokens=True) + \
             tokenizer.decode(half[length // 2:], skip_special_tokens=True)
-    ids = tokenizer(prompt)["input_ids"]
-    return torch.tensor(truncate_middle(ids, length), dtype=torch.long)
+    return torch.tensor(truncate_middle(prompt_ids(tokenizer, prompt), length), dtype=torch.long)
 
 
 @dataclass

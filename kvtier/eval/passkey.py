@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar
 import numpy as np
 import torch
 
+from kvtier.data import prompt_ids
 from kvtier.errors import ConfigError, partial_on_stop
 from kvtier.eval.generation import engine_generate
 from kvtier.eval.perplexity import check_int, progress_task
@@ -101,14 +102,15 @@ class RetrievalTask:
         """The longest prompt ``before + haystack(n) + after`` of at most ``context_tokens`` tokens
         (binary search over the number of haystack units ``n``): ``(ids LongTensor [S], n)``. With
         ``question_at="after"`` the two parts are tokenized apart (the split is a token boundary) and
-        ``self.question_tokens`` holds the length of the second."""
+        ``self.question_tokens`` holds the length of the second. The prompt starts with the model's BOS where its
+        tokenizer adds one (:func:`kvtier.data.prompt_ids`)."""
         tail = tokenizer(after, add_special_tokens=False, verbose=False)["input_ids"]
         self.question_tokens = len(tail) if self.question_at == "after" else 0
 
         def encode(n):
             if self.question_at == "after":
-                return tokenizer(before + haystack(n), add_special_tokens=False, verbose=False)["input_ids"] + tail
-            return tokenizer(before + haystack(n) + after, add_special_tokens=False, verbose=False)["input_ids"]
+                return prompt_ids(tokenizer, before + haystack(n)) + tail
+            return prompt_ids(tokenizer, before + haystack(n) + after)
 
         lo, hi = 0, max_units
         if len(encode(0)) > self.context_tokens:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar
 
 import torch
 
-from kvtier.data import text, token_stream
+from kvtier.data import bos_ids, text, token_stream
 from kvtier.checks import check_positions
 from kvtier.errors import ConfigError, partial_on_stop
 
@@ -37,7 +37,8 @@ def progress_task(progress, description: str, total: int):
 
 @dataclass
 class Perplexity:
-    """Perplexity of ``text`` (``length`` tokens from token ``offset``) fed token by token after a ``prefix``.
+    """Perplexity of ``text`` (``length`` tokens: the model's BOS where its tokenizer adds one, then the text from
+    token ``offset``) fed token by token after a ``prefix``.
 
     Scored: the ``length - prefix`` tokens after the prefix (the first from the prefill's last
     logits, each later one from the decode step of the token before it). A long ``prefix`` with a
@@ -74,8 +75,11 @@ class Perplexity:
         check_int("offset", self.offset, 0)
 
     def tokens(self, tokenizer) -> torch.Tensor:
-        """The ``length`` token ids scored from: LongTensor ``[length]``."""
-        return token_stream(tokenizer, self.text, self.offset + self.length)[self.offset:]
+        """The ``length`` token ids scored from, BOS first where the tokenizer adds one (:func:`kvtier.data.bos_ids`):
+        LongTensor ``[length]``."""
+        bos = torch.tensor(bos_ids(tokenizer), dtype=torch.long)  # [0 or 1]
+        text_ids = token_stream(tokenizer, self.text, self.offset + self.length - bos.numel())[self.offset:]
+        return torch.cat([bos, text_ids])
 
     @torch.no_grad()
     def run(self, make_engine: Callable[[], Engine], tokenizer, progress=None) -> dict:

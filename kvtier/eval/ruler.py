@@ -37,7 +37,7 @@ from typing import ClassVar
 
 import torch
 
-from kvtier.data import text
+from kvtier.data import prompt_ids, text
 from kvtier.errors import ConfigError
 from kvtier.eval.generation import AnswerTask, Sample
 from kvtier.eval.perplexity import check_int
@@ -396,7 +396,7 @@ class Ruler(AnswerTask):
         """``make(n) -> (text, refs)`` at the largest ``n >= least`` whose BOS + text + ``new_tokens`` fit ``budget``
         tokens (RULER's binary search, up to 3x the estimate from the tokens per unit at ``first`` units)."""
         def size(n):
-            return len(self.tokenizer(make(n)[0])["input_ids"]) + new_tokens
+            return len(prompt_ids(self.tokenizer, make(n)[0])) + new_tokens
 
         per_unit = size(first) / first
         lo, hi, best = least, max(int(budget / per_unit * 3), 2 * first), None
@@ -427,7 +427,7 @@ class Ruler(AnswerTask):
                     return GENERATORS[kind](n, random.Random(key), self, **args, **extra)
 
                 prompt, refs = self.fit_units(make, self.length, new, first, least)
-                ids = tokenizer(prompt)["input_ids"]
+                ids = prompt_ids(tokenizer, prompt)
                 yield Sample(subtask, torch.tensor(ids, dtype=torch.long), refs, new, {"sample": i})
 
     def score(self, output: str, sample: Sample) -> float:
