@@ -76,6 +76,7 @@ from kvtier.policies import POLICIES
 from kvtier.kernels.registry import make_backend
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 from kvtier.scopes import All, Resident, TopK
+from kvtier.plot import leaderboard, plot_leaderboard
 from kvtier.tiers import DeviceTier, HostTier
 
 from bench.kvpress_study import load_kvpress, press_name, run_press
@@ -296,70 +297,6 @@ def plot(rows, out_dir: Path) -> list[Path]:
         fig.tight_layout()
         paths.append(out_dir / f"quality_vs_budget-{task}.png")
         fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
-    return paths
-
-
-def leaderboard(rows) -> str:
-    """Per model, a markdown table of each method's benchmark score (0-100) at each budget fraction: per task and
-    averaged over the tasks (the full cache, ``exact``, at every budget; a method's average only over the tasks
-    that ran it at that budget)."""
-    bench = [r for r in rows if "score" in r]
-    out = []
-    for model in dict.fromkeys(r.get("model", "smollm2") for r in bench):
-        mine = [r for r in bench if r.get("model", "smollm2") == model]
-        tasks = list(dict.fromkeys(r["task"] for r in mine))
-        fractions = sorted({r["fraction"] for r in mine if r["config"] != "exact"})
-        cells = {}
-        for r in mine:
-            for f in fractions if r["config"] == "exact" else [r["fraction"]]:
-                cells[(r["config"], r["task"], f)] = r["score"]
-        head = [f"{t} @{f:.0%}" for t in tasks for f in fractions] + [f"average @{f:.0%}" for f in fractions]
-        lines = [f"{model}:", "", "| method | " + " | ".join(head) + " |", "| --- |" + " ---: |" * len(head)]
-        for config in dict.fromkeys(r["config"] for r in mine):
-            values = [cells.get((config, t, f)) for t in tasks for f in fractions]
-            means = [statistics.fmean(v) if (v := [cells[(config, t, f)] for t in tasks if (config, t, f) in cells])
-                     else None for f in fractions]
-            lines.append(f"| {config} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in values + means) + " |")
-        out.append("\n".join(lines))
-    return "\n\n".join(out)
-
-
-def plot_leaderboard(rows, out_dir: Path) -> list[Path]:
-    """``leaderboard-<model>.png``: score against the budget fraction, a panel per task and one averaged over the
-    tasks, a line per method (exact dashed, kvpress dotted), as kvpress's leaderboard plot."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    bench, paths = [r for r in rows if "score" in r], []
-    for model in sorted({r.get("model", "smollm2") for r in bench}):
-        mine = [r for r in bench if r.get("model", "smollm2") == model]
-        tasks = sorted({r["task"] for r in mine})
-        fig, axes = plt.subplots(1, len(tasks) + 1, figsize=(4.2 * (len(tasks) + 1), 4), squeeze=False)
-        for ax, task in zip(axes[0], tasks + ["average"]):
-            group = mine if task == "average" else [r for r in mine if r["task"] == task]
-            for config in sorted({r["config"] for r in group}):
-                points = {}
-                for r in (r for r in group if r["config"] == config):
-                    points.setdefault(r["fraction"], []).append(r["score"])
-                if config == "exact":
-                    ax.axhline(statistics.fmean(v for vs in points.values() for v in vs), ls="--", color="k",
-                               label="exact (full cache)")
-                    continue
-                x = sorted(points)
-                ax.plot(x, [statistics.fmean(points[f]) for f in x], marker="o", label=config,
-                        ls=":" if config.startswith("kvpress:") else "-")
-            ax.set(title=task if task != "average" else f"average over {len(tasks)} tasks", ylim=(0, 100),
-                   xlabel="budget (fraction of the context)", ylabel="score (0-100)")
-            ax.grid(alpha=0.3)
-        axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-        fig.suptitle(f"{model}: score vs budget")
-        fig.tight_layout()
-        paths.append(out_dir / f"leaderboard-{model}.png")
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     return paths
 

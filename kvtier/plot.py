@@ -16,9 +16,14 @@ folder, e.g. a multirun.
   per policy, scope and budget setting (``budget.fraction`` is a fraction of each length). The grid is
   also ``depth_grid.csv`` (a row per figure, length and depth, with n and accuracy).
   ``kvtier-run experiment=needle_sweep`` runs such a sweep.
+- ``leaderboard.md`` and ``leaderboard-<model>.png``: for the benchmark runs (RULER, LongBench,
+  InfiniteBench: a 0-100 score), kvpress's leaderboard: per model, each method's score (``exact`` for
+  scope ``all``, else ``<scope>:<policy>``) at each budget fraction, per task and length, and averaged
+  over them (the table ``python -m bench.policy_study --plot`` prints from its own rows).
 - ``summary.md`` and ``summary.csv``: per task, metric, policy, scope and budget, the mean and the
   sample standard deviation over the runs of that point (seeds, text slices: the ``over`` column
-  names the task keys that differ among them), with n, min and max. The curves show that mean, with
+  names the task keys that differ among them), with n, min and max. Runs of several models in one
+  folder get tasks (figures, rows) of their own: ``<task>-<model>``. The curves show that mean, with
   the standard deviation as error bars where a point has more than one run.
 
 Usage: ``kvtier-plot multirun/2026-11-30_10-00-00 [--out DIR] [--x auto|fraction|tokens]``
@@ -79,10 +84,18 @@ def task_label(run: dict) -> str:
 RECALL = "attention_mass_recall"
 
 
+def labeller(runs: list[dict]):
+    """:func:`task_label`, with the run's model when ``runs`` hold several (each model gets figures and rows of its
+    own, never pooled with another's as if they were seeds)."""
+    several = len({r.get("model") for r in runs}) > 1
+    return lambda r: task_label(r) + (f"-{r['model']}" if several else "")
+
+
 def by_task(runs: list[dict]):
     """``(task, metric, runs)`` for each task variant's score and, where runs measured it, its attention-mass recall."""
-    for task in sorted({task_label(r) for r in runs}):
-        group = [r for r in runs if task_label(r) == task]
+    label = labeller(runs)
+    for task in sorted({label(r) for r in runs}):
+        group = [r for r in runs if label(r) == task]
         for score in sorted({r["score_name"] for r in group}):
             yield task, score, [r for r in group if r["score_name"] == score]
         if measured := [r for r in group if RECALL in r]:
@@ -208,12 +221,12 @@ DEPTH_GRID_COLUMNS = ["task", "policy", "scope", "budget", "length", "depth", "n
 def depth_cells(runs: list[dict]) -> dict[tuple, dict[tuple[int, float], list[bool]]]:
     """``(task, policy, scope, budget) -> {(length, depth): [correct, ...]}`` over the samples of the runs whose
     task reports a depth per sample (needle, passkey); the length is each run's ``task.context_tokens``."""
-    grids = defaultdict(lambda: defaultdict(list))
+    grids, label = defaultdict(lambda: defaultdict(list)), labeller(runs)
     for r in runs:
         records = r.get("task_result", {}).get("records", [])
         if not records or "depth" not in records[0]:
             continue
-        length, cells = r["config"]["task"]["context_tokens"], grids[task_label(r), r["policy"], r["scope"],
+        length, cells = r["config"]["task"]["context_tokens"], grids[label(r), r["policy"], r["scope"],
                                                                      budget_setting(r)]
         for rec in records:
             cells[length, float(rec["depth"])].append(bool(rec["correct"]))
@@ -256,6 +269,99 @@ def depth_heatmaps(runs: list[dict], out: Path) -> list[Path]:
     return [out / "depth_grid.csv", *written]
 
 
+def method(run: dict) -> str:
+    """A run's method as ``bench.policy_study`` names its configurations: ``exact`` (scope all, the full cache), else
+    ``<scope>:<policy>``, ``once:<policy>`` where the budget compresses once after the prefill (``cache.mode``)."""
+    if run["scope"] == "all":
+        return "exact"
+    cache = run["config"].get("cache", {})
+    once = cache.get("attend_budget") and cache.get("mode") == "once"
+    return f"{'once' if once else run['scope']}:{run['policy']}"
+
+
+def leaderboard_rows(runs: list[dict]) -> list[dict]:
+    """The benchmark runs (a 0-100 ``score``: RULER, LongBench, InfiniteBench) as :func:`leaderboard` rows: model,
+    task (``ruler-4096``: its name and length), method (:func:`method`), budget fraction (the recipe's
+    ``budget.fraction``, else the budget's share of the context), score (the mean over the runs of that cell)."""
+    cells = defaultdict(list)
+    for r in runs:
+        if r["score_name"] != "score":
+            continue
+        budget = r["config"]["budget"]
+        fraction = budget["fraction"] if budget_setting(r).startswith("fraction") else round(r["budget_fraction"], 4)
+        task = "-".join(str(p) for p in (r["task"], r["config"]["task"].get("length")) if p is not None)
+        cells[r.get("model", "model"), task, method(r), fraction].append(r["score"])
+    return [{"model": model, "task": task, "config": config, "method": config, "fraction": fraction,
+             "score": statistics.fmean(scores), "runs": len(scores)}
+            for (model, task, config, fraction), scores in cells.items()]
+
+
+def leaderboard(rows) -> str:
+    """Per model, a markdown table of each method's benchmark score (0-100) at each budget fraction: per task and
+    averaged over the tasks (the full cache, ``exact``, at every budget; a method's average only over the tasks
+    that ran it at that budget)."""
+    bench = [r for r in rows if "score" in r]
+    out = []
+    for model in dict.fromkeys(r.get("model", "smollm2") for r in bench):
+        mine = [r for r in bench if r.get("model", "smollm2") == model]
+        tasks = list(dict.fromkeys(r["task"] for r in mine))
+        fractions = sorted({r["fraction"] for r in mine if r["config"] != "exact"})
+        cells = {}
+        for r in mine:
+            for f in fractions if r["config"] == "exact" else [r["fraction"]]:
+                cells[(r["config"], r["task"], f)] = r["score"]
+        head = [f"{t} @{f:.0%}" for t in tasks for f in fractions] + [f"average @{f:.0%}" for f in fractions]
+        lines = [f"{model}:", "", "| method | " + " | ".join(head) + " |", "| --- |" + " ---: |" * len(head)]
+        for config in dict.fromkeys(r["config"] for r in mine):
+            values = [cells.get((config, t, f)) for t in tasks for f in fractions]
+            means = [statistics.fmean(v) if (v := [cells[(config, t, f)] for t in tasks if (config, t, f) in cells])
+                     else None for f in fractions]
+            lines.append(f"| {config} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in values + means) + " |")
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
+def plot_leaderboard(rows, out_dir: Path) -> list[Path]:
+    """``leaderboard-<model>.png``: score against the budget fraction, a panel per task and one averaged over the
+    tasks, a line per method (exact dashed, kvpress dotted), as kvpress's leaderboard plot."""
+    bench, paths = [r for r in rows if "score" in r], []
+    for model in sorted({r.get("model", "smollm2") for r in bench}):
+        mine = [r for r in bench if r.get("model", "smollm2") == model]
+        tasks = sorted({r["task"] for r in mine})
+        fig, axes = plt.subplots(1, len(tasks) + 1, figsize=(4.2 * (len(tasks) + 1), 4), squeeze=False)
+        for ax, task in zip(axes[0], tasks + ["average"]):
+            group = mine if task == "average" else [r for r in mine if r["task"] == task]
+            for config in sorted({r["config"] for r in group}):
+                points = {}
+                for r in (r for r in group if r["config"] == config):
+                    points.setdefault(r["fraction"], []).append(r["score"])
+                if config == "exact":
+                    ax.axhline(statistics.fmean(v for vs in points.values() for v in vs), ls="--", color="k",
+                               label="exact (full cache)")
+                    continue
+                x = sorted(points)
+                ax.plot(x, [statistics.fmean(points[f]) for f in x], marker="o", label=config,
+                        ls=":" if config.startswith("kvpress:") else "-")
+            ax.set(title=task if task != "average" else f"average over {len(tasks)} tasks", ylim=(0, 100),
+                   xlabel="budget (fraction of the context)", ylabel="score (0-100)")
+            ax.grid(alpha=0.3)
+        axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+        fig.suptitle(f"{model}: score vs budget")
+        paths.append(_save(fig, out_dir / f"leaderboard-{model}.png"))
+    return paths
+
+
+def benchmark_leaderboard(runs: list[dict], out: Path) -> list[Path]:
+    """``leaderboard.md`` (:func:`leaderboard`) and ``leaderboard-<model>.png`` (:func:`plot_leaderboard`) of the
+    benchmark runs, none without them."""
+    rows = leaderboard_rows(runs)
+    if not rows:
+        return []
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "leaderboard.md").write_text(leaderboard(rows) + "\n")
+    return [out / "leaderboard.md", *plot_leaderboard(rows, out)]
+
+
 def _save(fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -277,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                      "multirun folder")
     out = args.out or args.dir / "plots"
     for path in summary(runs, out, args.x) + quality_vs_budget(runs, out, args.x) + depth_heatmaps(runs, out) + \
-            occupancy(runs, out):
+            benchmark_leaderboard(runs, out) + occupancy(runs, out):
         print(path)
     return 0
 

@@ -226,3 +226,47 @@ def test_kvtier_plot_writes_the_heatmap_png(tmp_path, capsys):
     assert main([str(tmp_path)]) == 0
     heatmap = tmp_path / "plots" / "depth_heatmap-passkey-lru-topk-fraction0.2.png"
     assert heatmap.read_bytes().startswith(PNG) and str(heatmap) in capsys.readouterr().out.split()
+
+
+def bench_run(root, name, model, scope, policy, fraction, score, length=4096, mode="continuous"):
+    """A RULER run's metrics.json fields kvtier-plot reads."""
+    m = {"task": "ruler", "model": model, "policy": policy, "scope": scope, "score_name": "score", "score": score,
+         "budget_fraction": int(fraction * (length - 128)) / (length - 128), "budget_tokens": int(fraction * length),
+         "context_tokens": length - 128, "capacity_pages": {"device": 16},
+         "occupancy": {"step": [0], "pages": {"device": [1]}},
+         "config": {"budget": {"tokens": None, "size": None, "fraction": fraction}, "task": {"length": length},
+                    "cache": {"attend_budget": scope != "all", "mode": mode}}}
+    (root / name).mkdir(parents=True)
+    (root / name / "metrics.json").write_text(json.dumps(m))
+
+
+def test_benchmark_runs_fill_the_leaderboard_per_model(tmp_path, monkeypatch):
+    """A RULER sweep over two models, two lengths, two budgets, the exact runs beside: ``leaderboard.md`` has a table
+    per model (never pooled), a column per task and length at each budget and their average, the full cache at
+    every budget, two seeds of a cell averaged; the summary keeps the models apart too."""
+    for model, base in (("smollm2", 40.0), ("gemma3_270m", 60.0)):
+        bench_run(tmp_path, f"{model}-exact", model, "all", "lru", 0.25, base + 30)
+        bench_run(tmp_path, f"{model}-exact-8k", model, "all", "lru", 0.25, base + 20, length=8192)
+        for f in (0.1, 0.2):
+            bench_run(tmp_path, f"{model}-topk-{f}", model, "topk", "snapkv", f, base + 100 * f)
+            bench_run(tmp_path, f"{model}-once-{f}", model, "resident", "snapkv", f, base, mode="once")
+            bench_run(tmp_path, f"{model}-once-{f}-8k", model, "resident", "snapkv", f, base - 10, length=8192,
+                      mode="once")
+    bench_run(tmp_path, "seed2", "smollm2", "topk", "snapkv", 0.1, 40.0 + 10 + 4)  # another seed: 52 on average
+    assert main([str(tmp_path)]) == 0
+    text = (tmp_path / "plots" / "leaderboard.md").read_text()
+    lines = text.splitlines()
+    assert lines[0] == "gemma3_270m:" and "smollm2:" in lines  # in the runs' order (their folders')
+    head = ("| method | ruler-4096 @10% | ruler-4096 @20% | ruler-8192 @10% | ruler-8192 @20% | average @10% | "
+            "average @20% |")
+    assert lines.count(head) == 2
+    smol = lines[lines.index("smollm2:"):]
+    assert "| exact | 70.0 | 70.0 | 60.0 | 60.0 | 65.0 | 65.0 |" in smol
+    assert "| topk:snapkv | 52.0 | 60.0 | - | - | 52.0 | 60.0 |" in smol  # two seeds at 10%: (50 + 54) / 2
+    assert "| once:snapkv | 40.0 | 40.0 | 30.0 | 30.0 | 35.0 | 35.0 |" in smol
+    gemma = lines[:lines.index("smollm2:")]
+    assert "| exact | 90.0 | 90.0 | 80.0 | 80.0 | 85.0 | 85.0 |" in gemma
+    assert (tmp_path / "plots" / "leaderboard-smollm2.png").read_bytes().startswith(PNG)
+    assert (tmp_path / "plots" / "leaderboard-gemma3_270m.png").read_bytes().startswith(PNG)
+    tasks = {row["task"] for row in csv.DictReader(open(tmp_path / "plots" / "summary.csv"))}
+    assert tasks == {"ruler-smollm2", "ruler-gemma3_270m"}
