@@ -198,6 +198,10 @@ BAD = [
     # exact prefill where every prefill is exact already
     (["scope=topk", "cache.exact_prefill=true"], "cache.exact_prefill", "resident"),
     (["-m", "scope=all,topk", "cache.exact_prefill=true"], "cache.exact_prefill", "prefills over every page"),
+    # the needle sweep: every length (a job each) and the depths checked before any job runs
+    (["experiment=needle_sweep", "task.context_tokens=1024,9000"], "task.context_tokens", "use at most 8180"),
+    (["experiment=needle_sweep", "task.context_tokens=100,1024"], "task.context_tokens", ">= 128"),
+    (["experiment=needle_sweep", "task.depths=[0,1.5]"], "task.depths", "fractions in [0, 1]"),
 ]
 
 
