@@ -51,8 +51,6 @@ CASES = {
     "disk capacity zero": (lambda p: tier_of("disk", 0, p), "capacity"),
     "disk path under a file": (lambda p: (p / "f").write_text("x") and __import__("kvtier.tiers", fromlist=["DiskTier"])
                                .DiskTier(layout(), 4, p / "f" / "sub"), "tiers.stack.disk.path"),
-    "bandwidth zero": (lambda p: __import__("kvtier.tiers", fromlist=["TierSpec"]).TierSpec(0, 1e-6),
-                       "spec.bandwidth_gbps"),
     "negative window": (lambda p: __import__("kvtier.policies", fromlist=["SinkWindow"]).SinkWindow(window=-1),
                         "policy.window"),
     "negative sinks": (lambda p: __import__("kvtier.policies", fromlist=["ASPE"]).ASPE(sinks=-1), "policy.sinks"),
