@@ -31,7 +31,7 @@ def flashinfer_with_aspe():
     from kvtier.kernels.flashinfer import FlashInferBackend
     from kvtier.policies import ASPE
 
-    return cache(policy=ASPE(), backend=FlashInferBackend.__new__(FlashInferBackend))
+    return cache(policy=ASPE(), kernel=FlashInferBackend.__new__(FlashInferBackend))
 
 
 def tier_of(kind, capacity, tmp_path):
