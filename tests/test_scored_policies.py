@@ -366,8 +366,8 @@ def test_compress_once_after_an_exact_prefill():
     (lambda: dict(scope="topk", budget=TokenBudget(32, window=8), policy_share=1.5), "scope.policy_share"),
     (lambda: dict(budget=32), "budget"),  # a number: the message names the TokenBudget to write
     (lambda: dict(budget=TokenBudget(32, window=8, page_size=8)), "budget"),  # the layout's pages hold 4 tokens
-    (lambda: dict(budget=TokenBudget(32), window=8), "window"),  # the cache's old spelling: its new one named
-    (lambda: dict(budget=TokenBudget(32), mode="once"), "mode"),
+    (lambda: dict(budget=TokenBudget(96), window=8), "window"),  # the cache's old spelling: its new one named
+    (lambda: dict(budget=TokenBudget(96), mode="once"), "mode"),
 ])
 def test_bad_budget_configs(kw, field):
     with pytest.raises(ConfigError) as e:
