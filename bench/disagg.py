@@ -67,7 +67,7 @@ def worker(rank: int, port: int, args, queue) -> None:
 
     def cache(cls=TieredKVCache, **kw):
         return cls(layout, [DeviceTier(layout, pages + 1, device=str(dev))], SinkWindow(),
-                   backend=make_backend(args.kernel), **kw)
+                   kernel=make_backend(args.kernel), **kw)
 
     layer_bytes = transfer_model(layout, args.tokens, link_gbps=1.0)["layer_bytes"]
     # link: one layer's KV rank 0 -> 1, after a warm-up send (the p2p communicator is made lazily)

@@ -48,7 +48,7 @@ def kvtier_logits(model, ids, tokens, kernel, driver, budget_pages):
     layout = kv_layout_for(model.config, page_size=16, dtype=next(model.parameters()).dtype)
     tiers = [DeviceTier(layout, budget_pages), HostTier(layout, 256)]
     if driver == "hf":
-        cache = TieredKVCache(layout, tiers, LRU(), backend=make_backend(kernel), scope="all")
+        cache = TieredKVCache(layout, tiers, LRU(), kernel=make_backend(kernel), scope="all")
         got = [cache.prefill(model, ids, 256)[0, -1]]
         for t in tokens:
             got.append(cache.forward(model, t)[0, -1])

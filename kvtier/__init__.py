@@ -5,6 +5,7 @@ an :class:`Engine` on a model loaded with :func:`load_model`; :func:`run` runs a
 :func:`offload` and :func:`cache_for` put a cache under Hugging Face ``generate`` in one line.
 """
 
+from kvtier.budget import TokenBudget
 from kvtier.cache import TieredKVCache
 from kvtier.engine import Engine, EngineConfig
 from kvtier.errors import ConfigError, KVTierError, MissingDependencyError
@@ -22,5 +23,5 @@ from kvtier.tiers import DeviceTier, DiskTier, HostTier, MooncakeTier, RedisTier
 
 __all__ = ["ASPE", "BlockTable", "ChunkedPrefill", "Compose", "ConfigError", "DeviceTier", "DiskTier", "Engine",
            "EngineConfig", "HostTier", "KVLayout", "KVTierError", "LRU", "LookaheadScheduler", "MissingDependencyError",
-           "MooncakeTier", "Policy", "RedisTier", "SinkWindow", "Tier", "TieredKVCache", "bytes_moved", "cache_for",
-           "install", "kv_layout_for", "load_model", "make_backend", "offload", "tiny_llama"]
+           "MooncakeTier", "Policy", "RedisTier", "SinkWindow", "Tier", "TieredKVCache", "TokenBudget", "bytes_moved",
+           "cache_for", "install", "kv_layout_for", "load_model", "make_backend", "offload", "tiny_llama"]

@@ -10,10 +10,15 @@ A sequence of at most ``tokens`` tokens is attended whole. Candidates for the mi
 wholly between the sink pages and the window's first page; tokens of the partial pages outside the
 sink and window spans are not attended. With ``once`` the window's start is fixed when the prefill
 ends (``compress once``: the pages not kept then are dropped, later tokens all attended).
+
+One object on every door: ``kvtier.TokenBudget(256, sinks=4, window=64, mode="once")`` is the ``budget=`` of
+:class:`~kvtier.engine.Engine`, :class:`~kvtier.cache.TieredKVCache` and ``kvtier.cache_for`` / ``offload``; its
+page size is the layout's (:func:`token_budget`). Recipes build it from ``cache.*`` (``cache.attend_budget``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,10 +36,14 @@ def check_mode(mode: str) -> None:
 
 @dataclass
 class TokenBudget:
+    """``tokens`` keys each decode step attends per (layer, sequence): ``sinks`` first tokens, the scope's middle
+    pages, at least the ``window`` newest; ``mode`` ``continuous`` (each step chooses) or ``once`` (compressed when
+    the prompt is in). ``page_size`` None: the layout's, filled in by the engine."""
+
     tokens: int
     sinks: int = 4
     window: int = 64
-    page_size: int = 16
+    page_size: int | None = None
     mode: str = "continuous"
 
     def __post_init__(self):
@@ -49,6 +58,15 @@ class TokenBudget:
             raise ConfigError("budget", f"{self.tokens} tokens cannot hold sinks ({self.sinks}) + window "
                                               f"({self.window})")
         check_mode(self.mode)
+
+    def paged(self, page_size: int) -> "TokenBudget":
+        """This budget over pages of ``page_size`` tokens (the layout's): one made without a page size takes it."""
+        if self.page_size is None:
+            return dataclasses.replace(self, page_size=page_size)
+        if self.page_size != page_size:
+            raise ConfigError("budget", f"was made for pages of {self.page_size} tokens, the layout's hold {page_size}: "
+                                        "leave its page_size out (it takes the layout's)")
+        return self
 
     @property
     def middle_pages(self) -> int:
@@ -72,6 +90,19 @@ class TokenBudget:
         P = self.page_size
         start = n - self.window_tokens if win_start is None else win_start
         return BudgetView(self.sinks, start, -(-self.sinks // P), start // P)
+
+
+def token_budget(budget, page_size: int) -> TokenBudget | None:
+    """``budget=`` of every door: None (the scope's own choice) or a :class:`TokenBudget`, over pages of
+    ``page_size`` tokens; anything else is refused by name (a plain number: which TokenBudget to write)."""
+    if budget is None:
+        return None
+    if not isinstance(budget, TokenBudget):
+        number = isinstance(budget, int) and not isinstance(budget, bool)
+        raise ConfigError("budget", "is the keys each decode step attends, a kvtier.TokenBudget(tokens, sinks=4, "
+                                    f"window=64, mode='continuous'), got {type(budget).__name__} {budget!r}"
+                                    + (f": pass budget=kvtier.TokenBudget({budget})" if number else ""))
+    return budget.paged(page_size)
 
 
 @dataclass

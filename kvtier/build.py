@@ -1,7 +1,10 @@
 """Recipe -> objects. :func:`plan` checks a composed recipe before any weights load or any file is
 written: the schema's dataclasses check their ranges, each ``_target_`` node is built (tiers and model:
 its keys checked) by its own constructor, which checks its arguments, and :mod:`kvtier.checks` relates
-them. Any class a ``_target_`` names works, kvtier's or the user's."""
+them. Any class a ``_target_`` names works, kvtier's or the user's.
+
+The tier stack is sized by one rule (:func:`size_stack`) and built by one builder (:func:`build_stack`), for the
+recipes (:func:`plan`, :class:`EngineFactory`) and for the Python door (:func:`kvtier.offload.cache_for`)."""
 
 from __future__ import annotations
 
@@ -9,16 +12,16 @@ import importlib
 import inspect
 import math
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from kvtier.budget import TokenBudget
-from kvtier.checks import (check_decode_kernel, check_dense_layers, check_device_room, check_graphs, check_max_context,
-                           check_memory, check_partial_budget, check_positions, check_recall_room, check_salience,
-                           check_stack, device_pages_needed, pay_for_key_stats, tier_pages)
+from kvtier.checks import (check_decode_kernel, check_dense_layers, check_device_room, check_max_context, check_memory,
+                           check_partial_budget, check_positions, check_recall_room, check_salience, check_stack,
+                           device_pages_needed, graphs_for, pay_for_key_stats, tier_pages)
 from kvtier.errors import ConfigError
 from kvtier.hook import use_hook
 from kvtier.kernels.reference import TorchBackend
@@ -125,43 +128,24 @@ def plan(cfg: DictConfig) -> Plan:
     check_positions(task, config)
     check_max_context(recipe.engine.max_context, task, layout.page_size)
     check_dense_layers(cfg.cache.dense_layers, layout.num_layers)
-    check_graphs(recipe.engine.graphs, cfg.model.get("device", "cpu"), isinstance(kernel, TorchBackend),
+    graphs_for(recipe.engine.graphs, cfg.model.get("device", "cpu"), isinstance(kernel, TorchBackend),
                  cfg.cache.fidelity and not issubclass(scope, All))
-    context, pages = task.context_tokens, layout.pages_for(task.context_tokens + task.new_tokens)
+    context = task.context_tokens
     chunk = min(prefill.chunk_size, getattr(task, "prompt_tokens", context))  # the longest prefill step
     page_bytes = layout.num_layers * layout.page_bytes  # one page of every layer
     budget = recipe.budget.tokens_for(context, -(-page_bytes // layout.page_size))
     check_partial_budget(budget, context, label(cfg.scope), recipe.budget.key)
-    attended = attend_budget(cfg, budget, layout.page_size)
-    capacities, in_memory = {}, {}  # in_memory: the key sizing a tier held in memory -> (bytes, device)
-    for key, spec in cfg.tiers.stack.items():
-        field = f"tiers.stack.{key}"
-        tier = build(unsized(spec), field, call=False, kind=Tier, layout=layout, capacity=1, name=key)
-        if not capacities and any(spec.get(k) is not None for k in SIZING):
-            raise ConfigError(field, f"the device's size is the budget: set {recipe.budget.key} instead")
-        if capacities:
-            capacities[key] = tier_pages(spec, field, pages, page_bytes)
-        else:
-            chunk_room = device_pages_needed(policy, layout.page_size, chunk)
-            device = _device_pages(scope, layout.pages_for(budget), attended, pages, chunk_room)
-            capacities[key] = pay_for_key_stats(device, build_scope(cfg, device), layout,
-                                                task.context_tokens + task.new_tokens, recipe.budget.key)
-        keys = {k: v for k, v in OmegaConf.to_container(unsized(spec), resolve=True).items() if not k.startswith("_")}
-        settings = inspect.signature(tier).bind_partial(layout=layout, capacity=capacities[key], name=key, **keys)
-        settings.apply_defaults()  # a relative disk path: checked from here, where the run's folder will be
-        tier.check_settings(field, **settings.arguments)
-        if issubclass(tier, MemoryTier):
-            sizing = recipe.budget.key if len(capacities) == 1 else f"{field}.{SIZING[spec.get('size') is None]}"
-            place = "cpu" if issubclass(tier, HostTier) else spec.get("device") or default_device()
-            in_memory[sizing] = (capacities[key] * page_bytes, place)
-    device = next(iter(capacities.values()))
-    check_device_room(device, policy, layout.page_size, chunk, recipe.budget.key,
-                      give=budget_for(recipe.budget, task, layout.page_size, page_bytes)
-                      if device == layout.pages_for(budget) else None)  # the device is the budget's (in its unit)
-    check_stack(capacities, pages)
-    check_memory(in_memory)
     rows = getattr(task, "max_batch", recipe.engine.max_batch)  # the engine's rows (a serving task sets its own)
-    check_recall_room(device - (rows > 1), policy, layout.page_size, build_scope(cfg, device), rows)
+    capacities = size_stack(cfg.tiers.stack, layout, policy, lambda pages: build_scope(cfg, pages), budget,
+                            context + task.new_tokens, recipe.budget.key, rows=rows, chunk=chunk,
+                            attended=attend_budget(cfg, budget, layout.page_size),
+                            give=budget_for(recipe.budget, task, layout.page_size, page_bytes))
+    for key, spec in cfg.tiers.stack.items():
+        tier, node = target_of(spec, f"tiers.stack.{key}"), OmegaConf.to_container(unsized(spec), resolve=True)
+        settings = inspect.signature(tier).bind_partial(layout=layout, capacity=capacities[key], name=key,
+                                                        **{k: v for k, v in node.items() if not k.startswith("_")})
+        settings.apply_defaults()  # a relative disk path: checked from here, where the run's folder will be
+        tier.check_settings(f"tiers.stack.{key}", **settings.arguments)
     labels = {"policy": label(cfg.policy), "scope": label(cfg.scope), "tiers": "_".join(capacities),
               "kernel": kernel.name, "task": task.name, "model": label(cfg.model)}
     return Plan(labels, context, budget, capacities, layout)
@@ -191,6 +175,64 @@ def unsized(spec: DictConfig) -> DictConfig:
     return OmegaConf.create({k: v for k, v in OmegaConf.to_container(spec, resolve=True).items() if k not in SIZING})
 
 
+def size_stack(stack: DictConfig, layout: KVLayout, policy: Policy, scope_for: Callable[[int], Scope],
+               budget_tokens: int, context_tokens: int, key: str, *, copies: int = 1, rows: int = 1, chunk: int = 0,
+               attended: TokenBudget | None = None, give=None) -> dict:
+    """Pages per layer of each tier of ``stack`` (tier key -> pages, device first): the one sizing rule.
+
+    The device tier holds ``budget_tokens`` (the setting ``key``) in whole pages for each of ``copies`` sequences
+    (a recipe: one pool for all its rows; ``generate``'s cache: each row its own), or under a token budget each step
+    attends (``attended``, recipes' ``cache.attend_budget``) what the scope needs for it; the key statistics the
+    scope keeps there (``scope_for(device pages per copy)``) and, with several engine ``rows``, the scratch slot
+    their idle rows write are paid out of it. Each tier below holds its ``size``, else its ``fraction`` of the
+    ``context_tokens`` (prompt and new tokens), per copy. Checked: the device holds what each copy pins and writes
+    (``chunk`` tokens at once; ``give(pages)`` names the setting of ``key`` that gives it ``pages``), the stack the
+    context, the memory tiers what is free, the device the scope's recall slots."""
+    P, page_bytes = layout.page_size, layout.num_layers * layout.page_bytes  # page_bytes: one page of every layer
+    pages, budget_pages = layout.pages_for(context_tokens), layout.pages_for(budget_tokens)
+    capacities, in_memory = {}, {}  # in_memory: the key sizing a tier held in memory -> (bytes, device)
+    for name, spec in stack.items():
+        field = f"tiers.stack.{name}"
+        tier = build(unsized(spec), field, call=False, kind=Tier, layout=layout, capacity=1, name=name)
+        if not capacities and any(spec.get(k) is not None for k in SIZING):
+            raise ConfigError(field, f"the device's size is the budget: set {key} instead")
+        if capacities:
+            capacities[name] = copies * tier_pages(spec, field, pages, page_bytes)
+        else:
+            kind = type(scope_for(budget_pages)) if attended is not None else None
+            device = _device_pages(kind, budget_pages, attended, pages, device_pages_needed(policy, P, chunk))
+            scope = scope_for(device)
+            capacities[name] = pay_for_key_stats(copies * device, scope, layout, copies * context_tokens, key)
+        if issubclass(tier, MemoryTier):
+            sizing = key if len(capacities) == 1 else f"{field}.{SIZING[spec.get('size') is None]}"
+            place = "cpu" if issubclass(tier, HostTier) else spec.get("device") or default_device()
+            in_memory[sizing] = (capacities[name] * page_bytes, place)
+    device, scratch = next(iter(capacities.values())), int(rows > 1)
+    check_device_room(device, policy, P, chunk, key, copies, scratch, "the scratch slot of the batch's idle rows",
+                      give=give if device == copies * budget_pages else None)  # the device is the budget's
+    check_stack(capacities, copies * pages)
+    check_memory(in_memory)
+    check_recall_room(device - scratch, policy, P, scope, rows)
+    return capacities
+
+
+def build_stack(stack: DictConfig, layout: KVLayout, capacities: dict, place: Callable[[str, DictConfig], None]) -> list:
+    """The tiers of ``stack`` (device first), each built from its node with its pages from ``capacities``;
+    ``place(key, node)`` sets where a tier keeps its pages (a disk tier's ``path``, a ``local`` remote's ``url``)
+    on its node. A tier that fails to build closes those built before it."""
+    made = []
+    try:
+        for key, spec in stack.items():
+            node = unsized(spec)
+            place(key, node)
+            made.append(build(node, f"tiers.stack.{key}", layout=layout, capacity=capacities[key], name=key))
+    except BaseException:
+        for tier in made:
+            tier.close()
+        raise
+    return made
+
+
 def build_scope(cfg: DictConfig, device_pages: int) -> Scope:
     """The recipe's scope; a ``pages: null`` (topk's default) is the device tier's pages."""
     node = OmegaConf.create(OmegaConf.to_container(cfg.scope, resolve=True))
@@ -199,7 +241,7 @@ def build_scope(cfg: DictConfig, device_pages: int) -> Scope:
     return build(node, "scope", kind=Scope)
 
 
-def _device_pages(scope: type[Scope], budget_pages: int, attended: TokenBudget | None, context_pages: int,
+def _device_pages(scope: type[Scope] | None, budget_pages: int, attended: TokenBudget | None, context_pages: int,
                   chunk_room: int) -> int:
     """The device tier's pages: the budget's; under ``cache.attend_budget`` what a continuous
     ``resident`` step attends (and at least the room a prefill chunk needs), else the whole context
@@ -259,15 +301,7 @@ class EngineFactory:
         from kvtier.engine import Engine, EngineConfig
 
         self._retire()
-        tiers = []
-        for key, spec in self.cfg.tiers.stack.items():
-            node = unsized(spec)
-            if key in self._stores:
-                node.url = self._stores[key]
-            if "path" in spec:
-                node.path = str(self.run_dir / Path(spec.path).expanduser() / f"cache-{len(self.records)}")
-            tiers.append(build(node, f"tiers.stack.{key}", layout=self.plan.layout, capacity=self.plan.capacities[key],
-                               name=key))
+        tiers = build_stack(self.cfg.tiers.stack, self.plan.layout, self.plan.capacities, self._place)
         c = self.cfg
         attended = attend_budget(c, self.plan.budget_tokens, self.plan.layout.page_size)
         engine_cfg = EngineConfig(**{**OmegaConf.to_container(c.engine, resolve=True), **engine_settings})
@@ -278,6 +312,13 @@ class EngineFactory:
                             exact_prefill=c.cache.exact_prefill, dense_layers=c.cache.dense_layers,
                             fidelity=c.cache.fidelity, config=engine_cfg)
         return self._last
+
+    def _place(self, key: str, node: DictConfig) -> None:
+        """A disk tier's folder under the run's, one per engine; a ``local`` remote's url: the run's server."""
+        if key in self._stores:
+            node.url = self._stores[key]
+        if "path" in node:
+            node.path = str(self.run_dir / Path(node.path).expanduser() / f"cache-{len(self.records)}")
 
     def _retire(self) -> None:
         """Record the last engine made, then close it (closing twice is harmless)."""

@@ -12,20 +12,52 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvtier.budget import TokenBudget
+from kvtier.budget import TokenBudget, token_budget
 from kvtier.cache_base import ACTIVE_CACHE, STEP_MASK
 from kvtier.compat import PagedCacheBase
 from kvtier.engine import Engine, EngineConfig
 from kvtier.errors import ConfigError, KVTierError
-from kvtier.hook import use_hook
+from kvtier.hook import route, use_hook
 from kvtier.layout import KVLayout
 from kvtier.policies.base import Policy
 from kvtier.scheduler.base import Scheduler
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
-from kvtier.scopes import Scope, TopK
+from kvtier.scopes import Scope, TopK, make_scope
 from kvtier.scopes.base import pages_of
 from kvtier.scopes.topk import OPTIONS as TOPK_OPTIONS
 from kvtier.tiers.base import Tier
+
+
+# keywords the Python door renamed -> what to pass instead (one spelling on every door, the recipes')
+RENAMED = {"backend": "kernel=... (a backend or its name, as in the recipes and on kvtier.Engine)",
+           "window": "budget=kvtier.TokenBudget(tokens, window=...)",
+           "mode": "budget=kvtier.TokenBudget(tokens, mode=...)"}
+
+
+def check_renamed(options, where: str) -> None:
+    """ConfigError naming the new spelling of a keyword in ``options`` that the Python door renamed."""
+    for old, new in RENAMED.items():
+        if old in options:
+            raise ConfigError(old, f"{where} takes no {old}= any more: pass {new}")
+
+
+def cache_scope(scope, pages: int | None, sinks: int | None, budget: TokenBudget | None, options: dict,
+                device_pages: int | None = None) -> Scope:
+    """The cache's scope: a :class:`~kvtier.scopes.Scope` as given, or the one named ``scope``; ``topk`` takes TopK's
+    ``options`` (its ``pages``: ``pages``, else ``device_pages``; its ``sinks``: ``sinks``, else the token budget's,
+    else 4), no other scope takes any."""
+    if scope == "topk":
+        if unknown := sorted(set(options) - TOPK_OPTIONS):
+            raise ConfigError(f"scope.{unknown[0]}", f"is not an option of scope 'topk'; it takes "
+                                                     f"{sorted(TOPK_OPTIONS | {'topk_pages', 'sinks'})}")
+        return TopK(device_pages if pages is None else pages,
+                    sinks=sinks if sinks is not None else budget.sinks if budget is not None else 4, **options)
+    given = [k for k, v in (("topk_pages", pages), ("sinks", sinks)) if v is not None] + list(options)
+    if given:
+        sinks_hint = " (a token budget's sinks: budget=kvtier.TokenBudget(tokens, sinks=...))" \
+            if given[0] == "sinks" else ""
+        raise ConfigError(f"scope.{given[0]}", f"is an option of scope 'topk', not of {scope!r}{sinks_hint}")
+    return make_scope(scope)
 
 
 def _of_engine(name: str) -> property:
@@ -36,9 +68,13 @@ def _of_engine(name: str) -> property:
 class TieredKVCache(PagedCacheBase):
     """Paged, tiered KV cache for a batch of ``batch_size`` rows (``generate``'s rows: prompts x ``expand``).
 
-    ``scope``: ``all`` | ``resident`` | ``topk`` or a :class:`~kvtier.scopes.Scope`; ``topk_pages`` and ``topk``
-    (``rank``, ``unit``, ``sketch_rank``, ``per_head``, ...) are :class:`~kvtier.scopes.TopK`'s; ``budget`` (tokens
-    attended per decode step), ``sinks``, ``window`` and ``mode`` make a :class:`~kvtier.budget.TokenBudget`.
+    ``kernel``: a backend or its name (None: ``auto``, triton on a GPU); ``scope``: ``all`` | ``resident`` |
+    ``topk`` or a :class:`~kvtier.scopes.Scope`; ``topk_pages``, ``sinks`` and ``topk`` (``rank``, ``unit``,
+    ``sketch_rank``, ``per_head``, ...) are :class:`~kvtier.scopes.TopK`'s; ``budget``: the keys each decode step
+    attends, a :class:`~kvtier.budget.TokenBudget` (as on :class:`~kvtier.engine.Engine`).
+
+    ``cache.close()`` (or leaving ``with cache:``) closes the tiers and gives each model whose forward ran over it
+    (:meth:`forward`, ``kvtier.cache_for``) its own attention back (:func:`kvtier.hook.route`).
 
     A left-padded batch (``attention_mask`` of zeros before each row's first token) stores and attends only its
     rows' tokens: padding is never in a page, so never attended nor counted in a budget. ``expand``: the rows come
@@ -48,28 +84,23 @@ class TieredKVCache(PagedCacheBase):
     """
 
     def __init__(self, layout: KVLayout, tiers: list[Tier], policy: Policy, scheduler: Scheduler | None = None,
-                 backend=None, scope: str | Scope = "all", topk_pages: int | None = None, sinks: int = 4,
-                 batch_size: int = 1, fidelity: bool = False, budget: int | None = None, window: int = 64,
-                 mode: str = "continuous", exact_prefill: bool = False, dense_layers: int = 0, expand: int = 1,
-                 **topk):
+                 kernel=None, scope: str | Scope = "all", topk_pages: int | None = None, sinks: int | None = None,
+                 batch_size: int = 1, fidelity: bool = False, budget: TokenBudget | None = None,
+                 exact_prefill: bool = False, dense_layers: int = 0, expand: int = 1, **topk):
+        check_renamed(topk, "TieredKVCache")
         for key, value in (("batch_size", batch_size), ("expand", expand)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(key, f"must be an integer >= 1, got {value!r}")
         if batch_size % expand:
             raise ConfigError("expand", f"the batch's {batch_size} rows are not runs of {expand} rows of one prompt")
-        tokens = None if budget is None else TokenBudget(budget, sinks, window, layout.page_size, mode)
-        if scope == "topk":
-            if unknown := sorted(set(topk) - TOPK_OPTIONS):
-                raise ConfigError(f"scope.{unknown[0]}", f"is not an option of scope 'topk'; it takes "
-                                                         f"{sorted(TOPK_OPTIONS)}")
-            scope = TopK(topk_pages, sinks=sinks, **topk)
-        elif topk:
-            raise ConfigError(f"scope.{next(iter(topk))}", f"is an option of scope 'topk', not of {scope!r}")
+        budget = token_budget(budget, layout.page_size)
+        scope = cache_scope(scope, topk_pages, sinks, budget, topk)
         super().__init__(layout)
         self.layout = layout
-        self.engine = Engine(None, layout, tiers, policy, scope, scheduler, backend, budget=tokens,
+        self.engine = Engine(None, layout, tiers, policy, scope, scheduler, kernel, budget=budget,
                              exact_prefill=exact_prefill, dense_layers=dense_layers, fidelity=fidelity,
-                             config=EngineConfig(max_batch=batch_size, graphs=False, compile=False))
+                             config=EngineConfig(max_batch=batch_size, compile=False))
+        self._routed: dict = {}  # model -> release() of its routing through kvtier (kvtier.hook.route)
         self.sequences, self.expand = batch_size, expand  # rows of the batch; rows per prompt
         self.seqs: list[int] = []  # the engine sequence of each row (while prefilling: of each run's first row)
         self.prefilled = False
@@ -207,7 +238,7 @@ class TieredKVCache(PagedCacheBase):
     def forward(self, model, ids: torch.Tensor) -> torch.Tensor:
         """The model's own forward of ``ids [B, q]`` over this cache (its attention routed through kvtier):
         logits ``[B, q, V]`` (float32). A step of ``q > 1`` tokens is prompt, of one token a decode step."""
-        use_hook(model)
+        self.route(model)
         return model(input_ids=ids.to(self.device), past_key_values=self, use_cache=True).logits.float()
 
     def prefill(self, model, ids: torch.Tensor, chunk_size: int = 512) -> torch.Tensor:
@@ -291,6 +322,22 @@ class TieredKVCache(PagedCacheBase):
         self.engine._mode = "idle"
         self.engine.feedback.take(upto=self.engine.step_idx)
 
+    def route(self, model) -> None:
+        """Route ``model``'s attention through kvtier until this cache closes (then the model's own is back)."""
+        if model not in self._routed:
+            self._routed[model] = route(model)
+        use_hook(model)  # another user may have switched it
+
     def close(self) -> None:
+        """Close the step and the tiers; each model routed through kvtier for this cache gets its attention back."""
         self.finish_step()
         self.engine.close()
+        for release in self._routed.values():
+            release()
+        self._routed.clear()
+
+    def __enter__(self) -> "TieredKVCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -120,22 +120,30 @@ def check_scheduler(scheduler) -> None:
                                                  f"{type(scheduler).__name__}")
 
 
-def check_graphs(graphs, device, reference_kernel: bool, fidelity: bool) -> None:
-    """``engine.graphs=true`` needs what a captured step is: GPU work (a model on a GPU), a kernel that reads the
-    lengths on the device (not the torch reference), and no uncounted fidelity pass timed per call."""
+def graphs_for(graphs, device, reference_kernel: bool, fidelity: bool, forward: bool = True) -> bool:
+    """Whether steps replay as CUDA graphs, the one rule of every door (recipes, ``Engine``, ``TieredKVCache``):
+    ``graphs`` None: where a step can be captured; true: that, or a ConfigError saying why not; false: never. A step
+    can be captured when it is GPU work (a model on a GPU) whose forward the engine runs itself (``forward``; under
+    ``generate`` HF's loop runs it, through ``TieredKVCache``), with a kernel that reads the lengths on the device
+    (not the torch reference) and no uncounted fidelity pass timed per call."""
     import torch
 
-    if not graphs:
-        return
+    why = None
     if torch.device(device).type != "cuda":
-        raise ConfigError("engine.graphs", f"CUDA graphs replay GPU work, and the model runs on {device}: set "
-                                           "engine.graphs=false (or null: on a GPU only)")
-    if reference_kernel:
-        raise ConfigError("engine.graphs", "the torch reference kernel reads the lengths on the host, which a "
-                                           "captured step cannot: use kernel=triton, or engine.graphs=false")
-    if fidelity:
-        raise ConfigError("engine.graphs", "cache.fidelity times an uncounted exact pass per call, which a captured "
-                                           "step cannot leave out of TPOT: set engine.graphs=false")
+        why = f"CUDA graphs replay GPU work, and the model runs on {device}: set engine.graphs=false (or null: on a " \
+              "GPU only)"
+    elif not forward:
+        why = "this engine runs no forward of its own (generate runs the model's, through TieredKVCache), so it has no " \
+              "step to capture: drive a kvtier.Engine with the model, or leave graphs null"
+    elif reference_kernel:
+        why = "the torch reference kernel reads the lengths on the host, which a captured step cannot: use " \
+              "kernel=triton, or engine.graphs=false"
+    elif fidelity:
+        why = "cache.fidelity times an uncounted exact pass per call, which a captured step cannot leave out of TPOT: " \
+              "set engine.graphs=false"
+    if graphs and why:
+        raise ConfigError("engine.graphs", why)
+    return why is None if graphs is None else bool(graphs)
 
 
 def check_dense_layers(dense_layers, num_layers: int) -> None:

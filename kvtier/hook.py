@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import weakref
+from typing import Callable
+
 import torch
 
 from kvtier.cache_base import ACTIVE_CACHE, STEP_MASK
@@ -50,3 +53,28 @@ def use_hook(model) -> None:
     already is."""
     if model.config._attn_implementation != ATTN_NAME:
         model.set_attn_implementation(install())
+
+
+_ROUTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> [its own attention, open routes]
+
+
+def route(model) -> Callable[[], None]:
+    """Route ``model``'s attention through the kvtier hook until the ``release()`` this returns is called (again:
+    nothing). Routes nest (caches open together, an ``offload`` block): when the last is released the model gets
+    back the attention it had before the first, unless something else switched it meanwhile."""
+    held = _ROUTED.setdefault(model, [model.config._attn_implementation, 0])
+    held[1] += 1
+    use_hook(model)
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if released:
+            return
+        released = True
+        held[1] -= 1
+        if held[1] == 0:
+            _ROUTED.pop(model, None)
+            if model.config._attn_implementation == ATTN_NAME and held[0] != ATTN_NAME:
+                model.set_attn_implementation(held[0])
+    return release

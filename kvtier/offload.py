@@ -3,22 +3,26 @@
     with kvtier.offload(model, policy="aspe", hbm=0.2, tiers="device_host"):
         out = model.generate(ids, max_new_tokens=32)          # a fresh kvtier cache for every call
 
-    cache = kvtier.cache_for(model, ids.shape[1], new_tokens=32, policy="aspe", hbm=0.2)
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=32)
+    with kvtier.cache_for(model, ids.shape[1], new_tokens=32, policy="aspe", hbm=0.2) as cache:
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=32)
 
 Names and defaults are the recipes' (``kvtier/recipes/config.yaml``): ``policy``, ``tiers`` and ``kernel``
 name files of the ``policy/``, ``tiers/`` and ``kernel/`` groups, built with their settings there (a
-:class:`~kvtier.policies.Policy` object works too); ``scope`` names a scope as the ``scope/`` group does
-(``all``, ``resident``, ``topk``) and ``page_size`` is the recipe key.
+:class:`~kvtier.policies.Policy` object works too; ``kernel="auto"``: triton on a GPU, the torch reference on a
+CPU); ``scope`` names a scope as the ``scope/`` group does (``all``, ``resident``, ``topk``; topk's options, as
+``TieredKVCache`` takes them: ``topk_pages``, ``sinks``, ``unit``, ``rank``, ``sketch_rank``, ...) and ``page_size``
+is the recipe key. While a cache is open the model's attention goes through kvtier; ``cache.close()`` (leaving
+its ``with`` block, or the ``offload`` block) gives the model its own attention back.
 ``hbm`` is the recipe's ``budget.fraction``: the device tier (HBM) holds ``int(hbm * prompt tokens)``
 tokens per sequence, rounded up to whole pages, sized from the prompt each ``generate`` call gets (its longest
-prompt, padding aside); the tiers below take their ``fraction`` (or ``size``) of the prompt plus the new tokens.
+prompt, padding aside); the tiers below take their ``fraction`` (or ``size``) of the prompt plus the new tokens
+(the recipes' rule, :func:`kvtier.build.size_stack`).
 Every mode of ``generate`` runs through it: greedy, sampling, beam search and ``num_return_sequences`` (a
 prompt prefilled once, its rows decoding copy-on-write forks), left-padded batches with ``attention_mask``
 (padding never stored nor attended), stopping criteria. A disk tier
 writes to a fresh folder under the system's temp folder, removed when the cache closes; a ``local``
 remote tier starts a loopback redis-server that stops with the cache. Other ``TieredKVCache``
-arguments (``sinks``, ``budget``, ...) pass through; ``fidelity`` is off unless given (recipes turn it on
+arguments (``budget=kvtier.TokenBudget(...)``, ``exact_prefill``, ...) pass through; ``fidelity`` is off unless given (recipes turn it on
 to report attention recall, at the cost of a second attention pass per decode step).
 """
 
@@ -37,14 +41,13 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from kvtier.build import LOCAL_STORE, RECIPES, build, unsized
-from kvtier.cache import TieredKVCache
-from kvtier.checks import check_device_room, check_stack, pay_for_key_stats, tier_pages
+from kvtier.budget import token_budget
+from kvtier.build import LOCAL_STORE, RECIPES, build, build_stack, size_stack
+from kvtier.cache import TieredKVCache, cache_scope, check_renamed
 from kvtier.errors import ConfigError
-from kvtier.hook import use_hook
+from kvtier.hook import route
 from kvtier.models import kv_layout_for
 from kvtier.policies import Policy
-from kvtier.scopes import TopK, make_scope
 from kvtier.scopes.topk import OPTIONS as TOPK_OPTIONS
 from kvtier.tiers.redis_server import LocalRedis
 
@@ -69,21 +72,23 @@ def check_model(model, where: str) -> None:
 
 
 def check_options(options: dict, where: str) -> None:
-    """ConfigError naming a keyword that neither :func:`cache_for` nor :class:`TieredKVCache` takes."""
+    """ConfigError naming a keyword that neither :func:`cache_for` nor :class:`TieredKVCache` takes (a renamed one:
+    its new spelling)."""
+    check_renamed(options, where)
     known = set(inspect.signature(cache_for).parameters) | set(inspect.signature(TieredKVCache).parameters) | \
         TOPK_OPTIONS
-    known -= {"model", "prompt_tokens", "new_tokens", "cache", "topk", "layout", "tiers", "scheduler", "backend"}
+    known -= {"model", "prompt_tokens", "new_tokens", "cache", "topk", "layout", "tiers", "scheduler"}
     for key in options:
         if key not in known:
             raise ConfigError(key, f"{where} takes no {key!r}; it takes {sorted(known)}")
 
 
 def cache_for(model, prompt_tokens: int, new_tokens: int = 0, *, policy: str | Policy = "aspe", hbm: float = 0.25,
-              tiers: str = "device_host", scope: str = "resident", page_size: int = 16, kernel: str = "torch",
+              tiers: str = "device_host", scope: str = "resident", page_size: int = 16, kernel: str = "auto",
               batch_size: int = 1, expand: int = 1, **cache) -> TieredKVCache:
     """A TieredKVCache for ``batch_size`` prompts of up to ``prompt_tokens`` tokens (padding aside) that
     ``generate`` continues by ``new_tokens`` on ``expand`` rows each (``max(num_beams, num_return_sequences)``);
-    routes ``model``'s attention through the kvtier hook. See the module docstring."""
+    routes ``model``'s attention through the kvtier hook until the cache closes. See the module docstring."""
     check_model(model, "kvtier.cache_for")
     check_options(cache, "kvtier.cache_for")
     for key, value, least in (("prompt_tokens", prompt_tokens, 1), ("new_tokens", new_tokens, 0),
@@ -96,46 +101,37 @@ def cache_for(model, prompt_tokens: int, new_tokens: int = 0, *, policy: str | P
     if (budget := int(hbm * prompt_tokens)) < 1:
         raise ConfigError("hbm", f"hbm={hbm} of a {prompt_tokens}-token prompt is no token; raise hbm to at least "
                                  f"{1 / prompt_tokens:.3g}")
-    use_hook(model)
-    make_scope(scope)  # a name it does not know is said before any size is
+    attended = token_budget(cache.get("budget"), page_size)
+    topk = {k: cache.pop(k) for k in list(cache) if k in TOPK_OPTIONS | {"topk_pages", "sinks"}}
+    pages, sinks = topk.pop("topk_pages", None), topk.pop("sinks", None)
+
+    def scope_for(device_pages: int):
+        """The cache's scope (topk's pages: ``topk_pages``, else the device tier's pages of a row)."""
+        return cache_scope(scope, pages, sinks, attended, topk, device_pages)
+    scope_for(1)  # a scope or option it does not know is said before any size is
     device = next(model.parameters()).device
     layout = kv_layout_for(model.config, page_size=page_size, dtype=model.dtype)
     if not isinstance(policy, Policy):
         policy = build(recipe_node("policy", policy, device), "policy")
-    stack = recipe_node("tiers", tiers, device).stack
-    context_pages = layout.pages_for(prompt_tokens + new_tokens)
-    rows = batch_size * expand
-    capacities = {}
-    for key, spec in stack.items():
-        capacities[key] = rows * (tier_pages(spec, f"tiers.stack.{key}", context_pages,
-                                             layout.num_layers * layout.page_bytes)
-                                  if capacities else layout.pages_for(budget))
-    topk = {k: cache.pop(k) for k in list(cache) if k in TOPK_OPTIONS}
-    if topk and scope != "topk":
-        raise ConfigError(f"scope.{next(iter(topk))}", f"is an option of scope 'topk', not of {scope!r}")
-    scope_for = (lambda pages: TopK(pages, sinks=cache.get("sinks", 4), **topk)) if scope == "topk" else \
-        (lambda pages: make_scope(scope))
-    first = next(iter(capacities))
-    capacities[first] = pay_for_key_stats(capacities[first], scope_for(capacities[first] // rows), layout,
-                                          rows * (prompt_tokens + new_tokens), "hbm")
-    device_pages = capacities[first]
-    check_device_room(device_pages, policy, page_size, 0, "hbm", rows, give=lambda pages: hbm_for(
-        pages // rows, page_size, prompt_tokens, hbm))
-    capacities[first] += rows > 1  # the engine's scratch slot, which a batch's idle rows write
-    check_stack(capacities, rows * context_pages)
+    stack, rows = recipe_node("tiers", tiers, device).stack, batch_size * expand
+    capacities = size_stack(stack, layout, policy, scope_for, budget, prompt_tokens + new_tokens, "hbm", copies=rows,
+                            rows=rows, give=lambda pages: hbm_for(-(-pages // rows), page_size, prompt_tokens, hbm))
     servers, made = [], []
+
+    def place(key: str, node: DictConfig) -> None:
+        """A disk tier's fresh folder in the temp folder (removed when it closes); a local redis-server per cache."""
+        if "path" in node:
+            node.path = str(Path(tempfile.gettempdir()) / f"kvtier-{key}-{uuid.uuid4().hex}")
+        if node.get("url") == LOCAL_STORE:
+            servers.append(LocalRedis())
+            node.url = servers[-1].url
     try:
-        for key, spec in stack.items():
-            node = unsized(spec)
-            if "path" in node:  # a folder the tier makes, and removes when it closes
-                node.path = str(Path(tempfile.gettempdir()) / f"kvtier-{key}-{uuid.uuid4().hex}")
-            if node.get("url") == LOCAL_STORE:
-                servers.append(LocalRedis())
-                node.url = servers[-1].url
-            made.append(build(node, f"tiers.stack.{key}", layout=layout, capacity=capacities[key], name=key))
+        made = build_stack(stack, layout, capacities, place)
         scheduler = build(recipe_node("scheduler", "lookahead", device).placement, "scheduler.placement")
         result = TieredKVCache(layout, made, policy, scheduler, build(recipe_node("kernel", kernel, device), "kernel"),
-                               scope=scope_for(device_pages // rows), batch_size=rows, expand=expand, **cache)
+                               scope=scope_for(next(iter(capacities.values())) // rows), batch_size=rows,
+                               expand=expand, **cache)
+        result.route(model)
     except BaseException:
         for tier in made:
             tier.close()
@@ -186,7 +182,7 @@ def offload(model, policy: str | Policy = "aspe", hbm: float = 0.25, tiers: str 
     check_options(options, "kvtier.offload")
     if "generate" in vars(model):
         raise ConfigError("model", "model.generate is already wrapped (a kvtier.offload block inside another?)")
-    attention, generate, caches = model.config._attn_implementation, model.generate, []
+    generate, caches = model.generate, []
 
     @functools.wraps(generate)
     def generate_offloaded(*args, **kwargs):
@@ -202,8 +198,9 @@ def offload(model, policy: str | Policy = "aspe", hbm: float = 0.25, tiers: str 
             cache.close()
 
     model.generate = generate_offloaded
+    release = route(model)
     try:
         yield caches
     finally:
         del model.generate
-        model.set_attn_implementation(attention)
+        release()

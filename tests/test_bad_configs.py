@@ -31,7 +31,7 @@ def flashinfer_with_aspe():
     from kvtier.kernels.flashinfer import FlashInferBackend
     from kvtier.policies import ASPE
 
-    return cache(policy=ASPE(), backend=FlashInferBackend.__new__(FlashInferBackend))
+    return cache(policy=ASPE(), kernel=FlashInferBackend.__new__(FlashInferBackend))
 
 
 def tier_of(kind, capacity, tmp_path):
@@ -51,8 +51,6 @@ CASES = {
     "disk capacity zero": (lambda p: tier_of("disk", 0, p), "capacity"),
     "disk path under a file": (lambda p: (p / "f").write_text("x") and __import__("kvtier.tiers", fromlist=["DiskTier"])
                                .DiskTier(layout(), 4, p / "f" / "sub"), "tiers.stack.disk.path"),
-    "bandwidth zero": (lambda p: __import__("kvtier.tiers", fromlist=["TierSpec"]).TierSpec(0, 1e-6),
-                       "spec.bandwidth_gbps"),
     "negative window": (lambda p: __import__("kvtier.policies", fromlist=["SinkWindow"]).SinkWindow(window=-1),
                         "policy.window"),
     "negative sinks": (lambda p: __import__("kvtier.policies", fromlist=["ASPE"]).ASPE(sinks=-1), "policy.sinks"),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier import KVLayout
+from kvtier import KVLayout, TokenBudget
 from kvtier.cache import TieredKVCache
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.engine.stats import KeyStats, QueryStats
@@ -248,7 +248,7 @@ def test_budget_counts_tokens_and_streaming_spans_are_token_exact():
     torch.manual_seed(4)
     S = 41
     k, v, qs = torch.randn(1, N_KV, S, D), torch.randn(1, N_KV, S, D), torch.randn(S, 6, D)
-    cache = make_cache(SinkWindow(sinks=3, window=13), budget=16, sinks=3, window=13)
+    cache = make_cache(SinkWindow(sinks=3, window=13), budget=TokenBudget(16, sinks=3, window=13))
     outs = run_steps(cache, k, v, qs, prefill=10)
     for i, out in zip(range(10, S), outs):
         keep = torch.zeros(S, dtype=torch.bool)
@@ -267,7 +267,7 @@ def test_budget_middle_pages_follow_the_policy_under_resident_and_the_query_unde
     k, v, qs = torch.randn(1, N_KV, S, D), torch.randn(1, N_KV, S, D), torch.randn(S, 6, D)
     k[:, :, 21] = 6 * qs[S - 1, ::3]  # token 21 (page 5) aligned with the last query
     # budget 4 sinks + 8 recent + 2 pages of 4
-    topk = make_cache(LRU(), scope="topk", budget=20, sinks=4, window=8)
+    topk = make_cache(LRU(), scope="topk", budget=TokenBudget(20, sinks=4, window=8))
     run_steps(topk, k, v, qs, prefill=48)
     chosen = topk.choose(0, qs[S - 1][None, :, None])[0]
     assert 5 in chosen.tolist() and topk.stats.attended_per_step() == [20.0]
@@ -277,7 +277,7 @@ def test_budget_middle_pages_follow_the_policy_under_resident_and_the_query_unde
     k2[:, :, 30] = 5 * u  # token 30 (page 7) is what every prefill query looks for
     q_prefill = torch.randn(48, 6, D) + 3 * u.repeat_interleave(3, dim=0)
     pol = H2O(sinks=4, window=8)
-    res = make_cache(pol, budget=20, sinks=4, window=8, exact_prefill=True)
+    res = make_cache(pol, budget=TokenBudget(20, sinks=4, window=8), exact_prefill=True)
     res.update(k2[:, :, :48], v[:, :, :48], 0)
     res.attend(0, q_prefill.permute(1, 0, 2)[None])
     res.end_prefill()
@@ -294,7 +294,7 @@ def test_page_attention_equals_eager_mass_per_page():
     S = 30
     k, v, q = torch.randn(1, N_KV, S, D), torch.randn(1, N_KV, S, D), torch.randn(1, 6, 1, D)
     pol = TOVA(sinks=0, window=0)
-    cache = make_cache(pol, budget=14, sinks=2, window=8)
+    cache = make_cache(pol, budget=TokenBudget(14, sinks=2, window=8))
     cache.update(k[:, :, :-1], v[:, :, :-1], 0)
     cache.attend(0, torch.randn(1, 6, S - 1, D))
     cache.finish_step()
@@ -324,7 +324,7 @@ def test_compress_once_after_an_exact_prefill():
     exact = make_cache(LRU(), scope="all")
     ref = run_steps(exact, k, v, qs, prefill=40)
     pol = SnapKV(sinks=4, window=8, obs_window=4)
-    cache = make_cache(pol, budget=20, sinks=4, window=8, mode="once")
+    cache = make_cache(pol, budget=TokenBudget(20, sinks=4, window=8, mode="once"))
     cache.update(k[:, :, :40], v[:, :, :40], 0)
     out_prefill = cache.attend(0, qs[:40].permute(1, 0, 2)[None])
     exact_prefill = make_cache(LRU(), scope="all")
@@ -354,20 +354,24 @@ def test_compress_once_after_an_exact_prefill():
 
 
 @pytest.mark.parametrize("kw,field", [
-    (dict(budget=10, sinks=4, window=8), "budget"),
-    (dict(budget=32, window=0), "cache.window"),
-    (dict(budget=32, window=8, mode="later"), "cache.mode"),
-    (dict(budget=32, window=8, scope="all"), "cache.attend_budget"),
-    (dict(scope="topk", topk_pages=4, rank="best"), "scope.rank"),
-    (dict(scope="topk"), "scope.pages"),
-    (dict(budget=32, window=8, dense_layers=2), "cache.dense_layers"),
-    (dict(budget=32, window=8, per_head=True), "scope.per_head"),  # resident: a per-head choice needs topk
-    (dict(scope="topk", budget=32, window=8, query_rows=0), "scope.query_rows"),
-    (dict(scope="topk", budget=32, window=8, policy_share=1.5), "scope.policy_share"),
+    (lambda: dict(budget=TokenBudget(10, sinks=4, window=8)), "budget"),
+    (lambda: dict(budget=TokenBudget(32, window=0)), "cache.window"),
+    (lambda: dict(budget=TokenBudget(32, window=8, mode="later")), "cache.mode"),
+    (lambda: dict(budget=TokenBudget(32, window=8), scope="all"), "cache.attend_budget"),
+    (lambda: dict(scope="topk", topk_pages=4, rank="best"), "scope.rank"),
+    (lambda: dict(scope="topk"), "scope.pages"),
+    (lambda: dict(budget=TokenBudget(32, window=8), dense_layers=2), "cache.dense_layers"),
+    (lambda: dict(budget=TokenBudget(32, window=8), per_head=True), "scope.per_head"),  # resident: per head needs topk
+    (lambda: dict(scope="topk", budget=TokenBudget(32, window=8), query_rows=0), "scope.query_rows"),
+    (lambda: dict(scope="topk", budget=TokenBudget(32, window=8), policy_share=1.5), "scope.policy_share"),
+    (lambda: dict(budget=32), "budget"),  # a number: the message names the TokenBudget to write
+    (lambda: dict(budget=TokenBudget(32, window=8, page_size=8)), "budget"),  # the layout's pages hold 4 tokens
+    (lambda: dict(budget=TokenBudget(96), window=8), "window"),  # the cache's old spelling: its new one named
+    (lambda: dict(budget=TokenBudget(96), mode="once"), "mode"),
 ])
 def test_bad_budget_configs(kw, field):
     with pytest.raises(ConfigError) as e:
-        make_cache(LRU(), **{"scope": "resident", **kw})
+        make_cache(LRU(), **{"scope": "resident", **kw()})
     assert e.value.field == field
 
 
@@ -400,8 +404,8 @@ def test_streaming_llm_token_exact_against_a_trimmed_hf_cache(smollm2):
     model.set_attn_implementation(install())
     layout = kv_layout_for(model.config, page_size=16, dtype=torch.float32)
     cache = TieredKVCache(layout, [DeviceTier(layout, 8, device="cpu"), HostTier(layout, 16)],
-                          SinkWindow(sinks=sinks, window=recent), scope="resident", budget=sinks + recent,
-                          sinks=sinks, window=recent)
+                          SinkWindow(sinks=sinks, window=recent), scope="resident",
+                          budget=TokenBudget(sinks + recent, sinks=sinks, window=recent))
     cache.prefill(model, ids[:, :prompt])
     got = [cache.forward(model, ids[:, i:i + 1])[0, -1] for i in range(prompt, ids.shape[1])]
     model.set_attn_implementation("sdpa")
@@ -425,10 +429,10 @@ def test_topk_per_head_gives_each_kv_head_its_own_pages_within_the_budget():
     k, v, qs = torch.randn(1, N_KV, S, D), torch.randn(1, N_KV, S, D), torch.randn(S, 6, D)
     k[:, 0, 21] = 6 * qs[S - 1, 0]  # page 5, kv head 0 (query heads 0-2)
     k[:, 1, 33] = 6 * qs[S - 1, 3]  # page 8, kv head 1 (query heads 3-5)
-    shared = make_cache(LRU(), scope="topk", budget=16, sinks=4, window=8, **QUEST)
+    shared = make_cache(LRU(), scope="topk", budget=TokenBudget(16, sinks=4, window=8), **QUEST)
     run_steps(shared, k, v, qs, prefill=48)
     assert len(set(shared.choose(0, qs[S - 1][None, :, None])[0].tolist()) & {5, 8}) == 1  # one page for both
-    cache = make_cache(LRU(), scope="topk", budget=16, sinks=4, window=8, per_head=True, **QUEST)
+    cache = make_cache(LRU(), scope="topk", budget=TokenBudget(16, sinks=4, window=8), per_head=True, **QUEST)
     out = run_steps(cache, k, v, qs, prefill=48)[-1]
     cache.finish_step()
     assert {5, 8} <= set(cache.choose(0, qs[S - 1][None, :, None])[0].tolist())
@@ -452,7 +456,7 @@ def test_topk_query_rows_keep_what_the_previous_queries_needed():
     qs[S - 1] = -qs[S - 2]  # the last query looks away from it
     picks = {}
     for rows in (1, 3):
-        cache = make_cache(LRU(), scope="topk", budget=16, sinks=4, window=8, query_rows=rows, **QUEST)
+        cache = make_cache(LRU(), scope="topk", budget=TokenBudget(16, sinks=4, window=8), query_rows=rows, **QUEST)
         run_steps(cache, k, v, qs, prefill=47)  # decode steps 47 and 48
         picks[rows] = cache.choose(0, qs[S - 1][None, :, None])[0].tolist()  # the last query again: 3 rows
     assert 5 not in picks[1] and 5 in picks[3]
@@ -469,7 +473,7 @@ def test_topk_policy_share_spends_pages_on_the_policy_ranking():
     chosen = {}
     for share in (0.0, 1.0):
         pol = H2O(sinks=4, window=8)
-        cache = make_cache(pol, scope="topk", budget=16, sinks=4, window=8, exact_prefill=True, policy_share=share,
+        cache = make_cache(pol, scope="topk", budget=TokenBudget(16, sinks=4, window=8), exact_prefill=True, policy_share=share,
                            **QUEST)
         cache.update(k[:, :, :48], v[:, :, :48], 0)
         cache.attend(0, q_prefill.permute(1, 0, 2)[None])

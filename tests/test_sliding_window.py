@@ -77,11 +77,12 @@ def hf_logits(model, ids, decode: int):
     return tokens, torch.cat(logits)
 
 
-def kvtier_logits(model, ids, tokens, layout, scope="all", backend=None, device_pages=3, policy=None):
+def kvtier_logits(model, ids, tokens, layout, scope="all", kernel=None, device_pages=3, policy=None):
     """The same logits through kvtier (chunked prefill of 16, then the given tokens); ``(logits, cache)``."""
     model.set_attn_implementation(install())
     cache = TieredKVCache(layout, [DeviceTier(layout, device_pages, device="cpu"), HostTier(layout, 64)],
-                          policy or LRU(), scope=scope, topk_pages=3, sinks=PAGE, backend=backend)
+                          policy or LRU(), scope=scope, kernel=kernel,
+                          **(dict(topk_pages=3, sinks=PAGE) if scope == "topk" else {}))
     try:
         got = [cache.prefill(model, ids, 16)[0]] + [cache.forward(model, t)[0] for t in tokens]
         cache.finish_step()
@@ -172,7 +173,7 @@ def test_triton_kernels_with_windows_match_hf():
     ids = torch.randint(0, 256, (1, 56), generator=torch.Generator().manual_seed(3))
     tokens, ref = hf_logits(model, ids, 3)
     layout = kv_layout_for(model.config, page_size=PAGE, dtype=torch.float32)
-    got, cache = kvtier_logits(model, ids, tokens, layout, backend=make_backend("triton"))
+    got, cache = kvtier_logits(model, ids, tokens, layout, kernel=make_backend("triton"))
     assert (got - ref).abs().max() / ref.abs().max() < 1e-4 and cache.stats.dropped_pages > 0
 
 

@@ -198,7 +198,7 @@ def test_a_failed_metrics_write_keeps_the_runs_data_and_leaves_no_half_folder(fa
 # Keys that are Python-API argument names, not recipe keys (the object's own argument, documented in its
 # docstring), and keys in files the engine rewrite (issue 22) replaces: those messages are rewritten there.
 PYTHON_API = {"attention_mask", "attn_implementation", "batch_size", "capacity", "dropout", "dtype",
-              "past_key_values", "sliding_windows", "spec.bandwidth_gbps", "spec.latency_s",
+              "past_key_values", "sliding_windows",
               "transfer.method", "defaults", "layout.head_dim", "prompt", "request", "hbm", "input_ids", "keep_room",
               "expand", "prompt_tokens", "new_tokens"}
 HYDRA = {"hydra/launcher"}  # Hydra's own group, named on the command line

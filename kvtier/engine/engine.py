@@ -39,10 +39,10 @@ import time
 import numpy as np
 import torch
 
-from kvtier.budget import TokenBudget
+from kvtier.budget import TokenBudget, token_budget
 from kvtier.cache_base import ACTIVE_CACHE, PassCache
-from kvtier.checks import (check_decode_kernel, check_dense_layers, check_device_room, check_graphs, check_recall_room,
-                           check_salience, check_scheduler)
+from kvtier.checks import (check_decode_kernel, check_dense_layers, check_device_room, check_recall_room, check_salience,
+                           check_scheduler, graphs_for)
 from kvtier.compiling import compile_step, make_room
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.feedback import Feedback
@@ -53,7 +53,7 @@ from kvtier.errors import ConfigError, KVTierError, TierFullError
 from kvtier.eval.fidelity import FidelityStats, attention_fidelity
 from kvtier.kernels.base import STAGED
 from kvtier.kernels.reference import TorchBackend
-from kvtier.kernels.registry import make_backend
+from kvtier.kernels.registry import backend_for
 from kvtier.layout import KVLayout
 from kvtier.metrics import CacheStats, synchronize
 from kvtier.paged_io import read_tokens, store_rows, write_decode, write_tokens
@@ -110,8 +110,9 @@ class Engine:
     """Batched, tiered, paged attention for ``model`` over ``tiers`` with ``policy`` and ``scope``.
 
     ``model`` may be None when the forward is driven from outside (``generate`` through
-    :class:`~kvtier.cache.TieredKVCache`). ``budget``: the keys each decode step attends
-    (:class:`~kvtier.budget.TokenBudget`, None: the scope's own choice); ``exact_prefill``: prefill chunks
+    :class:`~kvtier.cache.TieredKVCache`). ``kernel``: a backend or its name (None: ``auto``, triton on a GPU);
+    ``budget``: the keys each decode step attends (:class:`~kvtier.budget.TokenBudget`, its page size the layout's;
+    None: the scope's own choice); ``exact_prefill``: prefill chunks
     attend every page until the prompt is in; ``dense_layers``: the first layers attend every page;
     ``fidelity``: measure each decode call against exact attention (an uncounted second pass).
     """
@@ -124,6 +125,7 @@ class Engine:
             raise ConfigError("policy", f"must be a kvtier.policies.Policy, got {type(policy).__name__} "
                                         f"{policy!r}; e.g. kvtier.policies.SinkWindow()")
         self.config = config = config or EngineConfig()
+        budget = token_budget(budget, layout.page_size)
         self.scope = make_scope(scope)
         self.layout, self.policy, self.budget = layout, policy, budget
         self.exact_prefill = exact_prefill or (budget is not None and budget.mode == "once")
@@ -138,7 +140,7 @@ class Engine:
         self.table = BlockTable(layout, tiers)
         self.transfer = TransferEngine(self.table)
         self.device = tiers[0].device
-        self.kernel = kernel or (make_backend("triton") if self.device.type == "cuda" else TorchBackend())
+        self.kernel = backend_for(kernel, self.device)
         self.prefill = prefill or ChunkedPrefill()
         self.stats = CacheStats()
         check_decode_kernel(self.kernel)
@@ -161,9 +163,7 @@ class Engine:
         on_gpu = self.device.type == "cuda"
         self.fidelity = FidelityStats() if fidelity and not isinstance(self.scope, All) else None
         reference = isinstance(self.kernel, TorchBackend)  # the oracle reads lengths on the host: not capturable
-        check_graphs(config.graphs, self.device, reference, self.fidelity is not None)
-        self.graphs = (on_gpu and self.fidelity is None and model is not None and not reference) \
-            if config.graphs is None else config.graphs
+        self.graphs = graphs_for(config.graphs, self.device, reference, self.fidelity is not None, model is not None)
         self.compiled = compiled = on_gpu if config.compile is None else config.compile  # torch.compile'd step parts
         self._forward = self._forward_chunks = self.runner.forward if self.runner is not None else None
         if compiled and self.runner is not None:
@@ -524,7 +524,8 @@ class Engine:
     # -- iterations ----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, tokens: dict[int, int] | None = None) -> torch.Tensor:
-        """One decode token for every running sequence: logits ``[rows of the bucket, V]`` (device).
+        """One decode token for every running sequence: logits ``[rows of the bucket, V]`` (device; the caller's to
+        keep, as every output of :meth:`iterate`).
 
         Each sequence's input is its greedy token from the last step (or prefill), unless ``tokens``
         (sequence -> token id) forces it. Row r of the result is ``self.row_seq[r]``.
@@ -558,7 +559,7 @@ class Engine:
             else:
                 self._decode(B)
             self.end_decode()
-            return Iteration(self.logits[:B], [])
+            return Iteration(self.logits[:B].clone(), [])  # a copy: the next step writes self.logits
         lens = [c.q_len for c in self._chunks]
         ends = B + np.cumsum(lens)  # [n] one past each chunk's last token
         keep = np.arange(B + T) if all_logits else np.concatenate([np.arange(B), ends - 1])  # [k]
@@ -584,7 +585,7 @@ class Engine:
         if B:
             self.end_decode()
         cuts = np.concatenate([[0], np.cumsum(lens) if all_logits else np.arange(1, len(lens) + 1)]) + B
-        return Iteration(self.logits[:B] if B else None, [logits[a:b] for a, b in zip(cuts, cuts[1:])])
+        return Iteration(self.logits[:B].clone() if B else None, [logits[a:b] for a, b in zip(cuts, cuts[1:])])
 
     def _capturable(self, all_logits: bool) -> bool:
         """Can an iteration with chunks be captured (when every page it reads is on the device)? Its per-layer work

@@ -14,6 +14,14 @@ from kvtier.kernels.reference import TorchBackend
 BACKENDS = ("auto", "torch", "triton", "flashinfer")
 
 
+def backend_for(kernel, device) -> AttentionBackend:
+    """``kernel=`` of every door (the recipes' key): a backend as given, a name of :data:`BACKENDS` made for
+    ``device`` (where the model runs), or None: ``auto``."""
+    if kernel is None or isinstance(kernel, str):
+        return make_backend(kernel or "auto", device)
+    return kernel
+
+
 def make_backend(name: str, device: str = "cuda") -> AttentionBackend:
     """A fresh backend: ``torch`` (reference, any device), or on ``device`` (the model's) ``triton`` (a
     GPU, or the CPU under TRITON_INTERPRET=1) or ``flashinfer`` (a GPU and ``pip install 'kvtier[gpu]'``);

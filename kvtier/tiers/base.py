@@ -7,7 +7,6 @@ layer. Slots are allocated from a per-layer free stack; a full tier raises ``Tie
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -16,32 +15,17 @@ from kvtier.errors import ConfigError, KVTierError, TierFullError
 from kvtier.layout import KVLayout
 
 
-@dataclass(frozen=True)
-class TierSpec:
-    """A tier's cost figures, kept on it as ``spec``: bandwidth to the device tier and latency."""
-
-    bandwidth_gbps: float
-    latency_s: float
-
-    def __post_init__(self):
-        if not self.bandwidth_gbps > 0:
-            raise ConfigError("spec.bandwidth_gbps", f"must be > 0, got {self.bandwidth_gbps}")
-        if not self.latency_s >= 0:
-            raise ConfigError("spec.latency_s", f"must be >= 0, got {self.latency_s}")
-
-
 class Tier(ABC):
     """One level of the hierarchy. Subclasses store pages; this class owns slot bookkeeping: per-layer
     free stacks of slot ids with an allocated bitmap (catches double frees)."""
 
     kind: str = "tier"
 
-    def __init__(self, layout: KVLayout, capacity: int, spec: TierSpec, name: str | None = None):
+    def __init__(self, layout: KVLayout, capacity: int, name: str | None = None):
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
             raise ConfigError("capacity", f"tier '{name or self.kind}': must be a positive number of pages, got {capacity!r}")
         self.layout = layout
         self.capacity = capacity
-        self.spec = spec
         self.name = name or self.kind
         L = layout.num_layers
         self._stack = np.tile(np.arange(capacity - 1, -1, -1, dtype=np.int64), (L, 1))  # [L, cap] free slots on top

@@ -26,10 +26,9 @@ import xxhash
 
 from kvtier.errors import ConfigError, PageCorruptedError, TierIOError
 from kvtier.layout import KVLayout
-from kvtier.tiers.base import Tier, TierSpec
+from kvtier.tiers.base import Tier
 
 _META = np.dtype("<u4")  # sidecar entry: (checksum, valid) per slot
-_DEFAULT_SPEC = TierSpec(bandwidth_gbps=7.0, latency_s=100e-6)  # one NVMe Gen4 x4 SSD
 
 
 def _runs(slots: np.ndarray) -> list[tuple[int, int]]:
@@ -114,14 +113,14 @@ class DiskTier(Tier):
     def check_settings(cls, field, layout, capacity, path, **settings) -> None:
         check_folder(path, f"{field}.path", reserved_bytes(layout, capacity))
 
-    def __init__(self, layout: KVLayout, capacity: int, path: str | Path, spec: TierSpec | None = None,
-                 name: str | None = None, fsync: bool = False, keep: bool = False):
-        super().__init__(layout, capacity, spec or _DEFAULT_SPEC, name)
+    def __init__(self, layout: KVLayout, capacity: int, path: str | Path, name: str | None = None,
+                 fsync: bool = False, keep: bool = False):
+        super().__init__(layout, capacity, name)
         self._setup(Path(path), fsync, keep, create=True)
 
     @classmethod
-    def open_existing(cls, path: str | Path, layout: KVLayout, spec: TierSpec | None = None,
-                      name: str | None = None, fsync: bool = False, keep: bool = True) -> "DiskTier":
+    def open_existing(cls, path: str | Path, layout: KVLayout, name: str | None = None,
+                      fsync: bool = False, keep: bool = True) -> "DiskTier":
         """Reopen the files of a DiskTier built with ``keep=True`` (e.g. after its process crashed).
 
         Capacity comes from the sidecars. Pages whose write never completed read as
@@ -139,7 +138,7 @@ class DiskTier(Tier):
             raise TierIOError(f"disk tier at {path}: checksum sidecars have sizes {sizes}, expected one "
                               f"common non-zero multiple of {entry} bytes; the files are not one DiskTier's")
         self = cls.__new__(cls)
-        Tier.__init__(self, layout, sizes[0] // entry, spec or _DEFAULT_SPEC, name)
+        Tier.__init__(self, layout, sizes[0] // entry, name)
         self._setup(path, fsync, keep, create=False)
         for l in range(layout.num_layers):
             self._meta[l] = np.fromfile(self._sum_path(l), dtype=_META).reshape(self.capacity, 2)

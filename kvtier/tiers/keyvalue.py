@@ -20,7 +20,7 @@ import torch
 
 from kvtier.errors import PageCorruptedError, PageEvictedError, TierIOError
 from kvtier.layout import KVLayout
-from kvtier.tiers.base import Tier, TierSpec
+from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import landing, page_bytes_view, page_checksums, slot_array
 
 CHECKSUM = np.dtype("<u4")  # the page checksum stored after its bytes
@@ -37,8 +37,8 @@ class KeyValueTier(Tier):
     lost = "dropped by the store"
     refused_fix = "give the store more memory"
 
-    def __init__(self, layout: KVLayout, capacity: int, spec: TierSpec, name: str | None):
-        super().__init__(layout, capacity, spec, name)
+    def __init__(self, layout: KVLayout, capacity: int, name: str | None):
+        super().__init__(layout, capacity, name)
         self.namespace = secrets.token_hex(8)  # this tier's own keys: never another cache's or run's
         self._sum = np.zeros((layout.num_layers, capacity), dtype=np.uint32)  # [L, cap] checksums written
         self._valid = np.zeros((layout.num_layers, capacity), dtype=bool)  # [L, cap]

@@ -5,15 +5,15 @@ from __future__ import annotations
 import torch
 
 from kvtier.layout import KVLayout
-from kvtier.tiers.base import Tier, TierSpec
+from kvtier.tiers.base import Tier
 
 
 class MemoryTier(Tier):
     """A tier backed by one tensor ``[L, capacity, 2, P, N_kv, D]`` on ``device``."""
 
-    def __init__(self, layout: KVLayout, capacity: int, spec: TierSpec, device: torch.device,
+    def __init__(self, layout: KVLayout, capacity: int, device: torch.device,
                  pin_memory: bool = False, name: str | None = None):
-        super().__init__(layout, capacity, spec, name)
+        super().__init__(layout, capacity, name)
         shape = (layout.num_layers, capacity, *layout.page_shape)
         self._device = torch.device(device)
         # zeros: attention multiplies a page's unwritten rows by probability 0, and fresh memory may hold NaN
@@ -52,10 +52,9 @@ class DeviceTier(MemoryTier):
 
     kind = "device"
 
-    def __init__(self, layout: KVLayout, capacity: int, spec: TierSpec | None = None,
-                 device: str | torch.device | None = None, name: str | None = None):
-        super().__init__(layout, capacity, spec or TierSpec(bandwidth_gbps=4163.0, latency_s=1e-6),
-                         torch.device(device) if device is not None else default_device(), name=name)
+    def __init__(self, layout: KVLayout, capacity: int, device: str | torch.device | None = None,
+                 name: str | None = None):
+        super().__init__(layout, capacity, torch.device(device) if device is not None else default_device(), name=name)
 
 
 class HostTier(MemoryTier):
@@ -63,8 +62,6 @@ class HostTier(MemoryTier):
 
     kind = "host"
 
-    def __init__(self, layout: KVLayout, capacity: int, spec: TierSpec | None = None,
-                 pin_memory: bool | None = None, name: str | None = None):
+    def __init__(self, layout: KVLayout, capacity: int, pin_memory: bool | None = None, name: str | None = None):
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        super().__init__(layout, capacity, spec or TierSpec(bandwidth_gbps=55.0, latency_s=10e-6),
-                         torch.device("cpu"), pin_memory=pin, name=name)
+        super().__init__(layout, capacity, torch.device("cpu"), pin_memory=pin, name=name)

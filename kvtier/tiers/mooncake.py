@@ -20,11 +20,9 @@ import importlib.util
 from kvtier.errors import ConfigError, MissingDependencyError, TierIOError
 from kvtier.layout import KVLayout
 from kvtier.loopback import HOST, in_private_network
-from kvtier.tiers.base import TierSpec
 from kvtier.tiers.keyvalue import KeyValueTier
 from kvtier.tiers.mooncake_master import LocalMooncakeMaster
 
-_DEFAULT_SPEC = TierSpec(bandwidth_gbps=1.0, latency_s=100e-6)  # loopback TCP transport (bench/redis_tier.py)
 LOCAL_MASTER = "local"
 
 
@@ -48,9 +46,9 @@ class MooncakeTier(KeyValueTier):
     lost = "evicted by the master when the store ran short, or the master restarted"
     refused_fix = "mount a larger segment (segment_size) or add clients to the store"
 
-    def __init__(self, layout: KVLayout, capacity: int, master: str = LOCAL_MASTER, spec: TierSpec | None = None,
+    def __init__(self, layout: KVLayout, capacity: int, master: str = LOCAL_MASTER,
                  name: str | None = None, segment_size: int | None = None, buffer_size: int = 256 << 20):
-        super().__init__(layout, capacity, spec or _DEFAULT_SPEC, name)
+        super().__init__(layout, capacity, name)
         field = f"tiers.{self.name}"
         store_class = _store_class()
         if not in_private_network():

@@ -14,10 +14,8 @@ from urllib.parse import urlsplit
 
 from kvtier.errors import ConfigError, MissingDependencyError, TierIOError
 from kvtier.layout import KVLayout
-from kvtier.tiers.base import TierSpec
 from kvtier.tiers.keyvalue import KeyValueTier
 
-_DEFAULT_SPEC = TierSpec(bandwidth_gbps=1.0, latency_s=50e-6)  # loopback Redis, pipelined (bench/redis_tier.py)
 LOCAL_STORE = "local"  # a recipe's url that starts a redis-server on loopback for the run (kvtier.build)
 
 
@@ -103,9 +101,9 @@ class RedisTier(KeyValueTier):
             probe_url(url, f"{field}.url", timeout_s)
 
     def __init__(self, layout: KVLayout, capacity: int, url: str = "redis://127.0.0.1:6379/0",
-                 spec: TierSpec | None = None, name: str | None = None, timeout_s: float = 5.0,
+                 name: str | None = None, timeout_s: float = 5.0,
                  ttl_s: float | None = None):
-        super().__init__(layout, capacity, spec or _DEFAULT_SPEC, name)
+        super().__init__(layout, capacity, name)
         field = f"tiers.stack.{self.name}"
         check_url(url, f"{field}.url")
         check_times(field, timeout_s, ttl_s)

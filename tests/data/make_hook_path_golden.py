@@ -77,9 +77,9 @@ def make_factory(layout_of, case):
             dev = total
         elif dev == "step":
             dev = TokenBudget(budget, SINKS, WINDOW, layout.page_size).step_pages
-        kw = dict(scope=case["scope"], sinks=SINKS)
+        kw = dict(scope=case["scope"], **({"sinks": SINKS} if case["scope"] == "topk" else {}))
         if budget is not None:
-            kw.update(budget=budget, window=WINDOW, mode=case.get("mode", "continuous"),
+            kw.update(budget=TokenBudget(budget, SINKS, WINDOW, mode=case.get("mode", "continuous")),
                       exact_prefill=case.get("exact_prefill", True))
         for k in ("per_head", "query_rows", "policy_share", "rank", "dense_layers", "topk_pages"):
             if k in case:
