@@ -4,8 +4,8 @@ Per shape (``B x S``, SmolLM2's heads by default: 9 query / 3 kv heads, D=64, pa
 captured in a CUDA graph and replayed (``--reps`` replays between CUDA events, the median of ``--trials``):
 
 - ``dense``: the decode kernel over every page (what a dense step attends);
-- ``keys``: the key choice of ``--attend`` of the context (sketch rank D/4: logits, then the radix selection;
-  :mod:`kvtier.kernels.triton_key_choice`), then the decode kernel over the chosen key lists;
+- ``keys``: the key choice of ``--attend`` of the context (sketch rank D/4: score bins, then the threshold and the
+  list; :mod:`kvtier.kernels.triton_key_choice`), then the decode kernel over the chosen key lists;
 - ``key choice`` / ``key attention``: those two apart;
 - ``quest``: Quest's page choice of the same share of pages and the decode over them, for comparison.
 
@@ -66,7 +66,7 @@ def layer_rows(B: int, S: int, heads: int, n_kv: int, D: int, P: int, attend: fl
     width = tokens
     spans = torch.tensor([[sinks, S - (tokens - sinks - n)]] * B, dtype=torch.int32, device=dev)
     keys = torch.empty(B, n_kv, width, dtype=torch.int32, device=dev)
-    work = KeyChoiceWork.make(B, n_kv, heads // n_kv, M * P, dev)
+    work = KeyChoiceWork.make(B, n_kv, M * P, dev)
     dense_plan = plan_static_decode(B, M, heads, n_kv, D, P, dev)
     key_plan = plan_static_decode(B, M, heads, n_kv, D, P, dev, max_listed=width, keys=True)
     k_pages = max(int(attend * M), 1)

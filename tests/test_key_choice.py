@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvtier.kernels.base import DROPPED
-from kvtier.kernels.reference import key_choice_reference, key_images_reference
+from kvtier.kernels.reference import key_choice_reference, key_bins_reference
 
 DEV = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"  # where the Triton kernel runs
 needs_triton = pytest.mark.skipif(DEV == "cuda" and not torch.cuda.is_available(),
@@ -57,8 +57,8 @@ CASES = [  # (B, M, P, H, N_kv, D, r, n, window, sketch dtype)
 
 
 def assert_threshold_flips(got: torch.Tensor, want: torch.Tensor, images: torch.Tensor) -> None:
-    """``got`` lists what ``want`` lists, but for keys whose (reference) image is within one of the threshold's (the
-    lowest image ``want`` chose in that row): as many keys, the same spans."""
+    """``got`` lists what ``want`` lists, but for keys whose (reference) bin is within one of the threshold's (the
+    lowest bin ``want`` chose in that row): as many keys, the same spans."""
     assert torch.equal((got >= 0).sum(-1), (want >= 0).sum(-1))
     for b, h in ((b, h) for b in range(got.shape[0]) for h in range(got.shape[1])):
         flipped = set(got[b, h].tolist()) ^ set(want[b, h].tolist())
@@ -87,8 +87,8 @@ def test_the_device_key_choice_equals_the_reference(case, monkeypatch, max_chunk
                             torch.full((B, n_kv, width), 7, dtype=torch.int32, device=DEV), window)
     if DEV == "cpu":
         assert torch.equal(got, want)
-    else:  # a GPU's exp/log round otherwise than torch's: a key may cross a 16-bit boundary, at the threshold only
-        assert_threshold_flips(got, want, key_images_reference(q, basis, sketch, pids, table, lens, spans, window))
+    else:  # a GPU's exp/log round otherwise than torch's: a key may cross a bin boundary, at the threshold only
+        assert_threshold_flips(got, want, key_bins_reference(q, basis, sketch, pids, table, lens, spans, window))
     assert (want[0] == -1).all()  # the idle row lists nothing
     listed = want[want >= 0]
     live = (pids.long() >= 0) & (table != DROPPED)

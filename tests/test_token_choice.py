@@ -14,6 +14,7 @@ from kvtier.engine import Engine, EngineConfig
 from kvtier.engine.stats import KeyStats
 from kvtier.errors import ConfigError
 from kvtier.kernels.registry import make_backend
+from kvtier.kernels.base import SCORE_BINS, SCORE_RANGE
 from kvtier.kernels.reference import key_choice_reference
 from kvtier.models import kv_layout_for, tiny_llama
 from kvtier.policies import H2O, SinkWindow
@@ -25,11 +26,12 @@ from kvtier.tiers import DeviceTier, HostTier
 DEV = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"  # the engine runs where the Triton kernel does
 N_KV, G, D, PAGE = 2, 3, 8, 4
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=N_KV, head_dim=D, page_size=PAGE, dtype="float32")
+BIN = (SCORE_RANGE[1] - SCORE_RANGE[0]) / SCORE_BINS  # a score bin's width: keys within one are equal choices
 
 
 def test_a_full_rank_sketch_chooses_the_keys_with_the_largest_true_share():
     """With r = D the sketch is the keys in another basis: the n keys chosen between the spans are those with the
-    largest true share of the group's attention (max over its query heads), up to the score's 16-bit image."""
+    largest true weight beside the shown keys (max over the group's query heads, log), up to a score bin."""
     n_pages, n = 12, 13
     g = torch.Generator().manual_seed(3)
     keys = torch.randn(n_pages * PAGE, N_KV, D, generator=g) * 2
@@ -45,14 +47,15 @@ def test_a_full_rank_sketch_chooses_the_keys_with_the_largest_true_share():
     t = torch.arange(n_pages * PAGE)
     for b in range(2):
         n_keys, (sinks, win) = int(lens[b]), spans[b].tolist()
-        share = (logits[b, :, :, :n_keys] - logits[b, :, :, :n_keys].logsumexp(-1, keepdim=True)).amax(1)  # [N_kv, S]
+        shown = torch.cat([logits[b, :, :, :sinks], logits[b, :, :, win:n_keys]], -1).logsumexp(-1, keepdim=True)
+        share = (logits[b, :, :, :n_keys] - shown).amax(1).clamp(*SCORE_RANGE)  # [N_kv, S]
         for h in range(N_KV):
             listed = [x for x in out[b, h].tolist() if x >= 0]
             assert listed == sorted(listed) and set(range(sinks)) | set(range(win, n_keys)) <= set(listed)
             chosen = [x for x in listed if sinks <= x < win]
             assert len(chosen) == n and len(listed) == sinks + n + n_keys - win
             rest = [x for x in range(sinks, win) if x not in chosen]
-            assert float(share[h, chosen].min()) >= float(share[h, rest].max()) - 2 ** -6 * abs(float(share[h].min()))
+            assert float(share[h, chosen].min()) >= float(share[h, rest].max()) - BIN
     assert not torch.equal(out[:, 0], out[:, 1])  # each kv head its own keys
     assert t.numel() == n_pages * PAGE
 

@@ -32,6 +32,9 @@ import torch
 from kvtier.errors import ConfigError
 
 DROPPED = -(2 ** 31)  # block-table value of a page freed for good (left of a window, compressed away)
+# The key choice ranks a key by its score (log share beside the shown keys) cut into SCORE_BINS equal bins over
+# SCORE_RANGE (nats; clamped): keys in one bin are equal choices, the lower position first.
+SCORE_BINS, SCORE_RANGE = 256, (-20.0, 0.0)
 STAGED = 1 << 30  # block-table values <= -STAGED: slot -x - STAGED of the pinned staging pool (disk and remote pages)
 
 

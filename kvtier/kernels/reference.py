@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.kernels.base import (DROPPED, STAGED, AttentionBackend, AttentionOutput, PagedBatch, at_host,
-                                 check_key_list, check_landing)
+from kvtier.kernels.base import (DROPPED, SCORE_BINS, SCORE_RANGE, STAGED, AttentionBackend, AttentionOutput,
+                                 PagedBatch, at_host, check_key_list, check_landing)
 from kvtier.quant import dequantize, is_scaled_pool
 
 
@@ -192,12 +192,14 @@ def page_choice_reference(q: torch.Tensor, key_min: torch.Tensor, key_max: torch
     return best_of(score, cand.bool() & (pids >= 0), k, count)
 
 
-def key_images_reference(q: torch.Tensor, basis: torch.Tensor, sketch: torch.Tensor, pids: torch.Tensor,
-                         table: torch.Tensor, lens: torch.Tensor, spans: torch.Tensor, window: int = 0,
-                         scale: float | None = None) -> torch.Tensor:
-    """Each candidate key's 16-bit score image ``[B, N_kv, M P]`` (-1: not a candidate) as
-    :func:`key_choice_reference` ranks them: the top 16 bits of the order-preserving image of ``max_g (s_g -
-    lse_g)`` over the kv head's query heads. fp32, products summed elementwise (no reduced-precision matmul)."""
+def key_bins_reference(q: torch.Tensor, basis: torch.Tensor, sketch: torch.Tensor, pids: torch.Tensor,
+                       table: torch.Tensor, lens: torch.Tensor, spans: torch.Tensor, window: int = 0,
+                       scale: float | None = None) -> torch.Tensor:
+    """Each candidate key's score bin ``[B, N_kv, M P]`` in ``[0, SCORE_BINS)`` (-1: not a candidate) as
+    :func:`key_choice_reference` ranks them. The score: ``max_g (s_g - lse_g)`` over the kv head's query heads, the
+    approximate logits ``s_g`` from the sketch and ``lse_g`` their log-sum-exp over the shown keys (0 where a head is
+    shown none), cut into :data:`~kvtier.kernels.base.SCORE_BINS` bins over ``SCORE_RANGE``. fp32, products summed
+    elementwise (no reduced-precision matmul)."""
     B, H, D = q.shape
     n_kv, _, r = basis.shape
     P, M = sketch.shape[1], pids.shape[1]
@@ -207,17 +209,18 @@ def key_images_reference(q: torch.Tensor, basis: torch.Tensor, sketch: torch.Ten
     pid = pids.long()[:, t // P]  # [B, S]
     vis = (t >= lo) & (t < n_keys) & (pid >= 0) & (table[:, t // P] != DROPPED)
     qr = (q.float().view(B, n_kv, H // n_kv, D, 1) * basis.float()[None, :, None]).sum(-2)  # [B, N_kv, G, r]
+    qr = qr * (D ** -0.5 if scale is None else scale)
     y = sketch[pid.clamp(min=0), t % P].float().permute(0, 2, 1, 3)  # [B, N_kv, S, r]
-    s = (qr[:, :, :, None] * y[:, :, None]).sum(-1) * (D ** -0.5 if scale is None else scale)  # [B, N_kv, G, S]
-    s = s.masked_fill(~vis[:, None, None], float("-inf"))
-    score = (s - torch.logsumexp(s, -1, keepdim=True)).amax(2)  # [B, N_kv, S]
+    s = (qr[:, :, :, None] * y[:, :, None]).sum(-1).masked_fill(~vis[:, None, None], float("-inf"))  # [B, N_kv, G, S]
     sinks, win = (x[:, None] for x in spans.long().unbind(1))  # [B, 1]
     c_lo = torch.maximum(lo, sinks)
     c_hi = torch.where(win == 0, c_lo, torch.maximum(win, c_lo))
-    cand = ((t >= c_lo) & (t < c_hi))[:, None] & (score > float("-inf"))  # [B, N_kv, S]
-    bits = torch.where(score == 0, 0.0, score).view(torch.int32)
-    image = (torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) >> 16) + 32768  # in [0, 65535]
-    return torch.where(cand, image, -1)
+    middle = (t >= c_lo) & (t < c_hi)  # [B, S] the candidates: what the shown spans leave out
+    lse = torch.logsumexp(s.masked_fill(middle[:, None, None], float("-inf")), -1, keepdim=True)  # [B, N_kv, G, 1]
+    score = (s - torch.where(lse == float("-inf"), 0.0, lse)).amax(2)  # [B, N_kv, S]
+    low, high = SCORE_RANGE
+    bins = ((score.clamp(low, high) - low) * (SCORE_BINS / (high - low))).to(torch.int32).clamp(max=SCORE_BINS - 1)
+    return torch.where(middle[:, None] & (score > float("-inf")), bins, -1)
 
 
 def key_choice_reference(q: torch.Tensor, basis: torch.Tensor, sketch: torch.Tensor, pids: torch.Tensor,
@@ -225,12 +228,12 @@ def key_choice_reference(q: torch.Tensor, basis: torch.Tensor, sketch: torch.Ten
                          window: int = 0, scale: float | None = None) -> torch.Tensor:
     """The contract of :func:`kvtier.kernels.triton_key_choice.key_choice` in torch (the ``topk`` scope's key choice
     on the torch backend): each kv head's shown keys and ``n`` best others ``out [B, N_kv, W]`` in position order,
-    then -1; the best by their images (:func:`key_images_reference`), equal images the lower position first
+    then -1; the best by their bins (:func:`key_bins_reference`), equal bins the lower position first
     (:func:`kvtier.scopes.base.best_of`)."""
     from kvtier.scopes.base import best_of  # imported here: the scopes import this module
 
     B, n_kv, dev, W = q.shape[0], basis.shape[0], q.device, out.shape[-1]
-    image = key_images_reference(q, basis, sketch, pids, table, lens, spans, window, scale)  # [B, N_kv, S]
+    image = key_bins_reference(q, basis, sketch, pids, table, lens, spans, window, scale)  # [B, N_kv, S]
     chosen = best_of(image.double(), image >= 0, n) if n else torch.zeros(B, n_kv, 0, dtype=torch.int32, device=dev)
     kk = (chosen >= 0).sum(-1, keepdim=True)  # [B, N_kv, 1]
     n_keys = lens.long()[:, None]  # [B, 1]

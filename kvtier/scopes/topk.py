@@ -213,8 +213,7 @@ class TopK(Scope):
             if self.key_work is None:  # once, before any capture: every later call writes the same scratch
                 e = self.engine
                 self.key_work = self._key_work(e.config.max_batch, e.layout.num_kv_heads,
-                                               q.shape[1] // e.layout.num_kv_heads, e.max_pages * view.page_size,
-                                               q.device)
+                                               e.max_pages * view.page_size, q.device)
             self._fused_keys(*args, work=self.key_work)
         else:
             key_choice_reference(*args)
