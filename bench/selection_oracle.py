@@ -14,6 +14,8 @@ question: can recall get within 1% of the full cache?):
   arXiv:2410.21465; here from the post-RoPE keys of the whole context at every step: an upper bound for the sketch);
   ``P=1``: single tokens;
 - ``token_group``: single tokens per kv head (the max probability over its group);
+- ``token_layer``: the same, but one budget for the layer's kv heads (Ada-KV, Feng et al., 2024,
+  arXiv:2407.11550): the best ``middle * N_kv`` (kv head, key) pairs of the row;
 - ``token_head``: single tokens per query head.
 Scores here read every key (a page's statistics are computed on the fly): what a scorer could do
 with per-page statistics, not its cost. It runs the model's own attention (HF, sdpa for the prefill) with a registered attention function that masks the
@@ -41,7 +43,7 @@ from kvtier.models import load_model
 from kvtier.scopes.topk import gauss_mass
 
 SINKS, WINDOW, PREFIX = 4, 64, 2048
-MODES = ["exact", "mass16_all", "mass16_group", "mass4_group", "token_group", "token_head", "quest16_all", "mean16_all",
+MODES = ["exact", "mass16_all", "mass16_group", "mass4_group", "token_group", "token_layer", "token_head", "quest16_all", "mean16_all",
          "gauss16_all", "gauss16_group", "gauss4_group"]
 STATE = {"mode": "exact", "fraction": 0.2, "sketch_rank": 16, "tokens": None, "page_candidates": 0}
 
@@ -101,6 +103,10 @@ def keep_mask(logits: torch.Tensor, q: torch.Tensor, key: torch.Tensor, mode: st
     if middle <= 0:
         return forced.expand(B, H, 1, S)
     prob = torch.softmax(logits.float(), -1)[:, :, 0]  # [B, H, S]
+    if mode == "token_layer":  # one budget for the layer's kv heads (Ada-KV): the best middle * N_kv (head, key)
+        score = prob.view(B, n_kv, G, S).amax(2).masked_fill(blocked, float("-inf")).flatten(1)  # [B, N_kv S]
+        picked = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, score.topk(middle * n_kv, -1).indices, True)
+        return (picked.view(B, n_kv, 1, S).expand(B, n_kv, G, S).reshape(B, H, S) | forced)[:, :, None]
     if mode == "token_head":
         score = prob  # [B, H, S]
     elif mode == "token_group":
