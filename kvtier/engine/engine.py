@@ -48,7 +48,7 @@ from kvtier.engine.config import EngineConfig
 from kvtier.engine.feedback import Feedback
 from kvtier.engine.prefill import CAPTURE_TOKENS, Chunk, PrefillAttention
 from kvtier.engine.runner import LlamaRunner, make_runner
-from kvtier.engine.stats import AttentionStats, DeviceScores, KeyStats, QueryStats, SalienceStats
+from kvtier.stats import AttentionStats, DeviceScores, KeyStats, QueryStats, SalienceStats
 from kvtier.errors import ConfigError, KVTierError, TierFullError
 from kvtier.eval.fidelity import FidelityStats, attention_fidelity
 from kvtier.kernels.base import STAGED

@@ -15,7 +15,7 @@ iteration the calls of every layer whose pages are all on the device (they diffe
 those layers' K/V writes of the chunks' tokens go (:attr:`PrefillAttention.writes`).
 
 It also gives what the policy's statistics need: per page the salience of each chunk's last query row (one
-extra pass of those rows) and the attention mass of its newest rows (:func:`kvtier.engine.stats.page_mass`).
+extra pass of those rows) and the attention mass of its newest rows (:func:`kvtier.stats.page_mass`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtier.engine.stats import page_mass
+from kvtier.stats import page_mass
 from kvtier.errors import KVTierError
 from kvtier.kernels.base import PagedBatch, page_salience
 from kvtier.kernels.merge import merge_many
