@@ -14,7 +14,7 @@ from kvtier.errors import ConfigError
 from kvtier.hook import use_hook
 from kvtier.kernels.base import STAGED
 from kvtier.models import kv_layout_for, tiny_llama
-from kvtier.paged_io import read_tokens
+from kvtier.mover.paged_io import read_tokens
 from kvtier.policies import LRU, SinkWindow
 from kvtier.policies.base import PageInfo
 from kvtier.scheduler.base import MigrationPlan

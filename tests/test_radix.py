@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvtier import BlockTable, KVLayout
 from kvtier.errors import TierFullError
-from kvtier.paged_io import read_tokens, write_tokens
+from kvtier.mover.paged_io import read_tokens, write_tokens
 from kvtier.policies import LRU
 from kvtier.serve.radix import RadixCache
 from kvtier.tiers import DeviceTier, HostTier

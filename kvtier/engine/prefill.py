@@ -10,7 +10,7 @@ all start their sequences (cold prompts), a global layer's one causal call sees 
 where the pool holds the step's K/V as they are, it runs on their contiguous K/V instead
 (:func:`kvtier.kernels.own_causal.own_causal`, cuDNN). A call reads the device pool in
 place when all its pages are there, else one temporary pool gathered from their tiers
-(:meth:`kvtier.tiers.transfer.TransferEngine.gather`). :meth:`PrefillAttention.begin` plans once per
+(:meth:`kvtier.mover.transfer.TransferEngine.gather`). :meth:`PrefillAttention.begin` plans once per
 iteration the calls of every layer whose pages are all on the device (they differ only in slots), and where
 those layers' K/V writes of the chunks' tokens go (:attr:`PrefillAttention.writes`).
 

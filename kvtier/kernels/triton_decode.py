@@ -7,7 +7,7 @@ replayed every token while sequences grow, join and finish (only tensor contents
 A sequence's page ``p`` lives at ``block_table[b, p]``: ``x >= 0`` is slot ``x`` of the device
 pool, ``-STAGED < x < 0`` slot ``-x - 1`` of the pinned host pool, ``x <= -STAGED`` slot
 ``-x - STAGED`` of the pinned staging pool (disk and remote pages copied there before the step);
-host memory is read in place through its mapped (UVA) address (see :mod:`kvtier.tiers.copy_kernel`):
+host memory is read in place through its mapped (UVA) address (see :mod:`kvtier.mover.copy_kernel`):
 a miss costs PCIe bandwidth, not a sync. The sequence attends its listed pages (``page_list[b]``, one
 list per sequence or per (sequence, kv head), or all its logical pages), keys ``j < seq_len``, with a
 window ``j >= seq_len - 1 - window_left`` (FlashInfer semantics), with a token budget's spans
