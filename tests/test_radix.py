@@ -17,7 +17,7 @@ from kvtier import BlockTable, KVLayout
 from kvtier.errors import TierFullError
 from kvtier.mover.paged_io import read_tokens, write_tokens
 from kvtier.policies import LRU
-from kvtier.serve.radix import RadixCache
+from kvtier.radix import RadixCache
 from kvtier.tiers import DeviceTier, HostTier
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=2, page_size=4, dtype="float32")

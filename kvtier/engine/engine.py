@@ -46,6 +46,7 @@ from kvtier.checks import (check_decode_kernel, check_dense_layers, check_device
 from kvtier.compiling import compile_step, make_room
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.feedback import Feedback
+from kvtier.engine.pages import SequencePages
 from kvtier.engine.prefill import CAPTURE_TOKENS, Chunk, PrefillAttention
 from kvtier.engine.runner import LlamaRunner, make_runner
 from kvtier.errors import ConfigError, KVTierError, TierFullError
@@ -138,6 +139,7 @@ class Engine:
         self.scheduler = scheduler or LookaheadScheduler()
         check_scheduler(self.scheduler)
         self.table = BlockTable(layout, tiers)
+        self.pages = SequencePages(self.table, policy)  # what serving reads and holds of the table
         self.transfer = TransferEngine(self.table)
         self.device = tiers[0].device
         self.kernel = backend_for(kernel, self.device)
