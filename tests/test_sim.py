@@ -21,10 +21,9 @@ from kvtier.sim.cluster import Cluster, ClusterSpec, InstanceSpec, Offload, hbm_
 from kvtier.sim.costs import StepCosts
 from kvtier.sim.events import CausalityError, EventQueue
 from kvtier.sim.hardware import MODELS, Link
-from kvtier.sim.measured import SERVE_FILES, measured_rows
+from kvtier.sim.measured import SERVE_FILES, measured_rows, predict
 from kvtier.sim.placement import AttentionPattern, place
 from kvtier.sim.pool import BlockCache, Holders, Tier
-from kvtier.sim.validate import predict
 from kvtier.sim.workload import long_context_mix, prefix_hit_ideal, trace_workload
 
 BENCH = RECIPES.parents[1] / "bench" / "results"
