@@ -135,5 +135,6 @@ def test_layering(graph, importer, imported):
 def test_serving_reads_no_block_table():
     """serve/ reaches the engine's pages through Engine.pages, never an ``engine.table`` attribute."""
     reads = [f"{path.name}:{node.lineno}" for path in sorted((ROOT / "kvtier" / "serve").glob("*.py"))
-             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute) and node.attr == "table"]
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr == "table"]
     assert not reads, reads
