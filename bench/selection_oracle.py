@@ -38,7 +38,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from bench.common import write_json
 from kvtier.data import token_stream
-from kvtier.engine.stats import quest_bound
+from kvtier.stats import quest_bound
 from kvtier.models import load_model
 from kvtier.scopes.topk import gauss_mass
 
@@ -51,9 +51,9 @@ STATE = {"mode": "exact", "fraction": 0.2, "sketch_rank": 16, "tokens": None, "p
 def page_scores(scorer: str, prob: torch.Tensor, q: torch.Tensor, key: torch.Tensor, P: int) -> torch.Tensor:
     """Per (query head, page) scores ``[B, H, pages]`` of one decode query ``q [B, H, 1, D]`` (attention ``prob [B,
     H, S]``) over ``key [B, N_kv, S, D]``: ``mass`` the true attention mass (the oracle); ``quest`` Quest's bound
-    (:func:`kvtier.engine.stats.quest_bound`, Tang et al., 2024); ``mean`` q·(mean key); ``gauss`` the estimated
+    (:func:`kvtier.stats.quest_bound`, Tang et al., 2024); ``mean`` q·(mean key); ``gauss`` the estimated
     share of the head's attention that ``topk rank=gauss`` uses (:func:`kvtier.scopes.topk.gauss_mass`), from
-    each page's key statistics as :class:`~kvtier.engine.stats.KeyStats` keeps them."""
+    each page's key statistics as :class:`~kvtier.stats.KeyStats` keeps them."""
     B, H, S = prob.shape
     pages = -(-S // P)
     pad = pages * P - S

@@ -13,7 +13,7 @@ import argparse
 import torch
 
 from bench.common import bench_ms, pinned_bulk_ceiling, print_table, write_json
-from kvtier.tiers.copy_kernel import copy_pages
+from kvtier.mover.copy_kernel import copy_pages
 
 
 def methods(host, dev, hs, ds, staging):

@@ -29,7 +29,7 @@ def pay_for_key_stats(device_pages: int, scope, layout, tokens: int, field: str)
     """The device tier's pages once its budget paid for the key statistics ``scope`` keeps on the device to choose
     (Quest's bounds, the key sketch: :meth:`kvtier.engine.stats.KeyStats.bytes_per_token_for`) for ``tokens`` stored
     tokens; a policy's own statistics are not counted."""
-    from kvtier.engine.stats import KeyStats
+    from kvtier.stats import KeyStats
 
     if not scope.needs_keys:
         return device_pages

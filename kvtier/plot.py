@@ -59,7 +59,7 @@ def load_runs(root: Path) -> list[dict]:
         except (OSError, json.JSONDecodeError) as e:
             print(f"skipping {path}: {e}", file=sys.stderr)
             continue
-        if "score_name" not in m:  # a simulator run (experiment=sim_seed*): its own figure is in its folder
+        if "score_name" not in m:  # a simulator run (experiment=sim_*): its own figure is in its folder
             print(f"skipping {path}: no task score (a simulator run's figure is in its folder)", file=sys.stderr)
             continue
         m["_dir"] = str(path.parent.relative_to(root)) if path.parent != Path(root) else path.parent.name

@@ -69,7 +69,7 @@ CASES = {
     "unknown kernel": (lambda p: __import__("kvtier.kernels.registry", fromlist=["make_backend"]).make_backend("cutlass"),
                        "kernel"),
     "salience policy on flashinfer": (lambda p: flashinfer_with_aspe(), "kernel"),
-    "unknown transfer method": (lambda p: __import__("kvtier.tiers", fromlist=["TransferEngine"]).TransferEngine(
+    "unknown transfer method": (lambda p: __import__("kvtier.mover", fromlist=["TransferEngine"]).TransferEngine(
         cache().table, method="rdma"), "transfer.method"),
     "model path missing": (lambda p: __import__("kvtier.models", fromlist=["load_model"]).load_model(
         str(p / "no-such-model")), "model.path"),

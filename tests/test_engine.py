@@ -14,7 +14,7 @@ from kvtier.errors import ConfigError
 from kvtier.hook import use_hook
 from kvtier.kernels.base import STAGED
 from kvtier.models import kv_layout_for, tiny_llama
-from kvtier.paged_io import read_tokens
+from kvtier.mover.paged_io import read_tokens
 from kvtier.policies import LRU, SinkWindow
 from kvtier.policies.base import PageInfo
 from kvtier.scheduler.base import MigrationPlan
@@ -676,7 +676,7 @@ def test_attention_statistics_of_a_step_equal_a_loop_over_its_page_lists():
     shared lists give a page every head's mass, per-kv-head lists head g's own; idle rows and -1 entries add nothing;
     the ring keeps the last ``rows`` steps and the window their sum; a snapshot shown later reads as it was, a pid
     appended after it reads 0."""
-    from kvtier.engine.stats import AttentionStats
+    from kvtier.stats import AttentionStats
 
     rng = np.random.default_rng(3)
     L, N, B, M, cap, rows = 3, 2, 3, 6, 32, 2

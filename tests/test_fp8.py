@@ -17,10 +17,11 @@ from kvtier.kernels.base import PagedBatch  # noqa: E402
 from kvtier.kernels.reference import paged_attention_reference  # noqa: E402
 from kvtier.kernels.triton_decode import DecodeConfig, TritonBackend  # noqa: E402
 from kvtier.kernels.triton_prefill import PrefillConfig  # noqa: E402
-from kvtier.paged_io import read_tokens, write_tokens  # noqa: E402
+from kvtier.mover.paged_io import read_tokens, write_tokens  # noqa: E402
 from kvtier.quant import (FP8, FP8_MAX, dequantize, page_scales, page_values, pow2_scale,  # noqa: E402
                           quantize_pages, write_scaled)
-from kvtier.tiers import DeviceTier, HostTier, TransferEngine  # noqa: E402
+from kvtier.mover import TransferEngine  # noqa: E402
+from kvtier.tiers import DeviceTier, HostTier  # noqa: E402
 from kvtier.tiers.disk import DiskTier  # noqa: E402
 from kvtier.tiers.redis import RedisTier  # noqa: E402
 from kvtier.tiers.redis_server import LocalRedis  # noqa: E402

@@ -18,10 +18,11 @@ from kvtier import BlockTable, KVLayout
 from kvtier.errors import ConfigError
 from kvtier.kernels.base import PagedBatch
 from kvtier.kernels.reference import paged_attention_reference, static_decode_reference
-from kvtier.paged_io import read_tokens, write_tokens
+from kvtier.mover.paged_io import read_tokens, write_tokens
 from kvtier.quant import (FP8, INT8, channel_means, channel_steps, dequantize, page_values, quantize_pages,
                           step_exponent, step_of, write_scaled)
-from kvtier.tiers import DeviceTier, HostTier, TransferEngine
+from kvtier.mover import TransferEngine
+from kvtier.tiers import DeviceTier, HostTier
 from kvtier.tiers.disk import DiskTier
 from test_kernels_reference import rel_err
 from test_kernels_triton import assert_page_max, nan_empty

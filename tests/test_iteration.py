@@ -202,7 +202,7 @@ def test_drop_prefix_cache_gives_every_page_back(tiny):
         sched.iterate()
     sched.drop_prefix_cache()
     assert sched.tree.num_pages == 0 and not sched.engine.table.seqs
-    assert sched._free_pages() == sched.engine.table.tiers[0].capacity - 1  # all but the scratch page
+    assert sched.engine.pages.free_pages() == sched.engine.table.tiers[0].capacity - 1  # all but the scratch page
 
 
 def causal_reference(q, k, v, scale):

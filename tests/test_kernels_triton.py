@@ -257,10 +257,10 @@ def test_prefill_with_default_tiles_and_page_size_8():
     (132, 8192, 256, 128),  # large heads never take the 256-row tile
 ])
 def test_default_prefill_config_by_the_grid_it_gives(sms, tokens, head_dim, rows):
-    from kvtier.kernels import triton_decode
+    from kvtier.kernels import triton_prefill
     from kvtier.kernels.triton_prefill import default_prefill_config
 
-    with mock.patch.object(triton_decode, "num_multiprocessors", lambda device: sms):
+    with mock.patch.object(triton_prefill, "num_multiprocessors", lambda device: sms):
         assert default_prefill_config(tokens, 32, 8, head_dim, "cpu").block_m == rows
 
 
@@ -272,10 +272,10 @@ def test_default_prefill_config_by_the_grid_it_gives(sms, tokens, head_dim, rows
     (16, 32768, 8),  # at most eight splits
 ])
 def test_default_prefill_config_splits_the_keys_of_a_small_grid(tokens, keys, splits):
-    from kvtier.kernels import triton_decode
+    from kvtier.kernels import triton_prefill
     from kvtier.kernels.triton_prefill import default_prefill_config
 
-    with mock.patch.object(triton_decode, "num_multiprocessors", lambda device: 132):
+    with mock.patch.object(triton_prefill, "num_multiprocessors", lambda device: 132):
         assert default_prefill_config(tokens, 32, 8, 128, "cpu", keys).kv_splits == splits
 
 

@@ -72,7 +72,7 @@ def test_a_folder_without_runs_is_an_error(tmp_path, capsys):
 
 
 def test_a_simulator_run_beside_task_runs_is_left_out_by_name(sweep, capsys):
-    """An ``experiment=sim_seed*`` run's metrics.json has no task score: named on stderr and left out (a
+    """An ``experiment=sim_*`` run's metrics.json has no task score: named on stderr and left out (a
     KeyError before), and alone it is the no-runs error."""
     sim = sweep / "sim" / "metrics.json"
     sim.parent.mkdir()

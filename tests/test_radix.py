@@ -15,9 +15,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvtier import BlockTable, KVLayout
 from kvtier.errors import TierFullError
-from kvtier.paged_io import read_tokens, write_tokens
+from kvtier.mover.paged_io import read_tokens, write_tokens
 from kvtier.policies import LRU
-from kvtier.serve.radix import RadixCache
+from kvtier.radix import RadixCache
 from kvtier.tiers import DeviceTier, HostTier
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=2, page_size=4, dtype="float32")

@@ -6,7 +6,8 @@ from kvtier import BlockTable, KVLayout
 from kvtier.errors import ConfigError, TierFullError
 from kvtier.policies import ASPE, LRU, SinkWindow
 from kvtier.scheduler import LookaheadScheduler
-from kvtier.tiers import DeviceTier, HostTier, TransferEngine
+from kvtier.mover import TransferEngine
+from kvtier.tiers import DeviceTier, HostTier
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, page_size=4, dtype="float32")
 

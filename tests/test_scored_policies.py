@@ -11,7 +11,7 @@ import torch
 from kvtier import KVLayout, TokenBudget
 from kvtier.cache import TieredKVCache
 from kvtier.errors import ConfigError, KVTierError
-from kvtier.engine.stats import KeyStats, QueryStats
+from kvtier.stats import KeyStats, QueryStats
 from kvtier.policies import (H2O, LRU, PINNED, TOVA, Compose, ExpectedAttention, Knorm, PageInfo, Quest,
                              ScoredPolicy, SinkWindow, SnapKV)
 from kvtier.policies.h2o import AccumulatedAttention
@@ -516,7 +516,7 @@ def test_gauss_mass_is_the_log_normal_estimate_from_each_pages_keys():
 def test_gauss_choice_tracks_the_true_attention_mass_better_than_quests_bound():
     """On pages of Gaussian keys with different spreads, the pages ``rank=gauss`` picks hold more of the query's
     true attention mass than the pages of Quest's bound (which grows with every channel's range)."""
-    from kvtier.engine.stats import quest_bound
+    from kvtier.stats import quest_bound
     from kvtier.scopes.base import best_of
     from kvtier.scopes.topk import gauss_mass
 

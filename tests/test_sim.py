@@ -21,10 +21,9 @@ from kvtier.sim.cluster import Cluster, ClusterSpec, InstanceSpec, Offload, hbm_
 from kvtier.sim.costs import StepCosts
 from kvtier.sim.events import CausalityError, EventQueue
 from kvtier.sim.hardware import MODELS, Link
-from kvtier.sim.measured import SERVE_FILES, measured_rows
+from kvtier.sim.measured import SERVE_FILES, measured_rows, predict
 from kvtier.sim.placement import AttentionPattern, place
 from kvtier.sim.pool import BlockCache, Holders, Tier
-from kvtier.sim.validate import predict
 from kvtier.sim.workload import long_context_mix, prefix_hit_ideal, trace_workload
 
 BENCH = RECIPES.parents[1] / "bench" / "results"
@@ -301,7 +300,7 @@ def test_tiered_decode_step_pays_misses_and_unhidden_prefetch_over_the_link(cal)
 
 
 def test_sim_seed_recipe_runs_without_a_model(tmp_path):
-    overrides = ["experiment=sim_seed001", "task.plots=false", "task.options={requests: 40}"]
+    overrides = ["experiment=sim_pd_disaggregation", "task.plots=false", "task.options={requests: 40}"]
     with initialize_config_dir(str(RECIPES), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     m = execute(cfg, tmp_path / "run")
@@ -313,17 +312,17 @@ def test_sim_seed_recipe_runs_without_a_model(tmp_path):
 
 
 def test_a_setting_a_simulator_run_would_not_read_is_refused_by_name():
-    """experiment=sim_seed* loads no model: a sweep of the budget, a logger or a policy would give identical runs
+    """experiment=sim_* loads no model: a sweep of the budget, a logger or a policy would give identical runs
     (a multirun of two such runs differed only in its plot's path), so the command is refused naming the key."""
     from kvtier.run import job_configs
 
-    for args, key in ((["-m", "experiment=sim_seed001", "budget.fraction=0.2,0.3"], "budget.fraction"),
-                      (["experiment=sim_seed000", "logger=wandb"], "logger"),
-                      (["experiment=sim_seed002", "policy=lru"], "policy")):
+    for args, key in ((["-m", "experiment=sim_pd_disaggregation", "budget.fraction=0.2,0.3"], "budget.fraction"),
+                      (["experiment=sim_long_context_offload", "logger=wandb"], "logger"),
+                      (["experiment=sim_memory_managers", "policy=lru"], "policy")):
         with pytest.raises(ConfigError, match="loads no model") as e:
             list(job_configs(args))
         assert e.value.field == key
-    assert len(list(job_configs(["-m", "experiment=sim_seed001", "task.plots=true,false"]))) == 2
+    assert len(list(job_configs(["-m", "experiment=sim_pd_disaggregation", "task.plots=true,false"]))) == 2
 
 
 def test_sim_seed_refuses_unknown_seed_options_and_calibration():

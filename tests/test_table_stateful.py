@@ -16,10 +16,11 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 from kvtier import BlockTable, KVLayout
 from kvtier.errors import KVTierError, TierFullError
-from kvtier.paged_io import read_tokens, write_tokens
+from kvtier.mover.paged_io import read_tokens, write_tokens
 from kvtier.policies import ASPE
 from kvtier.scheduler import LookaheadScheduler
-from kvtier.tiers import DeviceTier, DiskTier, HostTier, TransferEngine
+from kvtier.mover import TransferEngine
+from kvtier.tiers import DeviceTier, DiskTier, HostTier
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, page_size=4, dtype="bfloat16")
 

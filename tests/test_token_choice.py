@@ -11,7 +11,7 @@ import torch
 from kvtier import KVLayout
 from kvtier.budget import TokenBudget
 from kvtier.engine import Engine, EngineConfig
-from kvtier.engine.stats import KeyStats
+from kvtier.stats import KeyStats
 from kvtier.errors import ConfigError
 from kvtier.kernels.registry import make_backend
 from kvtier.kernels.base import SCORE_BINS, SCORE_RANGE

@@ -9,9 +9,10 @@ import torch  # noqa: E402
 
 from kvtier import BlockTable, KVLayout  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
-from kvtier.paged_io import read_tokens, write_tokens  # noqa: E402
-from kvtier.tiers import DeviceTier, HostTier, TransferEngine  # noqa: E402
-from kvtier.tiers.copy_kernel import copy_pages  # noqa: E402
+from kvtier.mover.paged_io import read_tokens, write_tokens  # noqa: E402
+from kvtier.mover import TransferEngine  # noqa: E402
+from kvtier.mover.copy_kernel import copy_pages  # noqa: E402
+from kvtier.tiers import DeviceTier, HostTier  # noqa: E402
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="bfloat16")
 

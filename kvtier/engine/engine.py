@@ -11,7 +11,7 @@ A step is **plan -> run -> feedback**:
    static device buffers (:class:`~kvtier.scopes.base.StepView` reads them).
 2. run: the model forward (:mod:`kvtier.engine.runner`), eager or one CUDA-graph replay per batch
    bucket. A scope whose choice reads no query plans the page lists of each layer group at once; per
-   layer the attention module calls :meth:`Engine.store` (the K/V write, :mod:`kvtier.paged_io`) and
+   layer the attention module calls :meth:`Engine.store` (the K/V write, :mod:`kvtier.mover.paged_io`) and
    :meth:`Engine.attend`: the planned list (or the scope's pick for this layer's query), then one decode
    kernel (:func:`~kvtier.kernels.triton_decode.static_decode`, or its torch oracle) reads the pages where
    they live (device, pinned host, or disk/remote pages staged into pinned memory before the step) and
@@ -46,17 +46,18 @@ from kvtier.checks import (check_decode_kernel, check_dense_layers, check_device
 from kvtier.compiling import compile_step, make_room
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.feedback import Feedback
+from kvtier.engine.pages import SequencePages
 from kvtier.engine.prefill import CAPTURE_TOKENS, Chunk, PrefillAttention
 from kvtier.engine.runner import LlamaRunner, make_runner
-from kvtier.engine.stats import AttentionStats, DeviceScores, KeyStats, QueryStats, SalienceStats
 from kvtier.errors import ConfigError, KVTierError, TierFullError
 from kvtier.eval.fidelity import FidelityStats, attention_fidelity
-from kvtier.kernels.base import STAGED
 from kvtier.kernels.reference import TorchBackend
 from kvtier.kernels.registry import backend_for
 from kvtier.layout import KVLayout
 from kvtier.metrics import CacheStats, synchronize
-from kvtier.paged_io import read_tokens, store_rows, write_decode, write_tokens
+from kvtier.mover.paged_io import read_tokens, store_rows, write_decode, write_tokens
+from kvtier.mover.staging import Staging
+from kvtier.mover.transfer import TransferEngine
 from kvtier.policies.base import Policy
 from kvtier.policies.stats import NEEDS
 from kvtier.scheduler.base import Ranking, Scheduler, pairs
@@ -66,9 +67,9 @@ from kvtier.scopes import All, Resident, Scope, StepView, make_scope
 from kvtier.kernels.base import DROPPED
 from kvtier.scopes.base import KeyList, pages_of
 from kvtier.scopes.recall import RecallCache, admission_batches
+from kvtier.stats import AttentionStats, DeviceScores, KeyStats, QueryStats, SalienceStats
 from kvtier.table import BlockTable
 from kvtier.tiers.base import Tier, rank_in_layer
-from kvtier.tiers.transfer import TransferEngine
 from kvtier.window import out_of_window
 
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, CAPTURE_TOKENS)  # chunk tokens a captured iteration is padded to
@@ -138,6 +139,7 @@ class Engine:
         self.scheduler = scheduler or LookaheadScheduler()
         check_scheduler(self.scheduler)
         self.table = BlockTable(layout, tiers)
+        self.pages = SequencePages(self.table, policy)  # what serving reads and holds of the table
         self.transfer = TransferEngine(self.table)
         self.device = tiers[0].device
         self.kernel = backend_for(kernel, self.device)
@@ -225,7 +227,8 @@ class Engine:
         far = any(t.pool(0) is None for t in tiers[1:]) or len(tiers) > 2  # tiers the kernel cannot address
         # staged copies only for scopes that may read pages off the device (resident reads HBM only: memory stays
         # bounded by the tiers, as a long context through device -> host -> disk needs)
-        self.staging = _Staging(self) if far and not isinstance(self.scope, Resident) else None
+        self.staging = Staging(self.table, self.stats, self.host is not None, R * self.max_pages, on_gpu) \
+            if far and not isinstance(self.scope, Resident) else None
         self.scope.bind(self)
         self.recall = None
         if recall_slots:
@@ -1291,59 +1294,3 @@ def _pid_capacity(pages: int) -> int:
     while cap < pages:
         cap *= 2
     return cap
-
-
-class _Staging:
-    """Pinned copies of disk and remote pages that a step may read, kept until the page moves or goes:
-    ``pool(layer)`` ``[slots, 2, P, N_kv, D]``, addressed in the block table as ``-(STAGED + slot)``."""
-
-    def __init__(self, engine: Engine):
-        layout, tiers = engine.layout, engine.table.tiers
-        far = [t for i, t in enumerate(tiers) if i > 0 and not (i == 1 and engine.host is not None)]
-        self.capacity = min(sum(t.capacity for t in far), engine.config.max_batch * engine.max_pages)
-        pin = engine.device.type == "cuda"
-        self.pools = torch.zeros((layout.num_layers, self.capacity, *layout.page_shape), dtype=layout.kv_dtype,
-                                 pin_memory=pin)
-        self.where = [dict() for _ in range(layout.num_layers)]  # pid -> (slot, tier, tier slot)
-        self.free = [list(range(self.capacity - 1, -1, -1)) for _ in range(layout.num_layers)]
-        self.engine = engine
-
-    def pool(self, layer: int) -> torch.Tensor:
-        return self.pools[layer]
-
-    def encode(self, layers: np.ndarray, pids: np.ndarray) -> np.ndarray:
-        """Staged slots of ``pids`` ``[n]`` in ``layers`` ``[n]`` (read from their tier now where not staged at their
-        current place)."""
-        tiers, slots = self.engine.table.locate(layers, pids)
-        out, todo = np.empty(pids.size, dtype=np.int64), []
-        for i, (layer, pid, t, s) in enumerate(zip(layers.tolist(), pids.tolist(), tiers.tolist(), slots.tolist())):
-            where, free = self.where[layer], self.free[layer]
-            got = where.get(pid)
-            if got is not None and got[1:] == (t, s):
-                out[i] = got[0]
-                continue
-            if got is not None:
-                free.append(got[0])
-            if not free:
-                raise KVTierError(f"layer {layer}: the staging pool holds {self.capacity} disk/remote pages; a step "
-                                  "lists more: raise engine.max_batch's pages or keep fewer pages far away")
-            slot = free.pop()
-            where[pid] = (slot, t, s)
-            out[i] = slot
-            todo.append((layer, t, s, slot))
-        reads: dict[tuple, list] = {}  # (layer, tier) -> its todo entries
-        for x in todo:
-            reads.setdefault(x[:2], []).append(x)
-        for (layer, t), mine in reads.items():
-            tier = self.engine.table.tiers[t]
-            pages = tier.read(layer, torch.tensor([x[2] for x in mine]))
-            self.pools[layer][torch.tensor([x[3] for x in mine])] = pages.to(self.pools.device)
-            self.engine.stats.add_fetch(f"{tier.name}->staging", pages.numel() * pages.element_size())
-        return -(STAGED + out)
-
-    def forget(self, pids) -> None:
-        for layer, where in enumerate(self.where):
-            for pid in pids:
-                got = where.pop(int(pid), None)
-                if got is not None:
-                    self.free[layer].append(got[0])

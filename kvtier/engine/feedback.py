@@ -5,8 +5,8 @@ During a decode step each layer's kernel writes per listed page its max and log-
 logits into buffers allocated once (static addresses: a captured step writes the same memory every
 replay); :meth:`Feedback.observe` turns them into salience ``[B, K, N_kv]`` (max probability over the kv
 group) and attention mass (mean probability mass over the group) with the step's final LSE. When the step ends
-(:meth:`finish`, still device work) the mass is added to the policy's :class:`~kvtier.engine.stats.AttentionStats`.
-The salience goes to the policy's :class:`~kvtier.engine.stats.SalienceStats` the same way. After the step,
+(:meth:`finish`, still device work) the mass is added to the policy's :class:`~kvtier.stats.AttentionStats`.
+The salience goes to the policy's :class:`~kvtier.stats.SalienceStats` the same way. After the step,
 :meth:`record` copies the page lists and snapshots of the statistics to pinned host memory (no sync) and records an
 event; :meth:`take` waits for the steps the lookahead bound says are due, shows the policy the newest of their
 snapshots and hands it ``on_access`` per layer, with pids in each row's page order. A prefill chunk (eager) adds its

@@ -10,12 +10,12 @@ all start their sequences (cold prompts), a global layer's one causal call sees 
 where the pool holds the step's K/V as they are, it runs on their contiguous K/V instead
 (:func:`kvtier.kernels.own_causal.own_causal`, cuDNN). A call reads the device pool in
 place when all its pages are there, else one temporary pool gathered from their tiers
-(:meth:`kvtier.tiers.transfer.TransferEngine.gather`). :meth:`PrefillAttention.begin` plans once per
+(:meth:`kvtier.mover.transfer.TransferEngine.gather`). :meth:`PrefillAttention.begin` plans once per
 iteration the calls of every layer whose pages are all on the device (they differ only in slots), and where
 those layers' K/V writes of the chunks' tokens go (:attr:`PrefillAttention.writes`).
 
 It also gives what the policy's statistics need: per page the salience of each chunk's last query row (one
-extra pass of those rows) and the attention mass of its newest rows (:func:`kvtier.engine.stats.page_mass`).
+extra pass of those rows) and the attention mass of its newest rows (:func:`kvtier.stats.page_mass`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtier.engine.stats import page_mass
+from kvtier.stats import page_mass
 from kvtier.errors import KVTierError
 from kvtier.kernels.base import PagedBatch, page_salience
 from kvtier.kernels.merge import merge_many

@@ -184,7 +184,7 @@ def page_choice_reference(q: torch.Tensor, key_min: torch.Tensor, key_max: torch
     on the torch backend): Quest's bound of the pages ``pids [B, M]`` for ``q [B, (r,) H, D]``, max over the
     query heads (of ``kv_head``'s group), and the best ``k`` (at most ``count [B]``) candidates ``cand [B, M]``
     with a pid: ``[B, k]`` in page order, -1 none (:func:`kvtier.scopes.base.best_of`)."""
-    from kvtier.engine.stats import over_heads, page_bounds  # imported here: both packages import this module
+    from kvtier.stats import over_heads, page_bounds  # imported here: both packages import this module
     from kvtier.scopes.base import best_of
 
     q4 = q if q.dim() == 4 else q[:, None]  # [B, r, H, D]

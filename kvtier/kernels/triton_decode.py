@@ -7,7 +7,7 @@ replayed every token while sequences grow, join and finish (only tensor contents
 A sequence's page ``p`` lives at ``block_table[b, p]``: ``x >= 0`` is slot ``x`` of the device
 pool, ``-STAGED < x < 0`` slot ``-x - 1`` of the pinned host pool, ``x <= -STAGED`` slot
 ``-x - STAGED`` of the pinned staging pool (disk and remote pages copied there before the step);
-host memory is read in place through its mapped (UVA) address (see :mod:`kvtier.tiers.copy_kernel`):
+host memory is read in place through its mapped (UVA) address (see :mod:`kvtier.mover.copy_kernel`):
 a miss costs PCIe bandwidth, not a sync. The sequence attends its listed pages (``page_list[b]``, one
 list per sequence or per (sequence, kv head), or all its logical pages), keys ``j < seq_len``, with a
 window ``j >= seq_len - 1 - window_left`` (FlashInfer semantics), with a token budget's spans
@@ -41,7 +41,7 @@ from kvtier.errors import ConfigError
 from kvtier.kernels.base import (DROPPED as DROPPED_SLOT, STAGED as STAGED_SLOTS, AttentionBackend, AttentionOutput,
                                  PagedBatch, check_key_list, check_landing, to_device)
 from kvtier.kernels.triton_prefill import (LN2, LOG2E, PrefillConfig, check_page_size, dot_operand_dtype, finish_rows,
-                                           MIN_DOT, fit_shared_memory, int8_tile, merge_splits,
+                                           MIN_DOT, fit_shared_memory, int8_tile, merge_splits, num_multiprocessors,
                                            online_softmax_step, paged_prefill, plan_prefill, query_operand, value_operand)
 from kvtier.quant import INT8, is_scaled_pool
 
@@ -79,13 +79,6 @@ def default_decode_config(head_dim: int, kv_bytes: int = 2) -> DecodeConfig:
             return DecodeConfig(block_n=64, num_warps=4, num_stages=3, ctas_per_sm=4)
         return DecodeConfig(block_n=128, num_warps=4, num_stages=5, ctas_per_sm=2)
     return DecodeConfig(block_n=128 if kv_bytes == 1 else 64, maxnreg=128)
-
-
-def num_multiprocessors(device: torch.device) -> int:
-    """SM count of a CUDA device (4 under the interpreter, where it only sizes the splits)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
 
 
 @triton.jit

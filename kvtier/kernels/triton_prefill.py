@@ -217,14 +217,19 @@ MIN_SPLIT_KEYS = 1024  # ... into splits of at least this many keys
 MAX_KV_SPLITS = 8
 
 
+def num_multiprocessors(device: torch.device) -> int:
+    """SM count of a CUDA device (4 under the interpreter, where it only sizes the splits)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
 def default_prefill_config(tokens: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, device,
                            keys: int = 0) -> PrefillConfig:
     """The launch shape for a call of ``tokens`` queries over at most ``keys`` keys a sequence: the largest query
     tile whose grid (``tokens`` / tile queries x kv heads programs) still fills the multiprocessors as
     :data:`PREFILL_CONFIGS` asks (a short chunk takes small tiles: more programs over its prefix); a grid still
     under :data:`SPLIT_WAVES` programs per multiprocessor splits each tile's keys, a power of two of splits."""
-    from kvtier.kernels.triton_decode import num_multiprocessors
-
     sms = num_multiprocessors(torch.device(device))
     configs = PREFILL_CONFIGS[head_dim > 128:]
     programs = lambda c: -(-tokens // tile_rows(num_qo_heads, num_kv_heads, c.block_m)[1]) * num_kv_heads  # noqa: E731

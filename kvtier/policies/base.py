@@ -111,11 +111,11 @@ class Policy(ABC):
         return 0
 
     def bind(self, keys=None, queries=None) -> None:
-        """The engine's key and query statistics (:mod:`kvtier.engine.stats`), when :attr:`needs` them."""
+        """The engine's key and query statistics (:mod:`kvtier.stats`), when :attr:`needs` them."""
 
     def bind_attention(self, make) -> list:
         """Attention statistics the engine keeps on its device for this policy, when it :attr:`needs` them: ``make(rows,
-        keeps)`` returns an :class:`~kvtier.engine.stats.AttentionStats` (the newest ``rows`` query rows kept, the
+        keeps)`` returns an :class:`~kvtier.stats.AttentionStats` (the newest ``rows`` query rows kept, the
         fields ``keeps``) that the step adds to; the policy reads it and returns every one it made."""
         return []
 
@@ -125,13 +125,13 @@ class Policy(ABC):
 
     def bind_salience(self, make) -> list:
         """Salience statistics the engine keeps on its device for this policy, when it :attr:`needs_salience`:
-        ``make(window)`` returns a :class:`~kvtier.engine.stats.SalienceStats` (a ring of ``window`` steps) that the
+        ``make(window)`` returns a :class:`~kvtier.stats.SalienceStats` (a ring of ``window`` steps) that the
         step writes; the policy reads it and returns every one it made."""
         return []
 
     def bind_scores(self, make) -> list:
         """Scores the engine computes on its device after each step for this policy, when it scores there:
-        ``make(score)`` returns a :class:`~kvtier.engine.stats.DeviceScores` over ``score(pids) -> [L, pids]``; the
+        ``make(score)`` returns a :class:`~kvtier.stats.DeviceScores` over ``score(pids) -> [L, pids]``; the
         policy reads its snapshots and returns every one it made."""
         return []
 

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import torch
 
-from kvtier.engine.stats import quest_bound
+from kvtier.stats import quest_bound
 from kvtier.policies.scored import ScoredPolicy, Scorer
 
 

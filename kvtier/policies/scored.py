@@ -49,8 +49,8 @@ class Scorer:
         raise NotImplementedError
 
     def score_device(self, keys, queries, pids: int):
-        """Score pids ``0 .. pids-1`` from the engine's :class:`~kvtier.engine.stats.KeyStats` and
-        :class:`~kvtier.engine.stats.QueryStats` (None before the first attention call): ``[L, pids]`` torch, device
+        """Score pids ``0 .. pids-1`` from the engine's :class:`~kvtier.stats.KeyStats` and
+        :class:`~kvtier.stats.QueryStats` (None before the first attention call): ``[L, pids]`` torch, device
         ops only (no read back). A scorer that defines it is scored by the engine after each step and ranks from a
         snapshot of those scores, without waiting for the step in flight."""
         raise NotImplementedError
@@ -113,7 +113,7 @@ class ScoredPolicy(Policy):
         return self.scorer.rows
 
     def bind(self, keys=None, queries=None) -> None:
-        """The engine's key and query statistics (:mod:`kvtier.engine.stats`)."""
+        """The engine's key and query statistics (:mod:`kvtier.stats`)."""
         self.store.keys, self.store.queries = keys, queries
 
     def bind_attention(self, make) -> list:

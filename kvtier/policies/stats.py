@@ -4,8 +4,8 @@
 The store holds ASPE's salience history (max probability per page, summed over kv heads) and reads the engine's
 statistics, bound by the engine: observed attention per (layer, pid, kv head) (the exact probability mass a page
 received from a query row: the running sum over every observed row for H2O, the newest row for TOVA, the sum of the
-last ``rows`` rows for SnapKV; :class:`~kvtier.engine.stats.AttentionStats`, kept on the device by the step), and the
-key and query statistics (:mod:`kvtier.engine.stats`).
+last ``rows`` rows for SnapKV; :class:`~kvtier.stats.AttentionStats`, kept on the device by the step), and the
+key and query statistics (:mod:`kvtier.stats`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from kvtier.engine.stats import ATTENTION_FIELDS, AttentionStats, SalienceStats, pid_index
+from kvtier.stats import ATTENTION_FIELDS, AttentionStats, SalienceStats, pid_index
 from kvtier.errors import KVTierError
 from kvtier.policies.base import PageInfo, grown
 
@@ -37,9 +37,9 @@ class StatsStore:
         self.salience: SalienceStats | None = None  # bound by the engine, or made on the first hand-fed salience
         self.sal_last = np.full((num_layers, 64), np.nan, dtype=np.float32)  # [L, pids] the last windowed mean read
         self._step = 0
-        self.keys = None  # kvtier.engine.stats.KeyStats, bound by the engine
-        self.queries = None  # kvtier.engine.stats.QueryStats
-        self.scores = None  # kvtier.engine.stats.DeviceScores of a scorer that scores on the device, bound by the engine
+        self.keys = None  # kvtier.stats.KeyStats, bound by the engine
+        self.queries = None  # kvtier.stats.QueryStats
+        self.scores = None  # kvtier.stats.DeviceScores of a scorer that scores on the device, bound by the engine
 
     # -- events --------------------------------------------------------------------------------
     def on_step(self, step: int) -> None:

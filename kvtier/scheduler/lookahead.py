@@ -30,7 +30,7 @@ CACHED = np.finfo(np.float64).min  # the priority of a page only the prefix cach
 
 
 def cached_pages(table, live: np.ndarray) -> np.ndarray:
-    """Pages held by no sequence, only by a prefix cache (a :class:`~kvtier.serve.radix.RadixCache` reference)
+    """Pages held by no sequence, only by a prefix cache (a :class:`~kvtier.radix.RadixCache` reference)
     ``[m]``; ``live [n]``: every sequence's pages, each once."""
     if np.count_nonzero(table.ref) == live.size:
         return live[:0]

@@ -123,7 +123,7 @@ class Scope:
 
     def key_stats(self, layout) -> tuple[frozenset | None, int]:
         """A scope that ``needs_keys``: the key statistics it reads (None: every one,
-        :class:`~kvtier.engine.stats.KeyStats`) and the rank of the key sketch it keeps (0: none)."""
+        :class:`~kvtier.stats.KeyStats`) and the rank of the key sketch it keeps (0: none)."""
         return None, 0
 
     def bind(self, engine) -> None:

@@ -27,7 +27,7 @@ import torch
 from kvtier.compiling import compile_step
 from kvtier.kernels.base import at_host
 from kvtier.scopes.base import DROPPED
-from kvtier.tiers.copy_kernel import copy_pool_pages
+from kvtier.mover.copy_kernel import copy_pool_pages
 
 ADMIT_LAYERS = 8  # layers admitted together, once the last of them has attended
 

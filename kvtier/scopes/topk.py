@@ -38,7 +38,7 @@ import torch
 
 from kvtier.budget import TokenBudget
 from kvtier.compiling import compile_step
-from kvtier.engine.stats import over_heads, page_bounds
+from kvtier.stats import over_heads, page_bounds
 from kvtier.errors import ConfigError
 from kvtier.kernels.reference import key_choice_reference, page_choice_reference
 from kvtier.scopes.predict import make_predictor

@@ -1,7 +1,6 @@
-"""Serving on the engine: radix prefix cache, request scheduler, trace replay."""
+"""Serving on the engine: request scheduler (over the engine's radix prefix cache, :mod:`kvtier.radix`), trace replay."""
 
-from kvtier.serve.radix import PrefixMatch, RadixCache
 from kvtier.serve.scheduler import Request, ServeScheduler
 from kvtier.serve.task import ServeTrace
 
-__all__ = ["PrefixMatch", "RadixCache", "Request", "ServeScheduler", "ServeTrace"]
+__all__ = ["Request", "ServeScheduler", "ServeTrace"]

@@ -12,7 +12,7 @@ With scope ``all`` and no token budget a request whose uncached prompt suffix is
 radix hit of all but its last token) joins the decode rows at once, fed that token: its first token
 costs one decode step (:attr:`kvtier.engine.Engine.decodes_like_prefill`).
 
-A new request starts from the longest cached page-aligned prefix of its prompt (:class:`RadixCache`
+A new request starts from the longest cached page-aligned prefix of its prompt (:class:`~kvtier.radix.RadixCache`
 over the engine's block table, whichever tier the pages are in: prefill gathers them, decode reads
 host pages in place and the engine's scheduler promotes them). Its prompt pages enter the tree when
 its prefill ends, its generated pages when it finishes; pages no request holds are evicted from the
@@ -48,7 +48,7 @@ import torch
 
 from kvtier.errors import ConfigError, KVTierError, TierFullError
 from kvtier.engine import Engine
-from kvtier.serve.radix import PrefixMatch, RadixCache
+from kvtier.radix import PrefixMatch
 
 PREEMPT_MODES = ("auto", "recompute")
 
@@ -122,9 +122,9 @@ class ServeScheduler:
         if not isinstance(token_budget, int) or token_budget < engine.max_batch + 1:
             raise ConfigError("task.token_budget", f"must exceed max_batch={engine.max_batch} (one decode token "
                                                     f"per row, plus prefill), got {token_budget!r}")
-        device = engine.table.tiers[0]
-        if device.capacity - 1 < 2 * engine.max_batch:  # the scratch page, and each row's written and next page
-            raise ConfigError("task.max_batch", f"the device tier holds {device.capacity} pages per layer; serving "
+        device_pages = engine.pages.device_capacity
+        if device_pages - 1 < 2 * engine.max_batch:  # the scratch page, and each row's written and next page
+            raise ConfigError("task.max_batch", f"the device tier holds {device_pages} pages per layer; serving "
                                                  f"{engine.max_batch} rows needs at least {2 * engine.max_batch + 1}")
         if preempt not in PREEMPT_MODES:
             raise ConfigError("task.preempt", f"use one of {PREEMPT_MODES}, got {preempt!r}")
@@ -133,14 +133,14 @@ class ServeScheduler:
                                                    f"got {swap_tokens!r} with {preempt!r}")
         self.engine, self.budget, self.clock = engine, token_budget, clock
         self.swap_tokens, self.swap_used = swap_tokens, 0
-        self.tree = RadixCache(engine.table, engine.policy) if prefix_cache else None
+        self.tree = engine.pages.prefix_tree() if prefix_cache else None
         self.waiting: list[RequestState] = []  # arrival order, preempted ones back in their place
         self.active: list[RequestState] = []  # holding an engine row (prefilling or decoding)
         self.done: list[RequestState] = []
         self.stats = ServeStats()
         self.ahead = engine.lookahead >= 2  # one iteration in flight while the next is planned
-        if len(engine.table.tiers) > 1:  # room for a budget's chunk, made ahead: a prompt need not wait for copies
-            engine.keep_room(min(engine.layout.pages_for(token_budget) + 1, device.capacity // 4))
+        if engine.pages.tiered:  # room for a budget's chunk, made ahead: a prompt need not wait for copies
+            engine.keep_room(min(engine.layout.pages_for(token_budget) + 1, device_pages // 4))
         self.inflight: InFlight | None = None
 
     def submit(self, req: Request) -> RequestState:
@@ -189,7 +189,7 @@ class ServeScheduler:
         new = [out.logits.argmax(-1)] if decoding else []  # [B] on the device: each decode row's next token
         owners = [(s, self.engine.row_seq.index(s.seq)) for s in decoding]
         for (state, _), logits in zip(chunks, out.chunk_logits):
-            if self.engine.table.seq_len(state.seq) == len(state.tokens):  # its prompt is in
+            if self.engine.pages.seq_len(state.seq) == len(state.tokens):  # its prompt is in
                 first = logits[-1].argmax(-1, keepdim=True)  # [1] its first output token, on the device
                 if self._start_decode(state, first):
                     owners.append((state, sum(t.numel() for t in new)))
@@ -259,7 +259,7 @@ class ServeScheduler:
             if state.decoding:  # swapped back in: nothing to compute
                 continue
             tokens = state.tokens
-            done = self.engine.table.seq_len(state.seq)
+            done = self.engine.pages.seq_len(state.seq)
             if len(tokens) - done == 1 and not state.output and self.engine.decodes_like_prefill:
                 if not self._room(pages + 1):
                     break
@@ -267,7 +267,7 @@ class ServeScheduler:
                 budget -= 1
                 continue
             q = min(budget, len(tokens) - done)
-            need = self.engine.layout.pages_for(done + q) - self.engine.table.num_pages(state.seq)
+            need = self.engine.layout.pages_for(done + q) - self.engine.pages.num_pages(state.seq)
             if not self._room(pages + need):
                 break
             pages += need
@@ -301,14 +301,12 @@ class ServeScheduler:
         else:
             m = self.tree.match(tokens, max_tokens=len(tokens) - 1) if self.tree is not None else None
             held = m.pids if m is not None else np.zeros(0, dtype=np.int64)
-            self.engine.table.retain(held)  # making room must not evict the pages it matched
-            try:  # admitted only when its whole prompt fits: a partly prefilled victim is work thrown away
+            with self.engine.pages.held(held):  # making room must not evict the pages it matched
+                # admitted only when its whole prompt fits: a partly prefilled victim is work thrown away
                 room = self._room(self.engine.layout.pages_for(len(tokens)) - held.size)
                 if room:
                     shared = (m.pids, m.n_tokens) if m is not None else ((), 0)
                     state.seq, state.match = self.engine.open(len(tokens), *shared), m
-            finally:
-                self.engine.table.release(held)
             if not room:
                 return False
             if not state.preemptions:
@@ -323,8 +321,8 @@ class ServeScheduler:
         device tensor ``[1]``, or its last prompt token, whose output the next iteration emits). False when it
         resumes after a preemption: its next input is its last output, and ``first`` is not emitted."""
         if self.tree is not None:
-            n = self.engine.table.seq_len(state.seq)
-            self.tree.insert(state.held(n), self.engine.table.pages(state.seq), after=state.match)
+            n = self.engine.pages.seq_len(state.seq)
+            self.tree.insert(state.held(n), self.engine.pages.pids(state.seq), after=state.match)
         resumed = bool(state.output)
         self.engine.start_decode(state.seq, state.output[-1] if resumed else first)
         state.decoding = True
@@ -341,20 +339,16 @@ class ServeScheduler:
             finished.append(state)
 
     # -- memory --------------------------------------------------------------------------------
-    def _free_pages(self) -> int:
-        table = self.engine.table
-        return sum(min(t.num_free(layer) for layer in range(table.layout.num_layers)) for t in table.tiers)
-
     def _room(self, pages: int) -> bool:
         """Are ``pages`` (plus one per running request) free, after evicting the tree if needed?"""
         need = pages + sum(s.decoding for s in self.active)
-        if need > self._free_pages():
+        if need > self.engine.pages.free_pages():
             self.engine.reclaim()
-        short = need - self._free_pages()
+        short = need - self.engine.pages.free_pages()
         if short > 0 and self.tree is not None:
             self.tree.step = max(self.engine.step_idx, 0)
             self.tree.evict(short)
-        return self._free_pages() >= need
+        return self.engine.pages.free_pages() >= need
 
     def _make_room(self, finished: list) -> None:
         """Preempt the latest arrivals until the running requests' next pages fit."""
@@ -370,7 +364,7 @@ class ServeScheduler:
 
     def _preempt(self, state: RequestState) -> None:
         """Swap ``state`` out if it fits the swap space, else hand its pages to the tree and recompute."""
-        n = self.engine.table.seq_len(state.seq)
+        n = self.engine.pages.seq_len(state.seq)
         if state.decoding and self.swap_used + n <= self.swap_tokens:
             state.swapped = self.engine.read_sequence(state.seq, n)
             self.swap_used += n
@@ -387,12 +381,12 @@ class ServeScheduler:
     def _release(self, state: RequestState, keep: bool) -> None:
         """Drop ``state``'s sequence; with ``keep`` its full computed pages enter the radix tree first."""
         if keep and self.tree is not None:
-            n = self.engine.table.seq_len(state.seq)
-            self.tree.insert(state.held(n), self.engine.table.pages(state.seq), after=state.match)
+            n = self.engine.pages.seq_len(state.seq)
+            self.tree.insert(state.held(n), self.engine.pages.pids(state.seq), after=state.match)
         self.engine.finish(state.seq)
         self.active.remove(state)
         state.seq, state.match = None, None
 
     def _record(self) -> None:
-        occ = {t.name: t.num_used(0) for t in self.engine.table.tiers}
+        occ = self.engine.pages.used_by_tier()
         self.stats.occupancy.append((self.clock(), occ, self.tree.num_pages if self.tree is not None else 0))

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.errors import ConfigError
-from kvtier.serve.radix import RadixCache, splitmix64
+from kvtier.radix import RadixCache, splitmix64
 
 BLOCK = 512  # tokens per hash block in the Mooncake traces
 TRACES = ("conversation", "synthetic")

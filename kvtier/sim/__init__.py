@@ -3,8 +3,9 @@ at measured rates plus kvtier's engine overheads fitted on its benches (validate
 GPU kinds: ``python -m kvtier.sim.validate``).
 
 ``Cluster(ClusterSpec([...]), requests).run()`` -> a :class:`Ledger`; step costs from :class:`StepCosts` over a
-:class:`Calibration` (:func:`load_calibration`); the seeds' claims as ``kvtier-run experiment=sim_seed000|001|002``;
-a cluster with a shared KV pool as ``python -m kvtier.sim.kv_pool_cluster``.
+:class:`Calibration` (:func:`load_calibration`); the seeds' claims as ``kvtier-run experiment=sim_<scenario>``
+(``long_context_offload``, ``pd_disaggregation``, ``memory_managers``); a cluster with a shared KV pool as
+``python -m kvtier.sim.kv_pool_cluster``.
 """
 
 from kvtier.sim.calibration import Calibration, load_calibration

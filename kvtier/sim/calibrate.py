@@ -4,7 +4,7 @@ Hardware rates are read as measured (:func:`kvtier.sim.measured.hardware_rates`,
 benches). kvtier's engine parameters (:data:`~kvtier.sim.calibration.PARAMS`) are fitted on the kind's anchor
 rows, the rows :mod:`kvtier.sim.split` does not hold out, in three stages: the decode group, then recall, then
 prefill and serving together (a serve TTFT pays the scheduler's step, an ITL beside a chunk pays the chunk).
-Each stage is least squares on relative error with :func:`kvtier.sim.validate.predict`, the function validation
+Each stage is least squares on relative error with :func:`kvtier.sim.measured.predict`, the function validation
 uses, so the fit and the prediction cannot disagree about the formulas; a parameter the fit drives below zero is
 held at zero and the rest refitted.
 """
@@ -17,8 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.sim.calibration import NOISE_Z99, PARAMS, SHIPPED, Calibration
-from kvtier.sim.measured import BENCH_DIR, Measured, hardware_rates, measured_rows, read_json
-from kvtier.sim.validate import predict
+from kvtier.sim.measured import BENCH_DIR, Measured, hardware_rates, measured_rows, predict, read_json
 
 STAGES = (("decode",), ("recall",), ("prefill", "serving"))
 

@@ -1,5 +1,5 @@
-"""Long-context decode with most of the KV offloaded to CXL (seed 000, ``experiment=sim_seed000``): 512k-token
-contexts x batch 16 of Llama-3-70B (FP8) on an 8-GPU H100 node, 82% of the KV on a CXL tier behind HBM; the
+"""Long-context decode with most of the KV offloaded to CXL (seed 000, ``experiment=sim_long_context_offload``):
+512k-token contexts x batch 16 of Llama-3-70B (FP8) on an 8-GPU H100 node, 82% of the KV on a CXL tier behind HBM; the
 seed claims 1,420 tokens/s and a 98.4% tier-1 hit rate.
 
 A decode step attends a sparse share of each sequence's pages (``attended``: a top-k scope, as kvtier's
@@ -148,7 +148,7 @@ class LongContextOffload:
         result = {"hit_rates": {n: h for n, (h, _) in hits.items()}, "need_reuse": need_reuse, **f,
                   "table": claims_table(claims), "claims": [c.__dict__ for c in claims]}
         if out_dir is not None:
-            result["plot"] = str(self.plots(Path(out_dir) / "sim_seed000.png"))
+            result["plot"] = str(self.plots(Path(out_dir) / "long_context_offload.png"))
         return result
 
     def plots(self, path: Path) -> Path:

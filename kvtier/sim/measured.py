@@ -26,6 +26,9 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.errors import ConfigError
+from kvtier.sim.calibration import Calibration
+from kvtier.sim.costs import StepCosts
+from kvtier.sim.hardware import model_named
 from kvtier.sim.split import HELD_OUT
 
 BENCH_DIR = "bench/results"  # the bench JSONs bench/RESULTS.md cites, from the repository root
@@ -34,6 +37,8 @@ FIRST_SESSION = 20
 SERVE_FILES = {"H200": ("serve-s21-ttft.json", "serve-s24-itl.json", "serve-s22-goodput.json"),
                "H100": ("serve-s33-ttft-itl-final.json", "serve-s33-goodput.json")}
 GROUPS = ("decode", "recall", "prefill", "serving")
+PAGE = 16  # tokens per page in bench.e2e
+MIN_TOPK_PAGES = 16  # bench.e2e: topk attends max(pages x budget // 2, 16) pages per sequence
 
 
 @dataclass(frozen=True)
@@ -153,3 +158,24 @@ def hardware_rates(folder: str | Path, kind: str) -> dict:
     return {"hbm_GBps": float(np.median([d["hbm_read_GBps"] for d in e2e])),
             "bf16_tflops": float(np.median([d["tflops"] for d in serve])),
             "host_GBps": float(np.median([min(d["link"].values()) for d in e2e]))}
+
+
+def predict(row: Measured, cal: Calibration) -> float:
+    """The simulated time (ms) of ``row``'s configuration on kvtier's engine."""
+    k = row.case
+    c = StepCosts(cal, model_named(k["model"]))
+    if row.group in ("decode", "recall"):
+        B, S = k["batch"], k["context"]
+        if k["scope"] == "all":
+            return c.decode_ms(B, B * S, serve=False)
+        if k["scope"] == "resident":  # attends the device pages: the budget's share
+            return c.resident_ms(B, B * S * k["budget"], k["moved_MB"])
+        pages = max(int(S // PAGE * k["budget"]) // 2, MIN_TOPK_PAGES)
+        return c.recall_ms(B, B * pages * PAGE, k["moved_MB"])
+    if row.group == "prefill":
+        return c.prompt_ms(k["prompt"], k["cached"], k["chunk"])
+    keys = k["batch"] * k["context"]  # serving: one iteration's ITL, the median over the prompt's chunks beside it
+    if not k["chunk"]:
+        return c.decode_ms(k["batch"], keys)
+    return float(np.median([c.iteration_ms(k["batch"], keys, [(min(k["chunk"], k["prompt"] - s), s)])
+                            for s in range(0, k["prompt"], k["chunk"])]))

@@ -1,5 +1,5 @@
-"""Three KV memory managers on one 8-GPU node (seed 002, ``experiment=sim_seed002``): Llama-3-70B on 8 H100s;
-the seed's table: contiguous allocation (64 streams; TTFT p95 480 ms, ITL p99 28.4 ms, KV utilisation 38.2%),
+"""Three KV memory managers on one 8-GPU node (seed 002, ``experiment=sim_memory_managers``): Llama-3-70B on
+8 H100s; the seed's table: contiguous allocation (64 streams; TTFT p95 480 ms, ITL p99 28.4 ms, KV utilisation 38.2%),
 PagedAttention BF16 (256; 210 ms, 14.1 ms, 96.4%) and disaggregated FP8 paging (512; 128 ms, 8.2 ms, 98.8%),
 against its SLOs TTFT < 250 ms, ITL < 12 ms.
 
@@ -142,7 +142,7 @@ class MemoryManagers:
             ]
         result = {"engines": rows, "table": claims_table(claims), "claims": [c.__dict__ for c in claims]}
         if out_dir is not None:
-            result["plot"] = str(self.plots(Path(out_dir) / "sim_seed002.png"))
+            result["plot"] = str(self.plots(Path(out_dir) / "memory_managers.png"))
         return result
 
     def plots(self, path: Path) -> Path:

@@ -1,4 +1,5 @@
-"""SimSeed: the ``sim_seed000|001|002`` experiments' task. It loads no model (``needs_model``: the run path skips
+"""SimSeed: the task of the ``sim_long_context_offload``, ``sim_pd_disaggregation`` and ``sim_memory_managers``
+experiments (seeds 000, 001, 002). It loads no model (``needs_model``: the run path skips
 the model, engine and cache) and simulates the scenario a seed's claims describe, with a calibration."""
 
 from __future__ import annotations

@@ -18,36 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtier.sim.calibrate import calibrate
 from kvtier.sim.calibration import Calibration
-from kvtier.sim.costs import StepCosts
-from kvtier.sim.hardware import model_named
-from kvtier.sim.measured import BENCH_DIR, GROUPS, Measured, measured_rows
+from kvtier.sim.measured import BENCH_DIR, GROUPS, Measured, measured_rows, predict
 
 TARGET_MEDIAN, TARGET_WORST = 0.10, 0.25
 KINDS = ("H200", "H100")
-PAGE = 16  # tokens per page in bench.e2e
-MIN_TOPK_PAGES = 16  # bench.e2e: topk attends max(pages x budget // 2, 16) pages per sequence
-
-
-def predict(row: Measured, cal: Calibration) -> float:
-    """The simulated time (ms) of ``row``'s configuration on kvtier's engine."""
-    k = row.case
-    c = StepCosts(cal, model_named(k["model"]))
-    if row.group in ("decode", "recall"):
-        B, S = k["batch"], k["context"]
-        if k["scope"] == "all":
-            return c.decode_ms(B, B * S, serve=False)
-        if k["scope"] == "resident":  # attends the device pages: the budget's share
-            return c.resident_ms(B, B * S * k["budget"], k["moved_MB"])
-        pages = max(int(S // PAGE * k["budget"]) // 2, MIN_TOPK_PAGES)
-        return c.recall_ms(B, B * pages * PAGE, k["moved_MB"])
-    if row.group == "prefill":
-        return c.prompt_ms(k["prompt"], k["cached"], k["chunk"])
-    keys = k["batch"] * k["context"]  # serving: one iteration's ITL, the median over the prompt's chunks beside it
-    if not k["chunk"]:
-        return c.decode_ms(k["batch"], keys)
-    return float(np.median([c.iteration_ms(k["batch"], keys, [(min(k["chunk"], k["prompt"] - s), s)])
-                            for s in range(0, k["prompt"], k["chunk"])]))
 
 
 @dataclass
@@ -97,8 +73,6 @@ def table(checked: list[Checked], title: str) -> str:
 
 def validation(folder: str | Path = BENCH_DIR) -> dict:
     """Same-GPU and cross-hardware checks of every kind's rows (see the module docstring); ``tables`` holds them."""
-    from kvtier.sim.calibrate import calibrate
-
     cals = {kind: calibrate(folder, kind) for kind in KINDS}
     rows = {kind: measured_rows(folder, kind) for kind in KINDS}
     same = {kind: check_rows(cals[kind], rows[kind]) for kind in KINDS}

@@ -9,7 +9,7 @@ only full pages are shared, so no sequence ever writes into them; a sequence for
 copies that page on its first write (the table's copy-on-write).
 
 Without a table (``table=None``) the tree is a prefix index only: nodes keep the ids they are given and
-nothing is retained or freed (trace statistics, :mod:`kvtier.serve.trace`).
+nothing is retained or freed (trace statistics, :mod:`kvtier.serve.trace`, and the simulator).
 
 Eviction is leaf-first (a prefix outlives its extensions) and takes only pages no sequence holds;
 among those leaves the order is the tier policy's (lowest :meth:`Policy.priority` first, over the

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.errors import ConfigError
 from kvtier.kernels.base import to_device
-from kvtier.tiers.copy_kernel import copy_pages
+from kvtier.mover.copy_kernel import copy_pages
 
 if TYPE_CHECKING:
     from kvtier.table import BlockTable
