@@ -27,7 +27,7 @@ def device_pages_needed(policy, page_size: int, chunk_tokens: int, batch_size: i
 
 def pay_for_key_stats(device_pages: int, scope, layout, tokens: int, field: str) -> int:
     """The device tier's pages once its budget paid for the key statistics ``scope`` keeps on the device to choose
-    (Quest's bounds, the key sketch: :meth:`kvtier.engine.stats.KeyStats.bytes_per_token_for`) for ``tokens`` stored
+    (Quest's bounds, the key sketch: :meth:`kvtier.stats.KeyStats.bytes_per_token_for`) for ``tokens`` stored
     tokens; a policy's own statistics are not counted."""
     from kvtier.stats import KeyStats
 

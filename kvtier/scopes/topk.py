@@ -12,7 +12,7 @@ sinks, the window and the budget's middle in keys; without one, ``scope.sinks``,
 
 ``unit="page"`` keeps the page choices (under a token budget's middle, or ``pages`` without one): ``rank="quest"``
 is Quest (Tang et al., 2024, arXiv:2406.10774): the pages with the largest upper bound of q·k from each page's
-elementwise key min/max (the engine's :class:`~kvtier.engine.stats.KeyStats`, by pid), two Triton launches a layer
+elementwise key min/max (the engine's :class:`~kvtier.stats.KeyStats`, by pid), two Triton launches a layer
 (:mod:`kvtier.kernels.triton_page_choice`, oracle :func:`~kvtier.kernels.reference.page_choice_reference`);
 ``rank="quest_head"`` (each query head's bounds as a softmax over the candidates, max over heads), ``rank="gauss"``
 (each page's attention mass estimated from its keys' channel means and variances: :func:`gauss_mass`),
@@ -331,7 +331,7 @@ def forced_pages(table: torch.Tensor, lens: torch.Tensor, window: int, page_size
 def gauss_mass(q: torch.Tensor, keys, layer: int, pids: torch.Tensor, live: torch.Tensor,
                cand: torch.Tensor) -> torch.Tensor:
     """Each candidate page's share of a head's attention ``[B, M, H]`` (0 for the others) for the query ``q [B, H,
-    D]``, estimated from the page's key statistics (``keys``: :class:`~kvtier.engine.stats.KeyStats`; pids ``[B, M]``,
+    D]``, estimated from the page's key statistics (``keys``: :class:`~kvtier.stats.KeyStats`; pids ``[B, M]``,
     the row's pages ``live [B, M]``, ``cand [B, M]``) with q·k taken as Gaussian over the page's keys (channel
     means mu and variances var, channels independent): log sum_t exp(s q·k_t) ~ log n + s q·mu + s^2 / 2 sum_d
     q_d^2 var_d, ``s = D^-1/2``, normalised over every live page (sinks and window included: a head that attends
