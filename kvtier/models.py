@@ -309,6 +309,9 @@ def kv_layout_for(config, page_size: int = 16, dtype: str | torch.dtype = torch.
     """KVLayout (pages ``[2, page_size, num_kv_heads, head_dim]``, per-layer sliding windows) of a HF
     model config, pages stored as ``kv_dtype`` (None: ``dtype``; ``"fp8_e4m3"``, ``"int8"``: 8-bit with scales);
     UnsupportedAttentionError if kvtier cannot honour the model's attention."""
+    if isinstance(config, torch.nn.Module):
+        raise ConfigError("config", f"kv_layout_for takes the model's config (model.config), got the model "
+                                    f"{type(config).__name__}")
     _, kv_heads, head_dim = attention_dims(config)
     check_model_support(config)
     return KVLayout(num_layers=config.num_hidden_layers, num_kv_heads=kv_heads, head_dim=head_dim,
