@@ -143,7 +143,8 @@ def cli_cases() -> list[Case]:
         cli("passkey max_new_tokens zero", "task=passkey task.context_tokens=256 task.max_new_tokens=0",
             "task.max_new_tokens", value="0"),
         cli("needle depth negative", "task=needle task.depths=[-0.5]", "task.depths", value="-0.5"),
-        cli("ruler unknown subtask", "task=ruler task.tasks=[niah_nope]", "task", value="niah_nope"),
+        cli("ruler unknown subtask", "task=ruler task.length=256 task.subtasks=[niah_nope]", "task.subtasks",
+            value="niah_nope"),
         # budget
         cli("budget.fraction zero", "budget.fraction=0", "budget.fraction", value="0"),
         cli("budget.fraction 2", "budget.fraction=2", "budget.fraction", value="2"),

@@ -137,7 +137,8 @@ def plan(cfg: DictConfig) -> Plan:
     if not getattr(task, "needs_model", True):  # nothing of the model, tiers or cache is built
         return Plan({"task": task.name}, 0, 0, {}, None, needs_model=False)
     build(cfg.model, "model", call=False)  # the model's device first: other nodes read it
-    check_load_args(cfg.model.get("dtype"), cfg.model.get("device", "cpu"))
+    model = cfg.model
+    check_load_args(model.get("dtype"), model.get("device", "cpu"), model.get("attn_implementation", "sdpa"))
     prefill = build(cfg.scheduler.prefill, "scheduler.prefill")
     build(cfg.scheduler.placement, "scheduler.placement")
     build(cfg.logger, "logger")

@@ -262,10 +262,19 @@ def load_config(path: str | None = None, id: str | None = None, revision: str = 
     return folder, config
 
 
-def check_load_args(dtype: str, device: str | torch.device) -> None:
-    """ConfigError unless ``dtype`` is one of :data:`MODEL_DTYPES` and ``device`` a torch device present here."""
+def check_load_args(dtype: str, device: str | torch.device, attn_implementation: str = "sdpa") -> None:
+    """ConfigError unless ``dtype`` is one of :data:`MODEL_DTYPES`, ``device`` a torch device present here and
+    ``attn_implementation`` one transformers (or kvtier's hook) offers."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from kvtier.compat import ATTN_NAME
+
     if dtype not in MODEL_DTYPES:
         raise ConfigError("model.dtype", f"unsupported dtype {dtype!r}; use one of {sorted(MODEL_DTYPES)}")
+    offered = sorted({"eager", ATTN_NAME, *ALL_ATTENTION_FUNCTIONS.keys()})
+    if attn_implementation not in offered:
+        raise ConfigError("model.attn_implementation", f"unknown attention {attn_implementation!r}; use one of "
+                                                       f"{offered}")
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -288,7 +297,7 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
 
     from kvtier.compat import ATTN_NAME
 
-    check_load_args(dtype, device)
+    check_load_args(dtype, device, attn_implementation)
     folder, config = load_config(path, id, revision)
     if attn_implementation == ATTN_NAME:
         check_model_support(config)

@@ -9,7 +9,7 @@ from bench import front_sweep as sweep
 
 CLI = [  # each was a traceback, a wrong key or a check after the model loaded on main before this sweep (the issue's
     # own cases are held by tests/test_trust.py and tests/test_bad_configs.py); then a few of the wordings
-    "model.device tpu", "host.pin_memory text", "placement not a scheduler", "scope.pages under resident",
+    "model.device tpu", "model.attn_implementation bogus", "host.pin_memory text", "placement not a scheduler", "scope.pages under resident",
     "cache.fidelity maybe", "engine.compile maybe", "cache.attend_budget window over budget",
     "disk.size over the free disk", "page_size over context",
     "task.length 2", "host.capacity", "disk.fraction zero", "remote.url password, nothing answers",
