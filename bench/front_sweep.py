@@ -28,6 +28,7 @@ import contextlib
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -663,6 +664,8 @@ def run_cli(argv: list[str], cwd: Path) -> dict:
     finally:
         run.build_model, sys.argv = build_model, argv_before
         os.chdir(before)
+    if code in (128 + signal.SIGTERM, 128 + signal.SIGINT):  # the sweep itself was stopped (main turns it into an exit)
+        raise SystemExit(code)
     metrics = [json.loads(p.read_text()) for p in sorted(cwd.rglob("metrics.json"))]
     return {"code": code, "text": out.getvalue(), "loaded": bool(loaded), "metrics": metrics}
 
