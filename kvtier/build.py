@@ -11,8 +11,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import re
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
@@ -79,7 +80,11 @@ def build(node, field: str, call: bool = True, kind: type | None = None, **given
         public = f"{kind.__module__.rpartition('.')[0]}.{kind.__name__}"
         raise ConfigError(f"{field}._target_", f"{node._target_} is not a {kind.__name__}: {field.split('.')[0]} "
                                                f"takes a subclass of {public}")
-    signature = inspect.signature(target)
+    try:
+        signature = inspect.signature(target)
+    except (ValueError, TypeError):  # a builtin whose arguments Python cannot list
+        raise ConfigError(f"{field}._target_", f"{node._target_} is not a class kvtier can build (its arguments "
+                                               "cannot be read)") from None
     for key in (k for k in node if k in given):  # what kvtier gives the constructor itself
         sizing = f": size it with {field}.fraction or {field}.size (the device tier: with budget.*)" \
             if key == "capacity" else ""
@@ -87,8 +92,11 @@ def build(node, field: str, call: bool = True, kind: type | None = None, **given
     try:
         signature.bind_partial(**given, **{k: None for k in node if not k.startswith("_")})
     except TypeError as e:
-        raise ConfigError(field, f"{str(e).split('() ')[-1]}: {node._target_} takes {list(signature.parameters)}, "
-                                 f"kvtier gives {list(given)}") from None
+        unknown = re.search(r"unexpected keyword argument '(\w+)'", str(e))
+        raise ConfigError(f"{field}.{unknown[1]}" if unknown else field,
+                          f"{str(e).split('() ')[-1]}: {node._target_} takes {list(signature.parameters)}, "
+                          f"kvtier gives {list(given)}") from None
+    check_flags(signature, node, field)
     if not call:
         return target
     try:  # objects (layout, tiers) go to the partial: instantiate would turn them into configs
@@ -99,6 +107,19 @@ def build(node, field: str, call: bool = True, kind: type | None = None, **given
             raise ConfigError(field, str(cause or e)) from e
         key = cause.field if cause.field.startswith(field) else f"{field}.{cause.field.rsplit('.', 1)[-1]}"
         raise ConfigError(key, str(cause).split(": ", 1)[-1]) from None
+
+
+FLAG_KINDS = (bool, "bool", "bool | None", "Optional[bool]", Optional[bool], bool | None)  # a flag's annotations
+
+
+def check_flags(signature: inspect.Signature, node: DictConfig, field: str) -> None:
+    """Each key of ``node`` whose parameter is annotated ``bool`` (``bool | None``) holds true or false (or null)."""
+    for key, value in node.items():
+        param = signature.parameters.get(key)
+        kind = param.annotation if param is not None else None
+        if kind in FLAG_KINDS and not isinstance(value, bool) and not (value is None and kind not in (bool, "bool")):
+            raise ConfigError(f"{field}.{key}", f"must be true or false{'' if kind in (bool, 'bool') else ' or null'}"
+                                                f", got {value!r}")
 
 
 def label(node) -> str:
@@ -115,14 +136,15 @@ def plan(cfg: DictConfig) -> Plan:
     scope = build(cfg.scope, "scope", call=False, kind=Scope)
     if not getattr(task, "needs_model", True):  # nothing of the model, tiers or cache is built
         return Plan({"task": task.name}, 0, 0, {}, None, needs_model=False)
+    build(cfg.model, "model", call=False)  # the model's device first: other nodes read it
+    model = cfg.model
+    check_load_args(model.get("dtype"), model.get("device", "cpu"), model.get("attn_implementation", "sdpa"))
     prefill = build(cfg.scheduler.prefill, "scheduler.prefill")
     build(cfg.scheduler.placement, "scheduler.placement")
     build(cfg.logger, "logger")
     kernel = build(cfg.kernel, "kernel")
     check_salience(policy, kernel)
     check_decode_kernel(kernel)
-    build(cfg.model, "model", call=False)
-    check_load_args(cfg.model.get("dtype"), cfg.model.get("device", "cpu"))
     _, config = load_config(cfg.model.get("path"), cfg.model.get("id"), cfg.model.get("revision", "main"))
     layout = kv_layout_for(config, page_size=recipe.page_size, dtype=cfg.model.dtype, kv_dtype=recipe.kv_dtype)
     check_positions(task, config)
@@ -158,7 +180,7 @@ def budget_for(budget, task, page_size: int, page_bytes: int):
         tokens, context = (pages - 1) * page_size + 1, task.context_tokens
         if tokens > context:
             return f"that is more than the task's whole context (task.{task.context_key}={context} tokens): give it " \
-                   "a longer one"
+                   f"a longer one{f', or smaller pages (page_size={page_size})' if page_size >= context else ''}"
         if budget.key == "budget.fraction":
             least = math.ceil(tokens / context * 1000) / 1000
             return f"set budget.fraction >= {least:g} ({tokens} of the {context} tokens of task.{task.context_key}; " \
@@ -209,7 +231,7 @@ def size_stack(stack: DictConfig, layout: KVLayout, policy: Policy, scope_for: C
             in_memory[sizing] = (capacities[name] * page_bytes, place)
     device, scratch = next(iter(capacities.values())), int(rows > 1)
     check_device_room(device, policy, P, chunk, key, copies, scratch, "the scratch slot of the batch's idle rows",
-                      give=give if device == copies * budget_pages else None)  # the device is the budget's
+                      give=give if device == copies * budget_pages else None, settable=False)  # the budget's
     check_stack(capacities, copies * pages)
     check_memory(in_memory)
     check_recall_room(device - scratch, policy, P, scope, rows)
@@ -260,7 +282,14 @@ def attend_budget(cfg: DictConfig, budget: int, page_size: int) -> TokenBudget |
     c = cfg.cache
     if not c.attend_budget:
         return None
-    return TokenBudget(budget, c.sinks, budget - c.sinks if c.window is None else c.window, page_size, c.mode)
+    try:
+        return TokenBudget(budget, c.sinks, budget - c.sinks if c.window is None else c.window, page_size, c.mode)
+    except ConfigError as e:  # the budget's tokens are the budget.* keys' (checked); sinks and window are the cache's
+        if e.field != "budget":
+            raise
+        raise ConfigError("cache.window", f"the budget's {budget} tokens cannot hold cache.sinks={c.sinks} + "
+                                          f"cache.window={c.window}: lower cache.window (or cache.sinks), or raise "
+                                          "the budget") from None
 
 
 _LOADED: dict = {}  # one loaded model, reused by the jobs of a multirun in this process

@@ -14,6 +14,7 @@ import torch
 
 from kvtier.budget import TokenBudget, token_budget
 from kvtier.cache_base import ACTIVE_CACHE, STEP_MASK
+from kvtier.checks import check_engine_args
 from kvtier.compat import PagedCacheBase
 from kvtier.engine import Engine, EngineConfig
 from kvtier.errors import ConfigError, KVTierError
@@ -46,12 +47,17 @@ def cache_scope(scope, pages: int | None, sinks: int | None, budget: TokenBudget
     """The cache's scope: a :class:`~kvtier.scopes.Scope` as given, or the one named ``scope``; ``topk`` takes TopK's
     ``options`` (its ``pages``: ``pages``, else ``device_pages``; its ``sinks``: ``sinks``, else the token budget's,
     else 4), no other scope takes any."""
+    if unknown := sorted(set(options) - TOPK_OPTIONS):
+        raise ConfigError(unknown[0], f"is no keyword of the cache nor an option of scope 'topk' (which takes "
+                                      f"{sorted(TOPK_OPTIONS | {'topk_pages', 'sinks'})})")
     if scope == "topk":
-        if unknown := sorted(set(options) - TOPK_OPTIONS):
-            raise ConfigError(f"scope.{unknown[0]}", f"is not an option of scope 'topk'; it takes "
-                                                     f"{sorted(TOPK_OPTIONS | {'topk_pages', 'sinks'})}")
-        return TopK(device_pages if pages is None else pages,
-                    sinks=sinks if sinks is not None else budget.sinks if budget is not None else 4, **options)
+        try:
+            return TopK(device_pages if pages is None else pages,
+                        sinks=sinks if sinks is not None else budget.sinks if budget is not None else 4, **options)
+        except ConfigError as e:  # TopK names its recipe key; this door's keyword for it is topk_pages
+            if e.field != "scope.pages" or pages is None:
+                raise
+            raise ConfigError("topk_pages", str(e).split(": ", 1)[1]) from None
     given = [k for k, v in (("topk_pages", pages), ("sinks", sinks)) if v is not None] + list(options)
     if given:
         sinks_hint = " (a token budget's sinks: budget=kvtier.TokenBudget(tokens, sinks=...))" \
@@ -93,6 +99,7 @@ class TieredKVCache(PagedCacheBase):
                 raise ConfigError(key, f"must be an integer >= 1, got {value!r}")
         if batch_size % expand:
             raise ConfigError("expand", f"the batch's {batch_size} rows are not runs of {expand} rows of one prompt")
+        check_engine_args(None, layout, None, exact_prefill=exact_prefill, fidelity=fidelity)
         budget = token_budget(budget, layout.page_size)
         scope = cache_scope(scope, topk_pages, sinks, budget, topk)
         super().__init__(layout)

@@ -9,15 +9,49 @@ import re
 
 from kvtier.errors import ConfigError
 
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15, "ki": 2**10, "mi": 2**20, "gi": 2**30,
+          "ti": 2**40, "pi": 2**50}
 
 
 def parse_bytes(value, field: str) -> int:
-    """Bytes in ``value``: an integer, or a number and a unit (B, KB/MB/GB/TB, KiB/MiB/GiB/TiB)."""
-    m = None if isinstance(value, bool) else re.fullmatch(r"\s*(\d*\.?\d+)\s*([kmgt]i?)?b?\s*", str(value), re.I)
+    """Bytes in ``value``: an integer, or a number and a unit (B, KB/MB/GB/TB/PB, KiB/MiB/GiB/TiB/PiB)."""
+    m = None if isinstance(value, bool) else re.fullmatch(r"\s*(\d*\.?\d+)\s*([kmgtp]i?)?b?\s*", str(value), re.I)
     if m is None or int(float(m[1]) * _UNITS[(m[2] or "").lower()]) < 1:
         raise ConfigError(field, f"{value!r} is not a size; write e.g. 8GiB, 512MB or a number of bytes")
     return int(float(m[1]) * _UNITS[(m[2] or "").lower()])
+
+
+def check_engine_args(model, layout, config, **flags) -> None:
+    """What an :class:`~kvtier.engine.Engine` (and a ``TieredKVCache``, through it) is given, checked by kind before
+    anything is allocated: ``model`` None or a Hugging Face model whose KV ``layout`` is (a
+    :class:`~kvtier.layout.KVLayout`: layers, kv heads, head size as its config's), ``config`` an EngineConfig or
+    None, each of ``flags`` (``exact_prefill=...``) true or false."""
+    from kvtier.engine.config import EngineConfig
+    from kvtier.layout import KVLayout
+
+    if not isinstance(layout, KVLayout):
+        raise ConfigError("layout", f"must be a kvtier.KVLayout (e.g. kvtier.kv_layout_for(model.config)), got "
+                                    f"{type(layout).__name__}")
+    if config is not None and not isinstance(config, EngineConfig):
+        raise ConfigError("config", f"must be a kvtier.EngineConfig (e.g. EngineConfig(max_batch=4)), got "
+                                    f"{type(config).__name__}")
+    for key, value in flags.items():
+        if not isinstance(value, bool):
+            raise ConfigError(f"cache.{key}", f"must be True or False, got {type(value).__name__} {value!r}")
+    if model is None:
+        return
+    config = getattr(model, "config", None)
+    if not callable(getattr(model, "forward", None)) or not hasattr(config, "num_hidden_layers"):
+        raise ConfigError("model", f"must be a Hugging Face causal LM (e.g. from kvtier.load_model()) or None, got "
+                                   f"{type(model).__name__}")
+    from kvtier.models import attention_dims
+
+    _, kv_heads, head_dim = attention_dims(config)
+    want = (config.num_hidden_layers, kv_heads, head_dim)
+    if (layout.num_layers, layout.num_kv_heads, layout.head_dim) != want:
+        raise ConfigError("layout", f"has {layout.num_layers} layers of {layout.num_kv_heads} kv heads x "
+                                    f"{layout.head_dim}, the model {want[0]} of {want[1]} x {want[2]}: make it "
+                                    f"with kvtier.kv_layout_for(model.config)")
 
 
 def device_pages_needed(policy, page_size: int, chunk_tokens: int, batch_size: int = 1) -> int:
@@ -43,10 +77,10 @@ def pay_for_key_stats(device_pages: int, scope, layout, tokens: int, field: str)
 
 
 def check_device_room(capacity: int, policy, page_size: int, chunk_tokens: int, field: str,
-                      batch_size: int = 1, taken: int = 0, by: str = "", give=None) -> None:
-    """What the ``capacity`` device pages leave once ``taken`` of them went elsewhere (``by``: to what, said) holds
-    :func:`device_pages_needed`. ``give(pages)``: the setting of ``field`` that gives the device that many pages (for
-    the message; default: the pages and tokens)."""
+                      batch_size: int = 1, taken: int = 0, by: str = "", give=None, settable: bool = True) -> None:
+    """What the ``capacity`` device pages leave once ``taken`` of them went elsewhere (``by``: to what, said; a
+    setting unless not ``settable``) holds :func:`device_pages_needed`. ``give(pages)``: the setting of ``field`` that
+    gives the device that many pages (for the message; default: the pages and tokens)."""
     need = device_pages_needed(policy, page_size, chunk_tokens, batch_size)
     if capacity - taken >= need:
         return
@@ -63,10 +97,10 @@ def check_device_room(capacity: int, policy, page_size: int, chunk_tokens: int, 
     fix = give(need + taken) if give is not None else \
         f"give the device at least {need + taken} pages ({(need + taken) * page_size} tokens)"
     rows = f" for each of {batch_size} rows" if batch_size > 1 else ""
-    less = f", or give less to {by}" if taken else ""
+    less = f", or give less to {by}" if taken and settable else ""
+    smaller = ", or prefill in smaller steps (scheduler.prefill.chunk_size)" if chunk_tokens else ""
     raise ConfigError(field, f"{have} what policy '{policy.name}' pins ({policy.pinned_pages(page_size)} pages), the "
-                             f"page being written and {chunk_tokens} more tokens{rows}; {fix}, or pin less, or prefill "
-                             f"in smaller steps (scheduler.prefill.chunk_size){less}")
+                             f"page being written and {chunk_tokens} more tokens{rows}; {fix}, or pin less{smaller}{less}")
 
 
 def check_recall_room(capacity: int, policy, page_size: int, scope, rows: int) -> int:

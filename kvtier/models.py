@@ -262,10 +262,19 @@ def load_config(path: str | None = None, id: str | None = None, revision: str = 
     return folder, config
 
 
-def check_load_args(dtype: str, device: str | torch.device) -> None:
-    """ConfigError unless ``dtype`` is one of :data:`MODEL_DTYPES` and ``device`` a torch device present here."""
+def check_load_args(dtype: str, device: str | torch.device, attn_implementation: str = "sdpa") -> None:
+    """ConfigError unless ``dtype`` is one of :data:`MODEL_DTYPES`, ``device`` a torch device present here and
+    ``attn_implementation`` one transformers (or kvtier's hook) offers."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from kvtier.compat import ATTN_NAME
+
     if dtype not in MODEL_DTYPES:
         raise ConfigError("model.dtype", f"unsupported dtype {dtype!r}; use one of {sorted(MODEL_DTYPES)}")
+    offered = sorted({"eager", ATTN_NAME, *ALL_ATTENTION_FUNCTIONS.keys()})
+    if attn_implementation not in offered:
+        raise ConfigError("model.attn_implementation", f"unknown attention {attn_implementation!r}; use one of "
+                                                       f"{offered}")
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -288,7 +297,7 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
 
     from kvtier.compat import ATTN_NAME
 
-    check_load_args(dtype, device)
+    check_load_args(dtype, device, attn_implementation)
     folder, config = load_config(path, id, revision)
     if attn_implementation == ATTN_NAME:
         check_model_support(config)
@@ -309,6 +318,9 @@ def kv_layout_for(config, page_size: int = 16, dtype: str | torch.dtype = torch.
     """KVLayout (pages ``[2, page_size, num_kv_heads, head_dim]``, per-layer sliding windows) of a HF
     model config, pages stored as ``kv_dtype`` (None: ``dtype``; ``"fp8_e4m3"``, ``"int8"``: 8-bit with scales);
     UnsupportedAttentionError if kvtier cannot honour the model's attention."""
+    if isinstance(config, torch.nn.Module):
+        raise ConfigError("config", f"kv_layout_for takes the model's config (model.config), got the model "
+                                    f"{type(config).__name__}")
     _, kv_heads, head_dim = attention_dims(config)
     check_model_support(config)
     return KVLayout(num_layers=config.num_hidden_layers, num_kv_heads=kv_heads, head_dim=head_dim,

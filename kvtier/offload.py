@@ -167,6 +167,13 @@ def generation_sizes(model, args: tuple, kwargs: dict) -> dict:
                                        f"{', every token masked' if ids.shape[1] else ''}); give it at least one token")
     config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
     config.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})  # generate's own checks
+    if config.use_cache is False:
+        raise ConfigError("use_cache", "generate with use_cache=False keeps no cache, so kvtier would hold nothing: "
+                                       "leave use_cache on inside kvtier.offload, or call generate outside the block")
+    for key in ("num_beams", "num_return_sequences"):
+        value = getattr(config, key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(key, f"must be an integer >= 1, got {value!r}")
     new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - ids.shape[1]
     return {"prompt_tokens": prompt, "new_tokens": max(int(new), 0), "batch_size": ids.shape[0],
             "expand": max(config.num_beams or 1, config.num_return_sequences or 1)}

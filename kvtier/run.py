@@ -18,6 +18,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -325,7 +326,8 @@ def composing():
             pick = f"; or pick another {parent}: {', '.join(options)}" if options else ""
             raise unknown_key(parent, leaf, pick) from None
         message = str(cause).splitlines()[0]
-        raise ConfigError(str(key) or "config", "must be true or false" if "valid bool" in message else message) \
+        given = re.match(r"Value '(.*)' is not a valid bool", message)
+        raise ConfigError(str(key) or "config", f"must be true or false, got {given[1]!r}" if given else message) \
             from None
 
 

@@ -93,9 +93,9 @@ def test_an_old_cache_key_names_where_it_moved(old, tmp_path, monkeypatch, capsy
 WRONG = [
     (["scope._target_=kvtier.policies.LRU"], "scope._target_", "subclass of kvtier.scopes.Scope"),
     (["scope._target_=user_scope.Nowhere"], "scope._target_", "has no 'Nowhere'"),
-    (["scope=topk", "+scope.bogus=1"], "scope", "unexpected keyword argument 'bogus'"),
+    (["scope=topk", "+scope.bogus=1"], "scope.bogus", "unexpected keyword argument 'bogus'"),
     (["scope=topk", "scope.bogus=1"], "scope", "has no key 'bogus'"),
-    (["scope._target_=user_scope.Recent", "+scope.rank=quest"], "scope", "unexpected keyword argument 'rank'"),
+    (["scope._target_=user_scope.Recent", "+scope.rank=quest"], "scope.rank", "unexpected keyword argument 'rank'"),
     (["scope._target_=user_scope.Recent", "+scope.pages=0"], "scope.pages", ">= 1"),
     (["scope=topk", "scope.pages=0"], "scope.pages", ">= 1"),
     (["scope=topk", "scope.recall_slots=-1"], "scope.recall_slots", ">= 0"),

@@ -41,8 +41,8 @@ import torch
 
 from kvtier.budget import TokenBudget, token_budget
 from kvtier.cache_base import ACTIVE_CACHE, PassCache
-from kvtier.checks import (check_decode_kernel, check_dense_layers, check_device_room, check_recall_room, check_salience,
-                           check_scheduler, graphs_for)
+from kvtier.checks import (check_decode_kernel, check_dense_layers, check_device_room, check_engine_args,
+                           check_recall_room, check_salience, check_scheduler, graphs_for)
 from kvtier.compiling import compile_step, make_room
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.feedback import Feedback
@@ -122,6 +122,7 @@ class Engine:
                  scheduler: Scheduler | None = None, kernel=None, prefill: ChunkedPrefill | None = None,
                  budget: TokenBudget | None = None, exact_prefill: bool = False, dense_layers: int = 0,
                  fidelity: bool = False, config: EngineConfig | None = None):
+        check_engine_args(model, layout, config, exact_prefill=exact_prefill, fidelity=fidelity)
         if not isinstance(policy, Policy):
             raise ConfigError("policy", f"must be a kvtier.policies.Policy, got {type(policy).__name__} "
                                         f"{policy!r}; e.g. kvtier.policies.SinkWindow()")

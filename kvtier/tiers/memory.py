@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout
 from kvtier.tiers.base import Tier
 
@@ -54,7 +55,22 @@ class DeviceTier(MemoryTier):
 
     def __init__(self, layout: KVLayout, capacity: int, device: str | torch.device | None = None,
                  name: str | None = None):
-        super().__init__(layout, capacity, torch.device(device) if device is not None else default_device(), name=name)
+        super().__init__(layout, capacity, present_device(device, name or self.kind), name=name)
+
+
+def present_device(device, tier: str) -> torch.device:
+    """``device`` (None: :func:`default_device`) as a torch device this machine has; ConfigError("device") if not."""
+    if device is None:
+        return default_device()
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError("device", f"tier '{tier}': {device!r} is not a torch device ({e}); use cuda, cuda:N or "
+                                    "cpu (None: the GPU when there is one)") from None
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError("device", f"tier '{tier}': {device} is not here ({torch.cuda.device_count()} GPUs "
+                                    "visible); use cpu, or None: the GPU when there is one")
+    return device
 
 
 class HostTier(MemoryTier):
@@ -63,5 +79,8 @@ class HostTier(MemoryTier):
     kind = "host"
 
     def __init__(self, layout: KVLayout, capacity: int, pin_memory: bool | None = None, name: str | None = None):
+        if pin_memory is not None and not isinstance(pin_memory, bool):
+            raise ConfigError("pin_memory", f"tier '{name or self.kind}': must be True, False or None (pinned where "
+                                            f"CUDA is), got {pin_memory!r}")
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         super().__init__(layout, capacity, torch.device("cpu"), pin_memory=pin, name=name)
