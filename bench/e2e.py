@@ -104,15 +104,17 @@ def tiered_engine(model, batch: int, context: int, steps: int, budget: float, sc
                     exact_prefill=tokens is not None,
                     config=EngineConfig(max_batch=batch, max_context=context + steps + 1, lookahead=lookahead,
                                         buckets=[batch], sync_timing=False, **(engine_settings or {})))
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    device = engine.device
+    gen = torch.Generator(device=device).manual_seed(0)
     shape = (layout.num_kv_heads, layout.head_dim)
     for b in range(batch):
         if prompts is not None:
             engine.add(prompts[b])
         else:
             engine.add_written(context, lambda layer, a, b: torch.randn(2, b - a, *shape, generator=gen,
-                                                                         device="cuda", dtype=torch.bfloat16))
-    torch.cuda.synchronize()
+                                                                         device=device, dtype=torch.bfloat16))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return engine, recipe_of(scope, tokens, chooser, layout.page_size)
 
 
