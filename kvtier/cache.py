@@ -9,6 +9,8 @@ policy's statistics, migrations, fidelity) is the engine's; this class only tran
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -108,6 +110,7 @@ class TieredKVCache(PagedCacheBase):
                              exact_prefill=exact_prefill, dense_layers=dense_layers, fidelity=fidelity,
                              config=EngineConfig(max_batch=batch_size, compile=False))
         self._routed: dict = {}  # model -> release() of its routing through kvtier (kvtier.hook.route)
+        weakref.finalize(self, _release_routes, self._routed)  # a cache gone unclosed gives the models back too
         self.sequences, self.expand = batch_size, expand  # rows of the batch; rows per prompt
         self.seqs: list[int] = []  # the engine sequence of each row (while prefilling: of each run's first row)
         self.prefilled = False
@@ -339,12 +342,17 @@ class TieredKVCache(PagedCacheBase):
         """Close the step and the tiers; each model routed through kvtier for this cache gets its attention back."""
         self.finish_step()
         self.engine.close()
-        for release in self._routed.values():
-            release()
-        self._routed.clear()
+        _release_routes(self._routed)
 
     def __enter__(self) -> "TieredKVCache":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _release_routes(routed: dict) -> None:
+    """Give each model routed for a cache its attention back (``routed``: model -> its route's release)."""
+    for release in routed.values():
+        release()
+    routed.clear()

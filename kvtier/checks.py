@@ -48,8 +48,10 @@ def check_engine_args(model, layout, config, **flags) -> None:
 
     _, kv_heads, head_dim = attention_dims(config)
     want = (config.num_hidden_layers, kv_heads, head_dim)
-    if (layout.num_layers, layout.num_kv_heads, layout.head_dim) != want:
-        raise ConfigError("layout", f"has {layout.num_layers} layers of {layout.num_kv_heads} kv heads x "
+    have = (layout.num_layers, layout.num_kv_heads, layout.head_dim)
+    if have != want:
+        field = next(f for f, a, b in zip(("num_layers", "num_kv_heads", "head_dim"), have, want) if a != b)
+        raise ConfigError(f"layout.{field}", f"has {layout.num_layers} layers of {layout.num_kv_heads} kv heads x "
                                     f"{layout.head_dim}, the model {want[0]} of {want[1]} x {want[2]}: make it "
                                     f"with kvtier.kv_layout_for(model.config)")
 

@@ -171,9 +171,8 @@ def test_python_api_mistakes_are_named(tiny):
             Engine(model, layout, stack, LRU(), All())
         assert e.value.field == "tiers"
     wrong = KVLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim * 2, layout.page_size, "float32")
-    engine = Engine(model, wrong, tiers(wrong), LRU(), All())
-    with pytest.raises(ConfigError) as e:
-        engine.add(torch.arange(10))
+    with pytest.raises(ConfigError) as e:  # refused before anything is allocated
+        Engine(model, wrong, tiers(wrong), LRU(), All())
     assert e.value.field == "layout.head_dim"
     engine = Engine(model, layout, tiers(), LRU(), All())
     seq = engine.open(10)

@@ -3,6 +3,8 @@ one sizing rule with the recipes, the fastest kernel by default, the model's att
 outputs the caller keeps, one budget object and one kernel keyword on every door, every scope option reachable, one
 CUDA-graphs rule."""
 
+import gc
+
 import pytest
 import torch
 
@@ -21,7 +23,9 @@ TEXT = "The light of the sun is made of rays of many colours. "
 
 @pytest.fixture
 def model(smollm2):
-    """SmolLM2 with its own (sdpa) attention before and after the test."""
+    """SmolLM2 with its own (sdpa) attention before and after the test (earlier tests' caches, collected, route it
+    no more)."""
+    gc.collect()
     smollm2[0].set_attn_implementation("sdpa")
     yield smollm2[0]
     smollm2[0].set_attn_implementation("sdpa")

@@ -181,9 +181,9 @@ BAD = [
     (["cache.fidelity=maybe"], "cache.fidelity", "true or false"),
     (["budget.fraction=nan"], "budget.fraction", "(0, 1]"),
     (["budget.size=lots"], "budget.size", "GiB"),
-    (["+tiers.stack.host.bogus=3"], "tiers.stack.host", "bogus"),
+    (["+tiers.stack.host.bogus=3"], "tiers.stack.host.bogus", "bogus"),
     (["+tiers.stack.host.capacity=3"], "tiers.stack.host.capacity", "tiers.stack.host.fraction"),
-    (["+model.foo=2"], "model", "foo"),
+    (["+model.foo=2"], "model.foo", "foo"),
     (["cpu_threads=0"], "cpu_threads", ">= 1"),
     # a setting that a key read before it shadows (an experiment's budget.tokens): a sweep of identical runs
     (["experiment=serve_trace", "budget.fraction=0.3"], "budget.fraction", "add budget.tokens=null"),

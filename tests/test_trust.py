@@ -200,7 +200,8 @@ def test_a_failed_metrics_write_keeps_the_runs_data_and_leaves_no_half_folder(fa
 PYTHON_API = {"attention_mask", "attn_implementation", "batch_size", "capacity", "dropout", "dtype",
               "past_key_values", "sliding_windows",
               "transfer.method", "defaults", "layout.head_dim", "prompt", "request", "hbm", "input_ids", "keep_room",
-              "expand", "prompt_tokens", "new_tokens"}
+              "expand", "prompt_tokens", "new_tokens", "topk_pages", "config", "layout", "layout.*",
+              "use_cache", "device", "pin_memory"}
 HYDRA = {"hydra/launcher"}  # Hydra's own group, named on the command line
 OWN_FILES = ("kvtier/sim/",)  # the simulator's messages name keys of its calibration file and cluster setups
 REWRITTEN = {"kvtier/kernels/base.py": {"model.num_attention_heads"},
