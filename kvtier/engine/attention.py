@@ -6,8 +6,8 @@ choice reads no query plans the lists of each layer group at once) or the scope'
 then one decode kernel that reads the pages where they live and writes per-page statistics; prompt chunks go
 through one varlen prefill call (:mod:`kvtier.engine.prefill`). When the last layer is done,
 :meth:`AttentionCallbacks.finish` runs one batch of device ops per layer group: the attended-page tally, the
-key / query statistics, the feedback's per-page statistics. Left out of torch.compile: host logic, Triton
-launches.
+key / query statistics, the feedback's per-page statistics. Left out of torch.compile (the engine's
+``store`` / ``attend`` are its entry points): host logic, Triton launches.
 """
 
 from __future__ import annotations
@@ -67,7 +67,6 @@ class AttentionCallbacks:
         if e.recall is not None and B:
             e.recall.overlay(e.buffers.home[:, :B], e.buffers.block_table[:, :B])
 
-    @torch.compiler.disable
     def store(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Write the step's K/V ``[B, N_kv, q, D]`` of ``layer`` into its pages."""
         e, plan = self.engine, self.engine.plan
@@ -104,7 +103,6 @@ class AttentionCallbacks:
                 pids = e.table.pages(c.seq)[np.arange(c.start, c.start + c.q_len) // e.layout.page_size]
                 e.keys.add(layer, torch.from_numpy(pids).to(e.device), kv[0].to(e.device))
 
-    @torch.compiler.disable
     def attend(self, layer: int, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
         """Attention of ``query [B, H, q, D]`` of ``layer``: ``[B, q, H, D]``."""
         e, mode = self.engine, self.engine.plan.mode
