@@ -147,18 +147,18 @@ def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope
         if i == WARMUP:
             torch.cuda.synchronize()
             t0, moved0, wait0 = time.perf_counter(), sum(engine.transfer.bytes_moved.values()), engine.stats.host_wait_s
-            engine.counts.zero_()
+            engine.buffers.counts.zero_()
             counters = (engine.recall.copied, engine.recall.prefetched, engine.recall.predicted, engine.recall.landed) \
                 if engine.recall is not None else ()
             start = [int(c) for c in counters] or [0, 0, 0, 0]
             stalls0 = timed_stalls(engine)
         engine.step()
-        events.append(engine._last_event)
+        events.append(engine.feedback.last_event)
         if i >= WARMUP:
-            tokens[i - WARMUP].copy_(engine.tokens[:batch], non_blocking=True)
+            tokens[i - WARMUP].copy_(engine.buffers.tokens[:batch], non_blocking=True)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    attended, on_device = engine.counts.tolist()
+    attended, on_device = engine.buffers.counts.tolist()
     copied, ahead, predicted, landed = [int(c) - c0 for c, c0 in zip(counters, start)] or [0, 0, 0, 0]
     # bytes that crossed the link: migrations, copies into recall slots (after a read, and ahead of one), misses
     # read in place from the host (a page admitted from its landing slot crossed once, when it was read)

@@ -47,10 +47,10 @@ def main():
     def plan(chunk_seq: int, tokens: int, decode: bool) -> float:
         """The host part of one iteration (the decode rows, if any, and one chunk), in ms."""
         t = time.perf_counter()
-        eng._begin([(chunk_seq, tokens)], decode=decode)
+        eng.planner.begin([(chunk_seq, tokens)], decode=decode)
         took = (time.perf_counter() - t) * 1e3
-        eng._drop_step_state()
-        eng._mode = "idle"
+        eng.callbacks.drop_step()
+        eng.plan.mode = "idle"
         return took
 
     for _ in range(3):

@@ -55,7 +55,7 @@ def row(model, layout, prompt, policy_name, scope, fraction, steps, lookahead, c
         t0 = time.perf_counter()
         engine.step()
         host_s += (time.perf_counter() - t0) if i >= WARMUP else 0.0
-        marks.append(engine._last_event if cuda else time.perf_counter())
+        marks.append(engine.feedback.last_event if cuda else time.perf_counter())
     if cuda:
         torch.cuda.synchronize()
         tpot = [marks[i - 1].elapsed_time(marks[i]) for i in range(WARMUP + 1, len(marks))]

@@ -37,9 +37,9 @@ def main() -> None:
                                    args.lookahead, prompts)
     per_step = []
     for i in range(args.warmup + args.steps):
-        engine.counts.zero_()
+        engine.buffers.counts.zero_()
         engine.step()
-        attended, on_device = engine.counts.tolist()
+        attended, on_device = engine.buffers.counts.tolist()
         if i >= args.warmup:
             per_step.append(on_device / attended)
     row = {"device": str(engine.device), "context": args.context, "batch": args.batch, "budget": args.budget,

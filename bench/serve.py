@@ -56,7 +56,7 @@ import torch
 from bench.baselines import free_device_memory
 from bench.common import MODELS, bench_ms, print_table, write_json
 from kvtier.engine import Engine, EngineConfig
-from kvtier.engine.engine import TOKEN_BUCKETS
+from kvtier.engine.graphs import TOKEN_BUCKETS
 from kvtier.models import kv_layout_for, random_llama
 from kvtier.policies import LRU, SinkWindow
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill

@@ -34,7 +34,7 @@ def main():
     events = []
     for _ in range(40):
         engine.step()
-        events.append(engine._last_event)
+        events.append(engine.feedback.last_event)
     torch.cuda.synchronize()
     tpot = [events[i - 1].elapsed_time(events[i]) for i in range(10, len(events))]  # ms, GPU timeline
     kernels = kernel_times(engine.step, args.steps)

@@ -52,7 +52,7 @@ class PickTrace:
 
     def record(self, layers: range, picks: torch.Tensor, table: torch.Tensor) -> None:
         L, B, M = table.shape
-        lens = self.engine.seq_lens[:B].long()  # [B]
+        lens = self.engine.buffers.seq_lens[:B].long()  # [B]
         n_pages = (lens + self.engine.layout.page_size - 1) // self.engine.layout.page_size
         slot_index = self.engine.recall.slot_index[layers.start:layers.stop]  # [L', cap]
         for i, layer in enumerate(layers):
@@ -158,7 +158,7 @@ def main():
         engine.add(prompt)
         for _ in range(args.steps):
             engine.step()
-        attended, on_device = engine.counts.tolist()
+        attended, on_device = engine.buffers.counts.tolist()
         recalled = engine.recall
         ahead = int(recalled.prefetched) if recalled is not None else 0
         rows.append({**(trace.hit_rates(recall, args.windows) if trace is not None else {}),

@@ -263,7 +263,7 @@ class TieredKVCache(PagedCacheBase):
         e = self.engine
         B = len(self.seqs)
         e.scope.start_step()  # chosen from the lengths and table of now
-        picks = pages_of(e.scope.pick(layer, query[:, :, 0].contiguous(), e.view(B)), e.max_pages, e.layout.page_size)
+        picks = pages_of(e.scope.pick(layer, query[:, :, 0].contiguous(), e.callbacks.view(B)), e.max_pages, e.layout.page_size)
         out = []
         for b, seq in enumerate(self.seqs):
             n = self.table.num_pages(seq)
@@ -304,7 +304,7 @@ class TieredKVCache(PagedCacheBase):
         """Open a prefill step whose K/V another process computed (:mod:`kvtier.disagg`): every sequence grows
         by ``q_len`` tokens and the caller writes each layer's new pages into their tiers."""
         self._begin(q_len)
-        self.engine._mode = "idle"
+        self.engine.plan.mode = "idle"
 
     def end_prefill(self) -> None:
         """The prompt is in: the sequences start decoding (with ``mode="once"``, compressed to the budget); each run
@@ -325,11 +325,11 @@ class TieredKVCache(PagedCacheBase):
 
     def finish_step(self) -> None:
         """Close the open step; the policy hears its statistics (idempotent)."""
-        if self.engine._mode == "decode":
+        if self.engine.plan.mode == "decode":
             self.engine.end_decode()
             if self.engine.recall is not None:  # a user's TopK(recall_slots=...): its stamps age by step
                 self.engine.recall.next_step()
-        self.engine._mode = "idle"
+        self.engine.plan.mode = "idle"
         self.engine.feedback.take(upto=self.engine.step_idx)
 
     def route(self, model) -> None:

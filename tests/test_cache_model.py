@@ -9,6 +9,7 @@ import torch
 from kvtier.cache import TieredKVCache
 from kvtier.data import token_stream
 from kvtier.engine import Engine
+from kvtier.engine.attention import AttentionCallbacks
 from kvtier.errors import ConfigError
 from kvtier.hook import install
 from kvtier.models import kv_layout_for
@@ -222,14 +223,14 @@ def test_engine_leaves_the_fidelity_pass_out_of_tpot(monkeypatch):
                          vocab_size=32, dtype="float32", device="cpu")
     model.set_attn_implementation(install())
     layout = kv_layout_for(model.config, page_size=4, dtype=torch.float32)
-    real = Engine._measure_fidelity
+    real = AttentionCallbacks.measure_fidelity
 
     def slow(self, *args):
         real(self, *args)
         time.sleep(0.25)
-        self.stats.fidelity_s += 0.25
+        self.engine.stats.fidelity_s += 0.25
 
-    monkeypatch.setattr(Engine, "_measure_fidelity", slow)
+    monkeypatch.setattr(AttentionCallbacks, "measure_fidelity", slow)
     engine = Engine(model, layout, [DeviceTier(layout, 3, device="cpu"), HostTier(layout, 8)], LRU(), "resident",
                     prefill=ChunkedPrefill(8), fidelity=True)
     engine.add(torch.randint(0, 32, (16,)))

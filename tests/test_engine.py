@@ -279,7 +279,7 @@ def test_bad_setups_are_named(tiny):
         Engine(model, layout, [DeviceTier(layout, 8, device="cpu")], LRU(), dense_layers=layout.num_layers + 1)
     with pytest.raises(ConfigError, match="max_batch"):
         EngineConfig(max_batch=0)
-    assert np.all(engine.mirror == engine.scratch[:, None, None])  # nothing was written by the refusals
+    assert np.all(engine.plan.table == engine.planner.scratch[:, None, None])  # nothing was written by the refusals
 
 
 def test_engine_honours_sliding_windows():
@@ -463,7 +463,7 @@ def test_recall_cache_changes_where_pages_are_read_not_what_is_attended(tiny, tm
         assert torch.equal(runs[key][0].argmax(-1), runs[0, 0, False][0].argmax(-1))
         assert rel_err(runs[key][0], runs[0, 0, False][0]) < 1e-6
         assert runs[key][1] > runs[0, 0, False][1]
-        assert runs[key][2].block_table is not runs[key][2].home  # the overlay never writes the host's copy
+        assert runs[key][2].buffers.block_table is not runs[key][2].buffers.home  # the overlay never writes the host's copy
     plain, landed = runs[6, 0, False][2].recall, runs[6, 2, False][2].recall
     assert int(plain.copied) > 0 and int(plain.landed) == 0
     assert int(landed.landed) > 0 and int(landed.copied) < int(plain.copied)
@@ -550,7 +550,7 @@ def test_a_decoding_row_whose_last_page_is_shared_writes_a_copy(tiny):
         if fork:
             assert torch.equal(read_tokens(engine.table, 0, 999), before)
             last = engine.table.pages(seq)[-2]  # the copied page (a page was appended after it)
-            assert last not in engine.table.pages(999) and engine.pid_mirror[0, 5] == last
+            assert last not in engine.table.pages(999) and engine.plan.pids[0, 5] == last
         runs.append(logits)
     assert torch.equal(runs[0], runs[1])
 
@@ -566,8 +566,8 @@ def test_a_host_running_ahead_reserves_the_pages_its_next_steps_append(tiny):
     for seed in (0, 1):  # both rows end on a page boundary (the device full): their next token opens a page
         engine.add(torch.randint(0, 256, (5 * P,), generator=torch.Generator().manual_seed(seed)))
     planned = []
-    schedule = engine._schedule
-    engine._schedule = lambda reserve, after_compute: planned.append(after_compute) or schedule(reserve, after_compute)
+    schedule = engine.planner.move
+    engine.planner.move = lambda reserve, after_compute: planned.append(after_compute) or schedule(reserve, after_compute)
     for _ in range(2 * P):
         engine.step()
     # one plan per step, none forced by a row's growth; the first step's copies wait for the prefill's writes
@@ -590,7 +590,7 @@ def test_a_layer_group_is_planned_as_each_of_its_layers_alone(tiny, scope, mode)
     for _ in range(3):
         engine.step()
     engine.begin_decode()
-    view = engine.view(2)
+    view = engine.callbacks.view(2)
     table = view.table.clone()  # layer 1: its first device pages read from the host, its priorities reversed
     table[1, :, :3] = torch.where(table[1, :, :3] >= 0, -table[1, :, :3] - 1, table[1, :, :3])
     priority = None if view.priority is None else view.priority.clone()
@@ -622,7 +622,7 @@ def test_a_step_that_fails_mid_forward_leaves_nothing_to_the_next(tiny):
     with pytest.raises(RuntimeError, match="injected"):
         engine.step()
     engine.step()
-    newest = (int(engine.lens[0]) - 1) // layout.page_size
+    newest = (int(engine.plan.lens[0]) - 1) // layout.page_size
     assert newest == 2 and newest in engine.feedback._bufs(engine.max_pages, False)["picks"][0, 0].tolist()
 
 
@@ -664,9 +664,9 @@ def test_one_ranking_per_step_serves_the_plan_and_the_device_table(tiny, name, a
             assert len(calls) - before == asks
             view = budget.view(engine.table.seq_len(seq))
             middle = engine.table.pages(seq)[view.cand_lo:view.cand_hi]  # the pages the budget ranks
-            fresh = engine._priority()[:, middle]
+            fresh = engine.planner.priority()[:, middle]
             assert np.isfinite(fresh).all()
-            assert np.array_equal(engine.priority[:, middle].numpy(), fresh)
+            assert np.array_equal(engine.buffers.priority[:, middle].numpy(), fresh)
     finally:
         del policy.ranked
 
@@ -796,17 +796,17 @@ def test_a_sequence_opens_without_waiting_for_the_step_in_flight():
     engine = Engine(None, layout, [DeviceTier(layout, 8, device="cpu")], LRU(), "all",
                     config=EngineConfig(max_batch=2, max_context=32))
     fence = Fence()
-    engine._queued_fence = lambda: fence
+    engine.planner.queued_fence = lambda: fence
     kv = lambda layer, a, b: torch.ones(2, b - a, 1, 8)  # noqa: E731
     first = engine.add_written(12, kv)  # 3 pages
     engine.finish(first)
-    free = engine._device_free()
+    free = engine.planner.device_free()
     second = engine.open(24)
     assert not fence.waited and first in engine.table.seqs
     engine.begin_prefill([second], 4 * free)  # the free pages
     assert not fence.waited and first in engine.table.seqs
     for layer in range(2):
         engine.store(layer, *torch.ones(2, 1, 1, 4 * free, 8))
-    engine._mode = "idle"
+    engine.plan.mode = "idle"
     engine.begin_prefill([second], 4)  # one page more: the finished sequence's
     assert fence.waited and first not in engine.table.seqs and engine.table.num_pages(second) == free + 1

@@ -149,7 +149,7 @@ def test_captured_iteration_equals_eager(tiny):
                e.iterate([(s3, p[3][84:116])]),  # the same graph, writes into 5 pages
                e.iterate([(s3, p[3][116:120])])]
         outs.append(got + [e.step(), e.step()])
-    iterations = {key[:3] for key in engines[1]._graphs if isinstance(key, tuple)}
+    iterations = {key[:3] for key in engines[1].capture.graphs if isinstance(key, tuple)}
     assert iterations >= {("iteration", 2, 64), ("iteration", 2, 32), ("iteration", 2, 16)}  # + the prompts
     for eager, captured in zip(*outs):
         if isinstance(eager, torch.Tensor):
@@ -172,7 +172,7 @@ def test_planned_calls_equal_calls_planned_per_layer(tiny, kernel):
     p = prompts(2, [70, 50], seed=2)
     s0, s1 = e.open(90), e.open(60)
     e.iterate([(s0, p[0]), (s1, p[1])], decode=False)  # 15 pages: some are moved to the host to make room
-    e._begin([(s0, 9), (s1, 6)], decode=False)
+    e.planner.begin([(s0, 9), (s1, 6)], decode=False)
     attention = e.prefill_attention
     assert set(attention.planned) == set(range(layout.num_layers))
     assert (e.table.tier_of[:, np.concatenate([e.table.pages(s) for s in (s0, s1)])] == 1).any()
@@ -187,7 +187,7 @@ def test_planned_calls_equal_calls_planned_per_layer(tiny, kernel):
             assert np.array_equal(a.pids, b.pids)
         (out_a, lse_a), (out_b, lse_b) = attention.run(planned, q, 0.25), attention.run(direct, q, 0.25)
         assert (out_a - out_b).abs().max() < 1e-5 and (lse_a - lse_b).abs().max() < 1e-5
-    e._mode = "idle"
+    e.plan.mode = "idle"
 
 
 def test_drop_prefix_cache_gives_every_page_back(tiny):

@@ -129,7 +129,7 @@ def test_admissions_in_batches_of_layers_keep_the_state_of_one_layer_at_a_time(t
     for batch in (1, 2):
         monkeypatch.setattr(recall_module, "ADMIT_LAYERS", batch)
         logits, engine = run(model, layout, "after_attention", steps=8)
-        assert len(engine._admit_after) == 2 // batch
+        assert len(engine.callbacks.admit_after) == 2 // batch
         runs.append((logits, [t.clone() for t in engine.recall.tensors()]))
     assert torch.equal(runs[0][0], runs[1][0]) and all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
     assert int(runs[0][1][3]) > 0  # pages were copied after their reads
@@ -152,7 +152,7 @@ def test_the_estimate_from_the_layers_own_input_is_its_query(tiny):
     engine.attend = spy
     try:
         engine.step()
-        rope = engine.runner.base.rotary_emb(entering[0], engine.positions[:1, None])
+        rope = engine.runner.base.rotary_emb(entering[0], engine.buffers.positions[:1, None])
         for layer in range(layout.num_layers):
             est = engine.runner.layer_query(layer, entering[layer], rope)[:, :, -1]
             assert (est - seen[layer]).abs().max() < 1e-5

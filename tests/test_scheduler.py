@@ -19,7 +19,8 @@ def make(device_pages, host_pages=64):
 
 def step(table, transfer, sched, policy, s, reserve=1):
     plan = sched.plan(table, policy, s, reserve=reserve)
-    sched.execute(plan, transfer)
+    for move in plan.moves:  # demotions first: they make the room
+        transfer.migrate_many(move.layers, move.pids, move.dst)
     return plan
 
 

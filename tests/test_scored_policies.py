@@ -436,7 +436,7 @@ def test_topk_per_head_gives_each_kv_head_its_own_pages_within_the_budget():
     out = run_steps(cache, k, v, qs, prefill=48)[-1]
     cache.finish_step()
     assert {5, 8} <= set(cache.choose(0, qs[S - 1][None, :, None])[0].tolist())
-    per_head = cache.engine.scope.pick(0, qs[S - 1][None].contiguous(), cache.engine.view(1))[0]  # [N_kv, K]
+    per_head = cache.engine.scope.pick(0, qs[S - 1][None].contiguous(), cache.engine.callbacks.view(1))[0]  # [N_kv, K]
     assert 5 in per_head[0] and 8 not in per_head[0] and 8 in per_head[1] and 5 not in per_head[1]
     keep = torch.zeros(6, S, dtype=torch.bool)  # [H, S]
     keep[:, :4] = keep[:, 41:] = True

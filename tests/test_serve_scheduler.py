@@ -128,12 +128,12 @@ def test_a_prompt_at_an_idle_engine_finds_room_made_ahead(setup, room):
     engine = Engine(model, layout, tiers, SinkWindow(sinks=4, window=16), "resident", prefill=ChunkedPrefill(16),
                     config=EngineConfig(max_batch=3, max_context=128))
     sched = ServeScheduler(engine, token_budget=24)
-    assert engine.prompt_room == min(layout.pages_for(24) + 1, 14 // 4)
+    assert engine.planner.prompt_room == min(layout.pages_for(24) + 1, 14 // 4)
     if not room:
         engine.keep_room(0)
     waits = []
-    wait_room = engine._wait_room
-    engine._wait_room = lambda: waits.append(engine.step_idx) or wait_room()
+    wait_room = engine.planner.wait_room
+    engine.planner.wait_room = lambda: waits.append(engine.step_idx) or wait_room()
     for i, p in enumerate(prompts + [p.flip(0) for p in prompts]):  # the flipped prompts share nothing
         sched.submit(Request(i, p.numpy(), NEW, arrival_s=float(i)))
         while not sched.idle:

@@ -104,7 +104,8 @@ class TableMachine(RuleBasedStateMachine):
                 self.policy.on_salience(layer, live, np.stack([scores, scores / 2], 1), self.step)
         try:
             plan = self.scheduler.plan(self.table, self.policy, self.step, reserve=reserve)
-            self.scheduler.execute(plan, self.transfer)
+            for move in plan.moves:  # demotions first: they make the room
+                self.transfer.migrate_many(move.layers, move.pids, move.dst)
         except TierFullError:
             return
         for layer in range(LAYOUT.num_layers):

@@ -95,7 +95,7 @@ def test_the_engine_attends_the_budget_in_keys_with_pages_off_the_device():
         e.kernel.decode = watch
         runs[kernel, unit] = decode(e, 6)
         attended[kernel, unit] = e.stats.attended_per_step()
-        assert (e.block_table[:, :2] < 0).any()  # some pages are read from the host
+        assert (e.buffers.block_table[:, :2] < 0).any()  # some pages are read from the host
         if unit == "token":
             assert e.keys.fitted and e.keys.basis.abs().sum() > 0
     chosen = torch.stack(lists)  # [calls, B, N_kv, W]

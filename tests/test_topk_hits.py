@@ -27,10 +27,10 @@ def test_the_shipped_rule_replayed_gives_the_engines_hit_rate(slots):
         engine.add(torch.randint(0, 256, (n,), generator=gen))
     for _ in range(40):
         engine.step()
-    attended, on_device = engine.counts.tolist()
+    attended, on_device = engine.buffers.counts.tolist()
     rates = trace.hit_rates(slots, windows=4)
     assert rates["lru_hit_rate"] == on_device / attended < rates["opt_hit_rate"] <= rates["unbounded_hit_rate"] < 1
-    assert any(len(keys) and keys.max() >= engine.block_table.shape[-1] for trace_ in trace.steps.values()
+    assert any(len(keys) and keys.max() >= engine.buffers.block_table.shape[-1] for trace_ in trace.steps.values()
                for keys, _ in trace_)  # the second row's pages are keyed apart from the first's
     assert len(rates["lru_by_window"]) == 4
 

@@ -54,6 +54,7 @@ class Feedback:
         self._keys: set = set()  # the layers whose lists this step are key lists
         self.tokens = torch.zeros(engine.layout.num_layers, device=engine.device)  # [L] keys attended per row
         self._produced: list[Produced] = []
+        self.last_event = None  # the event that marks the last decode step's end (None: none, or a CPU)
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (slot, pids, queries kept) -> the captured snapshot
         self._pool = None  # their memory pool
         self._windows = np.array([engine.layout.window(layer) for layer in range(engine.layout.num_layers)])  # [L]
@@ -156,18 +157,18 @@ class Feedback:
             bufs = self._bufs(e.max_pages if width is None else width, per_head)
             logical = self._listed(layers, B) if picks is None else \
                 pages.reshape(len(layers), B, -1, picks.shape[-1])  # [L', B, G, K]
-            live = e.seq_lens[:B] > 0
+            live = e.buffers.seq_lens[:B] > 0
             for stats, name, reduce in [*((a, "attention", "sum") for a in self.attention),
                                         *((s, "salience", "amax") for s in e.salience)]:
                 value = bufs[name][at, :B]  # [L', B, K, N_kv] per entry
                 listed, value = per_page(logical, value, reduce) if keys else (logical, value)
-                stats.add_step(layers, listed, e.pid_table[:B], value, live)
+                stats.add_step(layers, listed, e.buffers.pid_table[:B], value, live)
 
     def _listed(self, layers: range, B: int) -> torch.Tensor:
         """Every live page the layers' window shows, as page lists ``[L', B, 1, M]`` (logical, -1 none)."""
         e = self.engine
-        table = e.block_table[layers.start:layers.stop, :B]  # [L', B, M]
-        lens = e.seq_lens[:B].long()
+        table = e.buffers.block_table[layers.start:layers.stop, :B]  # [L', B, M]
+        lens = e.buffers.seq_lens[:B].long()
         first, _ = window_pages(lens.clamp(min=1), e.layout.window(layers[0]), e.layout.page_size)  # [B]
         logical = torch.arange(table.shape[-1], device=table.device)
         seen = live_mask(table, lens, e.layout.page_size) & (logical >= first[:, None])
@@ -176,8 +177,9 @@ class Feedback:
     def record(self, B: int) -> None:
         """After a decode step: its buffers and attention statistics towards the host, and the step's end event."""
         e = self.engine
-        p = Produced(e.step_idx, None, [None if r in e._prefilling or s is None else (s, int(e.lens[r]))
-                                        for r, s in enumerate(e.row_seq[:B])])
+        plan = e.plan
+        p = Produced(e.step_idx, None, [None if r in plan.prefilling or s is None else (s, int(plan.lens[r]))
+                                        for r, s in enumerate(plan.row_seq[:B])])
         p.layer_width = list(self._layer_width)
         p.tokens = _to_host(self.tokens, e.device)
         if self.hears_access:
@@ -191,7 +193,7 @@ class Feedback:
         if e.device.type == "cuda":
             p.event = torch.cuda.Event(enable_timing=True)
             p.event.record()
-        e._last_event = p.event
+        self.last_event = p.event
         self._produced.append(p)
 
     def take(self, upto: int | None) -> None:

@@ -8,6 +8,8 @@ active engine to attend. Two drivers of the same step:
   positions, so that nothing in it depends on host state and a decode step can be captured.
 - :class:`LlamaRunner`: a compact forward for the Llama family (embed -> rotary -> decoder layers ->
   norm -> head, the HF model's own modules, so its numerics are HF's), with no model-level overhead.
+
+:class:`StepForward` runs an engine's step through either: the work a CUDA graph captures.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import torch
 from transformers.models.llama.modeling_llama import rotate_half
 
+from kvtier.cache_base import ACTIVE_CACHE
+from kvtier.compiling import compile_step
 from kvtier.errors import ConfigError
 from kvtier.hook import use_hook
 
@@ -96,3 +100,51 @@ def make_runner(model, name: str = "auto"):
     if name == "llama" or (name == "auto" and getattr(model.config, "model_type", None) in FAST_FAMILIES):
         return LlamaRunner(model)
     return HFRunner(model)
+
+
+class StepForward:
+    """The forward of ``engine``'s steps through ``runner``, torch.compile'd when ``compiled`` (a decode bucket with
+    static rows; an iteration with prompt chunks once for every token count, captured ones paying its guards once,
+    at capture); the decode rows' logits and greedy next tokens into the step's buffers."""
+
+    def __init__(self, engine, runner, compiled: bool):
+        self.engine, self.runner = engine, runner
+        self._decode = self._chunks = runner.forward
+        if compiled:
+            self._decode = compile_step(runner.forward, dynamic=False)
+            self._chunks = compile_step(runner.forward, dynamic=True)
+
+    def decode(self, B: int) -> None:
+        """A decode step of ``B`` rows: ``tokens[:B]`` -> ``logits[:B]``, greedy next tokens into ``tokens[:B]``."""
+        e, buffers = self.engine, self.engine.buffers
+        e.callbacks.start(B)
+        token = ACTIVE_CACHE.set(e.kv)
+        try:
+            logits = self._decode(buffers.tokens[:B, None], buffers.positions[:B, None], e.kv, 1,
+                                  (e.predictor.point, e.callbacks.ahead) if e.predictor is not None else None)
+        finally:
+            ACTIVE_CACHE.reset(token)
+        self._decoded(B, logits[:, 0])
+
+    def iteration(self, row: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, B: int) -> torch.Tensor:
+        """The forward of an iteration's token row ``[1, B + T]`` (decode rows first): logits of the tokens ``keep``
+        ``[k, V]``; the decode rows' logits and greedy next tokens into ``logits[:B]`` / ``tokens[:B]``."""
+        e = self.engine
+        e.callbacks.start(B)
+        token = ACTIVE_CACHE.set(e.kv)
+        try:
+            logits = self._chunks(row, positions, e.kv, keep)[0]  # [k, V]
+        finally:
+            ACTIVE_CACHE.reset(token)
+        if B:
+            self._decoded(B, logits[:B])
+        return logits
+
+    def _decoded(self, B: int, logits: torch.Tensor) -> None:
+        """The step's tail once the decode rows' ``logits [B, V]`` are computed."""
+        e = self.engine
+        e.callbacks.finish(B)
+        e.buffers.logits[:B] = logits
+        e.buffers.tokens[:B] = logits.argmax(-1)
+        if e.recall is not None:
+            e.recall.next_step()

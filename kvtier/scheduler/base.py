@@ -82,13 +82,9 @@ class MigrationPlan:
 
 
 class Scheduler(ABC):
-    """Plans page placement; ``execute`` hands a plan to the TransferEngine."""
+    """Plans page placement: the moves of a step, which the engine's planner (:mod:`kvtier.engine.plan`) issues."""
 
     @abstractmethod
     def plan(self, table, policy, step: int, reserve: int = 0, ranking: Ranking | None = None) -> MigrationPlan:
         """Plan for ``step``, keeping ``reserve`` free device slots per layer for new pages; ``ranking``: the
         policy's :class:`Ranking` at this step when the caller has it (else the plan asks the policy)."""
-
-    def execute(self, plan: MigrationPlan, transfer) -> None:
-        for move in plan.moves:
-            transfer.migrate_many(move.layers, move.pids, move.dst)

@@ -27,7 +27,7 @@ class All(Scope):
 
     def plan(self, layers, view):
         if view.budget is None or layers[0] < view.dense_layers:
-            return live_pages(layers, view) if self.engine.dropped_any else None
+            return live_pages(layers, view) if self.engine.planner.dropped_any else None
         return budget_pick(layers, view, None, device_only=False)
 
 
