@@ -51,15 +51,15 @@ def graph_ms(work, reps: int, trials: int) -> float:
 def layer_rows(B: int, S: int, heads: int, n_kv: int, D: int, P: int, attend: float, reps: int, trials: int) -> list:
     dev, bf16 = "cuda", torch.bfloat16
     M = S // P
-    r = max(D // 4, 1)
+    r = max(D // 2, 1)  # the scope's default rank (8 bits)
     g = torch.Generator(device=dev).manual_seed(0)
     pool = torch.randn(B * M + 1, 2, P, n_kv, D, device=dev, dtype=bf16, generator=g)  # [slots, 2, P, N_kv, D]
     table = torch.randperm(B * M, device=dev, generator=g).view(B, M).int()
     pids = torch.arange(B * M, device=dev).view(B, M).int()
     lens = torch.full((B,), S, dtype=torch.int32, device=dev)
     q = torch.randn(B, heads, D, device=dev, dtype=bf16, generator=g)
-    basis = torch.linalg.qr(torch.randn(n_kv, D, D, device=dev, generator=g)).Q[..., :r].contiguous()
-    sketch = torch.randn(B * M, P, n_kv, r, device=dev, dtype=bf16, generator=g)
+    query_map = torch.linalg.qr(torch.randn(n_kv, D, D, device=dev, generator=g)).Q[..., :r].contiguous() / 64
+    sketch = torch.randint(-127, 128, (B * M, P, n_kv, r), device=dev, dtype=torch.int8, generator=g)
     tokens = int(attend * S)
     sinks, window = 4, 64
     n = (tokens - sinks - window) // P * P  # the budget's middle keys
@@ -79,7 +79,7 @@ def layer_rows(B: int, S: int, heads: int, n_kv: int, D: int, P: int, attend: fl
     scale = D ** -0.5
 
     def choose():
-        key_choice(q, basis, sketch, pids, table, lens, spans, n, keys, work=work)
+        key_choice(q, query_map, sketch, pids, table, lens, spans, n, keys, work=work)
 
     def attend_keys():
         static_decode(q, pool, None, table, lens, key_plan, scale, key_list=keys)

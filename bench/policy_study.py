@@ -197,7 +197,7 @@ def run_one(args, protocol, config, fraction, tokens=None) -> dict:
            "fraction": round(budget / context, 4), "wall_s": round(time.time() - t0, 1)}
     row["scope_recipe"] = scope_recipe(config, budget, args)
     if config.split(":")[0] in TOPK and TOPK[config.split(":")[0]].get("rank", "sketch") == "sketch":
-        row["sketch_rank"] = args.sketch_rank or layout.head_dim // 4
+        row["sketch_rank"] = TopK(sketch_rank=args.sketch_rank).key_stats(layout)[1]
     if kvpress:
         row["kept_tokens"] = sum(r["kept_tokens"] for r in results) / len(results)
     if "perplexity" in results[0]:
@@ -317,7 +317,7 @@ def parse_args(argv=None):
     p.add_argument("--query-rows", type=int, default=1, help="topk: score pages by the last N decode queries")
     p.add_argument("--policy-share", type=float, default=0.0, help="topk: share of the pages the policy picks")
     p.add_argument("--sketch-rank", type=int, default=None, help="topk, topk_sketch*: the sketched keys' rank "
-                                                                  "(default: head_dim / 4)")
+                                                                  "(default: the scope's, head_dim / 2)")
     p.add_argument("--slices", type=int, default=3)
     p.add_argument("--offsets", default=None, help="ctx2k: token offsets of the slices (overrides --slices)")
     p.add_argument("--continuation", type=int, default=256, help="ctx2k: tokens scored after the 2,048")

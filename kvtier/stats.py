@@ -34,15 +34,20 @@ class KeyStats:
     pids]`` (float32, always kept).
 
     With ``sketch_rank`` r > 0, also a low-rank sketch of every key (Loki, Singhania et al., 2024, arXiv:2406.02542;
-    ShadowKV's low-rank key cache, Sun et al., 2024, arXiv:2410.21465): ``basis [L, N_kv, D, r]`` fp32, each (layer,
-    kv head)'s top r principal directions of the keys stored when :meth:`fit_sketch` runs (zeros before), and
-    ``sketch [L, pids, P, N_kv, r]`` bf16, each token's key in that basis, written with every key. It lives on the
-    device whatever tier the pages are in: :meth:`bytes_per_token` is what the device budget pays for it."""
+    ShadowKV's low-rank key cache, Sun et al., 2024, arXiv:2410.21465), in 8 bits: ``sketch [L, pids, P, N_kv, r]``
+    int8, each token's key through ``key_map [L, N_kv, D, r]``, written with every key, so that a query's logit is
+    about ``(query_map^T q) . sketch`` (``query_map [L, N_kv, D, r]``, the 8-bit step folded in). The maps are the
+    rank-r bilinear form that loses the least of q.k over the queries and keys seen before :meth:`fit_sketch` runs
+    (:func:`sketch_maps`; the prompt queries summed in ``query_second [L, N_kv, D, D]`` by :meth:`add_queries`), zeros
+    before. The sketch lives on the device whatever tier the pages are in: :meth:`bytes_per_token` is what the device
+    budget pays for it."""
 
     FILL = {"key_min": float("inf"), "key_max": float("-inf"), "key_sum": 0.0, "key_sq": 0.0, "norm_sum": 0.0,
             "count": 0.0}
     FIELDS = frozenset(FILL)
-    SKETCH_DTYPE = torch.bfloat16
+    SKETCH_DTYPE = torch.int8
+    SKETCH_LEVELS = 127  # a sketch component: round(y / step) in [-127, 127], clamped
+    SKETCH_MARGIN = 1.5  # step = the fitted keys' largest * margin / 127: room for later keys past the prompt's
 
     def __init__(self, layout, capacity: int, device, fields=None, sketch_rank: int = 0):
         self.layout, self.device = layout, device
@@ -53,8 +58,10 @@ class KeyStats:
         for name in self.FILL:
             setattr(self, name, torch.full(shapes[name], self.FILL[name], device=device) if name in self.fields
                     else None)
-        self.fitted = False  # the sketch's basis is fitted (fit_sketch)
-        self.basis = torch.zeros(L, N, D, sketch_rank, device=device) if sketch_rank else None
+        self.fitted = False  # the sketch's maps are fitted (fit_sketch)
+        maps = (lambda: torch.zeros(L, N, D, sketch_rank, device=device)) if sketch_rank else (lambda: None)
+        self.key_map, self.query_map = maps(), maps()
+        self.query_second = torch.zeros(L, N, D, D, device=device) if sketch_rank else None
         self.sketch = torch.zeros(L, capacity, layout.page_size, N, sketch_rank, dtype=self.SKETCH_DTYPE,
                                   device=device) if sketch_rank else None
 
@@ -100,10 +107,17 @@ class KeyStats:
         for t in self.tensors():
             t[:, dst] = t[:, src]
 
+    def add_queries(self, layer: int, queries: torch.Tensor) -> None:
+        """Prompt queries ``[T, H, D]`` of ``layer``, summed per kv head as ``q q^T`` until the sketch is fitted."""
+        N = self.layout.num_kv_heads
+        q = queries.float().view(queries.shape[0], N, -1, queries.shape[-1])  # [T, N_kv, G, D]
+        self.query_second[layer] += torch.einsum("tngd,tnge->nde", q, q)
+
     def fit_sketch(self, sequences: list) -> None:
-        """Fix the basis from the keys of ``sequences`` ``[(pids [n], per layer keys [S, N_kv, D])]`` (every stored
-        token, on any device; keys of pages dropped for good read as zeros and weigh nothing) and sketch those keys;
-        later writes are sketched with it. Host work, once: never inside a captured step."""
+        """Fix the maps from the keys of ``sequences`` ``[(pids [n], per layer keys [S, N_kv, D])]`` (every stored
+        token, on any device; keys of pages dropped for good read as zeros and weigh nothing) and the prompt queries
+        seen so far, and sketch those keys; later writes are sketched with them. Host work, once: never inside a
+        captured step."""
         L, N, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim
         P = self.layout.page_size
         second = torch.zeros(L, N, D, D, dtype=torch.float64, device=self.device)  # [L, N_kv, D, D] sum of k k^T
@@ -111,17 +125,28 @@ class KeyStats:
             for layer, k in enumerate(keys):  # k [S, N_kv, D]
                 k = k.to(self.device, torch.float64)
                 second[layer] += torch.einsum("snd,sne->nde", k, k)
-        # float64 on the host: the same keys give the same basis on every device and run
-        basis = torch.linalg.eigh(second.cpu()).eigenvectors[..., -self.basis.shape[-1]:]  # [L, N_kv, D, r]
-        self.basis.copy_(basis.to(self.basis.dtype))
+        # float64 on the host: the same keys give the same maps on every device and run
+        key_map, query_map = sketch_maps(second.cpu(), self.query_second.cpu().double(), self.key_map.shape[-1])
+        key_map, query_map = key_map.to(self.device), query_map.to(self.device)  # [L, N_kv, D, r]
+        top = torch.zeros(L, N, key_map.shape[-1], dtype=torch.float64, device=self.device)  # [L, N_kv, r] max |y|
+        for _, keys in sequences:
+            for layer, k in enumerate(keys):
+                y = torch.einsum("snd,ndr->snr", k.to(self.device, torch.float64), key_map[layer])
+                top[layer] = torch.maximum(top[layer], y.abs().amax(0))
+        step = torch.where(top > 0, top * self.SKETCH_MARGIN / self.SKETCH_LEVELS, 1.0)[:, :, None]  # [L, N_kv, 1, r]
+        self.key_map.copy_(key_map / step)
+        self.query_map.copy_(query_map * step)
         for pids, keys in sequences:
             for layer, k in enumerate(keys):
                 k = k.to(self.device, torch.float32)
                 tok = torch.arange(k.shape[0], device=self.device)
                 page = pid_index(pids, self.device)[tok // P]
-                self.sketch[layer, page, tok % P] = torch.einsum("snd,ndr->snr", k, self.basis[layer]).to(
-                    self.sketch.dtype)
+                self.sketch[layer, page, tok % P] = self._levels(torch.einsum("snd,ndr->snr", k, self.key_map[layer]))
         self.fitted = True
+
+    def _levels(self, y: torch.Tensor) -> torch.Tensor:
+        """Sketch components on the 8-bit steps ``y [..., r]`` as stored (rounded, clamped)."""
+        return y.round().clamp(-self.SKETCH_LEVELS, self.SKETCH_LEVELS).to(self.SKETCH_DTYPE)
 
     def add(self, layer: int, pids: torch.Tensor, keys: torch.Tensor) -> None:
         """Keys ``[n, N_kv, D]`` of ``layer`` written into pages ``pids [n]`` (device int64; repeats allowed)."""
@@ -159,9 +184,32 @@ class KeyStats:
         offset = (self.count[layers][:, pids].long() + (i - run_start)).clamp(max=self.layout.page_size - 1)  # [L', n]
         sketch = self.sketch[layers]  # [L', pids, P, N_kv, r]
         lay = torch.arange(sketch.shape[0], device=pids.device)[:, None].expand_as(offset)
-        new = torch.einsum("lnkd,lkdr->lnkr", k, self.basis[layers]).to(sketch.dtype)  # [L', n, N_kv, r]
+        new = self._levels(torch.einsum("lnkd,lkdr->lnkr", k, self.key_map[layers]))  # [L', n, N_kv, r]
         old = sketch[lay, pids.expand_as(offset), offset]
         sketch[lay, pids.expand_as(offset), offset] = torch.where(on[..., None, None], new, old)
+
+
+def sketch_maps(key_second: torch.Tensor, query_second: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rank-``rank`` maps ``(W, A)`` ``[..., D, r]`` with ``q . k ~ (A^T q) . (W^T k)`` that lose the least in
+    expectation over queries and keys of second moments ``query_second``, ``key_second`` ``[..., D, D]`` (sums of
+    ``q q^T``, ``k k^T``; a query moment of zeros, no query seen, reads as the identity: ``A W^T`` the projection on
+    the keys' principal directions, Loki's basis). ``E (q^T (I - A W^T) k)^2 = |Sq^1/2 (I - A W^T) Sk^1/2|_F^2`` is least at the top
+    ``r`` singular pairs of ``Sq^1/2 Sk^1/2 = U S V^T`` (Eckart-Young): ``W = Sk^-1/2 V_r``, ``A = Sk W (W^T Sk
+    W)^-1`` (the least-squares ``A`` for that ``W``, whatever the queries)."""
+    D = key_second.shape[-1]
+    unseen = query_second.abs().flatten(-2).amax(-1) == 0  # [...]
+    query_second = torch.where(unseen[..., None, None], torch.eye(D, dtype=query_second.dtype), query_second)
+
+    def power(m: torch.Tensor, p: float) -> torch.Tensor:
+        """``m^p`` of symmetric PSD ``m`` (eigenvalues below 1e-12 of the largest raised as if that small)."""
+        e, v = torch.linalg.eigh(m)
+        e = e.clamp(min=(e.amax(-1, keepdim=True) * 1e-12).clamp(min=1e-30))
+        return v @ torch.diag_embed(e ** p) @ v.transpose(-1, -2)
+
+    _, _, vh = torch.linalg.svd(power(query_second, 0.5) @ power(key_second, 0.5))
+    key_map = power(key_second, -0.5) @ vh.transpose(-1, -2)[..., :rank]  # [..., D, r]
+    query_map = key_second @ key_map @ torch.linalg.pinv(key_map.transpose(-1, -2) @ key_second @ key_map)
+    return key_map, query_map
 
 
 ATTENTION_FIELDS = frozenset({"total", "last", "window"})  # what a scorer may read (PageStats.attention_<field>)

@@ -21,15 +21,19 @@ needs_triton = pytest.mark.skipif(DEV == "cuda" and not torch.cuda.is_available(
 
 
 def problem(gen, B, M, P, H, n_kv, D, r, sketch_dtype=torch.float32):
-    """q ``[B, H, D]``, basis ``[N_kv, D, r]``, a sketch ``[cap, P, N_kv, r]`` where a fifth of the keys copy
+    """q ``[B, H, D]``, a query map ``[N_kv, D, r]``, a sketch ``[cap, P, N_kv, r]`` where a fifth of the keys copy
     another's (ties), pids ``[B, M]`` (-1 past a row's keys) and a block table with pages dropped between the spans,
     lengths ``[B]`` (an idle row, a short one) and spans ``[B, 2]`` (a row held whole)."""
     cap = B * M + 4
     sketch = torch.randn(cap * P, n_kv, r, generator=gen)
+    if sketch_dtype == torch.int8:  # the engine's 8-bit levels
+        sketch = (sketch * 40).round().clamp(-127, 127)
     dup = torch.randint(0, cap * P, (cap * P // 5, 2), generator=gen)
     sketch[dup[:, 0]] = sketch[dup[:, 1]]
     sketch = sketch.view(cap, P, n_kv, r).to(sketch_dtype)
-    basis = torch.linalg.qr(torch.randn(n_kv, D, D, generator=gen)).Q[..., :r].contiguous()
+    query_map = torch.linalg.qr(torch.randn(n_kv, D, D, generator=gen)).Q[..., :r].contiguous()
+    if sketch_dtype == torch.int8:
+        query_map = query_map / 40
     pids = torch.randperm(cap, generator=gen)[:B * M].view(B, M).int()
     lens = torch.randint(M * P // 2, M * P + 1, (B,), generator=gen).int()
     lens[0] = 0  # an idle row of the bucket
@@ -44,11 +48,11 @@ def problem(gen, B, M, P, H, n_kv, D, r, sketch_dtype=torch.float32):
     table[middle & (torch.rand(B, M, generator=gen) < 0.06)] = DROPPED
     pids[page * P >= lens[:, None]] = -1  # no page past a row's keys
     q = torch.randn(B, H, D, generator=gen)
-    return q, basis, sketch, pids, table, lens, spans
+    return q, query_map, sketch, pids, table, lens, spans
 
 
 CASES = [  # (B, M, P, H, N_kv, D, r, n, window, sketch dtype)
-    (4, 40, 16, 9, 3, 64, 16, 97, 0, torch.bfloat16),  # 640 keys a row: one chunk
+    (4, 40, 16, 9, 3, 64, 32, 97, 0, torch.int8),  # 640 keys a row: one chunk; the engine's 8-bit sketch
     (3, 150, 16, 8, 2, 32, 8, 410, 0, torch.float32),  # 2,400: three chunks
     (3, 70, 4, 6, 2, 16, 4, 5000, 0, torch.float32),  # n past the candidates
     (3, 90, 16, 8, 1, 64, 16, 300, 700, torch.bfloat16),  # a sliding window of 700 keys, MQA
@@ -79,16 +83,16 @@ def test_the_device_key_choice_equals_the_reference(case, monkeypatch, max_chunk
         monkeypatch.setattr(module, "MAX_CHUNKS", max_chunks)
     B, M, P, H, n_kv, D, r, n, window, dtype = case
     gen = torch.Generator().manual_seed(sum(case[:8]))
-    q, basis, sketch, pids, table, lens, spans = (x.to(DEV) for x in problem(gen, B, M, P, H, n_kv, D, r, dtype))
+    q, query_map, sketch, pids, table, lens, spans = (x.to(DEV) for x in problem(gen, B, M, P, H, n_kv, D, r, dtype))
     width = int(spans[:, 0].max()) + n + 5 * P + 4 * P
-    want = key_choice_reference(q, basis, sketch, pids, table, lens, spans, n,
+    want = key_choice_reference(q, query_map, sketch, pids, table, lens, spans, n,
                                 torch.empty(B, n_kv, width, dtype=torch.int32, device=DEV), window)
-    got = module.key_choice(q, basis, sketch, pids, table, lens, spans, n,
+    got = module.key_choice(q, query_map, sketch, pids, table, lens, spans, n,
                             torch.full((B, n_kv, width), 7, dtype=torch.int32, device=DEV), window)
     if DEV == "cpu":
         assert torch.equal(got, want)
     else:  # a GPU's exp/log round otherwise than torch's: a key may cross a bin boundary, at the threshold only
-        assert_threshold_flips(got, want, key_bins_reference(q, basis, sketch, pids, table, lens, spans, window))
+        assert_threshold_flips(got, want, key_bins_reference(q, query_map, sketch, pids, table, lens, spans, window))
     assert (want[0] == -1).all()  # the idle row lists nothing
     listed = want[want >= 0]
     live = (pids.long() >= 0) & (table != DROPPED)

@@ -30,8 +30,9 @@ BIN = (SCORE_RANGE[1] - SCORE_RANGE[0]) / SCORE_BINS  # a score bin's width: key
 
 
 def test_a_full_rank_sketch_chooses_the_keys_with_the_largest_true_share():
-    """With r = D the sketch is the keys in another basis: the n keys chosen between the spans are those with the
-    largest true weight beside the shown keys (max over the group's query heads, log), up to a score bin."""
+    """With r = D the sketch is the keys in another basis, on 8-bit levels: the n keys chosen between the spans are
+    those with the largest true weight beside the shown keys (max over the group's query heads, log), up to a score
+    bin and the levels' rounding."""
     n_pages, n = 12, 13
     g = torch.Generator().manual_seed(3)
     keys = torch.randn(n_pages * PAGE, N_KV, D, generator=g) * 2
@@ -41,7 +42,7 @@ def test_a_full_rank_sketch_chooses_the_keys_with_the_largest_true_share():
     lens = torch.tensor([45, 30], dtype=torch.int32)
     spans = torch.tensor([[3, 40], [2, 26]], dtype=torch.int32)
     pids = torch.arange(n_pages, dtype=torch.int32).expand(2, -1).contiguous()
-    out = key_choice_reference(q, stats.basis[0], stats.sketch[0], pids, torch.zeros(2, n_pages, dtype=torch.int32),
+    out = key_choice_reference(q, stats.query_map[0], stats.sketch[0], pids, torch.zeros(2, n_pages, dtype=torch.int32),
                                lens, spans, n, torch.empty(2, N_KV, 40, dtype=torch.int32))
     logits = torch.einsum("bkgd,skd->bkgs", q.view(2, N_KV, G, D), keys) * D ** -0.5  # [B, N_kv, G, S]
     t = torch.arange(n_pages * PAGE)
@@ -80,7 +81,7 @@ def decode(e: Engine, steps: int) -> list[torch.Tensor]:
 def test_the_engine_attends_the_budget_in_keys_with_pages_off_the_device():
     """Both kernels (torch; Triton through the interpreter) give the same logits with pages on the device and
     the host; each step attends as many keys per row and layer as the page choice of the same budget (40), and
-    they are other keys; the basis is fitted once, before the first step that chooses."""
+    they are other keys; the maps are fitted once, from the prompts' queries and keys, before the first step that chooses."""
     runs, attended, lists = {}, {}, []
     for kernel, unit in (("torch", "token"), ("triton", "token"), ("torch", "page")):
         e = engine(kernel, unit, sketch_rank=5) if unit == "token" else engine(kernel, unit)
@@ -97,7 +98,7 @@ def test_the_engine_attends_the_budget_in_keys_with_pages_off_the_device():
         attended[kernel, unit] = e.stats.attended_per_step()
         assert (e.buffers.block_table[:, :2] < 0).any()  # some pages are read from the host
         if unit == "token":
-            assert e.keys.fitted and e.keys.basis.abs().sum() > 0
+            assert e.keys.fitted and e.keys.query_map.abs().sum() > 0 and e.keys.query_second.abs().sum() > 0
     chosen = torch.stack(lists)  # [calls, B, N_kv, W]
     assert ((chosen >= 4) & (chosen < 8)).any()  # a sink page's spare keys may be chosen
     assert not torch.equal(chosen[:, :, 0], chosen[:, :, 1])

@@ -114,6 +114,8 @@ class AttentionCallbacks:
         if mode not in ("prefill", "decode", "mixed"):
             raise KVTierError("attend outside a step: the model's attention must run inside Engine.step or a "
                               "TieredKVCache")
+        if mode != "decode" and e.keys is not None and e.keys.sketch is not None and not e.keys.fitted:
+            e.keys.add_queries(layer, self.chunk_tokens(query))  # [T, H, D]: the sketch's maps weigh them
         if mode == "prefill":
             if e.queries is not None:  # the first chunk's newest query rows
                 c = e.plan.chunks[0]

@@ -192,7 +192,7 @@ def page_choice_reference(q: torch.Tensor, key_min: torch.Tensor, key_max: torch
     return best_of(score, cand.bool() & (pids >= 0), k, count)
 
 
-def key_bins_reference(q: torch.Tensor, basis: torch.Tensor, sketch: torch.Tensor, pids: torch.Tensor,
+def key_bins_reference(q: torch.Tensor, query_map: torch.Tensor, sketch: torch.Tensor, pids: torch.Tensor,
                        table: torch.Tensor, lens: torch.Tensor, spans: torch.Tensor, window: int = 0,
                        scale: float | None = None) -> torch.Tensor:
     """Each candidate key's score bin ``[B, N_kv, M P]`` in ``[0, SCORE_BINS)`` (-1: not a candidate) as
@@ -201,14 +201,14 @@ def key_bins_reference(q: torch.Tensor, basis: torch.Tensor, sketch: torch.Tenso
     shown none), cut into :data:`~kvtier.kernels.base.SCORE_BINS` bins over ``SCORE_RANGE``. fp32, products summed
     elementwise (no reduced-precision matmul)."""
     B, H, D = q.shape
-    n_kv, _, r = basis.shape
+    n_kv, _, r = query_map.shape
     P, M = sketch.shape[1], pids.shape[1]
     t = torch.arange(M * P, device=q.device)  # [S] key positions
     n_keys = lens.long()[:, None]  # [B, 1]
     lo = (n_keys - window).clamp(min=0) if window else torch.zeros_like(n_keys)
     pid = pids.long()[:, t // P]  # [B, S]
     vis = (t >= lo) & (t < n_keys) & (pid >= 0) & (table[:, t // P] != DROPPED)
-    qr = (q.float().view(B, n_kv, H // n_kv, D, 1) * basis.float()[None, :, None]).sum(-2)  # [B, N_kv, G, r]
+    qr = (q.float().view(B, n_kv, H // n_kv, D, 1) * query_map.float()[None, :, None]).sum(-2)  # [B, N_kv, G, r]
     qr = qr * (D ** -0.5 if scale is None else scale)
     y = sketch[pid.clamp(min=0), t % P].float().permute(0, 2, 1, 3)  # [B, N_kv, S, r]
     s = (qr[:, :, :, None] * y[:, :, None]).sum(-1).masked_fill(~vis[:, None, None], float("-inf"))  # [B, N_kv, G, S]
@@ -223,7 +223,7 @@ def key_bins_reference(q: torch.Tensor, basis: torch.Tensor, sketch: torch.Tenso
     return torch.where(middle[:, None] & (score > float("-inf")), bins, -1)
 
 
-def key_choice_reference(q: torch.Tensor, basis: torch.Tensor, sketch: torch.Tensor, pids: torch.Tensor,
+def key_choice_reference(q: torch.Tensor, query_map: torch.Tensor, sketch: torch.Tensor, pids: torch.Tensor,
                          table: torch.Tensor, lens: torch.Tensor, spans: torch.Tensor, n: int, out: torch.Tensor,
                          window: int = 0, scale: float | None = None) -> torch.Tensor:
     """The contract of :func:`kvtier.kernels.triton_key_choice.key_choice` in torch (the ``topk`` scope's key choice
@@ -232,8 +232,8 @@ def key_choice_reference(q: torch.Tensor, basis: torch.Tensor, sketch: torch.Ten
     (:func:`kvtier.scopes.base.best_of`)."""
     from kvtier.scopes.base import best_of  # imported here: the scopes import this module
 
-    B, n_kv, dev, W = q.shape[0], basis.shape[0], q.device, out.shape[-1]
-    image = key_bins_reference(q, basis, sketch, pids, table, lens, spans, window, scale)  # [B, N_kv, S]
+    B, n_kv, dev, W = q.shape[0], query_map.shape[0], q.device, out.shape[-1]
+    image = key_bins_reference(q, query_map, sketch, pids, table, lens, spans, window, scale)  # [B, N_kv, S]
     chosen = best_of(image.double(), image >= 0, n) if n else torch.zeros(B, n_kv, 0, dtype=torch.int32, device=dev)
     kk = (chosen >= 0).sum(-1, keepdim=True)  # [B, N_kv, 1]
     n_keys = lens.long()[:, None]  # [B, 1]

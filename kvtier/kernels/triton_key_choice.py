@@ -3,8 +3,8 @@
 Each kv head of each row chooses its own keys (the unit that reaches the full cache's quality: ``bench/RESULTS.md``,
 "Recall"). A key's score is its estimated weight beside the keys the step shows anyway (the sinks and the window),
 the largest over its kv group's query heads: ``max_g (s_g(t) - lse_g)``, with approximate logits ``s_g(t) = scale *
-(U^T q_g) . y_t`` from the key's sketch ``y_t = U^T k_t`` (rank ``r``, ``U`` the (layer, kv head)'s top principal
-directions of the keys: Loki, Singhania et al., 2024, arXiv:2406.02542; ShadowKV, Sun et al., 2024,
+(A^T q_g) . y_t`` from the key's sketch ``y_t`` (rank ``r``, 8 bits, and ``A`` the (layer, kv head)'s query map:
+:class:`kvtier.stats.KeyStats`; Loki, Singhania et al., 2024, arXiv:2406.02542; ShadowKV, Sun et al., 2024,
 arXiv:2410.21465) and ``lse_g`` their log-sum-exp over the shown keys, which every program computes for itself (a
 normaliser over every key would need a launch of its own). Scores are cut into
 :data:`~kvtier.kernels.base.SCORE_BINS` equal bins over ``SCORE_RANGE``: keys in one bin are equal choices, the lower
@@ -14,7 +14,7 @@ decode kernel (:func:`kvtier.kernels.triton_decode.static_decode`'s ``key_list``
 The keys of a row are cut into ``C`` chunks (at most :data:`MAX_CHUNKS`, each ``K`` sub-blocks of :data:`SUB`
 keys) and both launches have a grid of ``(B * N_kv, C)`` programs, so that a single row keeps the GPU busy:
 
-1. bins: each program projects its group's queries on the basis, scores the shown keys and its chunk's candidates
+1. bins: each program maps its group's queries (the query map), scores the shown keys and its chunk's candidates
    from their sketches (gathered by page), writes each candidate's bin and the chunk's histogram of them;
 2. emit: from every chunk's histogram, the threshold bin (the ``n``-th largest: a one-level radix select, no sort);
    each program writes its chunk's keys above it and its ties in position order while the ``n`` last, at their
@@ -103,7 +103,7 @@ def _sketches(t, ok, b, h, pid_ptr, table_ptr, sketch_ptr, s_pb, s_tb, s_sp, s_s
     loc = tl.load(table_ptr + b * s_tb + t // PAGE, mask=ok, other=DROPPED)
     vis = ok & (pid >= 0) & (loc != DROPPED)
     y = tl.load(sketch_ptr + pid.to(tl.int64)[:, None] * s_sp + (t % PAGE)[:, None] * s_st + h * s_sh + r[None, :],
-                mask=vis[:, None] & (r < R)[None, :], other=0.0).to(tl.float32)
+                mask=vis[:, None] & (r < R)[None, :], other=0).to(tl.float32)
     return y, vis
 
 
@@ -114,7 +114,7 @@ def _head(x, g, i):
 
 
 @triton.jit
-def _key_bins_kernel(q_ptr, basis_ptr, sketch_ptr, pid_ptr, table_ptr, lens_ptr, spans_ptr, bin_ptr, hist_ptr,
+def _key_bins_kernel(q_ptr, map_ptr, sketch_ptr, pid_ptr, table_ptr, lens_ptr, spans_ptr, bin_ptr, hist_ptr,
                      window, scale, s_qb, s_qh, s_bh, s_bd, s_sp, s_st, s_sh, s_pb, s_tb, s_ib, s_ih, s_hb, s_hh, s_hc,
                      N_KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
                      BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr,
@@ -128,9 +128,9 @@ def _key_bins_kernel(q_ptr, basis_ptr, sketch_ptr, pid_ptr, table_ptr, lens_ptr,
     r = tl.arange(0, BLOCK_R)
     qg = tl.load(q_ptr + b * s_qb + (h * GROUP + g)[:, None] * s_qh + d[None, :],
                  mask=(g < GROUP)[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)  # [G, D]
-    u = tl.load(basis_ptr + h * s_bh + d[:, None] * s_bd + r[None, :], mask=(d < D)[:, None] & (r < R)[None, :],
+    u = tl.load(map_ptr + h * s_bh + d[:, None] * s_bd + r[None, :], mask=(d < D)[:, None] & (r < R)[None, :],
                 other=0.0)  # [D, R]
-    qr = tl.dot(qg, u, input_precision="ieee") * scale  # [G, R] the queries on the basis, scaled
+    qr = tl.dot(qg, u, input_precision="ieee") * scale  # [G, R] the queries through the map, scaled
     n, lo, c_lo, c_hi, n_sink, w_lo, n_win = _spans(b, lens_ptr, spans_ptr, window)
     t0 = c * K * SUB + tl.arange(0, SUB)  # [SUB] the chunk's first keys: loaded before the shown keys' pass
     y0, vis0 = _sketches(t0, (t0 >= c_lo) & (t0 < c_hi), b, h, pid_ptr, table_ptr, sketch_ptr, s_pb, s_tb, s_sp,
@@ -210,23 +210,23 @@ def _key_emit_kernel(bin_ptr, hist_ptr, lens_ptr, spans_ptr, out_ptr, n_keys, wi
         tl.store(out + e, shown, mask=((e < n_sink) | (e >= n_sink + kk)) & (e < end))
 
 
-def key_choice(q: torch.Tensor, basis: torch.Tensor, sketch: torch.Tensor, pids: torch.Tensor, table: torch.Tensor,
+def key_choice(q: torch.Tensor, query_map: torch.Tensor, sketch: torch.Tensor, pids: torch.Tensor, table: torch.Tensor,
                lens: torch.Tensor, spans: torch.Tensor, n: int, out: torch.Tensor, window: int = 0,
                scale: float | None = None, work: KeyChoiceWork | None = None) -> torch.Tensor:
     """Each kv head's keys for the decode query ``q [B, H, D]`` (any float dtype, fp32 math) into ``out [B, N_kv,
     W]`` int32: the keys the spans show and the ``n`` best of the others, in position order, then -1.
 
-    ``basis [N_kv, D, r]`` fp32 and ``sketch [capacity, P, N_kv, r]`` (any dtype: each stored key on the basis) of
-    the layer; ``pids [B, M]`` (-1 none) and ``table [B, M]`` (the block table: ``DROPPED`` pages are not seen);
+    ``query_map [N_kv, D, r]`` fp32 and ``sketch [capacity, P, N_kv, r]`` (int8 or any float dtype: each stored
+    key's sketch) of the layer; ``pids [B, M]`` (-1 none) and ``table [B, M]`` (the block table: ``DROPPED`` pages are not seen);
     ``lens [B]`` keys per row, the newest included (0: an idle row, all -1); ``spans [B, 2]`` ``(sinks, win_start)``:
     the keys ``< sinks`` and ``>= win_start`` are shown, ``win_start = 0`` every key; ``window``: a sliding layer's
     keys per query (0: global); ``scale``: the logits' (``D^-0.5``); ``work``: scratch for at least B rows of ``M
     P`` keys. Contract: :func:`kvtier.kernels.reference.key_choice_reference`."""
     B, H, D = q.shape
-    n_kv, r = basis.shape[0], basis.shape[-1]
+    n_kv, r = query_map.shape[0], query_map.shape[-1]
     P, M = sketch.shape[1], pids.shape[1]
     work = work or KeyChoiceWork.make(B, n_kv, M * P, q.device)
-    assert q.stride(-1) == 1 and basis.is_contiguous() and sketch.stride(-1) == 1 and out.stride(-1) == 1
+    assert q.stride(-1) == 1 and query_map.is_contiguous() and sketch.stride(-1) == 1 and out.stride(-1) == 1
     assert pids.stride(-1) == 1 and table.stride(-1) == 1 and spans.is_contiguous() and out.dtype == torch.int32
     assert work.bins.shape[-1] >= M * P
     if B == 0:
@@ -237,8 +237,8 @@ def key_choice(q: torch.Tensor, basis: torch.Tensor, sketch: torch.Tensor, pids:
     bins = (work.bins.stride(0), work.bins.stride(1))
     hist = (work.hist.stride(0), work.hist.stride(1), work.hist.stride(2))
     _key_bins_kernel[grid](
-        q, basis, sketch, pids, table, lens, spans, work.bins, work.hist, window, scale,
-        q.stride(0), q.stride(1), basis.stride(0), basis.stride(1), sketch.stride(0), sketch.stride(1),
+        q, query_map, sketch, pids, table, lens, spans, work.bins, work.hist, window, scale,
+        q.stride(0), q.stride(1), query_map.stride(0), query_map.stride(1), sketch.stride(0), sketch.stride(1),
         sketch.stride(2), pids.stride(0), table.stride(0), *bins, *hist,
         N_KV=n_kv, GROUP=group, D=D, R=r, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=triton.next_power_of_2(D), BLOCK_R=max(16, triton.next_power_of_2(r)), PAGE=P, SUB=SUB, K=K,

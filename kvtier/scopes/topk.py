@@ -1,9 +1,11 @@
 """``topk``: recall, each decode step attends the keys that matter wherever they live.
 
 By default (``unit="token"``, ``rank="sketch"``) each kv head of each row chooses single keys by their estimated
-share of its query group's attention, from a low-rank sketch of every key kept on the device (the keys on their
-rank-``sketch_rank`` principal directions, fitted once from the stored keys before the first step that chooses:
-Loki, Singhania et al., 2024, arXiv:2406.02542; ShadowKV, Sun et al., 2024, arXiv:2410.21465): two Triton launches a
+share of its query group's attention, from an 8-bit low-rank sketch of every key kept on the device (rank
+``sketch_rank``, head_dim / 2 by default: a quarter of the 16-bit keys' bytes; the rank-r form of q.k that loses
+the least over the prompt's queries and keys, fitted once before the first step that chooses: :class:`~kvtier.stats.
+KeyStats`; Loki, Singhania et al., 2024, arXiv:2406.02542; ShadowKV, Sun et al., 2024, arXiv:2410.21465): two
+Triton launches a
 layer inside the captured step (:mod:`kvtier.kernels.triton_key_choice`; on the torch backend its oracle
 :func:`~kvtier.kernels.reference.key_choice_reference`), no host work. Under a token budget a step attends the
 sinks, the window and the budget's middle in keys; without one, ``scope.sinks``, the page being written and
@@ -93,7 +95,7 @@ class TopK(Scope):
         self.pages, self.rank, self.unit, self.query_rows = pages, rank, unit, query_rows
         self.per_head = unit == "token" or bool(per_head)
         self.policy_share, self.recall_slots, self.sinks = float(policy_share), recall_slots, sinks
-        self.sketch_rank = sketch_rank  # rank 'sketch': None is head_dim / 4 (a quarter of the 16-bit keys' bytes)
+        self.sketch_rank = sketch_rank  # rank 'sketch': None is head_dim / 2 (8 bits: a quarter of the 16-bit keys)
         if self.per_head and recall_slots and unit == "page":
             raise ConfigError("scope.recall_slots", "the recall cache admits one page list per row; per_head gives "
                                                     "each kv head its own: set scope.per_head=false or recall_slots=0")
@@ -113,7 +115,7 @@ class TopK(Scope):
         """The key statistics the choice reads and the rank of the key sketch it keeps (0: none)."""
         if self.rank != "sketch":
             return FIELDS[self.rank], 0
-        rank = self.sketch_rank or max(layout.head_dim // 4, 1)
+        rank = self.sketch_rank or max(layout.head_dim // 2, 1)
         if rank > layout.head_dim:
             raise ConfigError("scope.sketch_rank", f"must be at most the head dim {layout.head_dim}, got {rank}")
         return FIELDS[self.rank], rank
@@ -162,7 +164,7 @@ class TopK(Scope):
         self._lists = {}  # a layer group's first index -> its lists, candidates and room (or spans) this step
 
     def prepare(self) -> None:
-        """Before a step that chooses keys from the sketch: its basis, fitted once from every stored key."""
+        """Before a step that chooses keys from the sketch: its maps, fitted once from every stored key."""
         e = self.engine
         if self.rank != "sketch" or e.keys.fitted or not any(
                 s is not None and e.table.seq_len(s) + 1 > self._choosing_from(e.budget) for s in e.row_seq):
@@ -207,7 +209,7 @@ class TopK(Scope):
         B, keys = view.batch, self.engine.keys
         spans, n = self._key_spans(layer, view)
         out = self.key_lists[layer, :B]  # [B, N_kv, W]
-        args = (q, keys.basis[layer], keys.sketch[layer], view.pids[:B], view.table[layer, :B], view.lens[:B], spans,
+        args = (q, keys.query_map[layer], keys.sketch[layer], view.pids[:B], view.table[layer, :B], view.lens[:B], spans,
                 n, out, view.window(layer))
         if self.fused:
             if self.key_work is None:  # once, before any capture: every later call writes the same scratch
@@ -353,13 +355,13 @@ def gauss_mass(q: torch.Tensor, keys, layer: int, pids: torch.Tensor, live: torc
 
 def sketch_logits(q: torch.Tensor, keys, layer: int, pids: torch.Tensor) -> torch.Tensor:
     """Approximate scaled logits ``[B, M, P, H]`` of the query ``q [B, H, D]`` with every key of the pages ``pids
-    [B, M]`` (-inf past a page's stored keys) from the keys' low-rank sketch (``keys.sketch``/``keys.basis``: the
-    keys on their top principal directions, ShadowKV's low-rank key cache, Sun et al., 2024, arXiv:2410.21465).
-    Reads r/D of the keys' bytes."""
+    [B, M]`` (-inf past a page's stored keys) from the keys' low-rank sketch (``keys.sketch``/``keys.query_map``:
+    :class:`~kvtier.stats.KeyStats`; ShadowKV's low-rank key cache, Sun et al., 2024, arXiv:2410.21465). Reads r/(2D)
+    of the 16-bit keys' bytes."""
     B, H, D = q.shape
     y = keys.sketch[layer][pids].float()  # [B, M, P, N_kv, r]
     n_kv, P = y.shape[3], y.shape[2]
-    qr = torch.einsum("bkgd,kdr->bkgr", q.float().view(B, n_kv, H // n_kv, D), keys.basis[layer])  # [B, N_kv, G, r]
+    qr = torch.einsum("bkgd,kdr->bkgr", q.float().view(B, n_kv, H // n_kv, D), keys.query_map[layer])  # [B, N_kv, G, r]
     logits = torch.einsum("bmpkr,bkgr->bmpkg", y, qr).flatten(3) * D ** -0.5  # [B, M, P, H]
     stored = torch.arange(P, device=q.device) < keys.count[layer][pids][..., None]  # [B, M, P]
     return logits.masked_fill(~stored[..., None], float("-inf"))
