@@ -244,6 +244,26 @@ def test_calibrations_regenerate_from_the_bench_jsons():
         assert fresh.noise == pytest.approx(shipped.noise) and fresh.anchors == shipped.anchors
 
 
+def test_the_all_reduce_line_is_bench_collectives_fit_or_the_named_assumption(tmp_path):
+    """Without a collectives.json the calibration says its all-reduce latency is the assumption; with one, the
+    alpha-beta line bench.collectives fits (here over exact ring times of 6 us + bytes at 360 GB/s) is read back,
+    from its largest GPU group."""
+    from bench.collectives import SIZES, fit_line
+    from kvtier.sim.calibrate import allreduce_line
+    from kvtier.sim.hardware import ALLREDUCE_LATENCY_US
+
+    assumed = allreduce_line(tmp_path, 300.0)
+    assert assumed["latency_us"] == ALLREDUCE_LATENCY_US and assumed["source"].startswith("assumption")
+    fits = []
+    for p, (lat, bus) in ((2, (4.0, 150.0)), (8, (6.0, 360.0))):
+        rows = [{"bytes": n, "us": lat + 2 * (p - 1) / p * n / (bus * 1e3)} for n in SIZES]
+        fits.append({"gpus": p, **fit_line(rows, p)})
+    (tmp_path / "collectives.json").write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "fits": fits}))
+    line = allreduce_line(tmp_path, 300.0)
+    assert line["latency_us"] == pytest.approx(6.0) and line["bus_GBps"] == pytest.approx(360.0)
+    assert line["source"].startswith("measured") and "8 x NVIDIA H100" in line["source"]
+
+
 def test_calibration_errors_name_the_file_or_key(tmp_path):
     from kvtier.sim.calibrate import calibrate
 
