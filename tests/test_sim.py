@@ -237,7 +237,10 @@ def test_calibrations_regenerate_from_the_bench_jsons():
 
     for kind in ("H100", "H200"):
         shipped, fresh = load_calibration(kind), calibrate(BENCH, kind)
-        assert fresh.gpu == shipped.gpu == kind and fresh.hbm_GBps == pytest.approx(shipped.hbm_GBps)
+        assert fresh.gpu == shipped.gpu == kind
+        for key in ("hbm_GBps", "bf16_tflops", "host_GBps", "nvlink_GBps", "fp8_kv_x"):
+            assert getattr(fresh, key) == pytest.approx(getattr(shipped, key)), key
+        assert fresh.allreduce == shipped.allreduce
         for group, keys in PARAMS.items():
             for key in keys:
                 assert fresh.params[group][key] == pytest.approx(shipped.params[group][key], rel=1e-6, abs=1e-12)
