@@ -280,6 +280,12 @@ def test_calibration_errors_name_the_file_or_key(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_calibration(tmp_path / "cal.json")
     assert err.value.field == "calibration.params.prefill"
+    raw = json.loads(SHIPPED["H100"].read_text())
+    raw["allreduce"]["bus_GBps"] = 0
+    (tmp_path / "cal.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="bus_GBps") as err:
+        load_calibration(tmp_path / "cal.json")
+    assert err.value.field == "calibration.allreduce"
 
 
 @pytest.mark.parametrize("group", list(PARAMS))

@@ -69,7 +69,8 @@ class Calibration:
                 raise ConfigError(f"calibration.{key}", f"must be > 0, got {getattr(self, key)!r}")
         if not (self.allreduce.get("latency_us", -1) >= 0 and self.allreduce.get("bus_GBps", 0) > 0):
             raise ConfigError("calibration.allreduce", f"needs latency_us >= 0 and bus_GBps > 0, got "
-                                                       f"{self.allreduce!r}; regenerate with python -m kvtier.sim.calibrate")
+                                                       f"{self.allreduce!r}; regenerate it with python -m "
+                                                       "kvtier.sim.calibrate")
 
     def efficiency(self) -> dict:
         """Measured rate / datasheet rate of this kind: HBM, bf16 matmul, NVLink."""
