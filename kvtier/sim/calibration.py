@@ -81,9 +81,11 @@ class Calibration:
     def on(self, gpu: str) -> Calibration:
         """This calibration carried to ``gpu``: the same efficiencies against its datasheet, the same engine."""
         a, b = GPUS[self.gpu], GPUS[gpu]
+        nvlink = b.nvlink_GBps / a.nvlink_GBps
         return replace(self, gpu=gpu, hbm_GBps=self.hbm_GBps * b.hbm_GBps / a.hbm_GBps,
                        bf16_tflops=self.bf16_tflops * b.bf16_tflops / a.bf16_tflops,
-                       nvlink_GBps=self.nvlink_GBps * b.nvlink_GBps / a.nvlink_GBps,
+                       nvlink_GBps=self.nvlink_GBps * nvlink,
+                       allreduce={**self.allreduce, "bus_GBps": self.allreduce["bus_GBps"] * nvlink},
                        fitted_on=self.fitted_on or self.gpu)
 
     def with_engine(self, other: Calibration) -> Calibration:
