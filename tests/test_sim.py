@@ -237,11 +237,34 @@ def test_calibrations_regenerate_from_the_bench_jsons():
 
     for kind in ("H100", "H200"):
         shipped, fresh = load_calibration(kind), calibrate(BENCH, kind)
-        assert fresh.gpu == shipped.gpu == kind and fresh.hbm_GBps == pytest.approx(shipped.hbm_GBps)
+        assert fresh.gpu == shipped.gpu == kind
+        for key in ("hbm_GBps", "bf16_tflops", "host_GBps", "nvlink_GBps", "fp8_kv_x"):
+            assert getattr(fresh, key) == pytest.approx(getattr(shipped, key)), key
+        assert fresh.allreduce == shipped.allreduce
         for group, keys in PARAMS.items():
             for key in keys:
                 assert fresh.params[group][key] == pytest.approx(shipped.params[group][key], rel=1e-6, abs=1e-12)
         assert fresh.noise == pytest.approx(shipped.noise) and fresh.anchors == shipped.anchors
+
+
+def test_the_all_reduce_line_is_bench_collectives_fit_or_the_named_assumption(tmp_path):
+    """Without a collectives.json the calibration says its all-reduce latency is the assumption; with one, the
+    alpha-beta line bench.collectives fits (here over exact ring times of 6 us + bytes at 360 GB/s) is read back,
+    from its largest GPU group."""
+    from bench.collectives import SIZES, fit_line
+    from kvtier.sim.calibrate import allreduce_line
+    from kvtier.sim.hardware import ALLREDUCE_LATENCY_US
+
+    assumed = allreduce_line(tmp_path, 300.0)
+    assert assumed["latency_us"] == ALLREDUCE_LATENCY_US and assumed["source"].startswith("assumption")
+    fits = []
+    for p, (lat, bus) in ((2, (4.0, 150.0)), (8, (6.0, 360.0))):
+        rows = [{"bytes": n, "us": lat + 2 * (p - 1) / p * n / (bus * 1e3)} for n in SIZES]
+        fits.append({"gpus": p, **fit_line(rows, p)})
+    (tmp_path / "collectives.json").write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "fits": fits}))
+    line = allreduce_line(tmp_path, 300.0)
+    assert line["latency_us"] == pytest.approx(6.0) and line["bus_GBps"] == pytest.approx(360.0)
+    assert line["source"].startswith("measured") and "8 x NVIDIA H100" in line["source"]
 
 
 def test_calibration_errors_name_the_file_or_key(tmp_path):
@@ -257,6 +280,12 @@ def test_calibration_errors_name_the_file_or_key(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_calibration(tmp_path / "cal.json")
     assert err.value.field == "calibration.params.prefill"
+    raw = json.loads(SHIPPED["H100"].read_text())
+    raw["allreduce"]["bus_GBps"] = 0
+    (tmp_path / "cal.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="bus_GBps") as err:
+        load_calibration(tmp_path / "cal.json")
+    assert err.value.field == "calibration.allreduce"
 
 
 @pytest.mark.parametrize("group", list(PARAMS))

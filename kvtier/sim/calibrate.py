@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.sim.calibration import NOISE_Z99, PARAMS, SHIPPED, Calibration
+from kvtier.sim.hardware import ALLREDUCE_LATENCY_US
 from kvtier.sim.measured import BENCH_DIR, Measured, hardware_rates, measured_rows, predict, read_json
 
 STAGES = (("decode",), ("recall",), ("prefill", "serving"))
@@ -67,6 +68,21 @@ def pick_statistics(topk_hits: dict) -> dict:
             "pages": r["topk_pages"], "context": topk_hits["args"]["context"]}
 
 
+def allreduce_line(folder: Path, nccl_send_GBps: float) -> dict:
+    """The all-reduce's alpha-beta line (:func:`kvtier.sim.hardware.allreduce_s`): ``bench.collectives``' fit over
+    the largest GPU group it ran (``collectives.json``), or, where it has not run, the assumed latency
+    (:data:`~kvtier.sim.hardware.ALLREDUCE_LATENCY_US`) at the measured NCCL send rate, ``source`` naming which."""
+    path = folder / "collectives.json"
+    if not path.exists():
+        return {"latency_us": ALLREDUCE_LATENCY_US, "bus_GBps": nccl_send_GBps,
+                "source": f"assumption: {ALLREDUCE_LATENCY_US:g} us, bus at the NCCL send rate (no {path.name}: "
+                          "python -m bench.collectives on a multi-GPU host measures both)"}
+    d = read_json(path)
+    line = max(d["fits"], key=lambda f: f["gpus"])
+    return {"latency_us": line["latency_us"], "bus_GBps": line["bus_GBps"],
+            "source": f"measured: {path.name}, {line['gpus']} x {d['device']}"}
+
+
 def calibrate(folder: str | Path, kind: str) -> Calibration:
     """A calibration of ``kind`` from the bench JSONs in ``folder``."""
     folder = Path(folder)
@@ -82,7 +98,9 @@ def calibrate(folder: str | Path, kind: str) -> Calibration:
 
     def batched_read(tier: dict, path: str) -> float:
         return next(r["GB/s"] for r in tier["rows"] if r["path"] == path and r["op"] == "read")
-    cal = Calibration(gpu=kind, **hardware_rates(folder, kind), nvlink_GBps=disagg["prefill"]["link_GBps"],
+    nccl = disagg["prefill"]["link_GBps"]
+    cal = Calibration(gpu=kind, **hardware_rates(folder, kind), nvlink_GBps=nccl,
+                      allreduce=allreduce_line(folder, nccl),
                       page_copy_GBps=copies, redis_read_GBps=batched_read(redis, "RedisTier batched"),
                       pool_read_GBps=batched_read(pool, "MooncakeTier batched"),
                       fp8_kv_x=lines["bf16"]["GBps"] / (2 * lines["fp8"]["GBps"]),

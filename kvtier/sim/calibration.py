@@ -4,7 +4,9 @@ Two kinds of figure, kept apart:
 
 - **hardware**, measured by microbenchmarks on that kind (HBM read, bf16 matmul, pinned host link) or on the
   H200 host and carried to other kinds as a share of the datasheet (NCCL over NVLink, page copies over the host
-  link, the Redis and Mooncake tiers' reads): the hardware roofline runs on these alone;
+  link, the Redis and Mooncake tiers' reads), and the all-reduce's latency and bus rate (``bench.collectives``
+  where it ran; else the named assumption ``hardware.ALLREDUCE_LATENCY_US`` at the NCCL send rate, its
+  ``source`` saying so): the hardware roofline runs on these alone;
 - **kvtier's engine**, fitted on that kind's measured rows (:data:`PARAMS`, least squares on relative error over
   each group's anchor rows, :mod:`kvtier.sim.calibrate`) or measured by a kernel bench (``fp8_kv_x``): the
   multipliers and fixed costs by which kvtier's steps exceed the roofline, and its step-time noise.
@@ -42,6 +44,7 @@ class Calibration:
     bf16_tflops: float  # bf16 matmul
     host_GBps: float  # pinned host <-> device, one bulk copy, the slower way
     nvlink_GBps: float  # NCCL send of one layer's pages between two GPUs of a host
+    allreduce: dict  # the all-reduce's alpha-beta line: latency_us, bus_GBps, and its source (calibrate.allreduce_line)
     page_copy_GBps: dict  # copy method -> [[page KiB, pages, GB/s host-to-device], ...] (bench/transfers.py)
     redis_read_GBps: float  # RedisTier batched reads (bench/redis_tier.py)
     pool_read_GBps: float  # MooncakeTier batched reads, TCP on one CPU box (bench/mooncake_tier.py)
@@ -64,6 +67,10 @@ class Calibration:
         for key in ("hbm_GBps", "bf16_tflops", "host_GBps", "nvlink_GBps"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"calibration.{key}", f"must be > 0, got {getattr(self, key)!r}")
+        if not (self.allreduce.get("latency_us", -1) >= 0 and self.allreduce.get("bus_GBps", 0) > 0):
+            raise ConfigError("calibration.allreduce", f"needs latency_us >= 0 and bus_GBps > 0, got "
+                                                       f"{self.allreduce!r}; regenerate it with python -m "
+                                                       "kvtier.sim.calibrate")
 
     def efficiency(self) -> dict:
         """Measured rate / datasheet rate of this kind: HBM, bf16 matmul, NVLink."""
@@ -74,9 +81,11 @@ class Calibration:
     def on(self, gpu: str) -> Calibration:
         """This calibration carried to ``gpu``: the same efficiencies against its datasheet, the same engine."""
         a, b = GPUS[self.gpu], GPUS[gpu]
+        nvlink = b.nvlink_GBps / a.nvlink_GBps
         return replace(self, gpu=gpu, hbm_GBps=self.hbm_GBps * b.hbm_GBps / a.hbm_GBps,
                        bf16_tflops=self.bf16_tflops * b.bf16_tflops / a.bf16_tflops,
-                       nvlink_GBps=self.nvlink_GBps * b.nvlink_GBps / a.nvlink_GBps,
+                       nvlink_GBps=self.nvlink_GBps * nvlink,
+                       allreduce={**self.allreduce, "bus_GBps": self.allreduce["bus_GBps"] * nvlink},
                        fitted_on=self.fitted_on or self.gpu)
 
     def with_engine(self, other: Calibration) -> Calibration:

@@ -9,7 +9,8 @@ the calibration's GPU kind (:class:`~kvtier.sim.calibration.Calibration`); FP8 w
 - attention: a decode row reads its keys' KV (memory-bound); a prompt chunk's causal attention is FLOPs over
   its prefix and itself;
 - all-reduce: two per layer of the iteration's activations (tokens x hidden, bf16), ring over NVLink
-  (:func:`~kvtier.sim.hardware.allreduce_s`: the measured NCCL rate, an assumed latency).
+  (:func:`~kvtier.sim.hardware.allreduce_s` on the calibration's alpha-beta line: ``bench.collectives``'
+  measured latency and bus rate, or where it has not run the assumed latency at the NCCL send rate).
 
 ``engine=True`` adds what kvtier's engine costs beyond that, from the calibration's fitted parameters: the
 bound operator of each layer times its multiplier (weights read, matmul, KV read, prefill attention), the FP8
@@ -23,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtier.sim.calibration import Calibration
-from kvtier.sim.hardware import ALLREDUCE_LATENCY_US, GPUS, Link, ModelShape, allreduce_s
+from kvtier.sim.hardware import GPUS, Link, ModelShape, allreduce_s
 
 
 @dataclass
@@ -34,7 +35,7 @@ class StepCosts:
     kv_bytes: float = 2.0  # per KV element: 2 (bf16), 1 (FP8 pages)
     weight_bytes: float = 2.0  # per weight: 2 (bf16), 1 (FP8, multiplied at the FP8 peak)
     engine: bool = True  # False: the hardware roofline alone
-    allreduce_latency_us: float = ALLREDUCE_LATENCY_US
+    allreduce_latency_us: float | None = None  # None: the calibration's (measured, or its named assumption)
 
     def __post_init__(self):
         m, tp, cal = self.model, self.tp, self.cal
@@ -48,7 +49,9 @@ class StepCosts:
         kv_read = self.token_bytes() / self.hbm  # ms to read one key's KV
         kv_flops = 4 * m.layers * m.q_heads * m.head_dim / tp / self.bf16
         self.key_ms = max(kv_read, kv_flops)
-        self.nvlink = Link("nvlink", cal.nvlink_GBps, self.allreduce_latency_us)
+        if self.allreduce_latency_us is None:
+            self.allreduce_latency_us = cal.allreduce["latency_us"]
+        self.nvlink = Link("nvlink all-reduce", cal.allreduce["bus_GBps"], self.allreduce_latency_us)
         p = {k: v for group in cal.params.values() for k, v in group.items()} if self.engine else {}
         self.x = {k: p.get(k, 1.0) for k in ("weights_x", "matmul_x", "kv_x", "attn_x", "miss_x")}
         self.x["kv_x"] *= cal.fp8_kv_x if self.engine and self.kv_bytes == 1 else 1.0

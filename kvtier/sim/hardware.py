@@ -73,7 +73,8 @@ GPUS = {  # NVIDIA's H100 SXM5 and H200 datasheets (dense, no sparsity); HBM as 
 }
 
 
-ALLREDUCE_LATENCY_US = 10.0  # assumption: one small NCCL all-reduce within an NVLink node; kvtier measures none
+ALLREDUCE_LATENCY_US = 10.0  # assumption: one small NCCL all-reduce within an NVLink node, where bench.collectives
+#                             has not run (kvtier.sim.calibrate.allreduce_line)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import numpy as np
 from kvtier.sim.calibration import Calibration
 from kvtier.sim.claims import Claim, Panel, claims_table, plot, supported
 from kvtier.sim.cluster import Cluster, ClusterSpec, InstanceSpec, hbm_prefix
-from kvtier.sim.hardware import ALLREDUCE_LATENCY_US, Link
+from kvtier.sim.hardware import Link
 from kvtier.sim.setups import ROCE_GBPS, kv_room_tokens, seed_costs
 from kvtier.sim.workload import trace_workload
 
@@ -105,7 +105,9 @@ class PDDisaggregation:
         ttft, itl, jit = pair("ttft_p99_s"), pair("itl_p99_ms", "{:.1f}"), pair("itl_std_ms", "{:.2f}")
         sigma, layers = self.cal.noise, self.costs["engine"].model.layers
         # the all-reduce latency at which the roofline's disaggregated ITL p99 reaches the seed's 8.4 ms (+10%)
-        flip_us = ALLREDUCE_LATENCY_US + (8.4 * 1.1 - rd["itl_p99_ms"]) * 1e3 / (2 * layers)
+        ar = self.cal.allreduce
+        how = "measured" if ar["source"].startswith("measured") else "assumption"
+        flip_us = ar["latency_us"] + (8.4 * 1.1 - rd["itl_p99_ms"]) * 1e3 / (2 * layers)
         claims = [
             Claim("TTFT p99, mono -> disagg", "840 -> 112 ms", ttft[0], supported(ms(ed, "ttft_p99_s"), 112, False),
                   ttft[1], supported(ms(rd, "ttft_p99_s"), 112, False),
@@ -116,7 +118,7 @@ class PDDisaggregation:
             Claim("ITL p99", "48.2 -> 8.4 ms", itl[0], supported(ed["itl_p99_ms"], 8.4, False), itl[1],
                   supported(rd["itl_p99_ms"], 8.4, False),
                   f"a 70B decode step on 8 H100s: the weights' read alone {e['weights_ms']:.1f} ms (bf16) at the "
-                  f"measured HBM rate; {2 * layers} all-reduces at {ALLREDUCE_LATENCY_US:g} us each (assumption): "
+                  f"measured HBM rate; {2 * layers} all-reduces at {ar['latency_us']:.3g} us each ({how}): "
                   f"the roofline's verdict flips at {flip_us:.0f} us"),
             Claim("ITL jitter (std)", "21.6 -> 0.9 ms", jit[0], supported(ed["itl_std_ms"], 0.9, False)
                   if em["itl_std_ms"] > ed["itl_std_ms"] else "not supported", jit[1],
@@ -154,8 +156,8 @@ class PDDisaggregation:
                   f"{r['transfer_ms_4096']:.2f} vs {r['prefill_ms_4096']:.0f} ms",
                   supported(r["prefill_ms_4096"], 45, False),
                   f"the prefill's matmuls at the measured bf16 rate (FP8 matmuls on neither side: the seed moves FP8 "
-                  f"KV, not FP8 weights) and its {2 * layers} all-reduces at the NCCL rate kvtier measured "
-                  f"({self.cal.nvlink_GBps:.0f} GB/s): {r['allreduce_ms_4096']:.0f} ms of the roofline's; the "
+                  f"KV, not FP8 weights) and its {2 * layers} all-reduces at a bus rate of "
+                  f"{ar['bus_GBps']:.0f} GB/s ({how}): {r['allreduce_ms_4096']:.0f} ms of the roofline's; the "
                   "transfer formula is the seed's own"),
         ]
         result = {**f, "table": claims_table(claims), "claims": [c.__dict__ for c in claims]}

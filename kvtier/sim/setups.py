@@ -20,7 +20,8 @@ NIC_GBPS = 340.0  # assumption: 8 x 400 Gb/s RDMA NICs per node at seed 001's 85
 SSD_GBPS = 24.0  # assumption: 4 NVMe drives per node at ~6 GB/s each (PCIe 4 x4 sequential reads)
 DRAM_KV_GIB = 1024.0  # assumption: host DRAM per node given to KV (a 2 TiB node, half of it)
 SSD_KV_GIB = 8192.0  # assumption: NVMe per node given to KV (4 x 2 TiB)
-ASSUMPTIONS = {"HBM reserved": HBM_RESERVED, "all-reduce latency (us)": ALLREDUCE_LATENCY_US,
+ASSUMPTIONS = {"HBM reserved": HBM_RESERVED,
+               "all-reduce latency (us), unless bench.collectives ran": ALLREDUCE_LATENCY_US,
                "CXL GB/s per node": CXL_GBPS, "RoCE GB/s per node": ROCE_GBPS, "NIC GB/s per node": NIC_GBPS,
                "SSD GB/s per node": SSD_GBPS, "DRAM GiB per node for KV": DRAM_KV_GIB,
                "SSD GiB per node for KV": SSD_KV_GIB}
