@@ -42,13 +42,14 @@ def paged_indices(table: torch.Tensor, page_list: torch.Tensor | None, indptr: t
     """FlashInfer's ``kv_indices`` of one layer into ``out[:nnz]`` on the device (static shapes, no host sync): row b's
     listed pages' slots ``table [B, M][b, page_list [B, K][b, j]]`` (``page_list`` None: its pages in order; lists
     ascending, -1 after the last) at ``indptr [B+1][b] + j`` for ``j < indptr[b+1] - indptr[b]``; ``out[-1]`` takes the
-    entries past each row's count."""
+    entries past each row's count. A page dropped left of a sliding window (listed under ``scope=all``, which lists
+    every page) reads slot 0, which the call's ``window_left`` masks."""
     B, M = table.shape
     logical = torch.arange(M, device=table.device).expand(B, M) if page_list is None else page_list.long()  # [B, K]
     j = torch.arange(logical.shape[1], device=table.device)  # [K]
     start, count = indptr[:-1, None].long(), (indptr[1:] - indptr[:-1])[:, None].long()  # [B, 1]
     at = torch.where(j < count, start + j, out.numel() - 1)  # [B, K]
-    out.scatter_(0, at.flatten(), table.gather(1, logical.clamp(min=0)).flatten())
+    out.scatter_(0, at.flatten(), table.gather(1, logical.clamp(min=0)).clamp(min=0).flatten())
 
 
 @dataclass
