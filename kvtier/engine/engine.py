@@ -14,12 +14,12 @@ A step is **plan -> run -> feedback**:
 2. run: the model forward (:mod:`kvtier.engine.runner`), eager or one CUDA-graph replay per batch
    bucket (:mod:`kvtier.engine.graphs`). Per layer the attention module calls :meth:`Engine.store` and
    :meth:`Engine.attend` (:mod:`kvtier.engine.attention`): the planned page list (or the scope's pick for this
-   layer's query), then one decode kernel (:func:`~kvtier.kernels.triton_decode.static_decode`, or its torch
-   oracle) reads the pages where they live (device, pinned host, or disk/remote pages staged into pinned memory
-   before the step) and writes per-page statistics, which become the salience / attention mass the policy needs
-   in device buffers. When the last layer is done, one batch of device ops per layer group
-   (:meth:`~kvtier.engine.attention.AttentionCallbacks.finish`) tallies the pages and updates the key/query
-   statistics.
+   layer's query), then one decode kernel (:func:`~kvtier.kernels.triton_decode.static_decode`, its torch
+   oracle, or FlashInfer's where every page it reads is in HBM) reads the pages where they live (device, pinned
+   host, or disk/remote pages staged into pinned memory before the step) and writes per-page statistics, which
+   become the salience / attention mass the policy needs in device buffers. When the last layer is done, one
+   batch of device ops per layer group (:meth:`~kvtier.engine.attention.AttentionCallbacks.finish`) tallies the
+   pages and updates the key/query statistics.
 3. feedback: those buffers are copied to pinned host memory and an event marks the step's end; the
    host goes on with the next step and takes them when the lookahead bound says so.
 
