@@ -12,7 +12,11 @@ Per model shape and (batch B, context S), rows side by side:
   picks, lookahead
   ``--lookahead``) and ``resident`` (sink+window); ``0.2:topk:next_layer`` adds prediction ahead (each layer's
   pages fetched into its recall slots before it runs, :mod:`kvtier.scopes.predict`), with the predictor's accuracy
-  (the share of the pages fetched ahead that the layer picked).
+  (the share of the pages fetched ahead that the layer picked);
+- ``--kernels triton,flashinfer,triton-eager``: the ``all`` and ``resident`` rows again with each further kernel
+  backend (``flashinfer``: FlashInfer's paged decode and prefill through the engine, planned on the host each step,
+  so never graph-captured; ``triton-eager``: Triton without CUDA graphs, FlashInfer's like for like), marked by
+  ``kernel`` and ``graphs``.
 
 Weights are random (Llama-8B and SmolLM2 shapes); the context's K/V is written straight into the
 pages (random, as the weights), then ``--steps`` greedy decode steps run. With ``--smollm2 PATH``
@@ -28,7 +32,8 @@ Each tiered row says whether its greedy tokens equal the all-HBM row's (``same_t
 sequences) and, with a predictor, the same row's without one (``same_tokens_as_unpredicted``: a prediction must
 change no output). ``--profile N`` profiles N more steps of each row: its kernel time a step by kind (``kernel_ms``:
 matmul, page choice, attention, copy, other), which says where a row's time goes.
-Run on a GPU:  python -m bench.e2e [--models ...] [--shapes BxS,...] [--no-hf]   (writes $OUT/e2e.json)
+Run on a GPU:  python -m bench.e2e [--models ...] [--shapes BxS,...] [--no-hf] [--kernels triton,flashinfer]
+(writes $OUT/e2e.json)
 """
 
 from __future__ import annotations
@@ -59,12 +64,13 @@ WARMUP = 3
 TIERED = "0.5:quest,0.5:resident,0.2:quest,0.2:resident,1:topk,0.2:topk"
 ATTEND = 0.2  # topk rows: the keys a step attends, a share of the context (the policy study's "20%")
 SINKS, WINDOW = 4, 64  # topk rows: the token budget's sinks and window
+KERNELS = {"triton": ("triton", {}), "triton-eager": ("triton", {"graphs": False}), "flashinfer": ("flashinfer", {})}
 
 
 def tiered_engine(model, batch: int, context: int, steps: int, budget: float, scope: str, lookahead: int,
                   prompts: list[torch.Tensor] | None = None, recall: bool = True, predictor: str | None = None,
                   recall_share: str = "half", engine_settings: dict | None = None,
-                  attend: float = ATTEND) -> tuple[Engine, str]:
+                  attend: float = ATTEND, kernel: str = "triton") -> tuple[Engine, str]:
     """The engine of a row and its scope's recipe: ``batch`` sequences of ``context`` tokens each (``prompts``
     prefilled, or random K/V written straight into the pages), room for ``steps`` more; ``budget`` of the pages in
     HBM (less what the scope's key statistics take there), the rest in pinned host memory. Scopes: ``topk``, the one
@@ -72,7 +78,7 @@ def tiered_engine(model, batch: int, context: int, steps: int, budget: float, sc
     study's configuration), ``quest`` (Quest's pages, half the budget's pages a step), ``resident``. A recall cache
     (``recall``) takes half the device budget (``recall_share`` "half") or what the sinks, window and landing slots
     leave ("rest") and fetches ahead with ``predictor`` (:mod:`kvtier.scopes.predict`); ``engine_settings``: more
-    :class:`EngineConfig` fields (graphs, compile)."""
+    :class:`EngineConfig` fields (graphs, compile); ``kernel`` the backend's name."""
     layout = kv_layout_for(model.config, page_size=16, dtype=torch.bfloat16)
     per_seq = layout.pages_for(context + steps + 1)
     total = per_seq * batch
@@ -100,7 +106,7 @@ def tiered_engine(model, batch: int, context: int, steps: int, budget: float, sc
                        rank="quest")
     else:
         chooser = make_scope(scope)
-    engine = Engine(model, layout, tiers, policy, chooser, prefill=ChunkedPrefill(4096), budget=tokens,
+    engine = Engine(model, layout, tiers, policy, chooser, kernel=kernel, prefill=ChunkedPrefill(4096), budget=tokens,
                     exact_prefill=tokens is not None,
                     config=EngineConfig(max_batch=batch, max_context=context + steps + 1, lookahead=lookahead,
                                         buckets=[batch], sync_timing=False, **(engine_settings or {})))
@@ -131,14 +137,16 @@ def recipe_of(scope: str, tokens: TokenBudget | None, chooser, page_size: int) -
 
 def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope: str, lookahead: int,
                prompts: list[torch.Tensor] | None = None, recall: bool = True, predictor: str | None = None,
-               recall_share: str = "half", profile: int = 0) -> dict:
-    """Decode ``WARMUP + steps`` greedy tokens of :func:`tiered_engine`'s sequences and time the last ``steps``;
+               recall_share: str = "half", profile: int = 0, kernel: str = "triton") -> dict:
+    """Decode ``WARMUP + steps`` greedy tokens of :func:`tiered_engine`'s sequences and time the last ``steps``
+    (``kernel``: a name of :data:`KERNELS`);
     ``profile`` more steps under the torch profiler give the kernel time a step by kind (``kernel_ms``). The row's
     ``tokens`` are the timed steps' greedy tokens ``[steps][batch]``; ``setup_s`` the seconds to build and fill its
     engine."""
     built = time.perf_counter()
+    backend, settings = KERNELS[kernel]
     engine, recipe = tiered_engine(model, batch, context, WARMUP + steps + profile, budget, scope, lookahead, prompts,
-                                   recall, predictor, recall_share)
+                                   recall, predictor, recall_share, settings, kernel=backend)
     built = time.perf_counter() - built
     layout = engine.layout
     tokens = torch.empty(steps, batch, dtype=torch.int64, device="cuda")
@@ -167,7 +175,8 @@ def kvtier_row(model, batch: int, context: int, steps: int, budget: float, scope
     moved = sum(engine.transfer.bytes_moved.values()) - moved0 + (copied + ahead) * layout.page_bytes \
         + (attended - on_device) * entry_bytes
     tpot = np.array([events[i - 1].elapsed_time(events[i]) for i in range(WARMUP + 1, len(events))])  # ms
-    row = {"budget": budget, "scope": scope, "scope_recipe": recipe, "lookahead": lookahead,
+    row = {"budget": budget, "scope": scope, "kernel": kernel, "graphs": engine.graphs, "scope_recipe": recipe,
+           "lookahead": lookahead,
            "recall": engine.recall is not None, "hit_unit": "key" if keys else "page",
            "sketch_bytes_per_token": engine.stats_bytes_per_token, "kv_bytes_per_token": engine.kv_bytes_per_token,
            "predictor": predictor or "-", "fetched_ahead_per_step": ahead / steps,
@@ -281,7 +290,12 @@ def main():
     ap.add_argument("--capacity", default="", help="capacity rows of --models, BxS[:predictor] comma-separated: dense "
                     "at batch B against recall (topk, 20%% HBM) at 5 B in the same HBM KV pool")
     ap.add_argument("--smollm2-capacity", default="", help="the real SmolLM2's capacity rows, as --capacity")
+    ap.add_argument("--kernels", default="triton", help=f"kernel backends of the all and resident rows, of "
+                    f"{', '.join(KERNELS)} (every other row: triton), e.g. triton,flashinfer,triton-eager")
     args = ap.parse_args()
+    kernels = [k for k in args.kernels.split(",") if k]
+    if not set(kernels) <= set(KERNELS) or "triton" not in kernels:
+        raise SystemExit(f"--kernels: {args.kernels!r} must name triton and any of {', '.join(KERNELS)}")
     hbm = measure_hbm_read_GBps("cuda")
     link = pinned_bulk_ceiling()
     rows = []
@@ -322,13 +336,14 @@ def main():
                     grid += [(0.2, "quest", int(k), False, None) for k in args.lookaheads.split(",") if k]
             shape_rows = []
             for budget, scope, k, recall, predictor in grid:
-                t0 = time.time()
-                r = kvtier_row(model, batch, context, args.steps, budget, scope, k, prompts, recall, predictor,
-                               args.recall_slots, args.profile)
-                shape_rows.append({**base, "system": "kvtier", **r})
-                rows.append(shape_rows[-1])
-                show(rows[-1], t0)
-                save()  # after each row: a cut-off run keeps its rows
+                for kernel in kernels if scope in ("all", "resident") else ["triton"]:
+                    t0 = time.time()
+                    r = kvtier_row(model, batch, context, args.steps, budget, scope, k, prompts, recall, predictor,
+                                   args.recall_slots, args.profile, kernel)
+                    shape_rows.append({**base, "system": "kvtier", **r})
+                    rows.append(shape_rows[-1])
+                    show(rows[-1], t0)
+                    save()  # after each row: a cut-off run keeps its rows
             all_hbm = shape_rows[0]
             for r in rows:
                 if r["model"] == name and r["B"] == batch and r["S"] == context:
@@ -354,8 +369,8 @@ def main():
         free_device_memory()
     print_table(f"decode TPOT, bf16, page 16, steps={args.steps}; HBM read {hbm:.0f} GB/s, pinned h2d "
                 f"{link['h2d_GBps']:.1f} GB/s", rows,
-                ["model", "B", "S", "system", "budget", "scope", "lookahead", "recall", "predictor", "tpot_p50_ms",
-                 "tpot_p99_ms", "x_limit", "x_allhbm", "tok_s", "hit_rate", "predictor_accuracy", "MB_moved_per_step",
+                ["model", "B", "S", "system", "kernel", "graphs", "budget", "scope", "lookahead", "recall", "predictor",
+                 "tpot_p50_ms", "tpot_p99_ms", "x_limit", "x_allhbm", "tok_s", "hit_rate", "predictor_accuracy", "MB_moved_per_step",
                  "copied_per_step", "landed_per_step", "host_wait_ms", "hidden", "offloaded", "hbm_kv_GiB",
                  "x_dense_tok_s", "same_tokens_as_dense", "same_tokens_as_unpredicted"])
     profiled = [{**r, **r["kernel_ms"]} for r in rows if "kernel_ms" in r]

@@ -223,9 +223,9 @@ def check_backends(backends: dict, small: bool) -> list:
         for name, backend in backends.items():
             if eight_bit and name == "flashinfer":
                 continue  # FlashInfer's FP8 path takes one scale per call: timed on its own pages below
-            if batch.head_mask is not None and not backend.supports_head_mask:
+            if batch.head_mask is not None and not backend.can.head_lists:
                 continue
-            salience = backend.supports_salience
+            salience = backend.can.page_stats
             try:
                 backend.plan(batch, heads[0], heads[1], heads[2])
                 poison_allocator()

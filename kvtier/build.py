@@ -20,12 +20,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from kvtier.budget import TokenBudget
-from kvtier.checks import (check_decode_kernel, check_dense_layers, check_device_room, check_max_context, check_memory,
-                           check_partial_budget, check_positions, check_recall_room, check_salience, check_stack,
-                           device_pages_needed, graphs_for, pay_for_key_stats, tier_pages)
+from kvtier.checks import (check_dense_layers, check_device_room, check_kernel, check_max_context, check_memory,
+                           check_partial_budget, check_positions, check_recall_room, check_stack, device_pages_needed,
+                           graphs_for, pay_for_key_stats, tier_pages)
 from kvtier.errors import ConfigError
 from kvtier.hook import use_hook
-from kvtier.kernels.reference import TorchBackend
 from kvtier.layout import KVLayout
 from kvtier.models import check_load_args, kv_layout_for, load_config
 from kvtier.policies.base import Policy
@@ -143,20 +142,20 @@ def plan(cfg: DictConfig) -> Plan:
     build(cfg.scheduler.placement, "scheduler.placement")
     build(cfg.logger, "logger")
     kernel = build(cfg.kernel, "kernel")
-    check_salience(policy, kernel)
-    check_decode_kernel(kernel)
     _, config = load_config(cfg.model.get("path"), cfg.model.get("id"), cfg.model.get("revision", "main"))
     layout = kv_layout_for(config, page_size=recipe.page_size, dtype=cfg.model.dtype, kv_dtype=recipe.kv_dtype)
     check_positions(task, config)
     check_max_context(recipe.engine.max_context, task, layout.page_size)
     check_dense_layers(cfg.cache.dense_layers, layout.num_layers)
-    graphs_for(recipe.engine.graphs, cfg.model.get("device", "cpu"), isinstance(kernel, TorchBackend),
-                 cfg.cache.fidelity and not issubclass(scope, All))
+    fidelity = cfg.cache.fidelity and not issubclass(scope, All)
+    graphs_for(recipe.engine.graphs, cfg.model.get("device", "cpu"), not kernel.can.captures, fidelity)
     context = task.context_tokens
     chunk = min(prefill.chunk_size, getattr(task, "prompt_tokens", context))  # the longest prefill step
     page_bytes = layout.num_layers * layout.page_bytes  # one page of every layer
     budget = recipe.budget.tokens_for(context, -(-page_bytes // layout.page_size))
     check_partial_budget(budget, context, label(cfg.scope), recipe.budget.key)
+    check_kernel(kernel, policy, scope, layout, len(cfg.tiers.stack) > 1, bool(cfg.cache.attend_budget), fidelity,
+                 cfg.cache.dense_layers)
     rows = getattr(task, "max_batch", recipe.engine.max_batch)  # the engine's rows (a serving task sets its own)
     capacities = size_stack(cfg.tiers.stack, layout, policy, lambda pages: build_scope(cfg, pages), budget,
                             context + task.new_tokens, recipe.budget.key, rows=rows, chunk=chunk,

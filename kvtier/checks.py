@@ -127,20 +127,50 @@ def check_partial_budget(budget: int, context: int, scope: str, key: str) -> Non
                                "else a budget below the context")
 
 
-def check_salience(policy, backend) -> None:
-    """A policy that reads per-page statistics (salience, attention mass) needs a kernel backend that gives them."""
+def check_kernel(backend, policy, scope, layout, lower_tiers: bool, budget: bool, fidelity: bool,
+                 dense_layers: int) -> None:
+    """What a step asks of the kernel backend against what it declares it can do (``backend.can``,
+    :class:`~kvtier.kernels.base.Capabilities`): ``scope`` (an instance or its class), ``lower_tiers`` (pages may live
+    below the device tier), ``budget`` (a token budget's spans). A ConfigError names the option at fault and what to
+    set instead."""
+    can, name = backend.can, f"kernel={backend.name}"
+    other = "use kernel=triton (or kernel=torch)"
+    if not can.decode:
+        raise ConfigError("kernel", f"{name} has no decode step over kvtier's block table; {other}")
     page_stats = set(policy.needs) & {"attention", "salience"}
-    if page_stats and not backend.supports_salience:
-        raise ConfigError("kernel", f"policy '{policy.name}' needs {sorted(page_stats)} per page, which backend "
-                                    f"'{backend.name}' does not give; use kernel=triton or kernel=torch")
-
-
-def check_decode_kernel(backend) -> None:
-    """The engine's decode step reads pages through the block table with a kernel of its own contract."""
-    if not backend.decodes:
-        raise ConfigError("kernel", f"backend '{backend.name}' has no decode step over kvtier's block table (pages "
-                                    "read where they live, page lists, per-page statistics); use kernel=triton "
-                                    "or kernel=torch")
+    if page_stats and not can.page_stats:
+        raise ConfigError("kernel", f"policy '{policy.name}' needs {sorted(page_stats)} per page, which {name} does "
+                                    f"not give; {other}, or a policy that needs neither")
+    if getattr(scope, "unit", "page") == "token" and not can.key_lists:
+        raise ConfigError("scope.unit", f"{name} attends pages, not single keys (key lists): set scope.unit=page, or "
+                                        f"{other}")
+    if getattr(scope, "per_head", False) and not can.head_lists:
+        raise ConfigError("scope.per_head", f"{name} takes one page list per row: set scope.per_head=false, or {other}")
+    if not scope.query_free and not can.query_picks:
+        raise ConfigError("scope", f"scope '{scope.name}' picks each layer's pages from its query during the step, and "
+                                   f"{name} plans its page lists on the host before it: use scope=all or scope=resident, "
+                                   f"or {other}")
+    if budget and not can.spans:
+        raise ConfigError("cache.attend_budget", f"a token budget attends part of some pages (its sinks and window), "
+                                                 f"and {name} whole pages only: attend without a budget, or {other}")
+    if layout.scaled and not can.scaled_pages:
+        raise ConfigError("kv_dtype", f"{name} cannot read kvtier's 8-bit pages (their scales per page): set kv_dtype "
+                                      f"to the model's dtype, or {other}")
+    if fidelity and can.host_plan:
+        raise ConfigError("cache.fidelity", f"the uncounted exact pass is planned on the device per call, and "
+                                            f"{name} plans each step's lists on the host: set cache.fidelity=false, "
+                                            f"or {other}")
+    if lower_tiers and not can.far_pages:
+        if not scope.device_only:
+            raise ConfigError("scope", f"scope '{scope.name}' attends pages wherever they live, and {name} reads HBM "
+                                       f"only: use scope=resident, a device tier that holds every page (no tier "
+                                       f"below it), or {other}")
+        if dense_layers:
+            raise ConfigError("cache.dense_layers", f"dense layers attend every page wherever it lives, and {name} "
+                                                    f"reads HBM only: set cache.dense_layers=0, or {other}")
+        if any(layout.sliding_windows) and not can.window_by_position:
+            raise ConfigError("kernel", f"{name} masks a sliding window by the keys' order in the list, and "
+                                        f"scope '{scope.name}' lists skip the pages below the device: {other}")
 
 
 def check_scheduler(scheduler) -> None:
@@ -156,12 +186,13 @@ def check_scheduler(scheduler) -> None:
                                                  f"{type(scheduler).__name__}")
 
 
-def graphs_for(graphs, device, reference_kernel: bool, fidelity: bool, forward: bool = True) -> bool:
+def graphs_for(graphs, device, host_kernel: bool, fidelity: bool, forward: bool = True) -> bool:
     """Whether steps replay as CUDA graphs, the one rule of every door (recipes, ``Engine``, ``TieredKVCache``):
     ``graphs`` None: where a step can be captured; true: that, or a ConfigError saying why not; false: never. A step
     can be captured when it is GPU work (a model on a GPU) whose forward the engine runs itself (``forward``; under
     ``generate`` HF's loop runs it, through ``TieredKVCache``), with a kernel that reads the lengths on the device
-    (not the torch reference) and no uncounted fidelity pass timed per call."""
+    (``host_kernel``: one that does not, the torch reference, or FlashInfer, planned on the host each step) and no
+    uncounted fidelity pass timed per call."""
     import torch
 
     why = None
@@ -171,9 +202,9 @@ def graphs_for(graphs, device, reference_kernel: bool, fidelity: bool, forward: 
     elif not forward:
         why = "this engine runs no forward of its own (generate runs the model's, through TieredKVCache), so it has no " \
               "step to capture: drive a kvtier.Engine with the model, or leave graphs null"
-    elif reference_kernel:
-        why = "the torch reference kernel reads the lengths on the host, which a captured step cannot: use " \
-              "kernel=triton, or engine.graphs=false"
+    elif host_kernel:
+        why = "the kernel backend reads the step's lengths on the host (torch's reference) or plans its lists there " \
+              "(FlashInfer), which a captured step cannot: use kernel=triton, or engine.graphs=false"
     elif fidelity:
         why = "cache.fidelity times an uncounted exact pass per call, which a captured step cannot leave out of TPOT: " \
               "set engine.graphs=false"

@@ -289,7 +289,7 @@ def unread(cfg: DictConfig, key: str, value: str | None) -> str | None:
                 return f"{first}={OmegaConf.select(cfg, first)} is read first ({' > '.join(group)}); " \
                        f"add {first}=null to size by {key}"
     if key == "cache.exact_prefill" and \
-            not getattr(build(cfg.scope, "scope", call=False), "prefill_device_only", False):
+            not getattr(build(cfg.scope, "scope", call=False), "device_only", False):
         return f"scope {cfg.scope._target_.rpartition('.')[2]} prefills over every page already; only a scope " \
                f"whose prefill reads the device's pages alone (resident) reads it"
     if key in BUDGET_KEYS and not cfg.cache.attend_budget and \

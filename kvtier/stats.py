@@ -9,6 +9,8 @@
 - :class:`SalienceStats`: ASPE's per-step salience of each page in a ring of steps, written by the step itself.
 - :class:`DeviceScores`: a scorer's score of every page computed from these on the device after each step (Quest's
   bound, Expected Attention's logit, Knorm's key norm), read by the host from the same kind of snapshot.
+- :class:`StatsRequest` / :class:`DeviceStats`: what a policy asks for, and the views of the buffers the engine makes
+  for it (no factories: the policy declares, the engine builds and owns, the policy reads).
 - :func:`quest_bound`: Quest's bound of q·k from a page's key min / max (the ``topk`` scope and the
   ``quest`` policy); :func:`page_bounds` of a row's pages by pid, :func:`over_heads` reduces scores over a row's query heads.
 - :func:`page_mass`: the attention probability mass each listed page gets from chosen query rows of a
@@ -16,6 +18,8 @@
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -529,6 +533,29 @@ class QueryStats:
         mean = x.sum(0) / n
         var = (torch.where(seen, (self.ring - mean) ** 2, 0.0)).sum(0) / n
         return mean, var
+
+
+@dataclass(frozen=True)
+class StatsRequest:
+    """The device statistics one reader of a policy (a scored policy; each scored part of a Compose) asks for beyond
+    the key and query statistics all share; the engine makes them and hands them back as a :class:`DeviceStats`."""
+
+    attention: tuple | None = None  # (rows, keeps): AttentionStats of the newest rows query rows, the sums kept
+    salience: int | None = None  # SalienceStats over a ring of this many steps
+    score: object = None  # Scorer.score_device(keys, queries, pids) -> [L, pids]: DeviceScores of it after each step
+
+
+@dataclass
+class DeviceStats:
+    """What one reader of a policy reads of the engine's statistics: plain tensors behind typed views, made, filled
+    and owned by the engine (the query statistics arrive with the first attention call, once the heads are known);
+    a policy fed by hand makes its own."""
+
+    keys: KeyStats | None = None
+    queries: QueryStats | None = None
+    attention: AttentionStats | None = None
+    salience: SalienceStats | None = None
+    scores: DeviceScores | None = None
 
 
 def quest_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:

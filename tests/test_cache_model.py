@@ -129,7 +129,7 @@ def test_salience_equals_eager_max_probability():
     probs = torch.softmax((q[0, :, 0, None, :] * kk).sum(-1) * 8 ** -0.5, dim=-1)  # [H, S]
     probs = torch.nn.functional.pad(probs, (0, 1))  # [H, 24]: 6 pages of 4
     eager = probs.view(2, 3, 6, 4).amax(dim=(1, 3)).sum(0)  # [pages] Σ over kv heads of the max over the group
-    sal = policy.store.salience
+    sal = policy.store.device.salience
     got = sal.ring[torch.from_numpy(cache.table.pages(0)), int(sal.row), 0]  # [pages] the decode step's row
     assert torch.isfinite(got).all() and got.numel() == 6
     assert rel_err(got, eager) < 1e-5

@@ -87,7 +87,7 @@ def test_every_policy_runs_with_its_statistics(tiny, tmp_path, redis_url, stack,
         if "attention" in policy.needs:  # each query row observed gives each kv head of each layer a mass of 1
             store, rows = policy.store, prompt.numel() + 4  # every prompt row (chunks of 16 <= rows kept), 4 steps
             want = {"total": rows, "last": 1, "window": min(store.rows, rows)}
-            for field, got in store.attention.read().items():
+            for field, got in store.device.attention.read().items():
                 assert got.sum() == pytest.approx(want[field] * layout.num_layers * layout.num_kv_heads, rel=1e-5), \
                     (name, field)
         if policy.hears_access:
@@ -135,7 +135,9 @@ def test_a_statistic_the_scope_or_kernel_cannot_give_is_refused_at_construction(
     assert e.value.field == "scope"
 
     class NoSalience:
-        name, supports_salience, decodes = "flashinfer-like", False, True
+        from kvtier.kernels.base import Capabilities
+
+        name, can = "flashinfer-like", Capabilities(page_stats=False)
     with pytest.raises(ConfigError) as e:
         Engine(model, layout, tiers(), policy_of("aspe"), All(), kernel=NoSalience())
     assert e.value.field == "kernel"
@@ -150,7 +152,7 @@ def test_a_statistic_the_scope_or_kernel_cannot_give_is_refused_at_construction(
     class ReadsNothingBound(LRU):  # needs attention, but keeps no statistics to read it from
         needs = frozenset({"attention"})
 
-    with pytest.raises(ConfigError, match="bind_attention") as e:
+    with pytest.raises(ConfigError, match="requests") as e:
         Engine(model, layout, tiers(), ReadsNothingBound(), All())
     assert e.value.field == "policy"
 

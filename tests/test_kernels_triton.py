@@ -188,7 +188,7 @@ def test_a_batch_built_from_host_arrays_plans_and_runs_the_same():
     q, pool, batch, _, _ = random_paged_batch([100, 0, 37], [1, 1, 1], 16, 2, 32, 4, generator=gen)
     host = PagedBatch.from_host(batch.qo_indptr.numpy(), batch.kv_indptr.numpy(), batch.kv_indices.numpy(),
                                 batch.kv_last_page_len.numpy(), 16, False, device())
-    assert host.is_decode() and host.kv_indptr_host().tolist() == batch.kv_indptr.tolist()
+    assert host.is_decode() and host.host("kv_indptr").tolist() == batch.kv_indptr.tolist()
     assert all(torch.equal(a.cpu(), b.int()) for a, b in zip(
         (host.qo_indptr, host.kv_indptr, host.kv_indices, host.kv_last_page_len),
         (batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len)))

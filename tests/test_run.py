@@ -1,5 +1,6 @@
 """kvtier-run end to end on the real SmolLM2 (tiny streams), its outputs, and config validation."""
 
+import importlib.util
 import json
 import os
 import re
@@ -14,7 +15,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from kvtier.build import plan as validate
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, MissingDependencyError
 from kvtier.models import cache_dir
 from kvtier.report import WandbLogger
 from kvtier.run import RECIPES, execute, job_configs, main
@@ -243,8 +244,12 @@ def test_every_recipe_option_validates(group, option):
     extra = ["budget.fraction=0.5"] if (group, option) == ("scope", "topk") else []
     with initialize_config_dir(str(RECIPES), version_base="1.3"):
         cfg = compose("config", overrides=[f"{group}={option}", *extra])
-    if (group, option) == ("kernel", "triton") and not _cuda() and os.environ.get("TRITON_INTERPRET") != "1":
+    if (group, option) == ("kernel", "triton") and not _cuda() and os.environ.get("TRITON_INTERPRET") != "1" or \
+            (group, option) == ("kernel", "flashinfer") and not _cuda():  # a GPU's kernels
         with pytest.raises(ConfigError, match="kernel"):
+            validate(cfg)
+    elif (group, option) == ("kernel", "flashinfer") and importlib.util.find_spec("flashinfer") is None:
+        with pytest.raises(MissingDependencyError, match=r"kvtier\[gpu\]"):
             validate(cfg)
     elif (group, option) in (("model", "local"), ("model", "hf")):  # model.path / model.id: ??? (the user's)
         with pytest.raises(ConfigError, match="model.path" if option == "local" else "model.id"):

@@ -11,7 +11,7 @@ import torch
 from kvtier import KVLayout, TokenBudget
 from kvtier.cache import TieredKVCache
 from kvtier.errors import ConfigError, KVTierError
-from kvtier.stats import KeyStats, QueryStats
+from kvtier.stats import DeviceStats, KeyStats, QueryStats
 from kvtier.policies import (H2O, LRU, PINNED, TOVA, Compose, ExpectedAttention, Knorm, PageInfo, Quest,
                              ScoredPolicy, SinkWindow, SnapKV)
 from kvtier.policies.h2o import AccumulatedAttention
@@ -68,7 +68,7 @@ def test_attention_statistics_of_a_run_of_pids_are_read_only_views_equal_to_a_ga
     store = pol.store
     run = store.stats(PageInfo(np.arange(1, 5), np.arange(4), np.full(4, 64), 16, 0))
     scattered = store.stats(PageInfo(np.array([4, 1, 3]), np.arange(3), np.full(3, 48), 16, 0))
-    total = store.attention.read()["total"]  # [L, pids, N_kv]
+    total = store.device.attention.read()["total"]  # [L, pids, N_kv]
     assert np.shares_memory(run.attention_total, total) and not run.attention_total.flags.writeable
     assert np.array_equal(run.attention_total, total[:, 1:5])
     assert not np.shares_memory(scattered.attention_total, total)
@@ -152,7 +152,7 @@ def keys_for(pages_keys, page=4):
 
 def bound_policy(pol, keys, queries=None):
     pol.reset(1)
-    pol.bind(keys, queries)
+    pol.attach([DeviceStats(keys, queries)])  # what an engine hands it: its key and query statistics
     return pol
 
 
@@ -304,7 +304,7 @@ def test_page_attention_equals_eager_mass_per_page():
     cache.attend(0, q)
     cache.finish_step()
     cache.engine.feedback.take(upto=cache.engine.step_idx)  # the statistics as they are now
-    last = pol.store.attention.read()["last"][0]  # [pids, N_kv] the decode row's mass
+    last = pol.store.device.attention.read()["last"][0]  # [pids, N_kv] the decode row's mass
     keep = torch.zeros(S, dtype=torch.bool)
     keep[:2] = keep[22:] = True
     for page in chosen.tolist():

@@ -53,6 +53,7 @@ class AttentionCallbacks:
         self.step_keys: dict = {}  # layer -> the decode keys [B, N_kv, D] written this step
         self.step_queries: dict = {}  # layer -> the first row's decode query [H, D]
         self.launches: dict = {}  # (B, H, listed, keys) -> the decode kernel's launch grid and work buffers
+        self.counts: dict | None = None  # layer -> pages each row lists [B], of a backend that plans on the host
         self.tally = compile_step(tally, dynamic=False) if compiled else tally
         # the decode K/V write fused into one kernel (eager it is six launches a layer); 8-bit pages stay eager
         self.write_decode = compile_step(write_decode, dynamic=False) if compiled and not e.layout.scaled \
@@ -109,7 +110,8 @@ class AttentionCallbacks:
         if e.queries is None and "queries" in e.policy.needs:
             e.queries = QueryStats(e.layout.num_layers, max(1, e.policy.query_rows), query.shape[1],
                                    query.shape[-1], e.device)
-            e.policy.bind(e.keys, e.queries)
+            for stats in e.policy_stats:  # what the policy reads: the engine's, filled in place
+                stats.queries = e.queries
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         if mode not in ("prefill", "decode", "mixed"):
             raise KVTierError("attend outside a step: the model's attention must run inside Engine.step or a "
@@ -203,9 +205,11 @@ class AttentionCallbacks:
         if e.recall is not None:
             e.recall.wait(layer)  # its pages fetched ahead have landed
         landing = e.recall.landing(layer, B, picks.shape[-1]) if e.recall is not None and picks is not None else {}
-        out, lse = e.kernel.decode(q, e.table.tiers[0].pool(layer), host, table, lens,
-                                   self.launch(B, H, D, None if picks is None else picks.shape[-1], keys is not None),
-                                   scale, page_list=None if keys is not None else picks, key_list=keys,
+        pool = e.table.tiers[0].pool(layer)
+        launch = self.host_plan(layer, q, pool, scale) if e.kernel.can.host_plan else \
+            self.launch(B, H, D, None if picks is None else picks.shape[-1], keys is not None)
+        out, lse = e.kernel.decode(q, pool, host, table, lens, launch, scale,
+                                   page_list=None if keys is not None else picks, key_list=keys,
                                    window_left=self.window_left(layer),
                                    spans=e.buffers.spans[:B] if budgeted and keys is None else None,
                                    stage_pool=stage, **stats, **landing)  # a key list shows its keys: no spans
@@ -259,7 +263,7 @@ class AttentionCallbacks:
 
     def drop_step(self) -> None:
         """Forget the step's page lists, keys and queries (a step done, or one an error left)."""
-        self.engine.plan.lists, self.step_keys, self.step_queries = None, {}, {}
+        self.engine.plan.lists, self.step_keys, self.step_queries, self.counts = None, {}, {}, None
         self.engine.feedback.drop_step()
 
     def visible_tokens(self, layers: range, B: int, picks: torch.Tensor | None, keys: bool = False) -> torch.Tensor:
@@ -286,12 +290,28 @@ class AttentionCallbacks:
         count = count * (lists >= 0)
         return count.sum(-1).float().mean(-1) / (picks.shape[-2] if picks.dim() == 4 else 1)
 
-    def view(self, B: int) -> StepView:
-        """What a scope reads of the step of ``B`` decode rows."""
-        e, buffers = self.engine, self.engine.buffers
+    def view(self, B: int, host: bool = False) -> StepView:
+        """What a scope reads of the step of ``B`` decode rows: the step's device buffers, or (``host``) the plan's
+        host copies of them (no policy priority: a scope that reads it runs on the device)."""
+        e, buffers, plan = self.engine, self.engine.buffers, self.engine.plan
         once = e.budget is not None and e.budget.mode == "once"
-        return StepView(buffers.block_table, buffers.seq_lens, buffers.spans, buffers.pid_table, buffers.priority, B,
-                        e.layout.page_size, e.budget, once, e.dense_layers, e.layout.sliding_windows)
+        rows = (buffers.block_table, buffers.seq_lens, buffers.spans, buffers.pid_table, buffers.priority) if not host \
+            else (*map(torch.from_numpy, (plan.table, plan.lens, plan.spans, plan.pids)), None)
+        return StepView(*rows, B, e.layout.page_size, e.budget, once, e.dense_layers, e.layout.sliding_windows)
+
+    def host_plan(self, layer: int, q: torch.Tensor, pool: torch.Tensor, scale: float):
+        """A backend's plan of ``layer``'s decode call of ``q [B, H, D]`` over ``pool`` made on the host
+        (``kernel.can.host_plan``), from the pages each row lists: the scope's lists planned over the host's copy of
+        the step's table, which the device's lists equal (once a step)."""
+        e, plan = self.engine, self.engine.plan
+        B, P = q.shape[0], e.layout.page_size
+        if self.counts is None:
+            n_pages = (plan.lens[:B] + P - 1) // P  # [B] every page
+            self.counts = {i: n_pages if lists is None else (lists >= 0).sum(-1).numpy()
+                           for i, lists in self.page_lists(self.view(B, host=True)).items()}
+        shape = (q.shape[1], e.layout.num_kv_heads, q.shape[2], P)
+        return e.kernel.plan_decode(self.counts[layer], plan.lens[:B], self.window_left(layer), shape, scale,
+                                    (q.dtype, pool.dtype))
 
     def measure_fidelity(self, layer, q, out, lse, scale, view) -> None:
         """Attend every live page (uncounted) and record the scope's recall and error; its time goes to

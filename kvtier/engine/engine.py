@@ -14,12 +14,12 @@ A step is **plan -> run -> feedback**:
 2. run: the model forward (:mod:`kvtier.engine.runner`), eager or one CUDA-graph replay per batch
    bucket (:mod:`kvtier.engine.graphs`). Per layer the attention module calls :meth:`Engine.store` and
    :meth:`Engine.attend` (:mod:`kvtier.engine.attention`): the planned page list (or the scope's pick for this
-   layer's query), then one decode kernel (:func:`~kvtier.kernels.triton_decode.static_decode`, or its torch
-   oracle) reads the pages where they live (device, pinned host, or disk/remote pages staged into pinned memory
-   before the step) and writes per-page statistics, which become the salience / attention mass the policy needs
-   in device buffers. When the last layer is done, one batch of device ops per layer group
-   (:meth:`~kvtier.engine.attention.AttentionCallbacks.finish`) tallies the pages and updates the key/query
-   statistics.
+   layer's query), then one decode kernel (:func:`~kvtier.kernels.triton_decode.static_decode`, its torch
+   oracle, or FlashInfer's where every page it reads is in HBM) reads the pages where they live (device, pinned
+   host, or disk/remote pages staged into pinned memory before the step) and writes per-page statistics, which
+   become the salience / attention mass the policy needs in device buffers. When the last layer is done, one
+   batch of device ops per layer group (:meth:`~kvtier.engine.attention.AttentionCallbacks.finish`) tallies the
+   pages and updates the key/query statistics.
 3. feedback: those buffers are copied to pinned host memory and an event marks the step's end; the
    host goes on with the next step and takes them when the lookahead bound says so.
 
@@ -43,8 +43,8 @@ import torch
 
 from kvtier.budget import TokenBudget, token_budget
 from kvtier.cache_base import PassCache
-from kvtier.checks import (check_decode_kernel, check_dense_layers, check_device_room, check_engine_args,
-                           check_recall_room, check_salience, check_scheduler, graphs_for)
+from kvtier.checks import (check_dense_layers, check_device_room, check_engine_args, check_kernel, check_recall_room,
+                           check_scheduler, graphs_for)
 from kvtier.compiling import make_room
 from kvtier.engine.attention import AttentionCallbacks
 from kvtier.engine.config import EngineConfig
@@ -57,7 +57,6 @@ from kvtier.engine.runner import LlamaRunner, StepForward, make_runner
 from kvtier.engine.step_buffers import StepBuffers
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.eval.fidelity import FidelityStats
-from kvtier.kernels.reference import TorchBackend
 from kvtier.kernels.registry import backend_for
 from kvtier.layout import KVLayout
 from kvtier.metrics import CacheStats, synchronize
@@ -69,9 +68,9 @@ from kvtier.policies.stats import NEEDS
 from kvtier.scheduler.base import Scheduler
 from kvtier.scheduler.chunked_prefill import ChunkedPrefill
 from kvtier.scheduler.lookahead import LookaheadScheduler
-from kvtier.scopes import All, Resident, Scope, make_scope
+from kvtier.scopes import All, Scope, make_scope
 from kvtier.scopes.recall import RecallCache
-from kvtier.stats import AttentionStats, DeviceScores, KeyStats, SalienceStats
+from kvtier.stats import AttentionStats, DeviceScores, DeviceStats, KeyStats, SalienceStats
 from kvtier.table import BlockTable
 from kvtier.tiers.base import Tier
 
@@ -127,8 +126,9 @@ class Engine:
         self.kernel = backend_for(kernel, self.device)
         self.prefill = prefill or ChunkedPrefill()
         self.stats = CacheStats()
-        check_decode_kernel(self.kernel)
-        check_feedback(policy, self.scope, self.kernel, config.lookahead)
+        check_feedback(policy, self.scope, config.lookahead)
+        check_kernel(self.kernel, policy, self.scope, layout, len(tiers) > 1, budget is not None,
+                     fidelity and not isinstance(self.scope, All), dense_layers)
         self.host = tiers[1] if len(tiers) > 1 and tiers[1].pool(0) is not None else None
         if self.device.type == "cuda" and self.host is not None and not self.host.pool(0).is_pinned():
             raise ConfigError(f"tiers.{self.host.name}", "the engine reads host pages through their mapped "
@@ -147,14 +147,14 @@ class Engine:
         self.buffers = StepBuffers(self.plan, model.config.vocab_size if model is not None else None,
                                    _pid_capacity(held) if self.scope.needs_rank(budget) else None, bool(recall_slots),
                                    self.device)
-        self.keys, self.snapshot_slots, self.attention, self.salience, self.scores = \
+        self.keys, self.snapshot_slots, self.policy_stats, self.attention, self.salience, self.scores = \
             policy_statistics(policy, self.scope, layout, _pid_capacity(held), self.device, config.lookahead)
         self.queries = None  # QueryStats, made once the heads are known (the first attention call)
         far = any(t.pool(0) is None for t in tiers[1:]) or len(tiers) > 2  # tiers the kernel cannot address
         # staged copies only for scopes that may read pages off the device (resident reads HBM only: memory stays
         # bounded by the tiers, as a long context through device -> host -> disk needs)
         self.staging = Staging(self.table, self.stats, self.host is not None, config.max_batch * self.max_pages,
-                               self.device.type == "cuda") if far and not isinstance(self.scope, Resident) else None
+                               self.device.type == "cuda") if far and not self.scope.device_only else None
         self.scope.bind(self)
         self.recall = recall_cache(self.scope, tiers, self.host, config.max_batch, self.max_pages, scratch,
                                    self.compiled) if recall_slots else None
@@ -182,8 +182,8 @@ class Engine:
         R = config.max_batch
         self.runner = make_runner(model, config.runner) if model is not None else None
         self.fidelity = FidelityStats() if fidelity and not isinstance(self.scope, All) else None
-        reference = isinstance(self.kernel, TorchBackend)  # the oracle reads lengths on the host: not capturable
-        self.graphs = graphs_for(config.graphs, self.device, reference, self.fidelity is not None, model is not None)
+        self.graphs = graphs_for(config.graphs, self.device, not self.kernel.can.captures, self.fidelity is not None,
+                                 model is not None)
         self.compiled = compiled = self.device.type == "cuda" if config.compile is None else config.compile
         self.forward = StepForward(self, self.runner, compiled) if self.runner is not None else None
         buckets = config.buckets or tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < R} | {R}))
@@ -492,7 +492,7 @@ def _pid_capacity(pages: int) -> int:
     return cap
 
 
-def check_feedback(policy: Policy, scope: Scope, kernel, lookahead: int) -> None:
+def check_feedback(policy: Policy, scope: Scope, lookahead: int) -> None:
     """Every statistic ``policy`` needs must come from the step: named errors here, never zeros later."""
     needs = set(policy.needs)
     unknown = needs - NEEDS
@@ -506,31 +506,35 @@ def check_feedback(policy: Policy, scope: Scope, kernel, lookahead: int) -> None
         raise ConfigError("scope", f"policy '{policy.name}' needs {sorted(missing)}, which scope "
                                    f"'{scope.name}' does not give (it gives {sorted(scope.gives)}); "
                                    "pick a policy that needs less or a scope that gives it")
-    check_salience(policy, kernel)
 
 
 def policy_statistics(policy: Policy, scope: Scope, layout: KVLayout, pids: int, dev, lookahead: int) -> tuple:
-    """The statistics ``scope`` and ``policy`` read, over ``pids`` pids: ``(keys, snapshot slots, attention,
-    salience, device scores)``; the key statistics (:meth:`KeyStats.needed`) where either needs them, the rest
-    as the policy binds them (queries are made at the first attention call, once the heads are known)."""
+    """The statistics ``scope`` and ``policy`` read, over ``pids`` pids, made here and owned by the engine: ``(keys,
+    snapshot slots, the policy's DeviceStats, attention, salience, device scores)``; the key statistics
+    (:meth:`KeyStats.needed`) where either needs them, the rest as the policy requests them (queries are made at the
+    first attention call, once the heads are known)."""
     L = layout.num_layers
     keys = KeyStats(layout, pids, dev, *KeyStats.needed(scope, policy, layout)) \
         if scope.needs_keys or "keys" in policy.needs else None
     policy.reset(L)
-    policy.bind(keys, None)
     slots = max(lookahead, 1) + 2  # the feedback's: in flight, shown, one taken now
-    attention = policy.bind_attention(
-        lambda rows, keeps: AttentionStats(L, pids, layout.num_kv_heads, rows, keeps, dev, slots))
-    salience = policy.bind_salience(lambda window: SalienceStats(L, pids, window, dev, slots))
-    scores = policy.bind_scores(lambda score: DeviceScores(score, L, pids, dev, slots))
+    requests = policy.requests()
+    stats = [DeviceStats(keys, None,
+                         AttentionStats(L, pids, layout.num_kv_heads, *r.attention, dev, slots) if r.attention else None,
+                         SalienceStats(L, pids, r.salience, dev, slots) if r.salience else None) for r in requests]
+    for s, r in zip(stats, requests):
+        if r.score is not None:  # the scorer's own function over the engine's statistics, once a step
+            s.scores = DeviceScores(lambda n, s=s, score=r.score: score(s.keys, s.queries, n), L, pids, dev, slots)
+    policy.attach(stats)
+    attention, salience, scores = ([getattr(s, name) for s in stats if getattr(s, name) is not None]
+                                   for name in ("attention", "salience", "scores"))
     if scores and keys is None:
         raise ConfigError("policy", f"policy '{policy.name}' scores pages on the device (score_device) from the key "
                                     "statistics, but does not need 'keys': add 'keys' to its scorer's needs")
     if "attention" in policy.needs and not attention:
-        raise ConfigError("policy", f"policy '{policy.name}' needs attention but keeps no attention statistics: "
-                                    "a policy reads observed attention through bind_attention (as ScoredPolicy "
-                                    "does)")
-    return keys, slots, attention, salience, scores
+        raise ConfigError("policy", f"policy '{policy.name}' needs attention but requests no attention statistics: "
+                                    "a policy asks for observed attention through requests() (as ScoredPolicy does)")
+    return keys, slots, stats, attention, salience, scores
 
 
 def recall_cache(scope: Scope, tiers: list[Tier], host: Tier | None, R: int, max_pages: int, scratch: np.ndarray,

@@ -205,7 +205,7 @@ class Planner:
         device; the pages they attend, heard by the policy now."""
         e = self.engine
         T = sum(c.q_len for c in chunks)
-        device_only = e.scope.prefill_device_only and not e.exact_prefill
+        device_only = e.scope.device_only and not e.exact_prefill
         e.prefill_attention.begin(chunks, device_only, bucket or T)
         if bucket is not None and not e.prefill_attention.planned_all:  # some call reads pages off the device
             bucket = None

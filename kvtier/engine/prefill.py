@@ -226,7 +226,8 @@ class PrefillAttention:
                     ptr, last_len, index = lists.rows[layer][k]
                     r = R + 1 if self.triton else len(chunks)  # the Triton tiles' padding row, else the chunks'
                     batch = PagedBatch(lists.qo[:r + 1], ptr[:r + 1], index[:pids_k.size], last_len[:r], P, causal,
-                                       qo[:r + 1], kv_ptr[layer, k, :r + 1], window - 1 if window and causal else -1)
+                                       qo[:r + 1], kv_ptr[layer, k, :r + 1], window - 1 if window and causal else -1,
+                                       host_kv_last_page_len=last[layer, k, :r])
                     calls.append(Call(self.table.tiers[0].pool(layer), batch, pids_k, logical, tokens_k,
                                       np.ones(pids_k.size, dtype=bool), row_ptr, layer, True, self._own(layer, causal)))
                 self.planned[layer] = calls

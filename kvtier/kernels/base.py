@@ -11,8 +11,8 @@ batch, so the cache lists a windowed layer's pages contiguously up to the newest
 ``[nnz, N_kv]`` (Quest-style per-head page choice over the union of the heads' pages) kv head h,
 and its group of query heads, sees listed page p only where ``head_mask[p, h]``.
 
-A batch built by :meth:`PagedBatch.from_host` keeps host copies of ``qo_indptr`` and ``kv_indptr``
-so that ``plan()`` reads them without a device-to-host sync, and its device arrays arrive in one
+A batch built by :meth:`PagedBatch.from_host` keeps host copies of ``qo_indptr``, ``kv_indptr`` and
+``kv_last_page_len`` so that ``plan()`` reads them without a device-to-host sync, and its device arrays arrive in one
 non-blocking copy (:func:`to_device`).
 
 Every backend returns the output, its log-sum-exp in natural log, and optionally per
@@ -24,7 +24,7 @@ probability without materialising the attention matrix.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -57,33 +57,33 @@ class PagedBatch:
     host_kv_indptr: np.ndarray | None = None  # [B+1]
     window_left: int = -1  # keys left of each query's position it may see; -1: no window
     head_mask: torch.Tensor | None = None  # [nnz, N_kv] bool: kv head h sees listed page p; None: all do
+    host_kv_last_page_len: np.ndarray | None = None  # [B] int64 copy on the host (from_host), or None
 
     @classmethod
     def from_host(cls, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size: int, causal: bool,
                   device, window_left: int = -1, head_mask: np.ndarray | None = None) -> "PagedBatch":
-        """A batch on ``device`` from host int arrays, in one copy, keeping the indptrs on the host;
+        """A batch on ``device`` from host int arrays, in one copy, keeping the indptrs and last lengths on the host;
         ``head_mask [nnz, N_kv]`` bool or None."""
         qo, kv = np.asarray(qo_indptr, np.int64), np.asarray(kv_indptr, np.int64)
         arrays = [qo, kv, kv_indices, kv_last_page_len] + ([] if head_mask is None else [head_mask])
         d_qo, d_kv, d_idx, d_last, *mask = to_device(arrays, device)
         mask = mask[0].view(-1, head_mask.shape[1]) != 0 if mask else None
-        return cls(d_qo, d_kv, d_idx, d_last, page_size, causal, qo, kv, window_left, mask)
+        return cls(d_qo, d_kv, d_idx, d_last, page_size, causal, qo, kv, window_left, mask,
+                   np.asarray(kv_last_page_len, np.int64))
 
     @property
     def batch_size(self) -> int:
         return self.kv_last_page_len.numel()
 
-    def qo_indptr_host(self) -> np.ndarray:
-        """``qo_indptr`` on the host ``[B+1]`` (a device-to-host sync unless built by from_host)."""
-        return self.host_qo_indptr if self.host_qo_indptr is not None else self.qo_indptr.cpu().long().numpy()
-
-    def kv_indptr_host(self) -> np.ndarray:
-        """``kv_indptr`` on the host ``[B+1]`` (a device-to-host sync unless built by from_host)."""
-        return self.host_kv_indptr if self.host_kv_indptr is not None else self.kv_indptr.cpu().long().numpy()
+    def host(self, name: str) -> np.ndarray:
+        """``qo_indptr``, ``kv_indptr`` or ``kv_last_page_len`` on the host (int64; a device-to-host sync unless built
+        by from_host)."""
+        kept = getattr(self, "host_" + name)
+        return kept if kept is not None else getattr(self, name).cpu().long().numpy()
 
     def is_decode(self) -> bool:
         """One query row per sequence."""
-        return bool((np.diff(self.qo_indptr_host()) == 1).all())
+        return bool((np.diff(self.host("qo_indptr")) == 1).all())
 
     def kv_lens(self) -> torch.Tensor:
         """Tokens per sequence ``[B]`` (0 for a sequence with no pages)."""
@@ -91,10 +91,8 @@ class PagedBatch:
         return torch.where(npages > 0, (npages - 1) * self.page_size + self.kv_last_page_len.long(), 0)
 
     def to(self, device) -> "PagedBatch":
-        return PagedBatch(self.qo_indptr.to(device), self.kv_indptr.to(device), self.kv_indices.to(device),
-                          self.kv_last_page_len.to(device), self.page_size, self.causal, self.host_qo_indptr,
-                          self.host_kv_indptr, self.window_left,
-                          None if self.head_mask is None else self.head_mask.to(device))
+        moved = {f: getattr(self, f).to(device) for f in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len")}
+        return replace(self, **moved, head_mask=None if self.head_mask is None else self.head_mask.to(device))
 
 
 @dataclass
@@ -104,19 +102,38 @@ class AttentionOutput:
     page_max: torch.Tensor | None = None  # [nnz, H] float32 max scaled logit, or None
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do in the engine's step, declared by the backend and checked against the scope, policy,
+    tiers and budget when the engine is built (:func:`kvtier.checks.check_kernel`: a named error, never a wrong
+    answer later)."""
+
+    decode: bool = True  # has the engine's decode step (:meth:`AttentionBackend.decode`)
+    far_pages: bool = True  # reads pages where they live (pinned host, staged); else every attended page in HBM
+    page_stats: bool = True  # per-page max logit and LSE: salience, attention mass
+    query_picks: bool = True  # a list chosen per layer from the query (topk); else lists planned at the step's start
+    key_lists: bool = True  # attends single keys (KeyList) in place of pages
+    spans: bool = True  # shows part of a listed page (a token budget's sinks and window); else whole pages only
+    head_lists: bool = True  # a page list per kv head (PagedBatch.head_mask, [B, N_kv, K] page lists)
+    window_by_position: bool = True  # masks a sliding window by key positions; else by list order (contiguous lists)
+    scaled_pages: bool = True  # reads 8-bit pages (their scale rows)
+    host_plan: bool = False  # plans each decode call from its page counts on the host (a ``plan_decode`` method)
+    captures: bool = True  # its decode step can be captured in a CUDA graph (reads its lengths on the device)
+
+
 class AttentionBackend(ABC):
-    """A paged attention implementation. ``plan`` fixes the page lists; ``run`` is per layer."""
+    """A paged attention implementation. ``plan`` fixes the page lists; ``run`` is per layer; ``can`` says what it
+    does in the engine's step."""
 
     name: str = "base"
-    supports_salience: bool = True
-    supports_head_mask: bool = False  # takes PagedBatch.head_mask (per-head page choice)
+    can: Capabilities = Capabilities(decode=False)
 
     def plan(self, batch: PagedBatch, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              sm_scale: float | None = None) -> None:
         if num_qo_heads % num_kv_heads:
             raise ConfigError("model.num_attention_heads",
                               f"{num_qo_heads} query heads do not divide into {num_kv_heads} kv heads")
-        if batch.head_mask is not None and not self.supports_head_mask:
+        if batch.head_mask is not None and not self.can.head_lists:
             raise ConfigError("kernel", f"backend '{self.name}' does not take a per-head page choice "
                                         "(head_mask); use kernel=torch or kernel=triton")
         self.batch = batch
@@ -127,11 +144,9 @@ class AttentionBackend(ABC):
     def run(self, q: torch.Tensor, kv_pool: torch.Tensor, return_page_max: bool = False) -> AttentionOutput:
         """q ``[Nq, H, D]``, kv_pool ``[slots, 2, P, N_kv, D]``."""
 
-    decodes = False  # has :meth:`decode`, the engine's decode step
-
     def decode(self, *args, **kwargs):
         """The engine's decode step over the block table (:func:`kvtier.kernels.triton_decode.static_decode`'s
-        contract); backends without one are refused when the engine is built."""
+        contract); backends without one (``can.decode`` false) are refused when the engine is built."""
         raise NotImplementedError
 
 

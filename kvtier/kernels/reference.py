@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvtier.kernels.base import (DROPPED, SCORE_BINS, SCORE_RANGE, STAGED, AttentionBackend, AttentionOutput,
-                                 PagedBatch, at_host, check_key_list, check_landing)
+                                 Capabilities, PagedBatch, at_host, check_key_list, check_landing)
 from kvtier.quant import dequantize, is_scaled_pool
 
 
@@ -25,8 +25,8 @@ def paged_attention_reference(q: torch.Tensor, kv_pool: torch.Tensor, batch: Pag
     lse = torch.full((n_q, heads), float("-inf"), dtype=torch.float32, device=q.device)  # [Nq, H]
     nnz = batch.kv_indices.numel()
     page_max = torch.full((nnz, heads), float("-inf"), dtype=torch.float32, device=q.device) if return_page_max else None
-    qo = batch.qo_indptr_host().tolist()
-    kvp = batch.kv_indptr_host().tolist()
+    qo = batch.host("qo_indptr").tolist()
+    kvp = batch.host("kv_indptr").tolist()
     kv_lens = batch.kv_lens().tolist()
     for b in range(batch.batch_size):
         q0, q1, p0, p1 = qo[b], qo[b + 1], kvp[b], kvp[b + 1]
@@ -69,12 +69,10 @@ class TorchBackend(AttentionBackend):
     """Reference backend (CPU and GPU)."""
 
     name = "torch"
-    supports_head_mask = True
+    can = Capabilities(captures=False)  # reads the lengths on the host
 
     def run(self, q, kv_pool, return_page_max=False):
         return paged_attention_reference(q, kv_pool, self.batch, self.sm_scale, return_page_max)
-
-    decodes = True
 
     def decode(self, *args, **kwargs):
         """The engine's decode step: :func:`static_decode_reference`."""

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from kvtier.errors import ConfigError
 from kvtier.kernels.base import (DROPPED as DROPPED_SLOT, STAGED as STAGED_SLOTS, AttentionBackend, AttentionOutput,
-                                 PagedBatch, check_key_list, check_landing, to_device)
+                                 Capabilities, PagedBatch, check_key_list, check_landing, to_device)
 from kvtier.kernels.triton_prefill import (LN2, LOG2E, PrefillConfig, check_page_size, dot_operand_dtype, finish_rows,
                                            MIN_DOT, fit_shared_memory, int8_tile, merge_splits, num_multiprocessors,
                                            online_softmax_step, paged_prefill, plan_prefill, query_operand, value_operand)
@@ -490,7 +490,7 @@ def as_block_table(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor | None
     per-head page lists ``[B, N_kv, max_pages]``), plus for each listed page its ``(b, entry)`` as a flat index
     into ``[B, max_pages]`` and its place in ``kv_indices`` (``[n]`` each). Host work on the host indptr; one
     copy of the index arrays."""
-    indptr = batch.kv_indptr_host()
+    indptr = batch.host("kv_indptr")
     npages = np.diff(indptr)  # [B]
     width = max(int(npages.max(initial=0)), 1)
     entry = np.arange(width)[None, :]  # [1, W]
@@ -511,7 +511,7 @@ class TritonBackend(AttentionBackend):
     """Triton paged attention: :func:`static_decode` for one query row per sequence, else chunked prefill."""
 
     name = "triton"
-    supports_head_mask = True  # at decode steps
+    can = Capabilities()  # the engine's decode step whole (a per-head page choice at decode steps only)
 
     def __init__(self, decode_config: DecodeConfig | None = None, prefill_config: PrefillConfig | None = None):
         self.decode_config = decode_config  # None: default_decode_config(head_dim, the pool's bytes per value)
@@ -550,8 +550,6 @@ class TritonBackend(AttentionBackend):
             page_max = torch.full((self.batch.kv_indices.numel(), q.shape[1]), float("-inf"), device=q.device)
             page_max[place] = listed
         return AttentionOutput(out, lse, page_max)
-
-    decodes = True
 
     def decode(self, *args, **kwargs):
         """The engine's decode step: :func:`static_decode`."""

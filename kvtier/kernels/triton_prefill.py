@@ -246,8 +246,8 @@ def plan_prefill(batch: PagedBatch, num_qo_heads: int, num_kv_heads: int, head_d
     """List the query tiles of every sequence (host work on the host ``qo_indptr``, one non-blocking copy);
     ``config`` None: :func:`default_prefill_config`."""
     check_page_size(batch.page_size)
-    q_lens = np.diff(batch.qo_indptr_host())
-    keys = int(np.diff(batch.kv_indptr_host()).max(initial=0)) * batch.page_size
+    q_lens = np.diff(batch.host("qo_indptr"))
+    keys = int(np.diff(batch.host("kv_indptr")).max(initial=0)) * batch.page_size
     config = config or default_prefill_config(int(q_lens.sum()), num_qo_heads, num_kv_heads, head_dim,
                                               batch.qo_indptr.device, keys)
     group_pad, block_q = tile_rows(num_qo_heads, num_kv_heads, config.block_m)

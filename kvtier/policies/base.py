@@ -67,7 +67,7 @@ class Policy(ABC):
     """Base class of placement policies; a user's own subclass runs anywhere kvtier's do.
 
     Must provide :meth:`priority`; may override the event hooks (no-ops here; observed attention is not an event but a
-    statistic the engine keeps on its device, :meth:`bind_attention`), :meth:`admit`,
+    statistic the engine keeps on its device, :meth:`requests`), :meth:`admit`,
     :meth:`pinned_pages` (how many pages it pins, checked against the device budget) and
     ``needs_salience`` (true when it reads :meth:`on_salience`, which some kernels cannot give).
 
@@ -110,30 +110,20 @@ class Policy(ABC):
         """Most pages of one sequence this policy pins (+inf), besides the page being written."""
         return 0
 
-    def bind(self, keys=None, queries=None) -> None:
-        """The engine's key and query statistics (:mod:`kvtier.stats`), when :attr:`needs` them."""
-
-    def bind_attention(self, make) -> list:
-        """Attention statistics the engine keeps on its device for this policy, when it :attr:`needs` them: ``make(rows,
-        keeps)`` returns an :class:`~kvtier.stats.AttentionStats` (the newest ``rows`` query rows kept, the
-        fields ``keeps``) that the step adds to; the policy reads it and returns every one it made."""
-        return []
-
     @property
     def needs_salience(self) -> bool:
         return False
 
-    def bind_salience(self, make) -> list:
-        """Salience statistics the engine keeps on its device for this policy, when it :attr:`needs_salience`:
-        ``make(window)`` returns a :class:`~kvtier.stats.SalienceStats` (a ring of ``window`` steps) that the
-        step writes; the policy reads it and returns every one it made."""
+    def requests(self) -> list:
+        """The device statistics this policy reads, one :class:`~kvtier.stats.StatsRequest` per reader (a scored
+        policy; each scored part of a Compose): observed attention, salience, scores computed on the device; none
+        here."""
         return []
 
-    def bind_scores(self, make) -> list:
-        """Scores the engine computes on its device after each step for this policy, when it scores there:
-        ``make(score)`` returns a :class:`~kvtier.stats.DeviceScores` over ``score(pids) -> [L, pids]``; the
-        policy reads its snapshots and returns every one it made."""
-        return []
+    def attach(self, stats: list) -> None:
+        """The engine's statistics, one :class:`~kvtier.stats.DeviceStats` per request of :meth:`requests` in its
+        order (with the key and query statistics where the engine keeps them): the engine fills and owns them, the
+        policy reads them."""
 
     @property
     def hears_step(self) -> bool:

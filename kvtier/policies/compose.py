@@ -43,18 +43,14 @@ class Compose(Policy):
         rows = [p.attention_rows for p in self.parts]
         return None if None in rows else max(rows)
 
-    def bind(self, keys=None, queries=None):
-        for p in self.parts:
-            p.bind(keys, queries)
+    def requests(self) -> list:
+        return [r for p in self.parts for r in p.requests()]
 
-    def bind_attention(self, make) -> list:
-        return [stats for p in self.parts for stats in p.bind_attention(make)]
-
-    def bind_salience(self, make) -> list:
-        return [stats for p in self.parts for stats in p.bind_salience(make)]
-
-    def bind_scores(self, make) -> list:
-        return [scores for p in self.parts for scores in p.bind_scores(make)]
+    def attach(self, stats: list) -> None:
+        for p in self.parts:  # each part its own requests' statistics, in order
+            n = len(p.requests())
+            p.attach(stats[:n])
+            stats = stats[n:]
 
     def reset(self, num_layers):
         super().reset(num_layers)

@@ -20,6 +20,7 @@ import numpy as np
 from kvtier.errors import ConfigError
 from kvtier.policies.base import PINNED, PageInfo, Policy, check_counts, sink_window_pages
 from kvtier.policies.stats import ATTENTION_FIELDS, NEEDS, PageStats, StatsStore
+from kvtier.stats import StatsRequest
 
 
 def fold_kv_heads(x: np.ndarray, op=np.maximum) -> np.ndarray:
@@ -112,29 +113,15 @@ class ScoredPolicy(Policy):
         """Newest queries per layer the cache keeps for the scorer."""
         return self.scorer.rows
 
-    def bind(self, keys=None, queries=None) -> None:
-        """The engine's key and query statistics (:mod:`kvtier.stats`)."""
-        self.store.keys, self.store.queries = keys, queries
-
-    def bind_attention(self, make) -> list:
-        if "attention" not in self.needs:
-            return []
-        self.store.attention = make(self.store.rows, self.store.keeps)
-        return [self.store.attention]
-
-    def bind_salience(self, make) -> list:
-        if not self.needs_salience:
-            return []
-        self.store.salience = make(self.store.obs_window)
-        self.store.salience.begin(self.store._step)
-        return [self.store.salience]
-
-    def bind_scores(self, make) -> list:
-        if not self.scorer.on_device:
-            return []
+    def requests(self) -> list:
+        """One reader: the attention rows and sums its scorer reads, the salience window, the device score."""
         store = self.store
-        store.scores = make(lambda pids: store.score_device(store.keys, store.queries, pids))
-        return [store.scores]
+        return [StatsRequest(attention=(store.rows, store.keeps) if "attention" in self.needs else None,
+                             salience=store.obs_window if self.needs_salience else None,
+                             score=self.scorer.score_device if self.scorer.on_device else None)]
+
+    def attach(self, stats: list) -> None:
+        self.store.attach(stats[0])
 
     # -- events --------------------------------------------------------------------------------
     def reset(self, num_layers):
@@ -156,7 +143,7 @@ class ScoredPolicy(Policy):
 
     def on_attention(self, layer: int, pids: np.ndarray, mass: np.ndarray, step: int) -> None:
         """Attention fed by hand, without an engine: ``mass [r, n, N_kv]`` of ``r`` query rows on pages ``pids``
-        (an engine adds the step's own to the statistics it keeps, :meth:`bind_attention`)."""
+        (an engine adds the step's own to the statistics it keeps, :meth:`requests`)."""
         self.store.on_attention(layer, pids, mass)
 
     def on_salience(self, layer, pids, scores, step):

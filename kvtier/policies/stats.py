@@ -2,7 +2,8 @@
 :class:`StatsStore` a scored policy reads through.
 
 The store holds ASPE's salience history (max probability per page, summed over kv heads) and reads the engine's
-statistics, bound by the engine: observed attention per (layer, pid, kv head) (the exact probability mass a page
+statistics through a :class:`~kvtier.stats.DeviceStats` the engine fills and owns (``StatsStore.attach``): observed
+attention per (layer, pid, kv head) (the exact probability mass a page
 received from a query row: the running sum over every observed row for H2O, the newest row for TOVA, the sum of the
 last ``rows`` rows for SnapKV; :class:`~kvtier.stats.AttentionStats`, kept on the device by the step), and the
 key and query statistics (:mod:`kvtier.stats`).
@@ -16,7 +17,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from kvtier.stats import ATTENTION_FIELDS, AttentionStats, SalienceStats, pid_index
+from kvtier.stats import ATTENTION_FIELDS, AttentionStats, DeviceStats, SalienceStats, pid_index
 from kvtier.errors import KVTierError
 from kvtier.policies.base import PageInfo, grown
 
@@ -33,24 +34,28 @@ class StatsStore:
         self.L, self.rows, self.obs_window = num_layers, rows, obs_window
         self.score_device = score_device  # the scorer's Scorer.score_device, when it scores on the device
         self.keeps = frozenset(keeps)
-        self.attention: AttentionStats | None = None  # bound by the engine, or made on the first hand-fed row
-        self.salience: SalienceStats | None = None  # bound by the engine, or made on the first hand-fed salience
+        # the engine's statistics this store reads (attach), or its own: attention and salience made on the first
+        # hand-fed row, device scores computed when read
+        self.device = DeviceStats()
         self.sal_last = np.full((num_layers, 64), np.nan, dtype=np.float32)  # [L, pids] the last windowed mean read
         self._step = 0
-        self.keys = None  # kvtier.stats.KeyStats, bound by the engine
-        self.queries = None  # kvtier.stats.QueryStats
-        self.scores = None  # kvtier.stats.DeviceScores of a scorer that scores on the device, bound by the engine
+
+    def attach(self, stats: DeviceStats) -> None:
+        """Read the engine's statistics ``stats`` (which it fills and owns) from now on."""
+        self.device = stats
+        if stats.salience is not None:
+            stats.salience.begin(self._step)
 
     # -- events --------------------------------------------------------------------------------
     def on_step(self, step: int) -> None:
         self._step = step
-        if self.salience is not None:
-            self.salience.begin(step)
+        if self.device.salience is not None:
+            self.device.salience.begin(step)
 
     def on_append(self, pids: np.ndarray, step: int = 0) -> None:
-        if self.salience is not None and self.salience.host is None:
+        if self.device.salience is not None and self.device.salience.host is None:
             self._hand_fed_salience(int(pids.max(initial=-1)) + 1)
-        for stats in (self.attention, self.scores, self.salience):
+        for stats in (self.device.attention, self.device.scores, self.device.salience):
             if stats is not None and pids.size:
                 stats.on_append(pids, step)
         self.sal_last = grown(self.sal_last, int(pids.max(initial=-1)) + 1, np.nan)
@@ -60,12 +65,12 @@ class StatsStore:
         """Attention fed by hand, without an engine (tests, notebooks): ``mass [r, n, N_kv]``, the newest ``r`` query
         rows (oldest first) on pages ``pids [n]`` of ``layer``, into a CPU store."""
         size = int(pids.max(initial=-1)) + 1
-        a = self.attention
+        a, dev = self.device.attention, self.device
         if a is None or a.capacity < size:
-            self.attention = AttentionStats(self.L, max(64, 2 * size), mass.shape[-1], self.rows, self.keeps, "cpu")
-            for old, new in zip(a.tensors() if a is not None else [], self.attention.tensors()):  # pids kept so far
+            dev.attention = AttentionStats(self.L, max(64, 2 * size), mass.shape[-1], self.rows, self.keeps, "cpu")
+            for old, new in zip(a.tensors() if a is not None else [], dev.attention.tensors()):  # pids kept so far
                 (new[:old.shape[0]] if old.dim() == 3 else new[:, :old.shape[1]] if old.dim() == 4 else new).copy_(old)
-        self.attention.add(layer, pid_index(pids, "cpu"), torch.as_tensor(mass))
+        self.device.attention.add(layer, pid_index(pids, "cpu"), torch.as_tensor(mass))
 
     def on_salience(self, layer, pids: np.ndarray, scores: np.ndarray) -> None:
         """Salience fed by hand, without an engine (tests, the simulator): ``scores [n, N_kv]`` of pages ``pids [n]``
@@ -75,15 +80,15 @@ class StatsStore:
 
     def _hand_fed_salience(self, size: int) -> SalienceStats:
         """The CPU store's salience, grown to hold pids below ``size`` (the pids kept so far and the open row kept)."""
-        s = self.salience
+        s = self.device.salience
         if s is None or s.capacity < size:
-            self.salience = SalienceStats(self.L, max(64, 2 * size), self.obs_window, "cpu")
+            self.device.salience = SalienceStats(self.L, max(64, 2 * size), self.obs_window, "cpu")
             if s is None:
-                self.salience.row.fill_(self._step % self.obs_window)
+                self.device.salience.row.fill_(self._step % self.obs_window)
             else:
-                self.salience.ring[:s.capacity] = s.ring
-                self.salience.row.copy_(s.row)
-        return self.salience
+                self.device.salience.ring[:s.capacity] = s.ring
+                self.device.salience.row.copy_(s.row)
+        return self.device.salience
 
     # -- reading -------------------------------------------------------------------------------
     def salience_mean(self, pids: np.ndarray | slice) -> np.ndarray:
@@ -91,11 +96,11 @@ class StatsStore:
         observed, else the last mean seen, else NaN."""
         size = pids.stop if isinstance(pids, slice) else int(pids.max(initial=-1)) + 1
         self.sal_last = grown(self.sal_last, size, np.nan)
-        if self.salience is None:
+        if self.device.salience is None:
             return self.sal_last[:, pids].copy()
-        if self.salience.host is None:
+        if self.device.salience.host is None:
             self._hand_fed_salience(size)
-        total, count = self.salience.read(pids)  # [n, L] each, over the window's observed steps
+        total, count = self.device.salience.read(pids)  # [n, L] each, over the window's observed steps
         phi = np.where(count.T > 0, (total / np.maximum(count, 1)).T, self.sal_last[:, pids])  # [L, n]
         self.sal_last[:, pids] = phi
         return phi
@@ -134,9 +139,9 @@ class PageStats:
             raise KVTierError(f"the scorer read attention_{field}, but its attention_fields "
                               f"{sorted(self.store.keeps)} do not name '{field}', so the store does not keep it: add "
                               "it to the scorer's attention_fields")
-        if self.store.attention is None:
+        if self.store.device.attention is None:
             return np.zeros((self.store.L, self.info.pids.size, 1))
-        return self._read_only(self.store.attention.read()[field][:, self._cols])
+        return self._read_only(self.store.device.attention.read()[field][:, self._cols])
 
     @cached_property
     def attention_total(self) -> np.ndarray:
@@ -160,23 +165,23 @@ class PageStats:
 
     def _keys(self, name: str) -> torch.Tensor:
         """The engine's key statistic ``name`` of the candidate pages ``[L, n, ...]``, on its device."""
-        keys = self.store.keys
+        keys = self.store.device.keys
         return getattr(keys, name)[:, torch.tensor(self.info.pids, device=keys.device)]
 
     @cached_property
     def key_norm(self) -> np.ndarray:
         """Mean key L2 norm per page ``[L, n, N_kv]`` (NaN for an empty page), read now (a wait for the queued steps)."""
-        return self.store.keys.norm_mean(self.info.pids)
+        return self.store.device.keys.norm_mean(self.info.pids)
 
     @cached_property
     def device_score(self) -> np.ndarray:
         """The scorer's own ``score_device`` of the candidates ``[L, n]``: the engine's snapshot (a page appended since
         reads the lowest finite score: not scored yet), or scored now (a wait) for a store no engine bound."""
-        scores = self.store.scores
+        scores = self.store.device.scores
         if scores is None:
-            keys = self.store.keys
+            keys, queries = self.store.device.keys, self.store.device.queries
             pids = torch.tensor(self.info.pids, device=keys.device)
-            return self.store.score_device(keys, self.store.queries, keys.count.shape[1])[:, pids].double().cpu().numpy()
+            return self.store.score_device(keys, queries, keys.count.shape[1])[:, pids].double().cpu().numpy()
         return np.nan_to_num(scores.read(self.info.pids).astype(np.float64), nan=np.finfo(np.float64).min)
 
     @cached_property

@@ -107,8 +107,9 @@ class Scope:
 
     ``gives``: the statistics the scope's attention calls can hand the policy (checked against the
     policy's ``needs`` when the engine is built); ``needs_keys``: it reads the key bounds;
-    ``needs_rank``: it reads the policy's page ranks; ``prefill_device_only``: a prefill chunk (before the
-    prompt is in, without an exact prefill) attends only the device pages and its own; ``query_free``: its
+    ``needs_rank``: it reads the policy's page ranks; ``device_only``: a decode step attends only the device pages
+    (and the page being written), and so does a prefill chunk (before the prompt is in, without an exact prefill)
+    besides its own; ``query_free``: its
     choice reads no query, and it implements :meth:`plan` (the step plans every layer at once) instead of
     :meth:`pick`.
     """
@@ -116,7 +117,7 @@ class Scope:
     name = "scope"
     gives: frozenset = STATS
     needs_keys = False
-    prefill_device_only = False
+    device_only = False
 
     def needs_rank(self, budget: TokenBudget | None) -> bool:
         return False

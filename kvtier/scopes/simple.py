@@ -36,7 +36,7 @@ class Resident(Scope):
     are the device pages the policy ranks best (its priority, ``view.policy_scores``), as eviction libraries do."""
 
     name = "resident"
-    prefill_device_only = True
+    device_only = True
     query_free = True
 
     def needs_rank(self, budget: TokenBudget | None) -> bool:
