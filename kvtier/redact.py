@@ -1,13 +1,15 @@
 """Secrets out of every message, log line and result file: the password of a URL (``redis://user:pw@host``),
 secret query parameters (``?password=``, ``token=``, ``api_key=`` ...), Hugging Face tokens and bearer tokens become
 ``***``. kvtier's errors redact their own message (:class:`~kvtier.errors.KVTierError`); ``kvtier-run`` redacts its
-log records and the config it writes (``metrics.json``, ``.hydra/``)."""
+log records, the config it writes (``metrics.json``, ``.hydra/``) and the command line a W&B run records."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import sys
 from pathlib import Path
 
 HIDDEN = "***"
@@ -63,3 +65,15 @@ def redact_logs() -> None:
 
     record.redacts = True
     logging.setLogRecordFactory(record)
+
+
+@contextlib.contextmanager
+def argv_redacted():
+    """``sys.argv`` without its secrets while the block runs (for a library that records the command line: a W&B
+    run keeps it in its metadata, which ``wandb sync`` uploads)."""
+    argv = sys.argv[:]
+    sys.argv[:] = [redact(a) for a in argv]
+    try:
+        yield
+    finally:
+        sys.argv[:] = argv
