@@ -81,3 +81,15 @@ def test_a_run_with_a_password_leaves_it_nowhere(server, tmp_path):
     leaks = [p for p in files if SECRET.encode() in p.read_bytes()]
     assert leaks == []
     assert "redis://:***@127.0.0.1" in (next(p for p in files if p.name == "metrics.json")).read_text()
+
+
+def test_what_kvtier_run_prints_itself_holds_no_password(server, tmp_path):
+    """Hydra's own printout of the config (``--cfg all``: the job's and Hydra's, the overrides among them) and a
+    traceback no handler takes show the password as ``***``."""
+    shown = kvtier_run([*TINY, f"tiers.stack.remote.url={server.url}", "--cfg", "all"], tmp_path)
+    assert shown.returncode == 0 and "url: redis://:***@127.0.0.1" in shown.stdout, shown.stderr[-2000:]
+    assert SECRET not in shown.stdout + shown.stderr
+    crash = subprocess.run([sys.executable, "-c", "from kvtier.redact import redact_tracebacks; redact_tracebacks(); "
+                            f"raise RuntimeError('no answer from {server.url}')"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60)
+    assert "RuntimeError: no answer from redis://:***@127.0.0.1" in crash.stderr and SECRET not in crash.stderr
