@@ -1,13 +1,17 @@
 """Secrets out of every message, log line and result file: the password of a URL (``redis://user:pw@host``),
 secret query parameters (``?password=``, ``token=``, ``api_key=`` ...), Hugging Face tokens and bearer tokens become
 ``***``. kvtier's errors redact their own message (:class:`~kvtier.errors.KVTierError`); ``kvtier-run`` redacts its
-log records and the config it writes (``metrics.json``, ``.hydra/``)."""
+log records, what it prints (``--cfg job`` among it), its tracebacks, the config it writes (``metrics.json``,
+``.hydra/``) and the command line a W&B run records."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import sys
+import traceback
 from pathlib import Path
 
 HIDDEN = "***"
@@ -63,3 +67,56 @@ def redact_logs() -> None:
 
     record.redacts = True
     logging.setLogRecordFactory(record)
+
+
+@contextlib.contextmanager
+def argv_redacted():
+    """``sys.argv`` without its secrets while the block runs (for a library that records the command line: a W&B
+    run keeps it in its metadata, which ``wandb sync`` uploads)."""
+    argv = sys.argv[:]
+    sys.argv[:] = [redact(a) for a in argv]
+    try:
+        yield
+    finally:
+        sys.argv[:] = argv
+
+
+def redact_tracebacks() -> None:
+    """An error nothing catches prints its traceback with the secrets replaced."""
+    if getattr(sys.excepthook, "redacts", False):
+        return
+
+    def hook(kind, error, tb):
+        sys.stderr.write(redact("".join(traceback.format_exception(kind, error, tb))))
+
+    hook.redacts = True
+    sys.excepthook = hook
+
+
+class RedactedStream:
+    """A text stream that passes on what is written to it without its secrets; anything else is the stream's."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.stream.write(redact(text))
+        return len(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def prints_redacted():
+    """``sys.stdout`` and ``sys.stderr`` without secrets while the block runs (what Hydra prints itself: ``--cfg``)."""
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = RedactedStream(out), RedactedStream(err)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = out, err

@@ -21,7 +21,7 @@ from rich.table import Table
 from kvtier.errors import ConfigError, KVTierError, MissingDependencyError
 from kvtier.eval.fidelity import FidelityStats
 from kvtier.metrics import percentile
-from kvtier.redact import redacted
+from kvtier.redact import argv_redacted, redacted
 
 WANDB_MODES = ("offline", "disabled")
 SCORES = ("perplexity", "accuracy", "score", "goodput_rps")  # score: a benchmark's own 0-100 (RULER, LongBench)
@@ -276,7 +276,7 @@ class WandbLogger(ConsoleLogger):
         home = run_dir / "wandb"
         env = {"WANDB_MODE": self.mode, "WANDB_DIR": str(run_dir), "WANDB_SILENT": "true",
                **{f"WANDB_{k}_DIR": str(home / k.lower()) for k in ("CACHE", "CONFIG", "DATA", "ARTIFACT")}}
-        with _environ(env):
+        with _environ(env), argv_redacted():  # the run's metadata records the command line
             import wandb
 
             run = wandb.init(project=self.project, name=metrics["run_name"], dir=run_dir, mode=self.mode,

@@ -40,7 +40,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvtier.build import RECIPES, SIZING, EngineFactory, build, build_model, label, plan
 from kvtier.errors import ConfigError, Interrupted, KVTierError, MissingDependencyError, TierFailed
-from kvtier.redact import redact_file, redact_logs, redacted
+from kvtier.redact import prints_redacted, redact_file, redact_logs, redact_tracebacks, redacted
 from kvtier.report import collect, write_json
 from kvtier.schema import BUDGET_SIZING, unknown_key
 from kvtier.tiers.disk import check_folder
@@ -356,6 +356,7 @@ def main() -> None:
     after writing the finished part; any other error keeps its traceback.
     """
     redact_logs()  # Hydra's and kvtier's log lines (the overrides of each job among them) hold no password
+    redact_tracebacks()
     config_dir = _args(sys.argv[1:]).config_dir
     if config_dir:  # the user's modules beside their recipes import by name (_target_: mine.MyPolicy)
         sys.path.insert(0, str(Path(config_dir).absolute()))
@@ -367,9 +368,10 @@ def main() -> None:
 
     previous = signal.signal(signal.SIGTERM, terminate)
     try:
-        for cfg in job_configs(sys.argv[1:]):
-            plan(cfg)
-        _job()
+        with prints_redacted():  # what Hydra prints itself (--cfg job) too
+            for cfg in job_configs(sys.argv[1:]):
+                plan(cfg)
+            _job()
     except (ConfigError, MissingDependencyError) as e:
         _exit(2, f"error: {e}")
     except _JobError as e:  # a KVTierError: its message says what to change

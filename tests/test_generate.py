@@ -91,6 +91,25 @@ def test_padding_is_never_stored_nor_attended(model_tok):
     cache.close()
 
 
+def test_padding_counts_in_no_budget(model_tok):
+    """A batch padded past its longest prompt (``pad_to_multiple_of``: every row has padding): ``offload`` sizes
+    the device budget from the longest prompt's own tokens, and the pages the rows hold are their tokens' only."""
+    model, tok = model_tok
+    inputs = tok([TEXT * k for k in (1, 5)], return_tensors="pt", padding=True, padding_side="left",
+                 pad_to_multiple_of=128).to(DEVICE)
+    real, width = inputs["attention_mask"].sum(1).tolist(), inputs["input_ids"].shape[1]
+    assert max(real) < width - 32  # pages of padding in every row
+    ref, got, cache = generate_both(model, dict(inputs), do_sample=False)
+    assert_exact(ref, got)
+
+    def device_pages(prompt_tokens):
+        with kvtier.cache_for(model, prompt_tokens, NEW, batch_size=2, **EXACT) as sized:
+            return sized.table.tiers[0].capacity
+    assert cache.table.tiers[0].capacity == device_pages(max(real)) < device_pages(width)
+    held = max(sum(occ.values()) for _, occ in cache.stats.occupancy) - 1  # pages in use, every tier (less the
+    assert held == sum(-(-(n + NEW - 1) // 16) for n in real) < 2 * -(-(width + NEW - 1) // 16)  # batch's scratch)
+
+
 class StopRow(StoppingCriteria):
     """Stop row ``row`` once it has ``after`` new tokens (a criterion of the user's, per row)."""
 

@@ -65,16 +65,31 @@ def kvtier_run(args, cwd):
 
 def test_a_run_with_a_password_leaves_it_nowhere(server, tmp_path):
     """kvtier-run on a server that wants a password: the wrong one is one line (exit 2) naming the key, without
-    it; the right one runs, and neither its output, its log, metrics.json nor Hydra's saved config holds it."""
+    it; the right one runs, and neither its output, its log, metrics.json, Hydra's saved config nor its W&B run (the
+    command line in its metadata) holds it."""
     wrong = kvtier_run([*TINY, f"tiers.stack.remote.url={server.url.replace(SECRET, 'wrong-Pa55')}"], tmp_path)
     assert wrong.returncode == 2 and "Pa55" not in wrong.stdout + wrong.stderr
     assert "error: tiers.stack.remote.url: authentication failed" in wrong.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "outputs").exists()
-    right = kvtier_run([*TINY, f"tiers.stack.remote.url={server.url}", "hydra.verbose=true"], tmp_path)
+    wandb = [a.replace("logger=none", "logger=wandb") for a in TINY]  # offline: a run folder of its own
+    right = kvtier_run([*wandb, f"tiers.stack.remote.url={server.url}", "hydra.verbose=true"], tmp_path)
     assert right.returncode == 0, right.stderr[-3000:]
     assert SECRET not in right.stdout + right.stderr
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert {"metrics.json", "config.yaml", "overrides.yaml", "kvtier-run.log"} <= {p.name for p in files}
+    assert any(p.suffix == ".wandb" for p in files)
     leaks = [p for p in files if SECRET.encode() in p.read_bytes()]
     assert leaks == []
     assert "redis://:***@127.0.0.1" in (next(p for p in files if p.name == "metrics.json")).read_text()
+
+
+def test_what_kvtier_run_prints_itself_holds_no_password(server, tmp_path):
+    """Hydra's own printout of the config (``--cfg all``: the job's and Hydra's, the overrides among them) and a
+    traceback no handler takes show the password as ``***``."""
+    shown = kvtier_run([*TINY, f"tiers.stack.remote.url={server.url}", "--cfg", "all"], tmp_path)
+    assert shown.returncode == 0 and "url: redis://:***@127.0.0.1" in shown.stdout, shown.stderr[-2000:]
+    assert SECRET not in shown.stdout + shown.stderr
+    crash = subprocess.run([sys.executable, "-c", "from kvtier.redact import redact_tracebacks; redact_tracebacks(); "
+                            f"raise RuntimeError('no answer from {server.url}')"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60)
+    assert "RuntimeError: no answer from redis://:***@127.0.0.1" in crash.stderr and SECRET not in crash.stderr
