@@ -29,7 +29,7 @@ Every budgeted run attends ``--sinks`` sink tokens and a recent window of
 
 ``kvpress:<press>`` (``streaming_llm``, ``tova``, ``snapkv``, ``observed_attention``, ``expected_attention``,
 ``knorm``) runs kvpress's press on the same model, text, slices, prompts and budget: it compresses the
-prefill once to ``budget`` KV pairs per layer (the protocol of ``once``; :mod:`bench.kvpress_study`). kvpress
+prefill once to ``budget`` KV pairs per layer (the protocol of ``once``; :mod:`kvtier.eval.kvpress`). kvpress
 0.5.5 needs transformers<5.3, so these run from ``.venv-compare`` (``make compare-env``), kvtier's beside them;
 without kvpress a ``kvpress:`` config fails at once, naming the extra (and so does one on ``stream``, whose
 budget holds at every step).
@@ -79,7 +79,7 @@ from kvtier.scopes import All, Resident, TopK
 from kvtier.plot import leaderboard, plot_leaderboard
 from kvtier.tiers import DeviceTier, HostTier
 
-from bench.kvpress_study import load_kvpress, press_name, run_press
+from kvtier.eval.kvpress import load_kvpress, press_name, run_press
 
 
 def make_task(args, protocol: str, offset: int = 0):

@@ -153,6 +153,8 @@ def plan(cfg: DictConfig) -> Plan:
     chunk = min(prefill.chunk_size, getattr(task, "prompt_tokens", context))  # the longest prefill step
     page_bytes = layout.num_layers * layout.page_bytes  # one page of every layer
     budget = recipe.budget.tokens_for(context, -(-page_bytes // layout.page_size))
+    if recipe.method is not None:  # kvpress's press on the model: no tiers, policy, scope nor engine
+        return plan_press(recipe.method, task, context, budget, label(cfg.model), cfg.cache)
     check_partial_budget(budget, context, label(cfg.scope), recipe.budget.key)
     check_kernel(kernel, policy, scope, layout, len(cfg.tiers.stack) > 1, bool(cfg.cache.attend_budget), fidelity,
                  cfg.cache.dense_layers)
@@ -170,6 +172,26 @@ def plan(cfg: DictConfig) -> Plan:
     labels = {"policy": label(cfg.policy), "scope": label(cfg.scope), "tiers": "_".join(capacities),
               "kernel": kernel.name, "task": task.name, "model": label(cfg.model)}
     return Plan(labels, context, budget, capacities, layout)
+
+
+def plan_press(method: str, task, context: int, budget: int, model: str, cache) -> Plan:
+    """The plan of a ``method=kvpress:<press>`` run: the press keeps ``budget`` KV pairs of the prompt in every layer
+    (:mod:`kvtier.eval.kvpress`); MissingDependencyError names ``make compare-env`` where kvpress is not importable."""
+    from kvtier.eval import Perplexity
+    from kvtier.eval.kvpress import KNOBS, load_kvpress, press_name
+
+    press = press_name(method, "method")
+    for key in KNOBS.get(press, {}).values():
+        if cache[key] is None:
+            raise ConfigError(f"cache.{key}", f"{method} takes its {key} from cache.{key}; set it (kvpress's: 64 "
+                                              f"for the window, 4 for the sinks)")
+    if not (isinstance(task, Perplexity) or hasattr(task, "run_with")):
+        raise ConfigError("method", f"a kvpress press compresses a prompt once; task {task.name} has none to "
+                                    "compress: use perplexity, passkey, needle, ruler, longbench or infinitebench")
+    load_kvpress()
+    labels = {"method": method, "policy": press, "scope": "kvpress", "tiers": "none", "kernel": "eager",
+              "task": task.name, "model": model}
+    return Plan(labels, context, budget, {}, None)
 
 
 def budget_for(budget, task, page_size: int, page_bytes: int):
@@ -294,14 +316,17 @@ def attend_budget(cfg: DictConfig, budget: int, page_size: int) -> TokenBudget |
 _LOADED: dict = {}  # one loaded model, reused by the jobs of a multirun in this process
 
 
-def build_model(cfg: DictConfig):
-    """``(model, tokenizer)`` with kvtier's attention hook installed."""
+def build_model(cfg: DictConfig, attention: str | None = None):
+    """``(model, tokenizer)`` with kvtier's attention hook installed (or Hugging Face's ``attention``)."""
     key = OmegaConf.to_yaml(cfg.model, resolve=True)
     if key not in _LOADED:
         _LOADED.clear()
         _LOADED[key] = build(cfg.model, "model")
     model, tokenizer = _LOADED[key]
-    use_hook(model)
+    if attention is None:
+        use_hook(model)
+    else:
+        model.set_attn_implementation(attention)
     return model, tokenizer
 
 

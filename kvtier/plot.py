@@ -9,7 +9,7 @@ folder, e.g. a multirun.
 - ``recall_vs_budget-<task>.png``: the same axes for the attention-mass recall of runs that measured
   fidelity (``cache.fidelity``, scopes ``resident`` and ``topk``).
 - ``occupancy-<run>.png``: pages in use per tier (mean over layers) at every engine step of a run,
-  with each tier's capacity dashed.
+  with each tier's capacity dashed (none for a ``method=kvpress:<press>`` run).
 - ``depth_heatmap-<task>-<policy>-<scope>-<budget>.png``: for the depth tasks (needle, passkey), the
   needle-in-a-haystack heatmap (Kamradt's NIAH plot): accuracy per needle depth (y, 0% at the top) and
   context length (x, ``task.context_tokens`` of each run), pooled over the runs of each cell; one figure
@@ -19,7 +19,8 @@ folder, e.g. a multirun.
 - ``leaderboard.md`` and ``leaderboard-<model>.png``: for the benchmark runs (RULER, LongBench,
   InfiniteBench: a 0-100 score), kvpress's leaderboard: per model, each method's score (``exact`` for
   scope ``all``, else ``<scope>:<policy>``) at each budget fraction, per task and length, and averaged
-  over them (the table ``python -m bench.policy_study --plot`` prints from its own rows).
+  over them (the table ``python -m bench.policy_study --plot`` prints from its own rows); a
+  ``method=kvpress:<press>`` run is the method ``kvpress:<press>`` (dotted).
 - ``summary.md`` and ``summary.csv``: per task, metric, policy, scope and budget, the mean and the
   sample standard deviation over the runs of that point (seeds, text slices: the ``over`` column
   names the task keys that differ among them), with n, min and max. Runs of several models in one
@@ -44,6 +45,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+from kvtier.report import method_of  # noqa: E402
 
 X_AXES = {"fraction": ("budget_fraction", "device budget (fraction of the context)"),
           "tokens": ("budget_tokens", "device budget (tokens)")}
@@ -190,7 +193,7 @@ def summary(runs: list[dict], out: Path, x: str = "auto") -> list[Path]:
 def occupancy(runs: list[dict], out: Path) -> list[Path]:
     """One figure per run: pages in use per tier over engine steps, capacities dashed."""
     written = []
-    for r in runs:
+    for r in (r for r in runs if "occupancy" in r):  # a kvpress run has no tiers
         occ = r["occupancy"]
         fig, ax = plt.subplots(figsize=(6.4, 3.6))
         for i, (tier, pages) in enumerate(occ["pages"].items()):
@@ -270,13 +273,9 @@ def depth_heatmaps(runs: list[dict], out: Path) -> list[Path]:
 
 
 def method(run: dict) -> str:
-    """A run's method as ``bench.policy_study`` names its configurations: ``exact`` (scope all, the full cache), else
-    ``<scope>:<policy>``, ``once:<policy>`` where the budget compresses once after the prefill (``cache.mode``)."""
-    if run["scope"] == "all":
-        return "exact"
-    cache = run["config"].get("cache", {})
-    once = cache.get("attend_budget") and cache.get("mode") == "once"
-    return f"{'once' if once else run['scope']}:{run['policy']}"
+    """A run's method: its ``method`` (``kvpress:<press>``, or :func:`kvtier.report.method_of`, which also names the
+    runs of an older kvtier that did not write it)."""
+    return run.get("method") or method_of(run["scope"], run["policy"], run["config"].get("cache", {}))
 
 
 def leaderboard_rows(runs: list[dict]) -> list[dict]:

@@ -76,9 +76,6 @@ def collect(plan, result: dict, records: list[CacheRecord], wall_s: float, cfg, 
     """The run's metrics: identity, the task's score, systems figures over all caches, the config;
     ``partial`` is true when the run was interrupted, or stopped by a tier's ``fault`` (its error, else null),
     and the figures cover what finished."""
-    from omegaconf import OmegaConf
-
-    score = next(k for k in SCORES if k in result)
     tpot = [x for r in records for x in r.tpot_s]
     attended = sum(r.attended_pages for r in records)
     migrated, fetched, pages = Counter(), Counter(), Counter()
@@ -94,10 +91,7 @@ def collect(plan, result: dict, records: list[CacheRecord], wall_s: float, cfg, 
                 series.setdefault(tier, []).append(n)
         offset = steps[-1] + 1 if steps else offset
     return {
-        **plan.labels, "task": result["task"], "run_name": Path(run_dir).name, "partial": result.get("partial", False),
-        "fault": result.get("fault"), "score_name": score, score: result[score],
-        "budget_tokens": plan.budget_tokens, "budget_fraction": plan.budget_fraction,
-        "capacity_pages": plan.capacities, "context_tokens": result["context_tokens"],
+        **identity(plan, result, wall_s, cfg, run_dir), "capacity_pages": plan.capacities,
         "samples": result.get("samples", len(records)),
         "tier1_hit_rate": sum(r.resident_pages for r in records) / attended if attended else 1.0,
         "bytes_moved": dict(migrated + fetched), "bytes_moved_total": sum((migrated + fetched).values()),
@@ -116,14 +110,39 @@ def collect(plan, result: dict, records: list[CacheRecord], wall_s: float, cfg, 
         "stats_bytes_per_token": records[0].stats_bytes_per_token if records else float("nan"),
         "ttft_s": _mean([x for r in records for x in r.ttft_s]),
         "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
-        "decode_steps": len(tpot), "stall_s": sum(r.fetch_s for r in records), "wall_s": wall_s,
+        "decode_steps": len(tpot), "stall_s": sum(r.fetch_s for r in records),
         "fidelity_s": sum(r.fidelity_s for r in records),
         "peak_pages": {tier: max(v) for tier, v in series.items()},
         **FidelityStats([c for r in records for c in r.fidelity_calls]).summary(),
         "occupancy": {"step": steps, "pages": series},
-        "task_result": result,
+    }
+
+
+def identity(plan, result: dict, wall_s: float, cfg, run_dir) -> dict:
+    """What names and scores a run: its labels and ``method`` (:func:`method_of`, or ``kvpress:<press>``), the task's
+    score, the budget, the wall time, the task's result and the config."""
+    from omegaconf import OmegaConf
+
+    score = next(k for k in SCORES if k in result)
+    return {
+        **plan.labels, "method": plan.labels.get("method") or method_of(plan.labels["scope"], plan.labels["policy"],
+                                                                         cfg.cache),
+        "task": result["task"], "run_name": Path(run_dir).name, "partial": result.get("partial", False),
+        "fault": result.get("fault"), "score_name": score, score: result[score], "budget_tokens": plan.budget_tokens,
+        "budget_fraction": plan.budget_fraction, "context_tokens": result["context_tokens"],
+        "samples": result.get("samples"), "wall_s": wall_s, "task_result": result,
         "config": redacted(OmegaConf.to_container(cfg, resolve=True)),  # no password of a store URL
     }
+
+
+def method_of(scope: str, policy: str, cache) -> str:
+    """A kvtier run's method as ``bench.policy_study`` names its configurations: ``exact`` (scope all, the full
+    cache), else ``<scope>:<policy>``, ``once:<policy>`` where the budget compresses once after the prefill
+    (``cache.mode``)."""
+    if scope == "all":
+        return "exact"
+    once = cache.get("attend_budget") and cache.get("mode") == "once"
+    return f"{'once' if once else scope}:{policy}"
 
 
 def _mean(values: list) -> float:
@@ -165,6 +184,7 @@ def metrics_table(m: dict) -> Table:
     t.add_column("metric", style="bold")
     t.add_column("value", justify="right")
     score, serving = m[m["score_name"]], m["score_name"] == "goodput_rps"
+    engine = not serving and "tier1_hit_rate" in m  # a kvpress run has no engine, tiers nor pages
     t.add_row(m["score_name"], f"{score:.4f}" if m["score_name"] == "perplexity" else
               f"{score:.3f} req/s" if serving else f"{score:.2f} / 100" if m["score_name"] == "score" else
               f"{score:.1%}")
@@ -173,7 +193,9 @@ def metrics_table(m: dict) -> Table:
     if serving:
         _serving_rows(t, m["task_result"])
     t.add_row("budget", f"{m['budget_tokens']} tokens ({m['budget_fraction']:.2f} of {m['context_tokens']:g})")
-    if not serving:  # a serve_trace run's cache figures are its engine's, in its rows above
+    if "kept_tokens" in m:
+        t.add_row("KV pairs kept per layer (kvpress)", f"{m['kept_tokens']:g}")
+    if engine:  # a serve_trace run's cache figures are its engine's, in its rows above
         t.add_row("tier-1 hit rate", f"{m['tier1_hit_rate']:.1%}")
         if np.isfinite(m.get("attended_tokens_per_step", float("nan"))):
             t.add_row("keys attended per decode step mean / max", f"{m['attended_tokens_per_step']:.1f} / "
@@ -187,7 +209,7 @@ def metrics_table(m: dict) -> Table:
         ahead = f"{m['pages_fetched_ahead']} ({m['predictor_accuracy']:.1%})" if m["pages_fetched_ahead"] else "0"
         t.add_row("recall pages copied / landed / ahead (picked)",
                   f"{m['recall_pages_copied']} / {m.get('recall_pages_landed', 0)} / {ahead}")
-    if not serving:
+    if engine:
         for link, n in sorted(m["bytes_moved"].items()):
             t.add_row(f"bytes moved {link}", _mib(n))
         t.add_row("bytes moved total", _mib(m["bytes_moved_total"]))
@@ -198,7 +220,7 @@ def metrics_table(m: dict) -> Table:
                                                        f"{m['attention_mass_recall_p10']:.1%}")
         t.add_row("attention output rel. err mean / p90", f"{m['attention_rel_err']:.2e} / "
                                                            f"{m['attention_rel_err_p90']:.2e}")
-    if not serving:
+    if engine:
         t.add_row("stall (fetch wait)", f"{m['stall_s']:.3f} s")
         t.add_row("TTFT", f"{m['ttft_s'] * 1e3:.1f} ms")
         t.add_row("TPOT p50 / p99", f"{m['tpot_p50_s'] * 1e3:.1f} / {m['tpot_p99_s'] * 1e3:.1f} ms")
@@ -281,7 +303,7 @@ class WandbLogger(ConsoleLogger):
 
             run = wandb.init(project=self.project, name=metrics["run_name"], dir=run_dir, mode=self.mode,
                              config=metrics["config"])
-            occ = metrics["occupancy"]
+            occ = metrics.get("occupancy", {"step": []})  # none for a kvpress run
             for i, step in enumerate(occ["step"]):
                 run.log({f"occupancy/{tier}": v[i] for tier, v in occ["pages"].items()}, step=step)
             run.summary.update(_scalars(metrics))

@@ -41,7 +41,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from kvtier.build import RECIPES, SIZING, EngineFactory, build, build_model, label, plan
 from kvtier.errors import ConfigError, Interrupted, KVTierError, MissingDependencyError, TierFailed
 from kvtier.redact import prints_redacted, redact_file, redact_logs, redact_tracebacks, redacted
-from kvtier.report import collect, write_json
+from kvtier.eval.kvpress import KNOBS, press_name, run_press
+from kvtier.report import collect, identity, write_json
 from kvtier.schema import BUDGET_SIZING, unknown_key
 from kvtier.tiers.disk import check_folder
 
@@ -60,6 +61,8 @@ def run_name(root: DictConfig) -> str:
                           .encode()).hexdigest()[:8]
     b = cfg.budget
     budget = f"tok{b.tokens}" if b.tokens is not None else f"size{b.size}" if b.size is not None else f"frac{b.fraction}"
+    if cfg.get("method"):  # kvpress's press: no policy, scope nor tiers
+        return f"{cfg.method.replace(':', '-')}-{budget}-{digest}"
     return f"{label(cfg.policy)}-{label(cfg.scope)}-{'_'.join(cfg.tiers.stack)}-{budget}-{digest}"
 
 
@@ -117,6 +120,12 @@ def execute(cfg: DictConfig, run_dir: str | Path) -> dict:
             result = build(cfg.task, "task").run(run_dir)
             metrics = {**plan_.labels, "run_name": run_dir.name, "wall_s": time.perf_counter() - t0,
                        "task_result": result, "config": redacted(OmegaConf.to_container(cfg, resolve=True))}
+        elif cfg.method:  # kvpress's press (eager attention: ObservedAttention reads the prefill's weights)
+            model, tokenizer = build_model(cfg, attention="eager")
+            with _progress(cfg.progress) as bar, _cpu_threads(cfg.cpu_threads):
+                result = run_press(build(cfg.task, "task"), press_name(cfg.method, "method"), plan_.budget_tokens,
+                                   model, tokenizer, cfg.cache.sinks, cfg.cache.window, progress=bar)
+            metrics = press_metrics(plan_, result, time.perf_counter() - t0, cfg, run_dir)
         else:
             model, tokenizer = build_model(cfg)
             make_engine = EngineFactory(cfg, plan_, run_dir, model)
@@ -127,7 +136,8 @@ def execute(cfg: DictConfig, run_dir: str | Path) -> dict:
                 make_engine.close()
             metrics = collect(plan_, result, make_engine.records, time.perf_counter() - t0, cfg, run_dir)
     except (Interrupted, TierFailed) as stop:
-        metrics = collect(plan_, stop.result, make_engine.records, time.perf_counter() - t0, cfg, run_dir)
+        metrics = press_metrics(plan_, stop.result, time.perf_counter() - t0, cfg, run_dir) if cfg.method else \
+            collect(plan_, stop.result, make_engine.records, time.perf_counter() - t0, cfg, run_dir)
         path, failed = save_metrics(metrics, run_dir)
         where = f"partial results in {path or 'stdout'}" + (f" ({failed})" if failed else "")
         if isinstance(stop, TierFailed):
@@ -142,6 +152,14 @@ def execute(cfg: DictConfig, run_dir: str | Path) -> dict:
     if plan_.needs_model:
         build(cfg.logger, "logger").log(metrics, run_dir)
     return metrics
+
+
+def press_metrics(plan_, result: dict, wall_s: float, cfg: DictConfig, run_dir: Path) -> dict:
+    """A kvpress run's metrics: what names and scores it (:func:`kvtier.report.identity`) and the KV pairs kept per
+    layer (no engine ran: no tier, page or step figures)."""
+    kept = [r["kept_tokens"] for r in result.get("records", [])]  # a partial result has no mean yet
+    return {**identity(plan_, result, wall_s, cfg, run_dir),
+            "kept_tokens": result.get("kept_tokens", sum(kept) / len(kept) if kept else float("nan"))}
 
 
 def remove_made(run_dir: Path) -> None:
@@ -254,6 +272,9 @@ NOT_READ_WITHOUT_MODEL = ("model", "tiers", "policy", "scope", "scheduler", "ker
                           "budget", "cache", "engine")  # what a task that loads no model (kvtier.sim) never reads
 
 
+NOT_READ_BY_PRESS = ("tiers", "policy", "scope", "scheduler", "kernel", "engine")  # what a kvpress run never reads
+
+
 BUDGET_KEYS = ("cache.window", "cache.mode", "cache.sinks")  # read by the token budget (cache.attend_budget)
 
 
@@ -276,7 +297,8 @@ def unread(cfg: DictConfig, key: str, value: str | None) -> str | None:
     model reads only its own keys; a key read before it sizes the same thing (``budget.tokens`` before
     ``budget.size`` before ``budget.fraction``, a tier's ``size`` before its ``fraction``); the token budget's keys
     without the token budget (unless another node interpolates them, as topk's ``scope.sinks``);
-    ``cache.exact_prefill`` where the scope's prefill attends every page anyway (all, topk)."""
+    ``cache.exact_prefill`` where the scope's prefill attends every page anyway (all, topk); a kvpress run
+    (``method``) reads none of the engine's groups, and of ``cache`` only its press's knobs."""
     if not getattr(build(cfg.task, "task", call=False), "needs_model", True):
         if key.split(".")[0].split("/")[0] in NOT_READ_WITHOUT_MODEL:
             return f"task {cfg.task._target_.rpartition('.')[2]} loads no model and reads only its task.* keys"
@@ -288,6 +310,13 @@ def unread(cfg: DictConfig, key: str, value: str | None) -> str | None:
             if first is not None:
                 return f"{first}={OmegaConf.select(cfg, first)} is read first ({' > '.join(group)}); " \
                        f"add {first}=null to size by {key}"
+    if cfg.get("method"):  # kvpress's press: the model, task, budget and the press's own cache settings
+        press = press_name(cfg.method, "method")
+        top, reads = key.split(".")[0].split("/")[0], sorted(f"cache.{k}" for k in KNOBS.get(press, {}).values())
+        if top in NOT_READ_BY_PRESS or top == "cache" and key not in reads:
+            return f"method={cfg.method} runs kvpress's press, which reads none of kvtier's " \
+                   f"{', '.join(NOT_READ_BY_PRESS)}, and of cache.* only {', '.join(reads) or 'nothing'}"
+        return None
     if key == "cache.exact_prefill" and \
             not getattr(build(cfg.scope, "scope", call=False), "device_only", False):
         return f"scope {cfg.scope._target_.rpartition('.')[2]} prefills over every page already; only a scope " \

@@ -96,6 +96,7 @@ class Recipe:
     engine: EngineConfig = field(default_factory=EngineConfig)
     progress: bool = True
     cpu_threads: Optional[int] = 1
+    method: Optional[str] = None  # None: kvtier's engine; "kvpress:<press>": kvpress's press (kvtier/eval/kvpress.py)
 
     def __post_init__(self):
         if self.cpu_threads is not None and self.cpu_threads < 1:

@@ -1,16 +1,21 @@
-"""kvpress's presses in the policy study (bench/kvpress_study.py): a press through the harness on the real
+"""kvpress's presses beside kvtier's (kvtier/eval/kvpress.py): a press through the policy study on the real
 SmolLM2 keeps kvtier's budget and answers as kvpress's own pipeline; without kvpress a kvpress config fails
-at once, naming the extra. The first two run where kvpress is (``make compare-env``, ``make test-compare``)."""
+at once, naming the extra; ``kvtier-run -m method=kvpress:<press>`` fills the leaderboard beside kvtier's policies.
+All but the third run where kvpress is (``make compare-env``, ``make test-compare``)."""
 
+import json
 import math
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from bench import policy_study
-from bench.kvpress_study import make_press, run_press
+from kvtier.eval.kvpress import make_press, run_press
 from kvtier.errors import ConfigError, MissingDependencyError
+from kvtier import plot
 from kvtier.eval import Passkey
 
 NO_KVPRESS = "kvpress runs from its own environment, the [compare] extra: make compare-env && make test-compare"
@@ -53,3 +58,25 @@ def test_a_kvpress_config_without_kvpress_fails_naming_the_extra(monkeypatch, tm
         policy_study.main(["--protocol", "ctx2k", "--configs", "kvpress:h2o"])
     with pytest.raises(ConfigError, match="compresses the prefill once"):  # no budget over a stream's steps
         policy_study.main(["--protocol", "stream", "--configs", "kvpress:knorm"])
+
+
+def test_a_kvtier_run_sweep_puts_presses_and_policies_in_one_leaderboard(tmp_path):
+    """``kvtier-run -m method=kvpress:<press>`` beside a kvtier sweep into one folder, at a tiny RULER length: each
+    press run keeps the budget's KV pairs, its metrics name the model, the task and the method, and kvtier-plot's
+    leaderboard has a row for each method."""
+    pytest.importorskip("kvpress", reason=NO_KVPRESS)
+    common = ["task=ruler", "task.length=512", "task.subtasks=[niah_single_1]", "task.max_new_tokens=4",
+              "budget.fraction=0.25", "cache.window=16", "progress=false", "logger=none", "hydra.sweep.dir=sweep"]
+    for sweep in (["method=kvpress:snapkv,kvpress:knorm"], ["scope=resident", "policy=snapkv",
+                                                            "cache.attend_budget=true"]):
+        subprocess.run([sys.executable, "-m", "kvtier.run", "-m", *common, *sweep], cwd=tmp_path, check=True,
+                       capture_output=True)
+    runs = {m["method"]: m for m in map(json.loads, map(Path.read_text, (tmp_path / "sweep").glob("*/metrics.json")))}
+    assert set(runs) == {"kvpress:snapkv", "kvpress:knorm", "resident:snapkv"}
+    for name in ("kvpress:snapkv", "kvpress:knorm"):
+        assert runs[name]["model"] == "smollm2" and runs[name]["task"] == "ruler"
+        assert runs[name]["kept_tokens"] == runs[name]["budget_tokens"] == runs["resident:snapkv"]["budget_tokens"]
+    assert plot.main([str(tmp_path / "sweep")]) == 0
+    board = (tmp_path / "sweep" / "plots" / "leaderboard.md").read_text()
+    assert {line.split(" | ")[0] for line in board.splitlines()[4:]} == {"| kvpress:snapkv", "| kvpress:knorm",
+                                                                         "| resident:snapkv"}

@@ -229,13 +229,17 @@ def test_kvtier_plot_writes_the_heatmap_png(tmp_path, capsys):
 
 
 def bench_run(root, name, model, scope, policy, fraction, score, length=4096, mode="continuous"):
-    """A RULER run's metrics.json fields kvtier-plot reads."""
+    """A RULER run's metrics.json fields kvtier-plot reads; scope ``kvpress``: a ``method=kvpress:<policy>`` run's
+    (no tiers: no occupancy)."""
     m = {"task": "ruler", "model": model, "policy": policy, "scope": scope, "score_name": "score", "score": score,
          "budget_fraction": int(fraction * (length - 128)) / (length - 128), "budget_tokens": int(fraction * length),
          "context_tokens": length - 128, "capacity_pages": {"device": 16},
          "occupancy": {"step": [0], "pages": {"device": [1]}},
          "config": {"budget": {"tokens": None, "size": None, "fraction": fraction}, "task": {"length": length},
                     "cache": {"attend_budget": scope != "all", "mode": mode}}}
+    if scope == "kvpress":
+        del m["capacity_pages"], m["occupancy"]
+        m.update(method=f"kvpress:{policy}", kept_tokens=m["budget_tokens"])
     (root / name).mkdir(parents=True)
     (root / name / "metrics.json").write_text(json.dumps(m))
 
@@ -253,6 +257,8 @@ def test_benchmark_runs_fill_the_leaderboard_per_model(tmp_path, monkeypatch):
             bench_run(tmp_path, f"{model}-once-{f}-8k", model, "resident", "snapkv", f, base - 10, length=8192,
                       mode="once")
     bench_run(tmp_path, "seed2", "smollm2", "topk", "snapkv", 0.1, 40.0 + 10 + 4)  # another seed: 52 on average
+    for f in (0.1, 0.2):
+        bench_run(tmp_path, f"press-{f}", "smollm2", "kvpress", "snapkv", f, 45.0)
     assert main([str(tmp_path)]) == 0
     text = (tmp_path / "plots" / "leaderboard.md").read_text()
     lines = text.splitlines()
@@ -264,6 +270,8 @@ def test_benchmark_runs_fill_the_leaderboard_per_model(tmp_path, monkeypatch):
     assert "| exact | 70.0 | 70.0 | 60.0 | 60.0 | 65.0 | 65.0 |" in smol
     assert "| topk:snapkv | 52.0 | 60.0 | - | - | 52.0 | 60.0 |" in smol  # two seeds at 10%: (50 + 54) / 2
     assert "| once:snapkv | 40.0 | 40.0 | 30.0 | 30.0 | 35.0 | 35.0 |" in smol
+    assert "| kvpress:snapkv | 45.0 | 45.0 | - | - | 45.0 | 45.0 |" in smol  # a press's runs, named by their method
+    assert not list((tmp_path / "plots").glob("occupancy-press-*"))  # a press has no tiers
     gemma = lines[:lines.index("smollm2:")]
     assert "| exact | 90.0 | 90.0 | 80.0 | 80.0 | 85.0 | 85.0 |" in gemma
     assert (tmp_path / "plots" / "leaderboard-smollm2.png").read_bytes().startswith(PNG)

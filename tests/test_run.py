@@ -203,6 +203,12 @@ BAD = [
     (["experiment=needle_sweep", "task.context_tokens=1024,9000"], "task.context_tokens", "use at most 8180"),
     (["experiment=needle_sweep", "task.context_tokens=100,1024"], "task.context_tokens", ">= 128"),
     (["experiment=needle_sweep", "task.depths=[0,1.5]"], "task.depths", "fractions in [0, 1]"),
+    # kvpress's presses (method=kvpress:<press>): a press it has, and only the settings it reads
+    (["method=kvpress:h2o"], "method", "unknown press 'kvpress:h2o'"),
+    (["method=kvtier"], "method", "use kvpress:<press>"),
+    (["method=kvpress:knorm", "policy=tova"], "policy", "reads none of kvtier's tiers, policy"),
+    (["-m", "method=kvpress:knorm,kvpress:tova", "cache.window=32"], "cache.window", "of cache.* only nothing"),
+    (["method=kvpress:snapkv", "cache.window=null"], "cache.window", "takes its window from cache.window"),
 ]
 
 
@@ -217,6 +223,21 @@ def test_bad_config_raises_config_error_naming_the_field_and_writes_nothing(tmp_
     with pytest.raises(SystemExit) as exit_:
         main()
     assert exit_.value.code == 2 and list(tmp_path.iterdir()) == []
+
+
+def test_a_press_without_kvpress_is_one_line_naming_its_environment(tmp_path, monkeypatch, capsys):
+    """``method=kvpress:<press>`` where kvpress cannot be imported (.venv): exit 2 before anything loads, one line
+    naming the extra and ``make compare-env``; its window is a setting it reads (snapkv's), not refused as unread."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "kvpress", None)  # import kvpress raises ImportError
+    args = ["-m", "task=ruler", "method=kvpress:snapkv,kvpress:knorm", "cache.window=32", "budget.fraction=0.1,0.2"]
+    assert len(list(job_configs(args))) == 4
+    monkeypatch.setattr(sys, "argv", ["kvtier-run", *args])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and list(tmp_path.iterdir()) == []
+    assert "kvtier[compare]" in err[0] and "make compare-env" in err[0]
 
 
 def test_a_setting_refused_as_unread_goes_through_where_it_is_read():

@@ -3,7 +3,7 @@
 A task lists its :class:`Sample` s (each prompt tokenized, its references, its group: RULER's subtask, LongBench's
 dataset) before anything runs, then :meth:`AnswerTask.run_with` sends each through ``generate(ids, prefill_tokens,
 max_new_tokens, stop)``: a fresh kvtier engine (:func:`engine_generate`) or any other generator (kvpress's presses,
-``bench/kvpress_study.py``). The answer is cut at the first stop token, decoded and scored by the benchmark's own
+``kvtier/eval/kvpress.py``). The answer is cut at the first stop token, decoded and scored by the benchmark's own
 metric on its own scale (0-100); the result has the score per group and their mean (``score``).
 """
 

@@ -1,5 +1,6 @@
-"""kvpress's presses in the policy study: the ``kvpress:<press>`` configurations of :mod:`bench.policy_study`
-(the ``[compare]`` extra), on the same model, text, slices, prompts and budget as kvtier's.
+"""kvpress's presses beside kvtier's policies: ``kvtier-run method=kvpress:<press>`` and the ``kvpress:<press>``
+configurations of :mod:`bench.policy_study` (the ``[compare]`` extra), on the same model, task, prompts and budget
+as kvtier's.
 
 kvpress 0.5.5 needs transformers<5.3: its presses' hooks read the attention's ``cache_position``, which
 transformers 5.17's Llama attention no longer receives (each of the six presses below fails there with
@@ -42,11 +43,11 @@ PRESSES = {"streaming_llm": "StreamingLLMPress", "tova": "TOVAPress", "snapkv": 
 ENV = ".venv-compare, built by make compare-env"
 
 
-def press_name(config: str) -> str:
-    """The press of a ``kvpress:<press>`` configuration; ConfigError names the known ones."""
-    name = config.split(":", 1)[1]
-    if name not in PRESSES:
-        raise ConfigError("configs", f"unknown press {config!r}; use kvpress:<press> with one of {sorted(PRESSES)}")
+def press_name(config: str, key: str = "configs") -> str:
+    """The press of a ``kvpress:<press>`` configuration (``key``'s value); ConfigError names the known ones."""
+    kind, _, name = config.partition(":")
+    if kind != "kvpress" or name not in PRESSES:
+        raise ConfigError(key, f"unknown press {config!r}; use kvpress:<press> with one of {sorted(PRESSES)}")
     return name
 
 
@@ -68,12 +69,16 @@ def load_kvpress():
     return kvpress
 
 
+KNOBS = {"streaming_llm": {"n_sink": "sinks"}, "expected_attention": {"n_sink": "sinks"},
+         "snapkv": {"window_size": "window"}}  # press -> its argument -> the setting it takes (cache.<setting>)
+
+
 def make_press(name: str, n: int, budget: int, sinks: int, window: int):
     """The press ``name`` keeping ``min(budget, n)`` KV pairs of an ``n``-token prefill."""
-    knobs = {"streaming_llm": {"n_sink": sinks}, "expected_attention": {"n_sink": sinks},
-             "snapkv": {"window_size": window}}
+    settings = {"sinks": sinks, "window": window}
     press = getattr(load_kvpress(), PRESSES[name])
-    return press(compression_ratio=max(0.0, (n - budget - 0.5) / n), **knobs.get(name, {}))
+    return press(compression_ratio=max(0.0, (n - budget - 0.5) / n),
+                 **{arg: settings[key] for arg, key in KNOBS.get(name, {}).items()})
 
 
 def prefill(model, ids: torch.Tensor, press, kept: int):
@@ -99,7 +104,7 @@ def feed(model, cache, ids: torch.Tensor, start: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def run_press(task, name: str, budget: int, model, tokenizer, sinks: int, window: int) -> dict:
+def run_press(task, name: str, budget: int, model, tokenizer, sinks: int, window: int, progress=None) -> dict:
     """``task`` (Perplexity, Passkey or Needle) with the press ``name`` at ``budget`` tokens: the task's result
     keys that :func:`bench.policy_study.run_one` reads, plus ``kept_tokens`` (per layer, mean over samples)."""
     check_positions(task, model.config)
@@ -117,7 +122,7 @@ def run_press(task, name: str, budget: int, model, tokenizer, sinks: int, window
             out.append(int(feed(model, cache, step, ids.numel() + len(out) - 1)[-1].argmax()))
         return out, {"kept_tokens": kept}
 
-    result = task.run_with(generate, tokenizer)
+    result = task.run_with(generate, tokenizer, progress)
     return {**result, "kept_tokens": sum(r["kept_tokens"] for r in result["records"]) / result["samples"]}
 
 
