@@ -5,7 +5,25 @@ golden figures of every scenario (each at a small size; tolerance 2%: a setting 
 
 The golden figures come from the code at the commit that added them (``python -m pytest tests/test_sim_figures.py``
 prints the new value of one that moved); when a change of the model moves them, the new values and the reason go
-in with it, and bench/RESULTS.md's simulator tables are rerun."""
+in with it, and bench/RESULTS.md's simulator tables are rerun.
+
+Each shortcut issue 59 found, put back alone (tree f17842b) and run against ``tests/test_sim.py`` and this file:
+
+| mutation | tests that fail |
+| --- | --- |
+| H100 HBM rate and bf16 peak 10x (`h100.json`) | share of datasheet, no step under its floor, dense-decode limit, all 4 scenarios, regenerated calibration |
+| H100 datasheet HBM and peaks 10x (`hardware.GPUS`) | share of datasheet, held-out errors (cross-kind from the datasheet) |
+| seed 000's throughput formula x3 | long-context offload figures |
+| 60% of HBM reserved (`setups.HBM_RESERVED`) | all 4 scenarios' figures |
+| all-reduce free, or its latency 0 (`costs`) | FP8 / all-reduce physics (both kinds), all 4 scenarios |
+| the assumed latency 0 (`hardware.ALLREDUCE_LATENCY_US`) | regenerated calibration (its all-reduce line) |
+| swaps free (`cluster._swap_ms`) | preemption: swaps cross the host link |
+| step-time noise off (`cluster`) | noise is the measured spread; P/D (seed 001's jitter), memory managers, KV pool |
+| FP8 weights at the bf16 peak | FP8 / all-reduce physics, long-context offload, memory managers |
+| FP8 pages counted at bf16's bytes | FP8 / all-reduce physics, all 4 scenarios |
+| linear layers' bytes + FLOPs summed (no roofline max) | dense-decode limit, held-out errors, regenerated calibration, 3 scenarios |
+| held-out rows fitted too (`calibrate.fit_engine`) | held-out errors, regenerated calibration |
+"""
 
 import itertools
 
