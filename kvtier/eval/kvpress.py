@@ -64,8 +64,8 @@ def load_kvpress():
     needs = [Requirement(r) for r in importlib.metadata.requires("kvpress") or []]
     for req in needs:
         if req.name == "transformers" and not req.marker and transformers.__version__ not in req.specifier:
-            raise ConfigError("configs", f"kvpress {importlib.metadata.version('kvpress')} needs transformers{req.specifier}, "
-                                         f"this environment has {transformers.__version__}: run from {ENV}")
+            raise ConfigError("method", f"kvpress {importlib.metadata.version('kvpress')} needs transformers{req.specifier}, "
+                                        f"this environment has {transformers.__version__}: run from {ENV}")
     return kvpress
 
 
@@ -131,8 +131,8 @@ def _perplexity(task: Perplexity, name: str, budget: int, model, tokenizer, sink
     logits, the rest teacher-forced against the compressed cache)."""
     P, m = task.prefix, task.length - task.prefix - 1  # m: tokens fed after the prefill
     if m < 1:
-        raise ConfigError("continuation", "a press is scored on at least 2 tokens after the context (the first "
-                                          "comes from the exact prefill)")
+        raise ConfigError("task.length", "a press is scored on at least 2 tokens after the context (the first "
+                                         "comes from the exact prefill)")
     ids, kept = task.tokens(tokenizer).to(model.device), min(budget, P)  # [length]
     first, cache = prefill(model, ids[:P], make_press(name, P, budget, sinks, window), kept)
     logits = torch.cat([first[None], feed(model, cache, ids[P:-1], P)])  # [m + 1, V]
