@@ -32,7 +32,7 @@ BIN = (SCORE_RANGE[1] - SCORE_RANGE[0]) / SCORE_BINS  # a score bin's width: key
 def test_a_full_rank_sketch_chooses_the_keys_with_the_largest_true_share():
     """With r = D the sketch is the keys in another basis, on 8-bit levels: the n keys chosen between the spans are
     those with the largest true weight beside the shown keys (max over the group's query heads, log), up to a score
-    bin and the levels' rounding."""
+    bin (the levels' rounding stays inside it here)."""
     n_pages, n = 12, 13
     g = torch.Generator().manual_seed(3)
     keys = torch.randn(n_pages * PAGE, N_KV, D, generator=g) * 2
