@@ -293,11 +293,14 @@ class Feedback:
             seen = (e.table.tier_of[layers[:, None, None], pids.clip(min=0)[None]] >= 0) & \
                 (logical < n_pages[:, None]) & (logical >= first[..., None])  # [L', R, M]
             return np.nonzero(seen.transpose(1, 0, 2))  # sorted by row, layer, page
-        lists = lists.reshape(layers.size, R, -1)  # [L', R, G * K]
-        li, ri, k = np.nonzero((lists >= 0) & (lists < n_pages[None, :, None]))
-        seen = np.zeros((R, layers.size, M), dtype=bool)  # a page listed by several heads counts once
-        seen[ri, li, lists[li, ri, k]] = True
-        return np.nonzero(seen)  # sorted by row, layer, page
+        L = layers.size
+        lists = lists.reshape(L, R, -1)  # [L', R, G * K]
+        listed = (lists >= 0) & (lists < n_pages[None, :, None])
+        start = (np.arange(R)[None, :, None] * L + np.arange(L)[:, None, None]) * M  # [L', R, 1] each list's in seen
+        seen = np.zeros(R * L * M, dtype=bool)  # [R, L', M] flat; a page listed by several heads counts once
+        seen[(lists + start)[listed]] = True
+        row, rest = np.divmod(np.flatnonzero(seen), L * M)  # sorted by row, layer, page
+        return (row, *np.divmod(rest, M))
 
 
 def per_page(pages: torch.Tensor, value: torch.Tensor, reduce: str) -> tuple[torch.Tensor, torch.Tensor]:
