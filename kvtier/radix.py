@@ -19,12 +19,15 @@ layers' minimum), ties and the policy-less case by least recent use in the tree.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvtier.errors import KVTierError
 from kvtier.policies.base import PageInfo, Policy
-from kvtier.table import BlockTable
+
+if TYPE_CHECKING:  # the table is only passed in; the prefix index alone (traces, simulator) needs no torch
+    from kvtier.table import BlockTable
 
 
 @dataclass(eq=False, slots=True)

@@ -1,6 +1,8 @@
-"""Serving on the engine: request scheduler (over the engine's radix prefix cache, :mod:`kvtier.radix`), trace replay."""
+"""Serving on the engine: request scheduler (over the engine's radix prefix cache, :mod:`kvtier.radix`), trace replay.
 
-from kvtier.serve.scheduler import Request, ServeScheduler
-from kvtier.serve.task import ServeTrace
+Each name is imported on first use (:mod:`kvtier.lazy`): the trace reader (:mod:`kvtier.serve.trace`) needs no torch.
+"""
 
-__all__ = ["Request", "ServeScheduler", "ServeTrace"]
+from kvtier.lazy import lazy_exports
+
+lazy_exports(__name__, {"kvtier.serve.scheduler": ("Request", "ServeScheduler"), "kvtier.serve.task": ("ServeTrace",)})
