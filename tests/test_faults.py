@@ -536,7 +536,8 @@ def _overwrite_every_page(tier):
 
 REDIS_FAULTS = {  # fault -> (inject(tier, server), the calls it breaks, the error, what it says)
     "flushed": (lambda t, s: redis.Redis.from_url(s.url).flushall(), "stored", PageEvictedError,
-                r"remote tier 'remote' layer \d: slots .* are gone from the Redis server"),
+                r"remote tier 'remote' layer \d: slots .* are gone from the Redis server .*deleted by another "
+                r"client \(FLUSHALL"),
     "overwritten": (lambda t, s: _overwrite_every_page(t), "stored", PageCorruptedError,
                     r"remote tier 'remote' layer \d: slots .* failed their checksum \(overwritten behind kvtier"),
     "killed": (lambda t, s: s.kill(), "any", TierIOError,

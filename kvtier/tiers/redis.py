@@ -90,7 +90,7 @@ class RedisTier(KeyValueTier):
     (reads of an expired page raise ``PageEvictedError``); ``timeout_s`` bounds every round trip.
     """
 
-    lost = "evicted under maxmemory, expired, or the server restarted empty"
+    lost = "evicted under maxmemory, expired, deleted by another client (FLUSHALL, DEL), or the server restarted empty"
     refused_fix = "raise its maxmemory (or give pages a longer ttl)"
 
     @classmethod
