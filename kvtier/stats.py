@@ -193,16 +193,23 @@ class KeyStats:
         sketch[lay, pids.expand_as(offset), offset] = torch.where(on[..., None, None], new, old)
 
 
-def sketch_maps(key_second: torch.Tensor, query_second: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+QUERY_SHRINK = 0.9  # how far the prompt's query moment is pulled to the identity (0: it alone, 1: Loki's basis)
+
+
+def sketch_maps(key_second: torch.Tensor, query_second: torch.Tensor, rank: int,
+                shrink: float = QUERY_SHRINK) -> tuple[torch.Tensor, torch.Tensor]:
     """The rank-``rank`` maps ``(W, A)`` ``[..., D, r]`` with ``q . k ~ (A^T q) . (W^T k)`` that lose the least in
     expectation over queries and keys of second moments ``query_second``, ``key_second`` ``[..., D, D]`` (sums of
-    ``q q^T``, ``k k^T``; a query moment of zeros, no query seen, reads as the identity: ``A W^T`` the projection on
-    the keys' principal directions, Loki's basis). ``E (q^T (I - A W^T) k)^2 = |Sq^1/2 (I - A W^T) Sk^1/2|_F^2`` is least at the top
-    ``r`` singular pairs of ``Sq^1/2 Sk^1/2 = U S V^T`` (Eckart-Young): ``W = Sk^-1/2 V_r``, ``A = Sk W (W^T Sk
-    W)^-1`` (the least-squares ``A`` for that ``W``, whatever the queries)."""
+    ``q q^T``, ``k k^T``). ``E (q^T (I - A W^T) k)^2 = |Sq^1/2 (I - A W^T) Sk^1/2|_F^2`` is least at the top ``r``
+    singular pairs of ``Sq^1/2 Sk^1/2 = U S V^T`` (Eckart-Young): ``W = Sk^-1/2 V_r``, ``A = Sk W (W^T Sk W)^-1`` (the
+    least-squares ``A`` for that ``W``, whatever the queries). ``Sq`` is the query moment scaled to a mean eigenvalue
+    of 1 and shrunk toward the identity by ``shrink`` (a prompt's queries are a hint of a later question's, not its
+    law: at 0 a passkey asked after the prompt was lost at 5%); the identity (``shrink`` 1, or no query seen) makes
+    ``A W^T`` the projection on the keys' principal directions, Loki's basis."""
     D = key_second.shape[-1]
-    unseen = query_second.abs().flatten(-2).amax(-1) == 0  # [...]
-    query_second = torch.where(unseen[..., None, None], torch.eye(D, dtype=query_second.dtype), query_second)
+    eye = torch.eye(D, dtype=query_second.dtype)
+    scale = query_second.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None] / D  # [..., 1, 1] mean eigenvalue
+    query_second = torch.where(scale > 0, (1 - shrink) * query_second / scale.clamp(min=1e-30) + shrink * eye, eye)
 
     def power(m: torch.Tensor, p: float) -> torch.Tensor:
         """``m^p`` of symmetric PSD ``m`` (eigenvalues below 1e-12 of the largest raised as if that small)."""

@@ -567,9 +567,10 @@ def test_a_full_rank_sketch_gives_each_pages_true_attention_share():
 
 
 def test_the_sketch_maps_lose_the_least_of_q_dot_k():
-    """:func:`sketch_maps`: at r = D the form is q.k itself; with no query seen, the projection on the keys' top
-    principal directions (Loki's); with queries seen, a smaller expected error over those queries than that projection
-    (the queries lie where the keys vary little)."""
+    """:func:`sketch_maps`: at r = D the form is q.k itself; with no query seen (or the query moment shrunk all the
+    way to the identity), the projection on the keys' top principal directions (Loki's); with queries seen, a smaller
+    expected error over those queries than that projection (the queries lie where the keys vary little), less so the
+    more their moment is shrunk."""
     from kvtier.stats import sketch_maps
 
     g = torch.Generator().manual_seed(10)
@@ -582,9 +583,12 @@ def test_the_sketch_maps_lose_the_least_of_q_dot_k():
     w, a = sketch_maps(k2, torch.zeros(D, D, dtype=torch.float64), r)
     top = torch.linalg.eigh(k2).eigenvectors[:, -r:]  # [D, r]
     assert torch.allclose(a @ w.T, top @ top.T, atol=1e-8)
-    w, a = sketch_maps(k2, q2, r)
+    w, a = sketch_maps(k2, q2, r, shrink=1.0)
+    assert torch.allclose(a @ w.T, top @ top.T, atol=1e-8)
     err = lambda form: ((queries[:500] @ (torch.eye(D, dtype=torch.float64) - form) @ keys[:500].T) ** 2).mean()
-    assert err(a @ w.T) < 0.5 * err(top @ top.T)
+    errs = [err(a @ w.T) for w, a in (sketch_maps(k2, q2, r, shrink=x) for x in (0.0, 0.5, 0.9))]
+    assert errs[0] < 0.5 * err(top @ top.T)
+    assert errs[0] <= errs[1] <= errs[2] < err(top @ top.T)
 
 
 def test_a_low_rank_sketch_keeps_the_logits_of_keys_of_that_rank():
