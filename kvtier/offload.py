@@ -6,12 +6,12 @@
     with kvtier.cache_for(model, ids.shape[1], new_tokens=32, policy="aspe", hbm=0.2) as cache:
         out = model.generate(ids, past_key_values=cache, max_new_tokens=32)
 
-Names, defaults and what runs through it: the README's "Python API" section. ``hbm`` is the recipe's ``budget.fraction``:
-the device tier holds ``int(hbm * prompt tokens)`` tokens per sequence, rounded up to whole pages, sized from each
-``generate`` call's longest prompt; the tiers below take their ``fraction`` (or ``size``) of the prompt plus the
-new tokens (the recipes' rule, :func:`kvtier.build.size_stack`). A disk tier writes to a fresh folder under the
-temp folder, removed when the cache closes; a ``local`` remote tier starts a loopback redis-server that stops with
-it. Other ``TieredKVCache`` arguments pass through; ``fidelity`` is off unless given.
+Names, defaults and what runs through it: the README's "Python API" section. ``hbm`` is the recipe's
+``budget.fraction``: the device tier holds ``int(hbm * prompt tokens)`` tokens per sequence, rounded up to whole
+pages, sized from each ``generate`` call's longest prompt; the tiers below take their ``fraction`` (or ``size``) of
+the prompt plus the new tokens (the recipes' rule, :func:`kvtier.build.size_stack`). A disk tier writes to a fresh
+folder under the temp folder, removed when the cache closes; a ``local`` remote tier starts a loopback redis-server
+that stops with it. Other ``TieredKVCache`` arguments pass through; ``fidelity`` is off unless given.
 """
 
 from __future__ import annotations
