@@ -13,7 +13,8 @@ import torch
 
 from kvtier.stats import ATTENTION_FIELDS, AttentionStats, DeviceStats, SalienceStats, pid_index
 from kvtier.errors import KVTierError
-from kvtier.policies.base import PageInfo, grown
+from kvtier.policies.base import PageInfo
+from kvtier.table import grown
 
 NEEDS = frozenset({"attention", "salience", "keys", "queries"})
 __all__ = ["ATTENTION_FIELDS", "NEEDS", "PageStats", "StatsStore"]
