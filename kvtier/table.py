@@ -23,6 +23,12 @@ from kvtier.layout import KVLayout
 from kvtier.tiers.base import Tier
 
 DROPPED = -2  # tier_of of a (layer, pid) freed for good (left of its sliding window)
+FIRST_PIDS = 64  # the pids a table starts with; it doubles them when it runs out
+
+
+def pid_capacity(pages: int) -> int:
+    """Pids a table holding ``pages`` pages per layer may name: FIRST_PIDS, doubled until they hold them."""
+    return max(FIRST_PIDS, 1 << max(pages - 1, 0).bit_length())
 
 
 def grown(a: np.ndarray, size: int, fill) -> np.ndarray:
@@ -64,7 +70,7 @@ class BlockTable:
         self.layout = layout
         self.tiers = list(tiers)
         self.seqs: dict[int, SeqState] = {}
-        cap = 64
+        cap = FIRST_PIDS
         L = layout.num_layers
         self.tier_of = np.full((L, cap), -1, dtype=np.int8)  # [L, pids]
         self.slot_of = np.full((L, cap), -1, dtype=np.int64)  # [L, pids]

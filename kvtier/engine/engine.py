@@ -45,7 +45,7 @@ from kvtier.scheduler.lookahead import LookaheadScheduler
 from kvtier.scopes import All, Scope, make_scope
 from kvtier.scopes.recall import RecallCache
 from kvtier.stats import AttentionStats, DeviceScores, DeviceStats, KeyStats, SalienceStats
-from kvtier.table import BlockTable
+from kvtier.table import BlockTable, pid_capacity
 from kvtier.tiers.base import Tier
 
 
@@ -119,10 +119,10 @@ class Engine:
         self.planner = Planner(self, scratch)
         self.plan = self.planner.plan  # the step's host plan, which the parts below read
         self.buffers = StepBuffers(self.plan, model.config.vocab_size if model is not None else None,
-                                   _pid_capacity(held) if self.scope.needs_rank(budget) else None, bool(recall_slots),
+                                   pid_capacity(held) if self.scope.needs_rank(budget) else None, bool(recall_slots),
                                    self.device)
         self.keys, self.snapshot_slots, self.policy_stats, self.attention, self.salience, self.scores = \
-            policy_statistics(policy, self.scope, layout, _pid_capacity(held), self.device, config.lookahead)
+            policy_statistics(policy, self.scope, layout, pid_capacity(held), self.device, config.lookahead)
         self.queries = None  # QueryStats, made once the heads are known (the first attention call)
         far = any(t.pool(0) is None for t in tiers[1:]) or len(tiers) > 2  # tiers the kernel cannot address
         # staged copies only for scopes that may read pages off the device (resident reads HBM only: memory stays
@@ -456,14 +456,6 @@ class Engine:
         self.transfer.synchronize()
         for t in self.table.tiers:
             t.close()
-
-
-def _pid_capacity(pages: int) -> int:
-    """Pids a table holding ``pages`` pages per layer may name (its free list grows by doubling from 64)."""
-    cap = 64
-    while cap < pages:
-        cap *= 2
-    return cap
 
 
 def check_feedback(policy: Policy, scope: Scope, lookahead: int) -> None:
