@@ -1,19 +1,11 @@
 """Token budgets: how many keys a decode step attends per (layer, sequence), counted in tokens.
 
-A budget of ``tokens`` keys is spent as StreamingLLM and Quest spend it: the first ``sinks`` tokens
-(a 4-token sink costs 4 tokens, not a page: its page is attended truncated), ``middle_pages`` whole
-pages chosen by the scope (``resident``: the best device pages by policy priority; ``topk``: the best
-by a query-aware score), and the most recent ``window_tokens`` (at least ``window``: the leftover of
-the page rounding goes to the window), attended in the causal tail call with ``window_left``.
-
-A sequence of at most ``tokens`` tokens is attended whole. Candidates for the middle are the pages
-wholly between the sink pages and the window's first page; tokens of the partial pages outside the
-sink and window spans are not attended. With ``once`` the window's start is fixed when the prefill
-ends (``compress once``: the pages not kept then are dropped, later tokens all attended).
-
-One object on every door: ``kvtier.TokenBudget(256, sinks=4, window=64, mode="once")`` is the ``budget=`` of
-:class:`~kvtier.engine.Engine`, :class:`~kvtier.cache.TieredKVCache` and ``kvtier.cache_for`` / ``offload``; its
-page size is the layout's (:func:`token_budget`). Recipes build it from ``cache.*`` (``cache.attend_budget``).
+A budget of ``tokens`` keys is spent as StreamingLLM and Quest spend it: the first ``sinks`` tokens (truncated
+pages), ``middle_pages`` whole pages chosen by the scope, and the most recent ``window_tokens`` (at least
+``window``: the page rounding's leftover goes to the window). A sequence of at most ``tokens`` tokens is attended
+whole. With ``once`` the window's start is fixed when the prefill ends (the pages not kept are dropped). One object
+on every door: the ``budget=`` of :class:`~kvtier.engine.Engine`, :class:`~kvtier.cache.TieredKVCache` and
+``kvtier.cache_for`` / ``offload``; its page size is the layout's (:func:`token_budget`).
 """
 
 from __future__ import annotations

@@ -76,10 +76,9 @@ def _of_engine(name: str) -> property:
 class TieredKVCache(PagedCacheBase):
     """Paged, tiered KV cache for a batch of ``batch_size`` rows (``generate``'s rows: prompts x ``expand``).
 
-    ``kernel``: a backend or its name (None: ``auto``, triton on a GPU); ``scope``: ``all`` | ``resident`` |
-    ``topk`` or a :class:`~kvtier.scopes.Scope`; ``topk_pages``, ``sinks`` and ``topk`` (``rank``, ``unit``,
-    ``sketch_rank``, ``per_head``, ...) are :class:`~kvtier.scopes.TopK`'s; ``budget``: the keys each decode step
-    attends, a :class:`~kvtier.budget.TokenBudget` (as on :class:`~kvtier.engine.Engine`).
+    ``kernel``, ``budget``, ``exact_prefill``, ``dense_layers``, ``fidelity``: as on :class:`~kvtier.engine.Engine`;
+    ``scope``: a name or a :class:`~kvtier.scopes.Scope`, ``topk_pages``, ``sinks`` and ``topk`` (``rank``,
+    ``unit``, ...) :class:`~kvtier.scopes.TopK`'s.
 
     ``cache.close()`` (or leaving ``with cache:``) closes the tiers and gives each model whose forward ran over it
     (:meth:`forward`, ``kvtier.cache_for``) its own attention back (:func:`kvtier.hook.route`).

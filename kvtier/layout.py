@@ -46,11 +46,9 @@ class KVLayout:
     A page is ``[2, page_size, num_kv_heads, head_dim]`` (FlashInfer NHD); a tier's pool for one
     layer is ``[slots, 2, page_size, num_kv_heads, head_dim]``.
 
-    ``dtype`` is the model's (what K/V arrive in and attention returns); ``kv_dtype`` is what pages
-    store (default: ``dtype``). 8-bit pages keep their scales in ``R`` extra rows, ``[2, page_size + R, N_kv, D]``:
-    ``kv_dtype="fp8_e4m3"`` E4M3 values with one scale per (page, K/V, kv head) (R = 1); ``kv_dtype="int8"``
-    int8 steps per channel about the page's mean (R = 3; near bf16's perplexity). :mod:`kvtier.quant` says
-    why these granularities and where the scales sit.
+    ``dtype`` is the model's (what K/V arrive in and attention returns); ``kv_dtype`` is what pages store (default:
+    ``dtype``; ``"fp8_e4m3"`` or ``"int8"``: 8-bit pages with ``R`` rows of scales, ``[2, page_size + R, N_kv, D]``,
+    :mod:`kvtier.quant`).
 
     ``sliding_windows``: empty (every layer global) or one entry per layer, the number of keys a
     query of that layer sees (itself included, HF's ``sliding_window``), 0 for a global layer.

@@ -6,24 +6,12 @@
     with kvtier.cache_for(model, ids.shape[1], new_tokens=32, policy="aspe", hbm=0.2) as cache:
         out = model.generate(ids, past_key_values=cache, max_new_tokens=32)
 
-Names and defaults are the recipes' (``kvtier/recipes/config.yaml``): ``policy``, ``tiers`` and ``kernel``
-name files of the ``policy/``, ``tiers/`` and ``kernel/`` groups, built with their settings there (a
-:class:`~kvtier.policies.Policy` object works too; ``kernel="auto"``: triton on a GPU, the torch reference on a
-CPU); ``scope`` names a scope as the ``scope/`` group does (``all``, ``resident``, ``topk``; topk's options, as
-``TieredKVCache`` takes them: ``topk_pages``, ``sinks``, ``unit``, ``rank``, ``sketch_rank``, ...) and ``page_size``
-is the recipe key. While a cache is open the model's attention goes through kvtier; ``cache.close()`` (leaving
-its ``with`` block, or the ``offload`` block) gives the model its own attention back.
-``hbm`` is the recipe's ``budget.fraction``: the device tier (HBM) holds ``int(hbm * prompt tokens)``
-tokens per sequence, rounded up to whole pages, sized from the prompt each ``generate`` call gets (its longest
-prompt, padding aside); the tiers below take their ``fraction`` (or ``size``) of the prompt plus the new tokens
-(the recipes' rule, :func:`kvtier.build.size_stack`).
-Every mode of ``generate`` runs through it: greedy, sampling, beam search and ``num_return_sequences`` (a
-prompt prefilled once, its rows decoding copy-on-write forks), left-padded batches with ``attention_mask``
-(padding never stored nor attended), stopping criteria. A disk tier
-writes to a fresh folder under the system's temp folder, removed when the cache closes; a ``local``
-remote tier starts a loopback redis-server that stops with the cache. Other ``TieredKVCache``
-arguments (``budget=kvtier.TokenBudget(...)``, ``exact_prefill``, ...) pass through; ``fidelity`` is off unless given (recipes turn it on
-to report attention recall, at the cost of a second attention pass per decode step).
+Names, defaults and what runs through it: the README's "Python API" section. ``hbm`` is the recipe's
+``budget.fraction``: the device tier holds ``int(hbm * prompt tokens)`` tokens per sequence, rounded up to whole
+pages, sized from each ``generate`` call's longest prompt; the tiers below take their ``fraction`` (or ``size``) of
+the prompt plus the new tokens (the recipes' rule, :func:`kvtier.build.size_stack`). A disk tier writes to a fresh
+folder under the temp folder, removed when the cache closes; a ``local`` remote tier starts a loopback redis-server
+that stops with it. Other ``TieredKVCache`` arguments pass through; ``fidelity`` is off unless given.
 """
 
 from __future__ import annotations

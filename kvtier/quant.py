@@ -1,44 +1,18 @@
 """8-bit KV pages: values plus what it takes to read them back, stored in extra rows of the page.
 
-A stored page is ``[2, P + R, N_kv, D]`` of the pool's dtype: rows ``0..P-1`` of each half hold K (V), the
-``R`` rows after them their scales. They are bytes of the page, so every tier (device, host, disk,
-remote, and any tier that moves pages) carries them with no code of its own, and the disk/remote
-checksums cover them. Two formats, by the pool's dtype (``KVLayout.kv_dtype``, :data:`SCALE_ROWS`):
+A stored page is ``[2, P + R, N_kv, D]`` of the pool's dtype: rows ``0..P-1`` of each half hold K (V), the ``R``
+rows after them their scales, so every tier moves and checksums them as page bytes (:data:`SCALE_ROWS`):
 
-- ``float8_e4m3fn`` (recipe ``fp8_e4m3``, R = 1): the values divided by one power-of-two scale per (page,
-  K/V, kv head), as E4M3; row ``P`` holds each head's fp32 scale in its first 4 bytes. 2·(P + 1)/P bytes
-  per K/V pair (page 16: 0.53x bf16).
-- ``int8`` (R = 3): ``x = m + 2^(e/4) · c`` with ``c`` int8 in [-127, 127]: per (page, K/V, kv head,
-  channel) one step exponent ``e`` (row ``P``, an int8 each: steps from 2^-32 to 2^31.75, a quarter octave
-  apart) and the mean ``m`` of the channel over the page's tokens (bf16: row ``P + 1`` holds channels
-  ``[0, D/2)``, row ``P + 2`` channels ``[D/2, D)``). 2·(P + 3)/P bytes per K/V pair (page 16: 0.59x bf16).
+- ``float8_e4m3fn`` (R = 1): one power-of-two fp32 scale per (page, K/V, kv head) in row ``P``'s first 4 bytes.
+- ``int8`` (R = 3): ``x = m + 2^(e/4) · c``, ``c`` in [-127, 127]; per (page, K/V, kv head, channel) the step
+  exponent ``e`` (row ``P``) and the channel's page mean ``m`` (bf16: rows ``P + 1``, ``P + 2`` hold channels
+  ``[0, D/2)``, ``[D/2, D)``). Steps about the mean (KIVI, arXiv 2402.02750; SageAttention's K smoothing, arXiv
+  2410.02367) keep bf16's perplexity where E4M3's 3 mantissa bits cost +2.8% (bench/fp8_quality.py).
 
-Why int8 pages: E4M3 keeps 3 mantissa bits at any scale, so each ``q_i k_i`` term of a logit carries up to
-2^-4 of itself as error and the softmax exponentiates it (SmolLM2-135M, FP8 pages: +2.9% perplexity,
-K alone +2.4%). Per-channel E4M3 scales cannot help a floating-point format, whose relative rounding does
-not depend on the scale; removing each channel's page mean before rounding, SageAttention's K smoothing
-(Zhang et al. 2024, arXiv 2410.02367), leaves +1.0%. Integer steps per channel about the mean, KIVI's
-per-channel K (Liu et al. 2024, arXiv 2402.02750), spend all 8 bits on the channel's range within the
-page (RoPE turns K's slow channels into near-constant offsets over a page): -0.17% / -0.06% against bf16
-pages (ctx2k decode / 2k prefill; FP8 pages +2.8% / +3.0%), and V in the same format costs nothing where
-E4M3 V costs up to 0.5% on short contexts (``bench/fp8_quality.py``; bench/RESULTS.md, "FP8 and int8 pages").
-The mean is the page's own and stored in it, so the kernels read ``x`` back whole (``q·k = q·(k - m) + q·m`` in one
-dot) wherever the page goes, moved or shared: no softmax-invariance argument is needed.
-
-Granularity per page (KIVI keeps per-channel K groups; vLLM and FlashInfer FP8 use one scale per
-layer): a page's scales come from its own values at the moment they are written, so no calibration
-pass is needed, an outlier token costs precision only in its own page, and a page keeps its scales when
-it moves between tiers or is shared by forks.
-
-Growing pages. E4M3 scales are powers of two (as OCP MX's E8M0 scales), int8 steps quarter octaves (a
-power of two would waste up to one of int8's bits, a quarter octave at most 19% of the range: SmolLM2 on
-512 Opticks tokens, +0.25% perplexity against -0.08%), each the smallest that holds the values. When a later
-token of a partly filled page exceeds the page's range, the range grows and the page's earlier values are
-divided by ``new / old``: exact for E4M3 (a power of two, bar values falling below its smallest
-subnormal), rounded again for int8 (half to even: at most half the new step each time, so at most
-``0.5 / (1 - 2^-0.25) < 3.2`` final steps in all). An int8 page's mean is that of the tokens of the write
-that starts it (a prefill chunk: usually the whole page; a decode step: its first token) and stays. No
-value ever leaves its format's range (int8 steps saturate past 127 · 2^31.75).
+A page's scales come from its own values when written (no calibration; an outlier costs precision in its page
+only) and move with it. When a later token exceeds a partly filled page's range the scale grows (E4M3: a power of
+two, exact; int8: a quarter octave, earlier values rounded again, at most 3.2 final steps in all); an int8 page's
+mean is that of the write that starts it and stays.
 """
 
 from __future__ import annotations

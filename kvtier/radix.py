@@ -1,19 +1,11 @@
 """RadixCache: a radix tree of page-aligned token prefixes over the block table (SGLang's RadixAttention,
-Zheng et al. 2024, "SGLang: Efficient Execution of Structured Language Model Programs", with paged edges).
+Zheng et al. 2024, with paged edges).
 
-Each node is one full page: its key is the page's ``page_size`` token ids, its value the pid holding that
-page's K/V in the :class:`~kvtier.table.BlockTable`. The tree holds one reference on each of its pids
-(:meth:`BlockTable.retain`), so a page lives while the tree or any sequence holds it, and a sequence
-that starts from a cached prefix shares its pages (``BlockTable.add_sequence(seq, pids, length)``):
-only full pages are shared, so no sequence ever writes into them; a sequence forked inside a page
-copies that page on its first write (the table's copy-on-write).
-
-Without a table (``table=None``) the tree is a prefix index only: nodes keep the ids they are given and
-nothing is retained or freed (trace statistics, :mod:`kvtier.serve.trace`, and the simulator).
-
-Eviction is leaf-first (a prefix outlives its extensions) and takes only pages no sequence holds;
-among those leaves the order is the tier policy's (lowest :meth:`Policy.priority` first, over the
-layers' minimum), ties and the policy-less case by least recent use in the tree.
+Each node is one full page: its key the page's ``page_size`` token ids, its value the pid holding its K/V. The tree
+holds one reference on each of its pids (:meth:`BlockTable.retain`); a sequence that starts from a cached prefix
+shares its pages (``BlockTable.add_sequence(seq, pids, length)``), full pages only. Without a table the tree is a
+prefix index only (trace statistics, the simulator). Eviction is leaf-first and takes only pages no sequence
+holds, lowest :meth:`Policy.priority` first (over the layers' minimum), ties by least recent use.
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
-"""Statistics the step gathers for scopes and scorers, on the engine's device, in static buffers.
-
-- :class:`KeyStats`: per (layer, pid, kv head) key min / max (Quest's bounds), key sum, squared-key sum,
-  key-norm sum and token count, updated as keys are written (prefill chunks and decode rows alike).
-- :class:`QueryStats`: the last ``rows`` queries of every layer of the first row (TOVA/Quest read the
-  newest, Expected Attention their mean and variance).
-- :class:`AttentionStats`: the attention mass each page received (H2O's running sum, TOVA's newest row, SnapKV's
-  window of rows), added by the step itself; the host reads pinned snapshots taken after each step.
-- :class:`SalienceStats`: ASPE's per-step salience of each page in a ring of steps, written by the step itself.
-- :class:`DeviceScores`: a scorer's score of every page computed from these on the device after each step (Quest's
-  bound, Expected Attention's logit, Knorm's key norm), read by the host from the same kind of snapshot.
-- :class:`StatsRequest` / :class:`DeviceStats`: what a policy asks for, and the views of the buffers the engine makes
-  for it (no factories: the policy declares, the engine builds and owns, the policy reads).
-- :func:`quest_bound`: Quest's bound of q·k from a page's key min / max (the ``topk`` scope and the
-  ``quest`` policy); :func:`page_bounds` of a row's pages by pid, :func:`over_heads` reduces scores over a row's query heads.
-- :func:`page_mass`: the attention probability mass each listed page gets from chosen query rows of a
-  prefill chunk (decode rows get theirs from the kernel's per-page LSE).
+"""Statistics the step gathers for scopes and scorers, on the engine's device, in static buffers: keys
+(:class:`KeyStats`), queries, attention mass, salience and device scores, read by the host from pinned snapshots
+under the feedback's lookahead bound; :class:`StatsRequest` / :class:`DeviceStats`: what a policy asks for and the
+views the engine makes for it (the policy declares, the engine builds and owns, the policy reads).
 """
 
 from __future__ import annotations
@@ -32,19 +19,14 @@ def pid_index(pids, device) -> torch.Tensor:
 
 
 class KeyStats:
-    """Key statistics per (layer, pid, kv head), allocated once for ``capacity`` pids (the table never names more
-    pages than its tiers hold), only the ``fields`` asked for (of :attr:`FIELDS`; None: all): ``key_min``/
-    ``key_max``/``key_sum``/``key_sq`` ``[L, pids, N_kv, D]``, ``norm_sum`` ``[L, pids, N_kv]`` and ``count`` ``[L,
-    pids]`` (float32, always kept).
+    """Key statistics per (layer, pid, kv head) for ``capacity`` pids, only the ``fields`` asked for (of
+    :attr:`FIELDS`; None: all; float32): ``key_min``/``key_max``/``key_sum``/``key_sq`` ``[L, pids, N_kv, D]``,
+    ``norm_sum`` ``[L, pids, N_kv]``, ``count`` ``[L, pids]`` (always kept).
 
-    With ``sketch_rank`` r > 0, also a low-rank sketch of every key (Loki, Singhania et al., 2024, arXiv:2406.02542;
-    ShadowKV's low-rank key cache, Sun et al., 2024, arXiv:2410.21465), in 8 bits: ``sketch [L, pids, P, N_kv, r]``
-    int8, each token's key through ``key_map [L, N_kv, D, r]``, written with every key, so that a query's logit is
-    about ``(query_map^T q) . sketch`` (``query_map [L, N_kv, D, r]``, the 8-bit step folded in). The maps are the
-    rank-r bilinear form that loses the least of q.k over the queries and keys seen before :meth:`fit_sketch` runs
-    (:func:`sketch_maps`; the prompt queries summed in ``query_second [L, N_kv, D, D]`` by :meth:`add_queries`), zeros
-    before. The sketch lives on the device whatever tier the pages are in: :meth:`bytes_per_token` is what the device
-    budget pays for it."""
+    With ``sketch_rank`` r > 0 also an 8-bit low-rank sketch of every key (Loki, arXiv:2406.02542; ShadowKV,
+    arXiv:2410.21465), ``sketch [L, pids, P, N_kv, r]`` int8 through ``key_map [L, N_kv, D, r]``: a logit is about
+    ``(query_map^T q) . sketch``, the maps fitted once by :meth:`fit_sketch` (:func:`sketch_maps`; zeros before). It
+    lives on the device whatever tier the pages are in: :meth:`bytes_per_token` is what the device budget pays."""
 
     FILL = {"key_min": float("inf"), "key_max": float("-inf"), "key_sum": 0.0, "key_sq": 0.0, "norm_sum": 0.0,
             "count": 0.0}
@@ -264,17 +246,11 @@ class HostSnapshots:
 
 
 class AttentionStats:
-    """Observed attention per (pid, layer, kv head): the probability mass a page received from a query row (a
-    decode step's from the kernel's per-page LSE, a prefill chunk's from :func:`page_mass`), added on the engine's
-    device by the step itself (a captured decode step adds inside its graph). ``keeps`` (of :data:`ATTENTION_FIELDS`)
-    names what is kept up: ``total [pids, L, N_kv]`` float64, the sum over every observed row (H2O); ``ring [rows,
-    pids, L, N_kv]`` float32, the last ``rows`` rows, with ``head [L]`` rows pushed per layer (``last``: TOVA reads
-    the newest); ``window [pids, L, N_kv]`` float64, the ring's sum kept as it turns (SnapKV). Pid-major, so that the
-    live pids are one contiguous block.
-
-    The host reads :meth:`read` (numpy ``[L, pids, N_kv]`` per kept field), from :class:`HostSnapshots` taken after
-    each step (:meth:`snapshot`, :meth:`show`: the feedback's lookahead bound). Without slots (``slots=0``, a CPU
-    store fed by hand) it reads the live state."""
+    """Observed attention mass per (pid, layer, kv head), added on the device by the step itself. ``keeps`` (of
+    :data:`ATTENTION_FIELDS`): ``total [pids, L, N_kv]`` float64, the sum over every row (H2O); ``ring [rows, pids,
+    L, N_kv]``, the last ``rows`` rows, ``head [L]`` rows pushed per layer (``last``: TOVA); ``window [pids, L,
+    N_kv]`` float64, the ring's running sum (SnapKV). Pid-major: the live pids are one block. The host reads
+    snapshots (:class:`HostSnapshots`), or the live state without slots (a CPU store fed by hand)."""
 
     def __init__(self, num_layers: int, capacity: int, num_kv_heads: int, rows: int, keeps, device, slots: int = 0):
         keeps = frozenset(keeps)
@@ -385,13 +361,10 @@ class AttentionStats:
 
 
 class SalienceStats:
-    """ASPE's salience per (pid, layer): a page's max attention probability in one step, summed over kv heads (a page
-    several rows attend: the largest), in a ring of the last ``window`` steps ``ring [pids, W, L]`` (pid-major; NaN: not
-    observed that step) on the engine's device, written by the step itself (a captured step inside its graph) into the
-    row :meth:`begin` opened. The host reads each page's sum and count of observed steps over the ring (:meth:`read`)
-    from pinned snapshots taken after each step (the feedback's lookahead bound; the ring's rows opened after the shown
-    snapshot are taken out, as their old contents are gone on the device), or live without slots (a CPU store fed by
-    hand)."""
+    """ASPE's salience per (pid, layer): a page's max attention probability in a step, summed over kv heads (the
+    largest over rows), in a ring of the last ``window`` steps ``ring [pids, W, L]`` (NaN: not observed), written by
+    the step itself into the row :meth:`begin` opened. The host reads each page's sum and count of observed steps
+    (:meth:`read`) from snapshots, less the rows opened since (their old contents are gone), or live without slots."""
 
     def __init__(self, num_layers: int, capacity: int, window: int, device, slots: int = 0):
         self.window, self.capacity, self.device = window, capacity, torch.device(device)

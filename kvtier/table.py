@@ -23,6 +23,20 @@ from kvtier.layout import KVLayout
 from kvtier.tiers.base import Tier
 
 DROPPED = -2  # tier_of of a (layer, pid) freed for good (left of its sliding window)
+FIRST_PIDS = 64  # the pids a table starts with; it doubles them when it runs out
+
+
+def pid_capacity(pages: int) -> int:
+    """Pids a table holding ``pages`` pages per layer may name: FIRST_PIDS, doubled until they hold them."""
+    return max(FIRST_PIDS, 1 << max(pages - 1, 0).bit_length())
+
+
+def grown(a: np.ndarray, size: int, fill) -> np.ndarray:
+    """``a`` with its last axis (pids) extended to at least ``size`` (doubling), new cells ``fill``."""
+    if a.shape[-1] >= size:
+        return a
+    new = max(size, 2 * a.shape[-1])
+    return np.concatenate([a, np.full(a.shape[:-1] + (new - a.shape[-1],), fill, a.dtype)], -1)
 
 
 @dataclass
@@ -56,7 +70,7 @@ class BlockTable:
         self.layout = layout
         self.tiers = list(tiers)
         self.seqs: dict[int, SeqState] = {}
-        cap = 64
+        cap = FIRST_PIDS
         L = layout.num_layers
         self.tier_of = np.full((L, cap), -1, dtype=np.int8)  # [L, pids]
         self.slot_of = np.full((L, cap), -1, dtype=np.int64)  # [L, pids]
@@ -209,12 +223,10 @@ class BlockTable:
         return pids
 
     def _grow(self) -> None:
-        old = self.ref.size
-        new = old * 2
-        pad = lambda a, fill: np.concatenate([a, np.full(a.shape[:-1] + (new - old,), fill, a.dtype)], -1)  # noqa: E731
-        self.tier_of, self.slot_of = pad(self.tier_of, -1), pad(self.slot_of, -1)
-        self.ref, self.pinned, self._marks = pad(self.ref, 0), pad(self.pinned, False), pad(self._marks, False)
-        self._free_pids.extend(range(new - 1, old - 1, -1))
+        old = self.ref.size  # every pid array doubles
+        for name, fill in (("tier_of", -1), ("slot_of", -1), ("ref", 0), ("pinned", False), ("_marks", False)):
+            setattr(self, name, grown(getattr(self, name), old + 1, fill))
+        self._free_pids.extend(range(2 * old - 1, old - 1, -1))
 
     @contextlib.contextmanager
     def marked(self, layers: np.ndarray, pids: np.ndarray):

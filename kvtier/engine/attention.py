@@ -1,13 +1,10 @@
 """AttentionCallbacks: what the model's attention modules call per layer during a step.
 
-Per layer the attention module calls :meth:`AttentionCallbacks.store` (the K/V write,
-:mod:`kvtier.mover.paged_io`) and :meth:`AttentionCallbacks.attend`: the step plan's page list (a scope whose
-choice reads no query plans the lists of each layer group at once) or the scope's pick for this layer's query,
-then one decode kernel that reads the pages where they live and writes per-page statistics; prompt chunks go
-through one varlen prefill call (:mod:`kvtier.engine.prefill`). When the last layer is done,
-:meth:`AttentionCallbacks.finish` runs one batch of device ops per layer group: the attended-page tally, the
-key / query statistics, the feedback's per-page statistics. Left out of torch.compile (the engine's
-``store`` / ``attend`` are its entry points): host logic, Triton launches.
+:meth:`AttentionCallbacks.store` writes the K/V (:mod:`kvtier.mover.paged_io`); :meth:`AttentionCallbacks.attend`
+takes the plan's page list or the scope's pick for this layer's query, then runs one decode kernel (prompt chunks:
+:mod:`kvtier.engine.prefill`); :meth:`AttentionCallbacks.finish` ends the step with one batch of device ops per
+layer group (the page tally, key / query statistics, the feedback's per-page statistics). Host logic and Triton
+launches: left out of torch.compile (the engine's ``store`` / ``attend`` are its entry points).
 """
 
 from __future__ import annotations

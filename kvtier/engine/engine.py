@@ -1,36 +1,10 @@
 """Engine: the one data plane. Every caller (recipes, ``generate`` through :class:`~kvtier.cache.TieredKVCache`,
 serving, disaggregation, benches) drives the same step over the same block table, tiers and policy.
 
-A step is **plan -> run -> feedback**:
-
-1. plan (host, :class:`~kvtier.engine.plan.Planner`): the policy hears what step ``t - lookahead`` produced
-   (:mod:`kvtier.engine.feedback`); pages left of every sliding window are dropped; the scheduler plans and the
-   mover issues its copies (on a GPU on a side stream; the step reads a moved page at its new place, its compute
-   ordered after the copy, so placement never depends on copy timing); rows grow (new pages in the device tier);
-   the token budget's spans and the policy's ranks are computed. The result is the step's
-   :class:`~kvtier.engine.plan.StepPlan`, whose changed block-table rows, lengths, positions and spans are copied
-   to the step's static device buffers (:mod:`kvtier.engine.step_buffers`; :class:`~kvtier.scopes.base.StepView`
-   reads them).
-2. run: the model forward (:mod:`kvtier.engine.runner`), eager or one CUDA-graph replay per batch
-   bucket (:mod:`kvtier.engine.graphs`). Per layer the attention module calls :meth:`Engine.store` and
-   :meth:`Engine.attend` (:mod:`kvtier.engine.attention`): the planned page list (or the scope's pick for this
-   layer's query), then one decode kernel (:func:`~kvtier.kernels.triton_decode.static_decode`, its torch
-   oracle, or FlashInfer's where every page it reads is in HBM) reads the pages where they live (device, pinned
-   host, or disk/remote pages staged into pinned memory before the step) and writes per-page statistics, which
-   become the salience / attention mass the policy needs in device buffers. When the last layer is done, one
-   batch of device ops per layer group (:meth:`~kvtier.engine.attention.AttentionCallbacks.finish`) tallies the
-   pages and updates the key/query statistics.
-3. feedback: those buffers are copied to pinned host memory and an event marks the step's end; the
-   host goes on with the next step and takes them when the lookahead bound says so.
-
-A step is an iteration (:meth:`Engine.iterate`): one forward over a token row of decode rows, then prompt chunks
-of several sequences; the chunks are written and attended through the same store/attend
-(:mod:`kvtier.engine.prefill`: one varlen call per layer, planned once per iteration), and an iteration whose
-pages are all in HBM is replayed from a CUDA graph per (decode rows, token bucket). The step's
-research semantics live here once: the token budget (sinks, the policy-ranked or Quest-chosen middle,
-the recent window), compress-once when the prompt is in (``budget.mode == "once"``), sliding windows
-with their dropped pages, every scorer's statistics, fidelity as an observer of the step's
-``(out, lse)`` against an uncounted exact pass.
+A step is plan (host, :mod:`kvtier.engine.plan`) -> run (the forward, eager or one CUDA-graph replay; per layer
+:mod:`kvtier.engine.attention`) -> feedback (:mod:`kvtier.engine.feedback`); docs/architecture.md draws it. The
+step's research semantics live here once: the token budget, compress-once, sliding windows, every scorer's
+statistics, fidelity against an uncounted exact pass.
 """
 
 from __future__ import annotations
@@ -71,7 +45,7 @@ from kvtier.scheduler.lookahead import LookaheadScheduler
 from kvtier.scopes import All, Scope, make_scope
 from kvtier.scopes.recall import RecallCache
 from kvtier.stats import AttentionStats, DeviceScores, DeviceStats, KeyStats, SalienceStats
-from kvtier.table import BlockTable
+from kvtier.table import BlockTable, pid_capacity
 from kvtier.tiers.base import Tier
 
 
@@ -145,10 +119,10 @@ class Engine:
         self.planner = Planner(self, scratch)
         self.plan = self.planner.plan  # the step's host plan, which the parts below read
         self.buffers = StepBuffers(self.plan, model.config.vocab_size if model is not None else None,
-                                   _pid_capacity(held) if self.scope.needs_rank(budget) else None, bool(recall_slots),
+                                   pid_capacity(held) if self.scope.needs_rank(budget) else None, bool(recall_slots),
                                    self.device)
         self.keys, self.snapshot_slots, self.policy_stats, self.attention, self.salience, self.scores = \
-            policy_statistics(policy, self.scope, layout, _pid_capacity(held), self.device, config.lookahead)
+            policy_statistics(policy, self.scope, layout, pid_capacity(held), self.device, config.lookahead)
         self.queries = None  # QueryStats, made once the heads are known (the first attention call)
         far = any(t.pool(0) is None for t in tiers[1:]) or len(tiers) > 2  # tiers the kernel cannot address
         # staged copies only for scopes that may read pages off the device (resident reads HBM only: memory stays
@@ -482,14 +456,6 @@ class Engine:
         self.transfer.synchronize()
         for t in self.table.tiers:
             t.close()
-
-
-def _pid_capacity(pages: int) -> int:
-    """Pids a table holding ``pages`` pages per layer may name (its free list grows by doubling from 64)."""
-    cap = 64
-    while cap < pages:
-        cap *= 2
-    return cap
 
 
 def check_feedback(policy: Policy, scope: Scope, lookahead: int) -> None:

@@ -1,16 +1,11 @@
 """Feedback: what a step produced (pages attended, their salience and attention mass, keys attended) from
 device buffers to the policy, under the lookahead bound.
 
-During a decode step each layer's kernel writes per listed page its max and log-sum-exp of the scaled
-logits into buffers allocated once (static addresses: a captured step writes the same memory every
-replay); :meth:`Feedback.observe` turns them into salience ``[B, K, N_kv]`` (max probability over the kv
-group) and attention mass (mean probability mass over the group) with the step's final LSE. When the step ends
-(:meth:`finish`, still device work) the mass is added to the policy's :class:`~kvtier.stats.AttentionStats`.
-The salience goes to the policy's :class:`~kvtier.stats.SalienceStats` the same way. After the step,
-:meth:`record` copies the page lists and snapshots of the statistics to pinned host memory (no sync) and records an
-event; :meth:`take` waits for the steps the lookahead bound says are due, shows the policy the newest of their
-snapshots and hands it ``on_access`` per layer, with pids in each row's page order. A prefill chunk (eager) adds its
-attention and salience with its iteration.
+Each decode layer's kernel writes per listed page its max and log-sum-exp of the scaled logits into static
+buffers; :meth:`Feedback.observe` turns them into salience (max probability over the kv group) and attention mass
+(mean over the group), added to the policy's statistics when the step ends (:meth:`finish`). :meth:`record` copies
+the page lists and statistics' snapshots to pinned memory behind an event; :meth:`take` waits for the steps the
+lookahead bound makes due and hands the policy their snapshots and ``on_access``.
 """
 
 from __future__ import annotations

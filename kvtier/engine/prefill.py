@@ -1,21 +1,14 @@
 """Attention of an iteration's prefill chunks over their rows' chosen pages, wherever they live: at most two
 varlen calls per layer for every chunk of the iteration (FlashInfer's batch prefill over paged KV).
 
-Each row's chosen pages split into the pages every query of its chunk sees whole (before ``tail_from``: any
-subset of them is exact) and the tail (from ``tail_from`` on: the chunk's own pages and, on a sliding layer,
-the page the window cuts). A row that attends every page from its first lists them all in the causal call.
-So one layer makes a non-causal call over the rows' whole-seen subsets (only when some row has one) and one
-causal call over the tails with the layer's ``window_left``, merged by LSE. In an uncaptured iteration whose chunks
-all start their sequences (cold prompts), a global layer's one causal call sees exactly the chunks' own tokens:
-where the pool holds the step's K/V as they are, it runs on their contiguous K/V instead
-(:func:`kvtier.kernels.own_causal.own_causal`, cuDNN). A call reads the device pool in
-place when all its pages are there, else one temporary pool gathered from their tiers
-(:meth:`kvtier.mover.transfer.TransferEngine.gather`). :meth:`PrefillAttention.begin` plans once per
-iteration the calls of every layer whose pages are all on the device (they differ only in slots), and where
-those layers' K/V writes of the chunks' tokens go (:attr:`PrefillAttention.writes`).
-
-It also gives what the policy's statistics need: per page the salience of each chunk's last query row (one
-extra pass of those rows) and the attention mass of its newest rows (:func:`kvtier.stats.page_mass`).
+Each row's pages split into those every query of its chunk sees whole (before ``tail_from``) and the tail (the
+chunk's own pages and, on a sliding layer, the page the window cuts): one non-causal call over the whole-seen
+subsets (when some row has one) and one causal call over the tails with the layer's ``window_left``, merged by LSE.
+Cold prompts in an uncaptured iteration run a global layer's causal call on their contiguous K/V
+(:func:`kvtier.kernels.own_causal.own_causal`). A call reads the device pool in place, else a temporary pool
+gathered from the tiers. :meth:`PrefillAttention.begin` plans once per iteration the calls and K/V writes of every
+layer whose pages are all on the device. The policy's statistics: the salience of each chunk's last query row (one
+extra pass) and the attention mass of its newest rows (:func:`kvtier.stats.page_mass`).
 """
 
 from __future__ import annotations

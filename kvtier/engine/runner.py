@@ -1,13 +1,9 @@
-"""The model side of a step: the forward pass that drives the engine's attention.
+"""The model side of a step: the forward pass that drives the engine's attention (through the kvtier hook).
 
-Attention goes through the kvtier hook (``attn_implementation="kvtier"``): each attention module calls
-``past_key_values.update`` (the engine writes the K/V) and then ``kvtier_attention``, which asks the
-active engine to attend. Two drivers of the same step:
-
-- :class:`HFRunner`: the model's own forward (any architecture the hook accepts), given explicit
-  positions, so that nothing in it depends on host state and a decode step can be captured.
-- :class:`LlamaRunner`: a compact forward for the Llama family (embed -> rotary -> decoder layers ->
-  norm -> head, the HF model's own modules, so its numerics are HF's), with no model-level overhead.
+- :class:`HFRunner`: the model's own forward (any architecture the hook accepts), given explicit positions, so
+  that a decode step can be captured.
+- :class:`LlamaRunner`: a compact forward for the Llama family over the HF model's own modules (HF's numerics),
+  with no model-level overhead.
 
 :class:`StepForward` runs an engine's step through either: the work a CUDA graph captures.
 """

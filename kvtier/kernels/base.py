@@ -11,14 +11,8 @@ batch, so the cache lists a windowed layer's pages contiguously up to the newest
 ``[nnz, N_kv]`` (Quest-style per-head page choice over the union of the heads' pages) kv head h,
 and its group of query heads, sees listed page p only where ``head_mask[p, h]``.
 
-A batch built by :meth:`PagedBatch.from_host` keeps host copies of ``qo_indptr``, ``kv_indptr`` and
-``kv_last_page_len`` so that ``plan()`` reads them without a device-to-host sync, and its device arrays arrive in one
-non-blocking copy (:func:`to_device`).
-
-Every backend returns the output, its log-sum-exp in natural log, and optionally per
-(listed page, query head) the max scaled logit over the page's unmasked tokens and the
-sequence's queries (``page_max``), from which :func:`page_salience` derives the max attention
-probability without materialising the attention matrix.
+Every backend returns the output, its log-sum-exp in natural log, and optionally per (listed page, query head) the
+max scaled logit over the page's unmasked tokens (``page_max``: :func:`page_salience`).
 """
 
 from __future__ import annotations

@@ -135,15 +135,8 @@ def static_decode_reference(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: 
                             (stage_pool, need & (loc <= staged), -loc + staged)):
         if pool is not None and bool(sel.any()):
             pages[sel] = as_f32(pool[slot[sel].to(pool.device)]).to(dev)
-    if land_slots is not None:  # the row's r-th listed page at home on the host, read whole, lands in slot r
-        live = (lists >= 0) & (lists < -(-lens[..., 0] // page))  # [B, 1, K]
-        from_host = live & at_host(loc)
-        rank = from_host.cumsum(-1) - from_host.long()  # [B, 1, K]
-        lands = from_host & ok.all(-1) & (rank < land_slots.shape[1])
-        land_index[:, :n_listed].copy_(torch.where(lands, rank, -1)[:, 0])
-        land_index[:, n_listed:width].fill_(-1)
-        to = land_slots.to(dev, torch.long).gather(1, rank[:, 0].clamp(max=land_slots.shape[1] - 1))[lands[:, 0]]
-        dev_pool[to.to(dev_pool.device)] = host_pool[(-loc - 1)[lands].to(host_pool.device)].to(dev_pool.device)
+    if land_slots is not None:
+        _land(lists, loc, ok, lens, page, width, dev_pool, host_pool, land_slots, land_index)
     if keys:  # each entry's key of its page
         pages = pages.gather(4, (tok % page).clamp(min=0)[..., None, :, None, None].expand(
             *lists.shape, 2, 1, n_kv, dim))  # [B, h, K, 2, 1, N_kv, D]
@@ -165,6 +158,22 @@ def static_decode_reference(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: 
             stat.fill_(float("-inf"))
             stat[:, :n_listed].copy_(value().reshape(n_q, heads, n_listed).transpose(1, 2))
     return out.reshape(n_q, heads, dim).to(q.dtype), lse.reshape(n_q, heads)
+
+
+def _land(lists: torch.Tensor, loc: torch.Tensor, ok: torch.Tensor, lens: torch.Tensor, page: int, width: int,
+          dev_pool: torch.Tensor, host_pool: torch.Tensor, land_slots: torch.Tensor, land_index: torch.Tensor) -> None:
+    """The landing of :func:`static_decode_reference`: the row's r-th listed page ``lists [B, 1, K]`` at home on the
+    host (``loc``), read whole (``ok [B, 1, K, P]``), is copied into its landing slot r; ``land_index [B, width]``
+    says which (-1 none)."""
+    dev, n_listed = lists.device, lists.shape[-1]
+    live = (lists >= 0) & (lists < -(-lens[..., 0] // page))  # [B, 1, K]
+    from_host = live & at_host(loc)
+    rank = from_host.cumsum(-1) - from_host.long()  # [B, 1, K]
+    lands = from_host & ok.all(-1) & (rank < land_slots.shape[1])
+    land_index[:, :n_listed].copy_(torch.where(lands, rank, -1)[:, 0])
+    land_index[:, n_listed:width].fill_(-1)
+    to = land_slots.to(dev, torch.long).gather(1, rank[:, 0].clamp(max=land_slots.shape[1] - 1))[lands[:, 0]]
+    dev_pool[to.to(dev_pool.device)] = host_pool[(-loc - 1)[lands].to(host_pool.device)].to(dev_pool.device)
 
 
 def _softmax_rows(logits: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,17 +1,11 @@
 """TransferEngine: batched page moves between tiers, asynchronous on a side CUDA stream.
 
-One call moves a batch of (layer, pid) pages, every layer together: one gather from the source pool, one
-bulk copy, one scatter into the destination pool (not one copy per page), one completion event and one
-pending record for the whole batch (its readers look pages up by (layer, pid)). The BlockTable is updated at
-submit time; a reader must :meth:`wait` on the pages first (on the GPU the compute stream
-waits on the copy's event, the host does not block). Source slots are released only once the
-copy has completed, so they cannot be reused while still being read.
-
-The engine (:mod:`kvtier.engine`) moves only settled pages (no queued kernel writes them), so a copy
-need not wait for queued compute (``after_compute=False``); it takes each fenced move when it plans the
-next step (:meth:`take_moved`): that step reads the new place, ordered after the copy on the GPU (the
-same placement on a CPU and a GPU, whatever the copy's timing), and a source slot is released only once
-a *fence* event has completed, one that follows every queued step that may still read the old place.
+One call moves a batch of (layer, pid) pages, every layer together: one gather, one bulk copy, one scatter, one
+completion event and one pending record for the batch. The BlockTable points at the destination at submit time;
+a reader calls :meth:`wait` on the pages first (on the GPU the compute stream waits on the copy's event). The engine
+moves only settled pages (``after_compute=False``) and takes each fenced move when it plans the next step
+(:meth:`take_moved`); a source slot is released only once a *fence* event, after every queued step that may still
+read the old place, has completed.
 """
 
 from __future__ import annotations

@@ -55,14 +55,6 @@ def sink_window_pages(sinks: int, window: int, page_size: int) -> int:
     return -(-sinks // page_size) + -(-window // page_size)
 
 
-def grown(a: np.ndarray, size: int, fill) -> np.ndarray:
-    """``a`` with its last axis extended to at least ``size`` (doubling), new cells ``fill``."""
-    if a.shape[-1] >= size:
-        return a
-    new = max(size, 2 * a.shape[-1])
-    return np.concatenate([a, np.full(a.shape[:-1] + (new - a.shape[-1],), fill, a.dtype)], -1)
-
-
 class Policy(ABC):
     """Base class of placement policies; a user's own subclass runs anywhere kvtier's do.
 

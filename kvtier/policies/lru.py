@@ -7,7 +7,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from kvtier.policies.base import PageInfo, Policy, grown
+from kvtier.policies.base import PageInfo, Policy
+from kvtier.table import grown
 
 
 @dataclass

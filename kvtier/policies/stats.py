@@ -1,12 +1,6 @@
-"""What scorers read: :class:`PageStats`, a value object over the candidate pages, and the
-:class:`StatsStore` a scored policy reads through.
-
-The store holds ASPE's salience history (max probability per page, summed over kv heads) and reads the engine's
-statistics through a :class:`~kvtier.stats.DeviceStats` the engine fills and owns (``StatsStore.attach``): observed
-attention per (layer, pid, kv head) (the exact probability mass a page
-received from a query row: the running sum over every observed row for H2O, the newest row for TOVA, the sum of the
-last ``rows`` rows for SnapKV; :class:`~kvtier.stats.AttentionStats`, kept on the device by the step), and the
-key and query statistics (:mod:`kvtier.stats`).
+"""What scorers read: :class:`PageStats`, a value object over the candidate pages, and the :class:`StatsStore` a
+scored policy reads through: ASPE's salience history, and the engine's statistics through the
+:class:`~kvtier.stats.DeviceStats` the engine fills and owns (``StatsStore.attach``; :mod:`kvtier.stats`).
 """
 
 from __future__ import annotations
@@ -19,7 +13,8 @@ import torch
 
 from kvtier.stats import ATTENTION_FIELDS, AttentionStats, DeviceStats, SalienceStats, pid_index
 from kvtier.errors import KVTierError
-from kvtier.policies.base import PageInfo, grown
+from kvtier.policies.base import PageInfo
+from kvtier.table import grown
 
 NEEDS = frozenset({"attention", "salience", "keys", "queries"})
 __all__ = ["ATTENTION_FIELDS", "NEEDS", "PageStats", "StatsStore"]

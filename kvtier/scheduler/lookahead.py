@@ -1,18 +1,11 @@
 """LookaheadScheduler: the device tier holds the highest-priority pages, planned once per step.
 
-Per layer: pinned pages (priority +inf, pinned in the BlockTable, or a sequence's newest page,
-which the next token writes) always stay; pages with
-priority -inf leave the device; the remaining device room (capacity - reserve) goes to the
-highest-priority pages among those resident and those the policy admits. Demotions go to the
-fastest lower tier with room, pushing that tier's lowest-priority pages further down when full
-(a cascade); promotions are only planned into room the plan has made. When the lower tiers lack room for
-every demotion, the lowest-priority pages go down and the rest stay (the swap waits for room), unless the
-device then cannot keep its reserve (TierFullError). Pages only a prefix cache holds rank below
-every sequence's page: they leave the device first when room is short and are promoted only once a sequence
-holds them again. A plan is issued at once;
-how far ahead of its use a page is asked for is the caller's (``EngineConfig(lookahead=k)`` feeds
-the pages step t attended to the policy before step t + k). Dropped pages (left of a sliding
-window, :data:`~kvtier.table.DROPPED`) are never planned.
+Per layer: pinned pages (priority +inf, pinned in the table, or a sequence's newest page) stay; pages of priority
+-inf leave; the remaining room (capacity - reserve) goes to the highest-priority pages among those resident and
+those the policy admits. Demotions go to the fastest lower tier with room, cascading its lowest-priority pages down
+when full; promotions go only into room the plan made; pages only a prefix cache holds rank below every
+sequence's page. Without room below for every demotion the rest stay, unless the device cannot keep its reserve
+(TierFullError). Dropped pages (:data:`~kvtier.table.DROPPED`) are never planned.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""What a scope sees of a decode step, and the scope interface.
+"""What a scope sees of a decode step (:class:`StepView`, built once a step), and the scope interface.
 
-A scope picks, on the device and with static shapes, the logical pages each row attends in a layer:
-``pick(layer, q, view) -> page list`` (``[B, K]``, ``[B, N_kv, K]`` for a per-kv-head choice, -1 = none;
-or None: every page; or a :class:`KeyList` of single keys when the choice is finer than a page).
-A scope whose choice does not read the query (``query_free``) instead plans the lists of a whole group of
-layers at once, when the step starts: ``plan(layers, view) -> [L', B, K]``
-(one batch of device ops per step, not one per layer). The step's :class:`StepView` is built once per
-step by the engine; a token budget (:class:`~kvtier.budget.TokenBudget`) gives each row its spans (sink
-tokens, the window's start) and the scope chooses the whole pages in between (:func:`budget_pick`).
+A scope picks, on the device with static shapes, the logical pages each row attends in a layer: ``pick(layer, q,
+view)`` -> ``[B, K]`` or ``[B, N_kv, K]`` (-1: none), None (every page) or a :class:`KeyList` of single keys; a
+``query_free`` scope instead plans a whole layer group's lists once a step, ``plan(layers, view) -> [L', B, K]``.
+Under a token budget the scope chooses the whole pages between each row's spans (:func:`budget_pick`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""Prediction ahead for the recall cache (:class:`~kvtier.scopes.recall.RecallCache`): a layer's pages chosen
-before the layer runs, so that those on the host are copied into its recall slots on a side stream while the
-layer before it computes.
-
-A predictor estimates the query the layer will have; the scope then chooses the layer's pages for that estimate
-as it will for the real query (Quest's bounds), and the recall cache admits the chosen pages read from the host.
-When the layer runs it chooses again with its real query: a page predicted right is read from HBM, a page
-predicted wrong costs a copy and nothing else (the layer reads a missed page in place from the host, as without
-prediction). The engine counts the pages fetched ahead and those the layer then picked. Decode steps only (an
-iteration with prompt chunks fetches nothing ahead); the first layer has no layer before it.
+"""Prediction ahead for the recall cache (:class:`~kvtier.scopes.recall.RecallCache`): a predictor estimates the
+query a layer will have, the scope chooses that layer's pages for the estimate (Quest's bounds) and the recall cache
+copies those on the host into its slots on a side stream while the layer before computes. The layer then chooses
+again with its real query: a page predicted wrong costs a copy and nothing else. Decode steps only; the engine
+counts the pages fetched ahead and those the layer then picked.
 """
 
 from __future__ import annotations

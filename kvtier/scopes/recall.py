@@ -1,22 +1,13 @@
 """A device-managed recall cache for the ``topk`` scope: no host work per pick.
 
-The host places pages at *home* (its block table, uploaded as ``home [L, R, M]``: device slot or
-host slot). Each layer also owns ``C`` device slots that the captured step manages by itself. At the
-step's start one overlay points every layer's block table at the pages its slots hold. Once a batch of
-``ADMIT_LAYERS`` layers has attended, the pages each of them picked that were still at home on the host
-(read in place by the kernel) are copied into its least recently picked slots: one plan and one copy for
-the batch, on a side stream (on a GPU) behind the compute of the layers after, joined at the step's end.
-The next steps read them from HBM. With landing slots (``land [L, R, n]``), the decode kernel also writes
-each row's pages that it reads whole from the host into them
-(:func:`~kvtier.kernels.triton_decode.static_decode`), and the admission of such a page swaps its landing slot
-with its victim's slot instead of copying the page over the host link a second time. A slot's page is dropped
-when the host moves the page home to the device or frees it. Everything is static-shape device work, captured
-with the rest of the step: a handful of launches a step, none per layer.
-
-With a predictor (:mod:`kvtier.scopes.predict`) a layer's predicted picks are admitted before the layer
-runs (:meth:`RecallCache.prefetch`), its table pointed at their slots; on a GPU that copy runs on a second side
-stream (not queued behind the batches' copies) during the compute of the layer before, and the layer waits for it
-(:meth:`RecallCache.wait`) before it reads.
+The host places pages at *home* (its block table, uploaded as ``home [L, R, M]``). Each layer also owns ``C``
+device slots the captured step manages by itself: at the step's start one overlay points every layer's table at
+the pages its slots hold; once a batch of ``ADMIT_LAYERS`` layers has attended, the pages they picked from the host
+(read in place) are copied into their least recently picked slots, one copy on a side stream behind the later
+layers' compute. With landing slots the decode kernel writes the host pages it reads whole into them, and their
+admission swaps slots instead of crossing the host link again. With a predictor a layer's predicted picks are
+admitted before it runs (:meth:`RecallCache.prefetch`, on a second side stream; :meth:`RecallCache.wait`).
+All static-shape device work, captured with the step.
 """
 
 from __future__ import annotations

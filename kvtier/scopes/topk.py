@@ -1,35 +1,14 @@
-"""``topk``: recall, each decode step attends the keys that matter wherever they live.
+"""``topk``: recall, each decode step attends the keys that matter wherever they live (docs/architecture.md,
+"Scopes, budgets and statistics in the step", lists every option).
 
-By default (``unit="token"``, ``rank="sketch"``) each kv head of each row chooses single keys by their estimated
-share of its query group's attention, from an 8-bit low-rank sketch of every key kept on the device (rank
-``sketch_rank``, head_dim / 2 by default: a quarter of the 16-bit keys' bytes; the rank-r form of q.k that loses
-the least over the prompt's queries and keys, fitted once before the first step that chooses: :class:`~kvtier.stats.
-KeyStats`; Loki, Singhania et al., 2024, arXiv:2406.02542; ShadowKV, Sun et al., 2024, arXiv:2410.21465): two
-Triton launches a
-layer inside the captured step (:mod:`kvtier.kernels.triton_key_choice`; on the torch backend its oracle
-:func:`~kvtier.kernels.reference.key_choice_reference`), no host work. Under a token budget a step attends the
-sinks, the window and the budget's middle in keys; without one, ``scope.sinks``, the page being written and
-``pages`` pages' worth of chosen keys. The decode kernel reads the chosen keys wherever their pages live
-(:class:`~kvtier.scopes.base.KeyList`).
-
-``unit="page"`` keeps the page choices (under a token budget's middle, or ``pages`` without one): ``rank="quest"``
-is Quest (Tang et al., 2024, arXiv:2406.10774): the pages with the largest upper bound of q·k from each page's
-elementwise key min/max (the engine's :class:`~kvtier.stats.KeyStats`, by pid), two Triton launches a layer
-(:mod:`kvtier.kernels.triton_page_choice`, oracle :func:`~kvtier.kernels.reference.page_choice_reference`);
-``rank="quest_head"`` (each query head's bounds as a softmax over the candidates, max over heads), ``rank="gauss"``
-(each page's attention mass estimated from its keys' channel means and variances: :func:`gauss_mass`),
-``rank="sketch"`` (each page's attention mass under the sketched logits: :func:`sketch_mass`) run as torch ops;
-options under a budget: ``per_head`` (each kv head its own pages, as Quest chooses per head), ``query_rows`` (the
-bound is the max over the layer's last decode queries of the row), ``policy_share`` (that share of the pages by the
-policy's rank, the rest by the bound). Equal scores: the lower page (key) first; picks are listed in page (position)
-order.
-
-With ``recall_slots`` each layer also keeps that many device slots that the captured step fills with the pages its
-choice read from the host (:class:`~kvtier.scopes.recall.RecallCache`; a key choice: the pages of its keys); with
-``landing_slots`` (page choices) each row also keeps that many device slots per layer where the decode kernel writes
-the pages it reads whole from the host, so that their admission crosses the host link once, not twice; and with
-``predictor`` (``"next_layer"``, ``"after_attention"``: :mod:`kvtier.scopes.predict`) with its predicted choice
-before the layer runs.
+``unit="token"``, ``rank="sketch"`` (the default): each kv head of each row chooses single keys by their share of
+its query group's attention under an 8-bit low-rank sketch of every key kept on the device (:class:`~kvtier.stats.
+KeyStats`; Loki, arXiv:2406.02542; ShadowKV, arXiv:2410.21465): two Triton launches a layer inside the captured
+step (:mod:`kvtier.kernels.triton_key_choice`), read in place as a :class:`~kvtier.scopes.base.KeyList`.
+``unit="page"``: whole pages, by Quest's bound (Tang et al., 2024, arXiv:2406.10774; :mod:`kvtier.kernels.
+triton_page_choice`) or, under a token budget, ``quest_head``, ``gauss`` (:func:`gauss_mass`) or ``sketch``
+(:func:`sketch_mass`). Equal scores: the lower page (key) first; picks are listed in page (position) order.
+``recall_slots``, ``landing_slots`` and ``predictor``: :mod:`kvtier.scopes.recall`, :mod:`kvtier.scopes.predict`.
 """
 
 from __future__ import annotations
@@ -333,15 +312,10 @@ def forced_pages(table: torch.Tensor, lens: torch.Tensor, window: int, page_size
 def gauss_mass(q: torch.Tensor, keys, layer: int, pids: torch.Tensor, live: torch.Tensor,
                cand: torch.Tensor) -> torch.Tensor:
     """Each candidate page's share of a head's attention ``[B, M, H]`` (0 for the others) for the query ``q [B, H,
-    D]``, estimated from the page's key statistics (``keys``: :class:`~kvtier.stats.KeyStats`; pids ``[B, M]``,
-    the row's pages ``live [B, M]``, ``cand [B, M]``) with q·k taken as Gaussian over the page's keys (channel
-    means mu and variances var, channels independent): log sum_t exp(s q·k_t) ~ log n + s q·mu + s^2 / 2 sum_d
-    q_d^2 var_d, ``s = D^-1/2``, normalised over every live page (sinks and window included: a head that attends
-    its sinks gives the middle little, so the heads' sum weighs the heads that look there). That is the Gaussian
-    moment-generating function E[exp(s q·k)] = exp(s q·mu + s^2/2 q^T Sigma q) applied to the page's keys for this
-    query (Expected Attention, Devoto et al., 2025, arXiv:2510.00636, applies the
-    same identity to a distribution of queries). Quest's bound (Tang et al., 2024) favours a page with one wide
-    channel range; this favours the pages whose keys the query meets on average, and their spread."""
+    D]``, with q·k taken as Gaussian over the page's keys (channel means mu, variances var from ``keys``' sums;
+    pids ``[B, M]``, the row's pages ``live [B, M]``, ``cand [B, M]``): log sum_t exp(s q·k_t) ~ log n + s q·mu +
+    s^2 / 2 sum_d q_d^2 var_d, ``s = D^-1/2``, normalised over every live page (the Gaussian moment-generating
+    function, as Expected Attention, arXiv:2510.00636, applies it to a distribution of queries)."""
     B, H, D = q.shape
     n = keys.count[layer][pids]  # [B, M]
     mu = keys.key_sum[layer][pids] / n.clamp(min=1)[..., None, None]  # [B, M, N_kv, D]
