@@ -11,8 +11,9 @@ on the prefilled keys (and, where said, the prompt's queries), at rank ``r``:
 - ``exact``: the keys themselves (the choice's ceiling);
 - ``pca<r>_bf16``: the keys on their top principal directions in bf16 (Loki's basis; kvtier's sketch before);
 - ``pca<r>_int8``: the same on :class:`~kvtier.stats.KeyStats`' 8-bit levels;
-- ``fitted<r>_int8``: :class:`~kvtier.stats.KeyStats` itself, as the engine keeps it: the rank-r form of q.k that
-  loses the least over the prompt's queries and keys (:func:`~kvtier.stats.sketch_maps`), 8 bits.
+- ``fitted<r>_int8_s<x>``: :class:`~kvtier.stats.KeyStats` itself, as the engine keeps it: the rank-r form of q.k
+  that loses the least over the prompt's queries and keys (:func:`~kvtier.stats.sketch_maps`), 8 bits, the query
+  moment shrunk by ``x`` toward the identity (``--shrinks``; the engine's: :data:`~kvtier.stats.QUERY_SHRINK`).
 
     python -m bench.sketch_forms --offsets 0,30000,60000 --json sketch_forms-study.json
 """
@@ -54,7 +55,8 @@ def captured_attention(model, ids: torch.Tensor) -> dict[int, tuple[torch.Tensor
     return seen
 
 
-def form_logits(q: torch.Tensor, k: torch.Tensor, prompt_q: torch.Tensor, rank: int) -> dict[str, torch.Tensor]:
+def form_logits(q: torch.Tensor, k: torch.Tensor, prompt_q: torch.Tensor, rank: int,
+                shrinks: tuple[float, ...]) -> dict[str, torch.Tensor]:
     """Each form's approximate logits (unscaled) ``[N_kv, G, T_q, S]`` of queries ``q [N_kv, G, T_q, D]`` with keys
     ``k [N_kv, S, D]``, every form fitted on the prompt's keys (and queries ``prompt_q [T, H, D]``; the prompt is its
     first ``T`` keys), the later keys sketched as they come."""
@@ -67,9 +69,10 @@ def form_logits(q: torch.Tensor, k: torch.Tensor, prompt_q: torch.Tensor, rank: 
     y = torch.einsum("nsd,ndr->nsr", k, pca_w)
     qa = torch.einsum("ngtd,ndr->ngtr", q, pca_a)
     out[f"pca{rank}_bf16"] = torch.einsum("ngtr,nsr->ngts", qa, y.bfloat16().float())
-    for name, use_queries in ((f"pca{rank}_int8", False), (f"fitted{rank}_int8", True)):
+    for name, use_queries, shrink in ((f"pca{rank}_int8", False, 1.0),
+                                      *((f"fitted{rank}_int8_s{x:g}", True, x) for x in shrinks)):
         layout = KVLayout(num_layers=1, num_kv_heads=N, head_dim=D, page_size=PAGE, dtype="float32")
-        stats = KeyStats(layout, -(-S // PAGE), "cpu", sketch_rank=rank)
+        stats = KeyStats(layout, -(-S // PAGE), "cpu", sketch_rank=rank, query_shrink=shrink)
         page = torch.arange(S) // PAGE  # [S] each key's page
         if use_queries:
             stats.add_queries(0, prompt_q)
@@ -112,12 +115,14 @@ def main() -> None:
     ap.add_argument("--stride", type=int, default=16)
     ap.add_argument("--fraction", type=float, default=0.2)
     ap.add_argument("--ranks", default="16,32")
+    ap.add_argument("--shrinks", default="0,0.9", help="query-moment shrinks of the fitted forms, comma-separated")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default="sketch_forms.json")
     args = ap.parse_args()
     model, tok = load_model(None, dtype="float32", device=args.device)
     stream = token_stream(tok, args.text)
     ranks = [int(r) for r in args.ranks.split(",")]
+    shrinks = tuple(float(x) for x in args.shrinks.split(","))
     kept: dict[str, list[torch.Tensor]] = {}
     for off in (int(o) for o in args.offsets.split(",")):
         ids = stream[off:off + args.context + args.continuation][None].to(args.device)
@@ -128,7 +133,7 @@ def main() -> None:
             prompt_q = q[:, :args.context].transpose(0, 1).cpu()  # [T, H, D]
             queries = q[:, positions].view(N, H // N, -1, D)  # [N_kv, G, T_q, D]
             for r in ranks:
-                logits = form_logits(queries, k, prompt_q, r)
+                logits = form_logits(queries, k, prompt_q, r, shrinks)
                 for name, mass in kept_mass(logits, positions, args.fraction, D ** -0.5).items():
                     if name != "exact" or r == ranks[0]:
                         kept.setdefault(name, []).append(mass.flatten().cpu())

@@ -12,6 +12,9 @@ import numpy as np
 import torch
 
 
+QUERY_SHRINK = 0.9  # how far the prompt's query moment is pulled to the identity (0: it alone, 1: Loki's basis)
+
+
 def pid_index(pids, device) -> torch.Tensor:
     """Pids ``[n]`` (any integer array, read-only ones too) as an int64 index on ``device``."""
     a = np.asarray(pids, dtype=np.int64)
@@ -25,8 +28,9 @@ class KeyStats:
 
     With ``sketch_rank`` r > 0 also an 8-bit low-rank sketch of every key (Loki, arXiv:2406.02542; ShadowKV,
     arXiv:2410.21465), ``sketch [L, pids, P, N_kv, r]`` int8 through ``key_map [L, N_kv, D, r]``: a logit is about
-    ``(query_map^T q) . sketch``, the maps fitted once by :meth:`fit_sketch` (:func:`sketch_maps`; zeros before). It
-    lives on the device whatever tier the pages are in: :meth:`bytes_per_token` is what the device budget pays."""
+    ``(query_map^T q) . sketch``, the maps fitted once by :meth:`fit_sketch` (:func:`sketch_maps` with ``query_shrink``;
+    zeros before). It lives on the device whatever tier the pages are in: :meth:`bytes_per_token` is what the device
+    budget pays."""
 
     FILL = {"key_min": float("inf"), "key_max": float("-inf"), "key_sum": 0.0, "key_sq": 0.0, "norm_sum": 0.0,
             "count": 0.0}
@@ -35,8 +39,9 @@ class KeyStats:
     SKETCH_LEVELS = 127  # a sketch component: round(y / step) in [-127, 127], clamped
     SKETCH_MARGIN = 1.5  # step = the fitted keys' largest * margin / 127: room for later keys past the prompt's
 
-    def __init__(self, layout, capacity: int, device, fields=None, sketch_rank: int = 0):
-        self.layout, self.device = layout, device
+    def __init__(self, layout, capacity: int, device, fields=None, sketch_rank: int = 0,
+                 query_shrink: float = QUERY_SHRINK):
+        self.layout, self.device, self.query_shrink = layout, device, query_shrink
         L, N, D = layout.num_layers, layout.num_kv_heads, layout.head_dim
         self.fields = tuple(f for f in self.FILL if f in (self.FIELDS if fields is None else set(fields) | {"count"}))
         shapes = {"key_min": (L, capacity, N, D), "key_max": (L, capacity, N, D), "key_sum": (L, capacity, N, D),
@@ -112,7 +117,8 @@ class KeyStats:
                 k = k.to(self.device, torch.float64)
                 second[layer] += torch.einsum("snd,sne->nde", k, k)
         # float64 on the host: the same keys give the same maps on every device and run
-        key_map, query_map = sketch_maps(second.cpu(), self.query_second.cpu().double(), self.key_map.shape[-1])
+        key_map, query_map = sketch_maps(second.cpu(), self.query_second.cpu().double(), self.key_map.shape[-1],
+                                         self.query_shrink)
         key_map, query_map = key_map.to(self.device), query_map.to(self.device)  # [L, N_kv, D, r]
         top = torch.zeros(L, N, key_map.shape[-1], dtype=torch.float64, device=self.device)  # [L, N_kv, r] max |y|
         for _, keys in sequences:
@@ -173,9 +179,6 @@ class KeyStats:
         new = self._levels(torch.einsum("lnkd,lkdr->lnkr", k, self.key_map[layers]))  # [L', n, N_kv, r]
         old = sketch[lay, pids.expand_as(offset), offset]
         sketch[lay, pids.expand_as(offset), offset] = torch.where(on[..., None, None], new, old)
-
-
-QUERY_SHRINK = 0.9  # how far the prompt's query moment is pulled to the identity (0: it alone, 1: Loki's basis)
 
 
 def sketch_maps(key_second: torch.Tensor, query_second: torch.Tensor, rank: int,
