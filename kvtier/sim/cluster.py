@@ -11,12 +11,13 @@ allow. Iteration times come from :class:`~kvtier.sim.costs.StepCosts` (tiered de
 iterations with prompt chunks: the serving group's).
 
 Prefixes: the router (:mod:`kvtier.sim.routing`) picks the instance; the prompt's leading blocks found in that
-instance's tiers or the shared pool (:mod:`kvtier.sim.pool`) are read into HBM over their link (queued FIFO on
-it) when that is faster than recomputing them; a finished prompt's blocks enter its instance's first tier and
-the pool. TTFT is the first token's time at the instance that decodes: the end of the last prefill chunk
-(``both``), or the landing of the request's last KV bytes (P/D). When a paged instance cannot grow its running
-requests' pages, the newest is preempted: ``swap`` moves its KV to host memory and back over the host link (the
-iteration that does it waits for the copy), ``recompute`` drops it and prefills its tokens again first.
+instance's tiers or the shared pool (:mod:`kvtier.sim.prefixes` finds them in :mod:`kvtier.sim.pool`'s caches)
+are read into HBM over their link (queued FIFO on it) when that is faster than recomputing them; a finished
+prompt's blocks enter its instance's first tier and the pool. TTFT is the first token's time at the instance that
+decodes: the end of the last prefill chunk (``both``), or the landing of the request's last KV bytes (P/D). When a
+paged instance cannot grow its running requests' pages, the newest is preempted: ``swap`` moves its KV to host
+memory and back over the host link (the iteration that does it waits for the copy), ``recompute`` drops it and
+prefills its tokens again first.
 
 Each running request's context is kept as (context, iteration) at its admission, so an iteration costs O(1)
 whatever the batch: the keys attended and the pages held are running sums, a page boundary crossed is counted
@@ -39,6 +40,7 @@ from kvtier.sim.events import EventQueue
 from kvtier.sim.hardware import Link
 from kvtier.sim.ledger import Flight, Ledger
 from kvtier.sim.pool import Holders, Tier, Tiers
+from kvtier.sim.prefixes import Prefixes, hbm_hit
 from kvtier.sim.routing import Router
 from kvtier.sim.workload import SimRequest
 
@@ -117,11 +119,6 @@ class InstanceSpec:
         if self.page_size == 0:
             return self.max_context
         return -(-tokens // self.page_size) * self.page_size
-
-
-def prefix_blocks(req: SimRequest) -> tuple:
-    """The blocks of ``req``'s prompt a cache can serve (its last token is always computed)."""
-    return req.blocks[:(req.prompt - 1) // BLOCK]
 
 
 def hbm_prefix(tokens: int) -> tuple:
@@ -215,12 +212,12 @@ class Cluster:
     def __init__(self, spec: ClusterSpec, requests: list[SimRequest], closed_loop: int = 0, seed: int = 0):
         self.spec, self.requests, self.closed_loop = spec, list(requests), closed_loop
         bit = {i: b for b, i in enumerate(i for i, s in enumerate(spec.instances) if s.role != "decode")}
-        self.holders = Holders(len(bit))  # the front instances' HBM prefixes, a bit each
-        self.instances = [Instance(s, i, self.holders if i in bit else None, bit.get(i, 0))
+        holders = Holders(len(bit))  # the front instances' HBM prefixes, a bit each
+        self.instances = [Instance(s, i, holders if i in bit else None, bit.get(i, 0))
                           for i, s in enumerate(spec.instances)]
         self.front = [self.instances[i] for i in bit]
         self.decoders = [i for i in self.instances if i.spec.role in ("both", "decode")]
-        self.pool = Tiers(list(spec.pool)) if spec.pool else None
+        self.prefixes = Prefixes(holders, spec.pool, spec.nic)
         self.router = Router(spec.router)
         self.q, self.ledger = EventQueue(), Ledger()
         self._next, self._seq = 0, 0
@@ -241,7 +238,7 @@ class Cluster:
         self.ledger.flights.append(f)
         self.ledger.arrived += 1
         self.ledger.prompt_tokens += req.prompt
-        _, inst, reach, loads = self.router.route(self, self.front, req, self.q.now)
+        _, inst, reach, loads = self.router.route(self.prefixes, self.front, req, self.q.now)
         inst.queued += req.prompt
         ready = self.q.now
         for name, blocks, link, own in loads:  # read the prefix into the instance's HBM, FIFO on each link
@@ -259,46 +256,6 @@ class Cluster:
             self.q.push(ready, "ready", (inst, f))
         else:
             self._enqueue(inst, f)
-
-    def hbm_runs(self, req: SimRequest) -> list[int]:
-        """Per front instance, the leading run of ``req``'s blocks in its HBM prefix cache."""
-        return self.holders.runs(prefix_blocks(req))
-
-    def pool_match(self, req: SimRequest) -> list[int]:
-        """Per level of the shared pool, the blocks of ``req``'s leading run there (none without a pool)."""
-        return self.pool.match(prefix_blocks(req)) if self.pool is not None else []
-
-    def plan_prefix(self, inst: Instance, req: SimRequest, now: float, pooled: list[int], hbm: int | None = None) \
-            -> tuple:
-        """Where ``req``'s leading blocks are seen from ``inst``: its HBM, its lower tiers (read over their link),
-        then ``pooled`` (:meth:`pool_match`: what the shared pool holds, read over the NIC); whether reading the
-        ones not in its HBM beats recomputing them. ``(estimated TTFT s, inst, prefix blocks, loads)``, loads
-        ``[(source, blocks, link, over its own host link)]``; ``hbm``: the prompt's leading run in its HBM, when the
-        caller has it (:meth:`hbm_runs`)."""
-        tiers, loads = inst.tiers, []
-        if hbm is None:
-            hbm = tiers.caches[0].match(prefix_blocks(req)) if tiers is not None else 0
-        reach = hbm
-        if len(inst.spec.prefix) > 1:
-            local = tiers.match(prefix_blocks(req), hbm)
-            for tier, k in zip(inst.spec.prefix[1:], local[1:]):
-                if k:
-                    loads.append((tier.name, k, tier.link, True))
-            reach = sum(local)
-        pool = sum(pooled)
-        if pool > reach:  # the pool's run goes further: its blocks past ours, from its levels in proportion
-            for tier, k in zip(self.spec.pool, pooled):
-                take = round((pool - reach) * k / pool)
-                if take:
-                    loads.append((f"pool {tier.name}", take, tier.link or self.spec.nic, False))
-            reach = pool
-        load_s = 0.0
-        for _, k, link, own in loads:
-            free = inst.host_free_s if own else inst.ingress_free_s
-            load_s = max(load_s, max(free - now, 0.0) + link.seconds(k * inst.block_bytes))
-        if loads and load_s * 1e3 < (reach - hbm) * BLOCK * inst.token_ms:
-            return (inst.queued + req.prompt - reach * BLOCK) * inst.token_ms / 1e3 + load_s, inst, reach, loads
-        return (inst.queued + req.prompt - hbm * BLOCK) * inst.token_ms / 1e3, inst, hbm, ()
 
     def _release_next(self, now: float) -> None:
         if self._next < len(self.requests):
@@ -505,11 +462,11 @@ class Cluster:
         if inst.spec.role == "both":
             inst.prefill_res += inst.spec.reserved(f.target + 1)
         if f.generated:  # a recompute: whatever of its prompt the instance's HBM still holds
-            f.done = self._hbm_hit(inst, f.req) if inst.tiers is not None else 0
+            f.done = hbm_hit(inst, f.req)
             inst.queued -= f.done
             return
         f.prefill_start_s = self.q.now
-        hit = max(self._hbm_hit(inst, f.req) if inst.tiers is not None else 0, f.reach)
+        hit = max(hbm_hit(inst, f.req), f.reach)
         f.cached = min(hit * BLOCK, f.req.prompt - 1)
         f.done = f.cached
         inst.queued -= f.cached
@@ -518,9 +475,6 @@ class Cluster:
         f.decoder = inst if inst.spec.role == "both" else min(self.decoders, key=lambda i: (i.assigned, i.index))
         f.decoder.assigned += f.req.prompt + f.req.output
 
-    def _hbm_hit(self, inst: Instance, req: SimRequest) -> int:
-        return inst.tiers.caches[0].match(prefix_blocks(req))
-
     def _end_prefill(self, inst: Instance, f: Flight) -> None:
         inst.prefilling.remove(f)
         if inst.spec.role == "both":
@@ -528,13 +482,7 @@ class Cluster:
         if f.generated:
             return
         f.prefill_end_s = self.q.now
-        full = f.req.blocks[:f.req.prompt // BLOCK]
-        if inst.tiers is not None:
-            inst.tiers.touch(full)
-        if self.pool is not None:
-            new = len(full) - self.pool.caches[0].match(full)
-            self.pool.touch(full)
-            self.ledger.pool_write_bytes += max(new, 0) * inst.block_bytes
+        self.ledger.pool_write_bytes += self.prefixes.keep(inst, f.req) * inst.block_bytes
 
     def _first_token(self, f: Flight, inst: Instance) -> None:
         f.first_token_s, f.ctx, f.generated = self.q.now, f.req.prompt + 1, 1

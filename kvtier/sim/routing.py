@@ -25,17 +25,18 @@ class Router:
         self.policy = policy
         self._turn = count()
 
-    def route(self, cluster, front: list, req, now: float) -> tuple:
-        """``(estimated TTFT s, instance, prefix blocks, loads)`` (:meth:`kvtier.sim.cluster.Cluster.plan_prefix`)."""
-        pooled = cluster.pool_match(req)
+    def route(self, prefixes, front: list, req, now: float) -> tuple:
+        """``(estimated TTFT s, instance, prefix blocks, loads)`` of the chosen ``front`` instance, as
+        :meth:`kvtier.sim.prefixes.Prefixes.plan` gives it."""
+        pooled = prefixes.pooled(req)
         if self.policy == "least_loaded":
             inst = min(front, key=lambda i: (i.queued + i.assigned, i.index))
-            return cluster.plan_prefix(inst, req, now, pooled)
+            return prefixes.plan(inst, req, now, pooled)
         if self.policy == "round_robin":
-            return cluster.plan_prefix(front[next(self._turn) % len(front)], req, now, pooled)
+            return prefixes.plan(front[next(self._turn) % len(front)], req, now, pooled)
         best = None
-        for inst, hbm in zip(front, cluster.hbm_runs(req)):  # in index order: the first of equal estimates wins
-            plan = cluster.plan_prefix(inst, req, now, pooled, hbm)
+        for inst, hbm in zip(front, prefixes.hbm_runs(req)):  # in index order: the first of equal estimates wins
+            plan = prefixes.plan(inst, req, now, pooled, hbm)
             if best is None or plan[0] < best[0]:
                 best = plan
         return best
