@@ -160,14 +160,14 @@ def page_salience(page_max: torch.Tensor, lse: torch.Tensor, batch: PagedBatch, 
 
 
 def check_key_list(key_list: torch.Tensor | None, page_list: torch.Tensor | None, entry_tokens: int,
-                   page_size: int, int8: bool, spans: torch.Tensor | None, landing: bool) -> bool:
+                   page_size: int, int8: bool, spans: torch.Tensor | None, landing: bool) -> tuple:
     """A decode call attends a key list (int32 positions) in place of a page list, with a plan made for key lists
     (``entry_tokens`` 1), on 16/32-bit or FP8 pages, without spans (the list shows every key it attends) and without
-    landing slots (it reads single keys, never a whole page); True when it does."""
+    landing slots (it reads single keys, never a whole page). ``(whether it does, the list it attends)``."""
     if key_list is None:
         if entry_tokens not in (0, page_size):
             raise ValueError("the plan was made for key lists (keys=True): pass key_list")
-        return False
+        return False, page_list
     if page_list is not None or key_list.dtype != torch.int32 or key_list.dim() not in (2, 3):
         raise ValueError(f"key_list takes the place of page_list: int32 [B, (N_kv,) K], got {key_list.dtype} "
                          f"{tuple(key_list.shape)}" + (" beside a page_list" if page_list is not None else ""))
@@ -179,11 +179,11 @@ def check_key_list(key_list: torch.Tensor | None, page_list: torch.Tensor | None
         raise ValueError("a key list shows every key it attends: pass no spans with it")
     if landing:
         raise ValueError("the decode lands whole pages read from the host: a key list reads single keys")
-    return True
+    return True, key_list
 
 
 def check_landing(land_slots: torch.Tensor | None, land_index: torch.Tensor | None, page_list: torch.Tensor | None,
-                  host_pool: torch.Tensor | None, scaled: bool, n_q: int, n_listed: int) -> None:
+                  host_pool: torch.Tensor | None, scaled: bool, n_q: int) -> None:
     """The decode's landing arguments (:func:`~kvtier.kernels.triton_decode.static_decode`): both or neither,
     with what they need."""
     if land_slots is None and land_index is None:
@@ -192,6 +192,7 @@ def check_landing(land_slots: torch.Tensor | None, land_index: torch.Tensor | No
         raise ValueError("landing needs land_slots and land_index together")
     if page_list is None or page_list.dim() != 2 or host_pool is None or scaled:
         raise ValueError("landing needs a per-sequence page_list [B, K], a host pool and 16/32-bit pages")
+    n_listed = page_list.shape[-1]
     if land_slots.shape[0] != n_q or land_index.shape[0] != n_q or land_index.shape[1] < n_listed or \
             land_index.dtype != torch.int32 or land_slots.stride(1) != 1 or land_index.stride(1) != 1:
         raise ValueError(f"landing needs land_slots [{n_q}, cap] and int32 land_index [{n_q}, >= {n_listed}] with "

@@ -95,12 +95,10 @@ def static_decode_reference(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: 
     n_q, heads, dim = q.shape
     n_kv = dev_pool.shape[3]
     page = plan.page_size
-    keys = check_key_list(key_list, page_list, plan.entry_tokens, page, dev_pool.dtype == torch.int8, spans,
-                          land_slots is not None)
-    page_list = key_list if keys else page_list
+    keys, page_list = check_key_list(key_list, page_list, plan.entry_tokens, page, dev_pool.dtype == torch.int8,
+                                     spans, land_slots is not None)
     scaled = is_scaled_pool(dev_pool, page)  # 8-bit pages hold rows of scales
-    check_landing(land_slots, land_index, page_list, host_pool, scaled, n_q,
-                  0 if page_list is None else page_list.shape[-1])
+    check_landing(land_slots, land_index, page_list, host_pool, scaled, n_q)
     as_f32 = (lambda pages: dequantize(pages, page)) if scaled else torch.Tensor.float  # [n, 2, P, N_kv, D] fp32
     dev = q.device
     max_pages = block_table.shape[1]

@@ -389,64 +389,37 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
                   land_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of ``q [B, H, D]`` over one layer's pools; no host sync, static shapes.
 
-    ``dev_pool [slots, 2, P, N_kv, D]`` (8-bit: ``P + R`` rows, dequantized in the kernel as :mod:`kvtier.quant`
-    stores them),
-    ``host_pool`` / ``stage_pool`` ``[hslots, 2, P, N_kv, D]`` (pinned, same strides and dtype) or None;
-    ``block_table [B, max_pages]`` int32 (module docstring; entries past a sequence's pages are never
-    read); ``seq_lens [B]`` int32 (0: an inactive row, out 0, lse -inf); ``page_list [B, K]`` or
-    ``[B, N_kv, K]`` int32 logical pages to attend (-1 and pages past the sequence attend nothing), None
-    for all pages; ``window_left`` (-1: none); ``spans [B, 2]`` int32 ``(sinks, win_start)`` of a token
-    budget: a listed page shows the keys ``< sinks`` and ``>= win_start``, and all its keys when it lies
-    between the sinks' pages and the window's first page (``(0, 0)``: no budget); ``key_list`` (in place of
-    ``page_list``, with a plan made with ``keys=True``) ``[B, (N_kv,) K]`` int32 key positions to attend (-1, keys
-    past the sequence and keys of dropped pages attend nothing; 16/32-bit and FP8 pages); ``page_max`` /
-    ``page_lse`` optional fp32 ``[B, K or max_pages, H]``
-    filled with the max / log-sum-exp of each listed entry's scaled logits (natural log), -inf where no key
-    counts (per-head lists: entry k of head h's kv group). ``land_slots [B, cap]`` (with ``land_index [B, >= K]``
-    int32, a per-sequence ``page_list`` and a host pool of 16/32-bit pages): each row's ``r``-th listed page at
-    home on the host (in list order) that was read whole is also written to device slot ``land_slots[b, r]`` (``r
-    < cap``), and ``land_index[b, k]`` is its ``r``, else -1: the recall cache admits it from there
-    (:mod:`kvtier.scopes.recall`) without reading the host again. Returns out ``[B, H, D]`` (q's dtype) and lse
-    ``[B, H]`` (fp32, natural log).
+    ``dev_pool [slots, 2, P, N_kv, D]`` (8-bit: ``P + R`` rows, dequantized in the kernel as :mod:`kvtier.quant` stores
+    them), ``host_pool`` / ``stage_pool`` ``[hslots, 2, P, N_kv, D]`` (pinned, same strides and dtype) or None;
+    ``block_table [B, max_pages]`` int32 (module docstring; entries past a sequence's pages are never read);
+    ``seq_lens [B]`` int32 (0: an inactive row, out 0, lse -inf); ``page_list [B, K]`` or ``[B, N_kv, K]`` int32 logical
+    pages to attend (-1 and pages past the sequence attend nothing), None for all pages; ``window_left`` (-1: none);
+    ``spans [B, 2]`` int32 ``(sinks, win_start)`` of a token budget: a listed page shows the keys ``< sinks`` and
+    ``>= win_start``, and all its keys when it lies between the sinks' pages and the window's first page (``(0, 0)``: no
+    budget); ``key_list`` (in place of ``page_list``, with a plan made with ``keys=True``) ``[B, (N_kv,) K]`` int32 key
+    positions to attend (-1, keys past the sequence and keys of dropped pages attend nothing; 16/32-bit and FP8 pages);
+    ``page_max`` / ``page_lse`` optional fp32 ``[B, K or max_pages, H]`` filled with the max / log-sum-exp of each
+    listed entry's scaled logits (natural log), -inf where no key counts (per-head lists: entry k of head h's kv group).
+    ``land_slots [B, cap]`` (with ``land_index [B, >= K]`` int32, a per-sequence ``page_list`` and a host pool of
+    16/32-bit pages): each row's ``r``-th listed page at home on the host (in list order) that was read whole is also
+    written to device slot ``land_slots[b, r]`` (``r < cap``), and ``land_index[b, k]`` is its ``r``, else -1: the
+    recall cache admits it from there (:mod:`kvtier.scopes.recall`) without reading the host again. Returns out
+    ``[B, H, D]`` (q's dtype) and lse ``[B, H]`` (fp32, natural log).
     """
     n_q, heads, dim = q.shape
     page, n_kv = plan.page_size, dev_pool.shape[3]
     scaled = is_scaled_pool(dev_pool, page)  # 8-bit pages: [slots, 2, P + R, N_kv, D]
     int8 = dev_pool.dtype == INT8
-    keys = check_key_list(key_list, page_list, plan.entry_tokens, page, int8, spans, land_slots is not None)
-    page_list = key_list if keys else page_list
-    if not scaled and dev_pool.shape[2] != page:
-        raise ValueError(f"pool pages {tuple(dev_pool.shape[1:])} do not match the plan's page size {page}")
-    n_listed = plan.max_pages if page_list is None else page_list.shape[-1]
-    if (n_q, heads, dim, page, n_kv) != (plan.batch_size, plan.num_qo_heads, plan.head_dim, plan.page_size,
-                                         plan.num_kv_heads):
-        raise ValueError(f"q {tuple(q.shape)} / pool {tuple(dev_pool.shape)} do not match the plan {plan}")
-    if tuple(block_table.shape) != (n_q, plan.max_pages) or n_listed > plan.max_listed:
-        raise ValueError(f"block_table {tuple(block_table.shape)} or {n_listed} listed pages exceed the plan {plan}")
-    if page_list is not None and page_list.shape[0] != n_q:
-        raise ValueError(f"page_list has {page_list.shape[0]} rows for {n_q} queries")
-    if page_list is not None and page_list.dim() == 3 and page_list.shape[1] != n_kv:
-        raise ValueError(f"a per-head page list needs [B, {n_kv}, K], got {tuple(page_list.shape)}")
-    for stat in (page_max, page_lse):
-        if stat is not None and (tuple(stat.shape) != (n_q, n_listed, heads) or stat.dtype != torch.float32):
-            raise ValueError(f"page statistics need fp32 [{n_q}, {n_listed}, {heads}], got {tuple(stat.shape)}")
-    if page_max is not None and page_lse is not None and page_max.stride() != page_lse.stride():
-        raise ValueError("page_max and page_lse need the same strides")
-    if q.stride(-1) != 1 or dev_pool.stride(-1) != 1:
-        raise ValueError("q and dev_pool need a contiguous head dimension")
-    for other in (host_pool, stage_pool):
-        if other is not None and (other.stride() != dev_pool.stride() or other.dtype != dev_pool.dtype):
-            raise ValueError("host and staging pools need dev_pool's strides and dtype")
-    check_landing(land_slots, land_index, page_list, host_pool, scaled, n_q, n_listed)
+    page_list, keys, n_listed = _check_call(q, dev_pool, host_pool, stage_pool, block_table, plan, page_list, key_list,
+                                            spans, page_max, page_lse, land_slots, land_index, scaled, int8)
     block_d = triton.next_power_of_2(dim)
     dot_f32, precision = dot_operand_dtype(q.dtype)
     out = torch.empty(n_q, heads, dim, dtype=q.dtype, device=q.device)  # [B, H, D]
     lse = torch.empty(n_q, heads, dtype=torch.float32, device=q.device)  # [B, H]
     single = plan.num_splits == 1
     part_out, part_lse = (out.unsqueeze(0), lse.unsqueeze(0)) if single else (plan.part_out, plan.part_lse)
-    given = page_max if page_max is not None else page_lse  # the two share their strides
-    pm = page_max if page_max is not None else given if given is not None else lse.unsqueeze(1)  # placeholder when off
-    plse = page_lse if page_lse is not None else pm
+    pm = page_max if page_max is not None else page_lse if page_lse is not None else lse.unsqueeze(1)  # lse: not read
+    plse = page_lse if page_lse is not None else pm  # the two share pm's strides (checked)
     pl = page_list if page_list is not None else block_table
     per_head = pl.dim() == 3
     land = land_slots is not None
@@ -469,8 +442,7 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
             land_slots.stride(0) if land else 0, land_index.stride(0) if land else 0,
             sm_scale * LOG2E, LN2 if single else 1.0, window_left, n_listed, land_slots.shape[1] if land else 0,
             SPLITS=plan.num_splits, PPS=plan.pages_per_split, SCAN=scan,
-            GROUP=heads // n_kv, BLOCK_G=block_g, PAGE=page,
-            BLOCK_N=plan.block_n, HEAD_DIM=dim, BLOCK_D=block_d,
+            GROUP=heads // n_kv, BLOCK_G=block_g, PAGE=page, BLOCK_N=plan.block_n, HEAD_DIM=dim, BLOCK_D=block_d,
             HAS_HOST=host_pool is not None, HAS_STAGE=stage_pool is not None, HAS_LIST=page_list is not None,
             HAS_SPANS=spans is not None, KEYS=keys, WITH_PAGE_MAX=page_max is not None,
             WITH_PAGE_LSE=page_lse is not None,
@@ -483,6 +455,34 @@ def static_decode(q: torch.Tensor, dev_pool: torch.Tensor, host_pool: torch.Tens
     return out, lse
 
 
+def _check_call(q, dev_pool, host_pool, stage_pool, block_table, plan: StaticDecodePlan, page_list, key_list, spans,
+                page_max, page_lse, land_slots, land_index, scaled: bool, int8: bool) -> tuple:
+    """:func:`static_decode`'s arguments checked against each other and the plan (a ValueError naming the fault);
+    ``(lists, keys, n_listed)``: the list the kernel reads (``key_list`` when given, else ``page_list``), its width."""
+    n_q, heads, dim = q.shape
+    page, n_kv = plan.page_size, dev_pool.shape[3]
+    keys, page_list = check_key_list(key_list, page_list, plan.entry_tokens, page, int8, spans, land_slots is not None)
+    if not scaled and dev_pool.shape[2] != page:
+        raise ValueError(f"pool pages {tuple(dev_pool.shape[1:])} do not match the plan's page size {page}")
+    n_listed = plan.max_pages if page_list is None else page_list.shape[-1]
+    if (n_q, heads, dim, n_kv) != (plan.batch_size, plan.num_qo_heads, plan.head_dim, plan.num_kv_heads):
+        raise ValueError(f"q {tuple(q.shape)} / pool {tuple(dev_pool.shape)} do not match the plan {plan}")
+    if tuple(block_table.shape) != (n_q, plan.max_pages) or n_listed > plan.max_listed:
+        raise ValueError(f"block_table {tuple(block_table.shape)} or {n_listed} listed pages exceed the plan {plan}")
+    if page_list is not None and (page_list.shape[0] != n_q or page_list.dim() == 3 and page_list.shape[1] != n_kv):
+        raise ValueError(f"page_list needs [{n_q}, K] or per head [{n_q}, {n_kv}, K], got {tuple(page_list.shape)}")
+    for stat in (page_max, page_lse):
+        if stat is not None and (tuple(stat.shape) != (n_q, n_listed, heads) or stat.dtype != torch.float32):
+            raise ValueError(f"page statistics need fp32 [{n_q}, {n_listed}, {heads}], got {tuple(stat.shape)}")
+    if page_max is not None and page_lse is not None and page_max.stride() != page_lse.stride():
+        raise ValueError("page_max and page_lse need the same strides")
+    if q.stride(-1) != 1 or dev_pool.stride(-1) != 1:
+        raise ValueError("q and dev_pool need a contiguous head dimension")
+    for other in (host_pool, stage_pool):
+        if other is not None and (other.stride() != dev_pool.stride() or other.dtype != dev_pool.dtype):
+            raise ValueError("host and staging pools need dev_pool's strides and dtype")
+    check_landing(land_slots, land_index, page_list, host_pool, scaled, n_q)
+    return page_list, keys, n_listed
 
 
 def as_block_table(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
