@@ -62,7 +62,7 @@ def write_json(name: str, payload) -> Path:
 
 # kinds of a decode step's kernels, by name (the first that matches; the rest is "other")
 KERNEL_KINDS = {"matmul": r"nvjet|gemm|cutlass|xmma|cublas",
-                "page choice": r"_page_scores|_page_select|_key_logits|_key_select",
+                "choice": r"_page_scores|_page_select|_key_bins|_key_emit",  # Quest's pages or the sketch's keys
                 "attention": r"_static_split|_merge_splits|_prefill", "copy": r"[Mm]emcpy"}
 
 

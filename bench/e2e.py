@@ -31,7 +31,7 @@ shows only where it is slower than the GPU); p50/p99 after ``WARMUP`` steps. Hid
 Each tiered row says whether its greedy tokens equal the all-HBM row's (``same_tokens_as_dense``, the share of
 sequences) and, with a predictor, the same row's without one (``same_tokens_as_unpredicted``: a prediction must
 change no output). ``--profile N`` profiles N more steps of each row: its kernel time a step by kind (``kernel_ms``:
-matmul, page choice, attention, copy, other), which says where a row's time goes.
+matmul, choice (of pages or keys), attention, copy, other), which says where a row's time goes.
 Run on a GPU:  python -m bench.e2e [--models ...] [--shapes BxS,...] [--no-hf] [--kernels triton,flashinfer]
 (writes $OUT/e2e.json)
 """
@@ -286,7 +286,7 @@ def main():
     ap.add_argument("--smollm2-shapes", default="1x8192,16x8192")
     ap.add_argument("--smollm2-tiered", default="", help="the real SmolLM2's tiered rows (default: --tiered)")
     ap.add_argument("--profile", type=int, default=0, help="profile this many more steps of each kvtier row: its "
-                    "kernel time a step by kind (matmul, page choice, attention, copy, other) in kernel_ms")
+                    "kernel time a step by kind (matmul, choice, attention, copy, other) in kernel_ms")
     ap.add_argument("--capacity", default="", help="capacity rows of --models, BxS[:predictor] comma-separated: dense "
                     "at batch B against recall (topk, 20%% HBM) at 5 B in the same HBM KV pool")
     ap.add_argument("--smollm2-capacity", default="", help="the real SmolLM2's capacity rows, as --capacity")
