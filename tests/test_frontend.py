@@ -14,6 +14,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 
 from kvtier.errors import ConfigError
+from kvtier.models import cache_dir
 from kvtier.run import RECIPES, execute, job_configs, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,7 +164,8 @@ def test_wandb_agent_runs_two_sweep_jobs_offline(tmp_path):
     shim.chmod(0o755)
     with SweepService(sweep) as url:
         env = {**os.environ, "PATH": f"{shim.parent}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
-               "HOME": str(tmp_path / "home"), "WANDB_BASE_URL": url, "WANDB_API_KEY": "0" * 40}
+               "HOME": str(tmp_path / "home"), "KVTIER_CACHE": str(cache_dir()),  # the converted model, not anew
+               "WANDB_BASE_URL": url, "WANDB_API_KEY": "0" * 40}
         proc = subprocess.run([sys.executable, "-m", "wandb", "agent", "--count", "2", "local/kvtier/grid"],
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -10,6 +10,7 @@ import torch
 
 from kvtier.errors import ConfigError, KVTierError, TierIOError
 from kvtier.layout import KVLayout
+from kvtier.models import cache_dir
 from kvtier.redact import redact
 from kvtier.tiers.redis import RedisTier, probe_url
 from kvtier.tiers.redis_server import LocalRedis
@@ -58,7 +59,8 @@ def test_a_wrong_password_says_authentication_failed_and_never_prints_it(server)
 
 
 def kvtier_run(args, cwd):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "HOME": str(cwd / "home")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "HOME": str(cwd / "home"),
+           "KVTIER_CACHE": str(cache_dir())}  # the model converted once, outside the folder searched for the secret
     return subprocess.run([sys.executable, "-m", "kvtier.run", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=600)
 
