@@ -19,7 +19,9 @@ from kvtier.run import RECIPES, execute, job_configs, main
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "custom_policy"
-TINY = ["task.length=128", "task.prefix=96", "scheduler.prefill.chunk_size=16", "progress=false", "logger=none",
+# 128 tokens of Opticks: 120 prefilled in 16-token chunks, 8 scored by decode steps (few: these tests check the front
+# end around a run, not its numbers)
+TINY = ["task.length=128", "task.prefix=120", "scheduler.prefill.chunk_size=16", "progress=false", "logger=none",
         "budget.fraction=0.75"]
 
 
@@ -107,7 +109,7 @@ def test_ctrl_c_writes_the_finished_part_marked_partial(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Engine, "step", interrupted)
     with initialize_config_dir(str(RECIPES), version_base="1.3"):
-        cfg = compose("config", overrides=TINY)
+        cfg = compose("config", overrides=[*TINY, "task.prefix=96"])  # 32 scored tokens: the 10th step is one
     with pytest.raises(KeyboardInterrupt):
         execute(cfg, tmp_path / "run")
     m = json.loads((tmp_path / "run" / "metrics.json").read_text())
