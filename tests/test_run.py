@@ -24,6 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MODULES = {"kvtier-run": "kvtier.run", "kvtier-plot": "kvtier.plot"}  # this checkout's, whatever the venv installed
 # 128 tokens of Opticks: 96 prefilled in 16-token chunks, 32 scored by decode steps
 TINY = ["task.length=128", "task.prefix=96", "scheduler.prefill.chunk_size=16", "progress=false"]
+# the same 128 tokens, 120 prefilled and 8 scored: for the sweep, whose checks read labels and the end of each run
+SHORT = ["task.length=128", "task.prefix=120", "scheduler.prefill.chunk_size=16", "progress=false"]
 REQUIRED = ("task", "policy", "scope", "budget_tokens", "perplexity", "tier1_hit_rate", "bytes_moved",
             "offloaded_fraction", "ttft_s", "tpot_p50_s", "tpot_p99_s", "stall_s", "occupancy", "config")
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -80,7 +82,7 @@ def test_cli_run_writes_metrics_disk_and_offline_wandb_inside_its_folder(tmp_pat
 
 
 def test_multirun_three_policies_two_budgets_then_plot(tmp_path):
-    kvtier("kvtier-run", ["-m", "policy=lru,sink_window,aspe", "budget.fraction=0.5,0.75", "logger=none", *TINY],
+    kvtier("kvtier-run", ["-m", "policy=lru,sink_window,aspe", "budget.fraction=0.5,0.75", "logger=none", *SHORT],
            tmp_path)
     (sweep,) = (tmp_path / "multirun").iterdir()
     runs = sorted(sweep.glob("*/metrics.json"))
