@@ -17,7 +17,7 @@ from kvtier.tiers.redis_server import LocalRedis
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "s3cret-Pa55"
-TINY = ["task.length=128", "task.prefix=96", "scheduler.prefill.chunk_size=16", "progress=false", "logger=none",
+TINY = ["task.length=128", "task.prefix=120", "scheduler.prefill.chunk_size=16", "progress=false", "logger=none",
         "budget.tokens=80", "tiers.stack.host.fraction=0.25", "tiers=device_host_remote"]
 
 
