@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -68,16 +69,19 @@ def kvtier_run(args, cwd):
 def test_a_run_with_a_password_leaves_it_nowhere(server, tmp_path):
     """kvtier-run on a server that wants a password: the wrong one is one line (exit 2) naming the key, without
     it; the right one runs, and neither its output, its log, metrics.json, Hydra's saved config nor its W&B run (the
-    command line in its metadata) holds it."""
+    command line in its metadata), nor a file it writes into kvtier's model cache, holds it."""
     wrong = kvtier_run([*TINY, f"tiers.stack.remote.url={server.url.replace(SECRET, 'wrong-Pa55')}"], tmp_path)
     assert wrong.returncode == 2 and "Pa55" not in wrong.stdout + wrong.stderr
     assert "error: tiers.stack.remote.url: authentication failed" in wrong.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "outputs").exists()
     wandb = [a.replace("logger=none", "logger=wandb") for a in TINY]  # offline: a run folder of its own
+    started = time.time()
     right = kvtier_run([*wandb, f"tiers.stack.remote.url={server.url}", "hydra.verbose=true"], tmp_path)
     assert right.returncode == 0, right.stderr[-3000:]
     assert SECRET not in right.stdout + right.stderr
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    cached = [p for p in cache_dir().rglob("*") if p.is_file() and p.stat().st_mtime >= started - 1]
+    assert [p for p in cached if SECRET.encode() in p.read_bytes()] == []  # kvtier's cache (outside HOME) too
     assert {"metrics.json", "config.yaml", "overrides.yaml", "kvtier-run.log"} <= {p.name for p in files}
     assert any(p.suffix == ".wandb" for p in files)
     leaks = [p for p in files if SECRET.encode() in p.read_bytes()]
