@@ -25,7 +25,7 @@ MODULES = {"kvtier-run": "kvtier.run", "kvtier-plot": "kvtier.plot"}  # this che
 # 128 tokens of Opticks: 96 prefilled in 16-token chunks, 32 scored by decode steps
 TINY = ["task.length=128", "task.prefix=96", "scheduler.prefill.chunk_size=16", "progress=false"]
 # the same 128 tokens, 120 prefilled and 8 scored: for the sweep, whose checks read labels and the end of each run
-SHORT = ["task.length=128", "task.prefix=120", "scheduler.prefill.chunk_size=16", "progress=false"]
+SHORT = [o.replace("task.prefix=96", "task.prefix=120") for o in TINY]
 REQUIRED = ("task", "policy", "scope", "budget_tokens", "perplexity", "tier1_hit_rate", "bytes_moved",
             "offloaded_fraction", "ttft_s", "tpot_p50_s", "tpot_p99_s", "stall_s", "occupancy", "config")
 PNG = b"\x89PNG\r\n\x1a\n"
